@@ -1,0 +1,1 @@
+"""The materialize command line: a thin layer over the library."""

@@ -1,0 +1,40 @@
+"""One table from exception to the one line the user sees, with a next step."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import materialize as mz
+
+# Most specific first: the first matching class gives the hint.
+HINTS: list[tuple[type[BaseException], str]] = [
+    (mz.UnsafeCheckpointError, ""),
+    (mz.UnsupportedFormatError, ""),
+    (mz.CheckpointNotFoundError, ""),
+    (mz.CheckpointAccessError, ""),
+    (mz.CheckpointError, " (run 'materialize inspect' on it to see what it holds)"),
+    (mz.ShapeMismatchError, " (is --model the architecture this checkpoint was saved from?)"),
+    (mz.KeyMismatchError, ""),
+    (mz.InitError, ""),
+    (mz.ModelSpecError, ""),
+    (mz.DeviceError, " (try --device cpu)"),
+    (mz.MaterializeError, ""),
+]
+
+
+def one_line(error: BaseException) -> str:
+    """The message printed after 'Error: ' for an error the CLI expects."""
+    if isinstance(error, mz.MaterializeError):
+        hint = next(h for cls, h in HINTS if isinstance(error, cls))
+        return _flatten(str(error)) + hint
+    if isinstance(error, MemoryError):
+        return "out of host memory while loading; try --device cuda, or a machine with more RAM"
+    if isinstance(error, OSError):
+        where = f"{error.filename}: " if error.filename else ""
+        return f"{where}{os.strerror(error.errno or errno.EIO)}"
+    return f"unexpected {type(error).__name__}: {_flatten(str(error))} (rerun with --debug for the traceback)"
+
+
+def _flatten(text: str) -> str:
+    return " ".join(text.split())

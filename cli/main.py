@@ -1,0 +1,196 @@
+"""``materialize``: parse, call the library, print. No logic a script could not reach."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from typing import Any, Optional
+
+import click
+import torch
+
+import materialize as mz
+from materialize.dtypes import dtype_name
+from materialize.report import format_bytes
+
+from ._errors import one_line
+from .params import DEVICE, DTYPE, MODEL_ARG
+from .progress import progress_for
+
+DEFAULT_COMMAND = "load"
+GROUP_FLAGS = {"--help", "-h", "--version"}
+
+
+class DefaultCommandGroup(click.Group):
+    """``materialize CHECKPOINT ...`` runs ``load``; named subcommands run as usual."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in GROUP_FLAGS:
+            args = [DEFAULT_COMMAND, *args]
+        return super().parse_args(ctx, args)
+
+
+def _run(debug: bool, action: Callable[[], None]) -> None:
+    """Run a command body; expected errors become one line and exit code 1."""
+    try:
+        action()
+    except (mz.MaterializeError, OSError, MemoryError) as error:
+        if debug:
+            raise
+        click.echo(f"Error: {one_line(error)}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("Error: interrupted", err=True)
+        sys.exit(130)
+    except Exception as error:  # a bug of ours: still one line, the traceback on request
+        if debug:
+            raise
+        click.echo(f"Error: {one_line(error)}", err=True)
+        sys.exit(1)
+
+
+def _emit(as_json: bool, payload: dict, text: str) -> None:
+    click.echo(json.dumps(payload, indent=2) if as_json else text)
+
+
+checkpoint_argument = click.argument("checkpoint", type=click.Path(dir_okay=True, path_type=str))
+model_options = [
+    click.option("--model", "model_spec", metavar="SPEC", help="package.module:callable, or a configs/ TOML file."),
+    click.option("--model-arg", "model_args", type=MODEL_ARG, multiple=True, help="KEY=VALUE passed to the model factory (JSON literal values)."),
+    click.option("--device", type=DEVICE, default="cpu", show_default=True, help="Where the tensors are allocated."),
+    click.option("--dtype", type=DTYPE, default=None, help="Cast floating tensors; default auto keeps the checkpoint's dtypes."),
+    click.option("--strict/--no-strict", default=True, show_default=True, help="Missing or unexpected tensors are an error; --no-strict initializes missing ones."),
+    click.option("--trust-pickle", is_flag=True, help="Allow a pickled model (torch.save(model)): imports its classes and may run its code."),
+    click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout and nothing else there."),
+    click.option("--debug", is_flag=True, help="Show the traceback of an error."),
+]
+
+
+def with_options(options: list) -> Callable:
+    def decorate(function: Callable) -> Callable:
+        for option in reversed(options):
+            function = option(function)
+        return function
+
+    return decorate
+
+
+@click.group(cls=DefaultCommandGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(mz.__version__, prog_name="materialize")
+def main() -> None:
+    """Materialize a PyTorch checkpoint: every tensor allocated once, straight from the file.
+
+    \b
+      materialize CHECKPOINT [--model SPEC] [--device cuda] [--dtype bf16]
+      materialize inspect CHECKPOINT
+      materialize plan CHECKPOINT --model SPEC
+    """
+
+
+@main.command(DEFAULT_COMMAND)
+@checkpoint_argument
+@with_options(model_options)
+def load_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, device: str,
+                 dtype: Optional[torch.dtype], strict: bool, trust_pickle: bool, as_json: bool, debug: bool) -> None:
+    """(default) Build the model on meta and materialize CHECKPOINT into it."""
+
+    def action() -> None:
+        progress = progress_for(not as_json)
+        try:
+            _, report = mz.load_model(
+                checkpoint, model=model_spec, model_args=dict(model_args), trust_pickle=trust_pickle,
+                device=device, dtype=dtype, strict=strict, progress=progress,
+            )
+        finally:
+            if progress is not None:
+                progress.close()
+        _emit(as_json, report.to_dict(), str(report))
+
+    _run(debug, action)
+
+
+@main.command("inspect")
+@checkpoint_argument
+@click.option("--trust-pickle", is_flag=True, help="Allow a pickled model (torch.save(model)).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--debug", is_flag=True, help="Show the traceback of an error.")
+def inspect_command(checkpoint: str, trust_pickle: bool, as_json: bool, debug: bool) -> None:
+    """List tensors, dtypes, shapes and shards; reads no tensor data."""
+
+    def action() -> None:
+        with mz.open_checkpoint(checkpoint, trust_pickle=trust_pickle) as ckpt:
+            _emit(as_json, _inspect_dict(ckpt), _inspect_text(ckpt))
+
+    _run(debug, action)
+
+
+def _inspect_dict(ckpt: mz.Checkpoint) -> dict[str, Any]:
+    return {
+        "path": str(ckpt.path),
+        "format": ckpt.format,
+        "shards": [str(s) for s in ckpt.shards],
+        "tensor_count": len(ckpt),
+        "nbytes": ckpt.nbytes,
+        "metadata": ckpt.metadata,
+        "tensors": [
+            {"name": i.name, "dtype": dtype_name(i.dtype), "shape": list(i.shape), "nbytes": i.nbytes,
+             "file": i.path.name, "offset": i.offset}
+            for i in ckpt.values()
+        ],
+    }
+
+
+def _inspect_text(ckpt: mz.Checkpoint) -> str:
+    lines = [
+        f"{ckpt.path}  ({ckpt.format}, {len(ckpt)} tensors, {format_bytes(ckpt.nbytes)}, {len(ckpt.shards)} file(s))",
+    ]
+    if ckpt.module is not None:
+        lines.append(f"pickled module: {type(ckpt.module).__module__}.{type(ckpt.module).__qualname__}")
+    width = max((len(n) for n in ckpt), default=4)
+    many_files = len(ckpt.shards) > 1
+    for info in ckpt.values():
+        shape = "x".join(map(str, info.shape)) or "scalar"
+        row = f"{info.name.ljust(width)}  {dtype_name(info.dtype):<14} {shape:<20} {format_bytes(info.nbytes):>10}"
+        lines.append(row + (f"  {info.path.name}" if many_files else ""))
+    return "\n".join(lines)
+
+
+@main.command("plan")
+@checkpoint_argument
+@with_options(model_options)
+def plan_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, device: str,
+                 dtype: Optional[torch.dtype], strict: bool, trust_pickle: bool, as_json: bool, debug: bool) -> None:
+    """What a load would do: per-device bytes, ties, missing and unexpected; reads no tensor data."""
+
+    def action() -> None:
+        with mz.open_checkpoint(checkpoint, trust_pickle=trust_pickle) as ckpt:
+            if model_spec is not None:
+                model = mz.build(model_spec, **dict(model_args))
+            elif ckpt.module is not None:
+                model = ckpt.module
+            else:
+                raise click.UsageError("plan needs --model SPEC (or a pickled module with --trust-pickle)")
+            the_plan = mz.plan(model, ckpt, device=device, dtype=dtype, strict=strict)
+            _emit(as_json, the_plan.to_dict(), _plan_text(the_plan.to_dict()))
+
+    _run(debug, action)
+
+
+def _plan_text(summary: dict[str, Any]) -> str:
+    counts = summary["tensors"]
+    lines = [
+        f"checkpoint   {summary['checkpoint']}",
+        f"tensors      {counts['load']} to load, {counts['init']} to initialize, {counts['keep']} buffers kept",
+        f"read         {format_bytes(summary['read_bytes'])}",
+    ]
+    lines += [f"on {device:<9} {format_bytes(n)}" for device, n in summary["bytes_by_device"].items()]
+    lines += [f"tied         {', '.join(group)}" for group in summary["tied_groups"]]
+    for key in ("missing", "unexpected"):
+        if summary[key]:
+            lines.append(f"{key:<12} {', '.join(summary[key])}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

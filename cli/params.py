@@ -1,0 +1,64 @@
+"""click parameter types: conversion and its usage errors live here."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Optional
+
+import click
+import torch
+
+from materialize.dtypes import USER_DTYPE_NAMES, parse_dtype
+
+_DEVICE = re.compile(r"^(cpu|cuda)(:\d+)?$")
+
+
+class DtypeType(click.ParamType):
+    name = "dtype"
+
+    def get_metavar(self, param: click.Parameter, ctx: Optional[click.Context] = None) -> str:
+        return "auto|bf16|fp16|fp32|..."
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> Optional[torch.dtype]:
+        if value is None or isinstance(value, torch.dtype):
+            return value
+        try:
+            return parse_dtype(value)
+        except ValueError:
+            self.fail(f"unknown dtype {value!r}; choose auto or one of {', '.join(USER_DTYPE_NAMES)}", param, ctx)
+
+
+class DeviceType(click.ParamType):
+    name = "device"
+
+    def get_metavar(self, param: click.Parameter, ctx: Optional[click.Context] = None) -> str:
+        return "cpu|cuda|cuda:N"
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> str:
+        text = str(value).strip().lower()
+        if not _DEVICE.match(text) or text == "cpu:0":
+            self.fail(f"{value!r} is not cpu, cuda or cuda:N", param, ctx)
+        return text
+
+
+class ModelArgType(click.ParamType):
+    """``KEY=VALUE``; the value is a JSON literal where it parses, else a string."""
+
+    name = "key=value"
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> tuple[str, Any]:
+        if isinstance(value, tuple):
+            return value
+        key, sep, raw = str(value).partition("=")
+        if not sep or not key.isidentifier():
+            self.fail(f"{value!r} is not KEY=VALUE with KEY a Python identifier", param, ctx)
+        try:
+            return key, json.loads(raw)
+        except json.JSONDecodeError:
+            return key, raw
+
+
+DTYPE = DtypeType()
+DEVICE = DeviceType()
+MODEL_ARG = ModelArgType()

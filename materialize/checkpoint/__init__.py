@@ -1,0 +1,126 @@
+"""Open any supported checkpoint lazily: headers and indexes, never tensor data.
+
+The format is recognised from the file's first bytes, not its name: a zip is
+a torch checkpoint, a JSON document is a shard index, anything whose first 8
+bytes are a plausible header length followed by ``{`` is safetensors.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Union
+
+from ..errors import CheckpointError, CheckpointNotFoundError, UnsupportedFormatError
+from ..fileio import open_for_reading
+from .base import Checkpoint, TensorInfo
+from .index import read_sharded
+from .safetensors import read_header
+from .torchzip import read_torch_zip
+
+__all__ = ["Checkpoint", "TensorInfo", "open_checkpoint"]
+
+TORCH_SUFFIXES = (".bin", ".pt", ".pth")
+PathLike = Union[str, os.PathLike]
+
+
+def open_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Checkpoint:
+    """Open a checkpoint file, shard index or Hugging Face-style folder.
+
+    Args:
+        path: a ``.safetensors`` file, a torch zip (``.pt``/``.pth``/``.bin``),
+            a ``*.index.json`` shard index, or a folder holding one of these.
+        trust_pickle: allow a torch file holding a pickled ``nn.Module``
+            (``torch.save(model)``); its classes are imported and its code may
+            run. The module is rebuilt on ``meta`` as ``Checkpoint.module``.
+
+    Only headers, indexes and (for torch files) the pickled structure are
+    read; tensor bytes are read later, straight into their destinations.
+    """
+    target = Path(path)
+    if not target.exists():
+        raise CheckpointNotFoundError("no such file or directory", path=target)
+    if target.is_dir():
+        target = _pick_from_folder(target)
+    kind = _sniff(target)
+    if kind == "index":
+        return _open_index(target, trust_pickle=trust_pickle)
+    if kind == "safetensors":
+        tensors, metadata = read_header(target)
+        return Checkpoint(path=target, format="safetensors", tensors=tensors, shards=[target], metadata=metadata)
+    tensors, module = read_torch_zip(target, trust_pickle=trust_pickle)
+    return Checkpoint(
+        path=target,
+        format="torch-module" if module is not None else "torch",
+        tensors=tensors,
+        shards=[target],
+        module=module,
+    )
+
+
+def _open_index(index_path: Path, *, trust_pickle: bool) -> Checkpoint:
+    def read_shard(shard: Path) -> dict[str, TensorInfo]:
+        if _sniff(shard) == "safetensors":
+            return read_header(shard)[0]
+        tensors, module = read_torch_zip(shard, trust_pickle=trust_pickle)
+        if module is not None:
+            raise CheckpointError("a shard holds a pickled module, not a state dict", path=shard)
+        return tensors
+
+    tensors, shards, metadata = read_sharded(index_path, read_shard)
+    kinds = {"safetensors" if _sniff(s) == "safetensors" else "torch" for s in shards}
+    fmt = f"{kinds.pop()}-sharded" if len(kinds) == 1 else "mixed-sharded"
+    return Checkpoint(path=index_path, format=fmt, tensors=tensors, shards=shards, metadata=metadata)
+
+
+def _sniff(path: Path) -> str:
+    fd = open_for_reading(path)
+    try:
+        head = os.pread(fd, 9, 0)
+    finally:
+        os.close(fd)
+    if (len(head) == 9 and head[8:9] == b"{") or head.startswith(b"version "):
+        return "safetensors"  # "version " starts a Git LFS pointer, which that reader explains
+    if head.startswith((b"PK\x03\x04", b"PK\x05\x06", b"\x80")) or path.suffix in TORCH_SUFFIXES:
+        return "torch"  # for a legacy pickle, the torch reader explains how to convert it
+    if head.lstrip()[:1] == b"{":
+        return "index"
+    if len(head) < 9 or path.suffix == ".safetensors":
+        return "safetensors"  # the safetensors reader gives the precise error
+    raise UnsupportedFormatError(
+        "is neither safetensors, a torch zip checkpoint nor a shard index", path=path
+    )
+
+
+def _pick_from_folder(folder: Path) -> Path:
+    """The one checkpoint a Hugging Face-style folder holds, safetensors first."""
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    names = {p.name for p in files}
+    for preferred in ("model.safetensors.index.json", "model.safetensors"):
+        if preferred in names:
+            return folder / preferred
+    for group in (
+        [p for p in files if p.name.endswith(".safetensors.index.json")],
+        [p for p in files if p.suffix == ".safetensors"],
+    ):
+        if len(group) == 1:
+            return group[0]
+        if len(group) > 1:
+            raise CheckpointError(
+                f"holds several candidate checkpoints ({', '.join(p.name for p in group)}); pass one of them",
+                path=folder,
+            )
+    for preferred in ("pytorch_model.bin.index.json", "pytorch_model.bin"):
+        if preferred in names:
+            return folder / preferred
+    indexes = [p for p in files if p.name.endswith(".index.json")]
+    weights = [p for p in files if p.suffix in TORCH_SUFFIXES and p.name != "training_args.bin"]
+    for group in (indexes, weights):
+        if len(group) == 1:
+            return group[0]
+        if len(group) > 1:
+            raise CheckpointError(
+                f"holds several candidate checkpoints ({', '.join(p.name for p in group)}); pass one of them",
+                path=folder,
+            )
+    raise CheckpointNotFoundError("holds no safetensors, torch checkpoint or shard index", path=folder)

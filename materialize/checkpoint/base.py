@@ -1,0 +1,97 @@
+"""The format-independent view of a checkpoint: names to byte locations."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..fileio import FileSet
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes live, and what they mean.
+
+    ``offset`` is the absolute file offset of the tensor's first element.
+    ``stride`` is ``None`` for a contiguous tensor; a torch file may hold a
+    strided view, whose elements then span ``span_nbytes`` bytes from
+    ``offset``.
+    """
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    path: Path
+    offset: int
+    stride: Optional[tuple[int, ...]] = None
+    span_nbytes: Optional[int] = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def contiguous(self) -> bool:
+        return self.stride is None
+
+    @property
+    def read_nbytes(self) -> int:
+        """Bytes that must be read from the file to rebuild the tensor."""
+        return self.nbytes if self.stride is None else (self.span_nbytes or 0)
+
+
+@dataclass
+class Checkpoint(Mapping[str, TensorInfo]):
+    """A lazy, read-only mapping of tensor name to :class:`TensorInfo`.
+
+    Opening reads headers and indexes only. The files stay open (one
+    descriptor each, opened on first read) until :meth:`close` or the end of
+    a ``with`` block.
+    """
+
+    path: Path
+    format: str
+    tensors: dict[str, TensorInfo]
+    shards: list[Path]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    module: Optional[nn.Module] = None
+    files: FileSet = field(default_factory=FileSet, repr=False)
+
+    def __getitem__(self, name: str) -> TensorInfo:
+        return self.tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(info.nbytes for info in self.tensors.values())
+
+    def close(self) -> None:
+        self.files.close()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Checkpoint({os.fspath(self.path)!r}, format={self.format!r}, "
+            f"tensors={len(self)}, shards={len(self.shards)}, nbytes={self.nbytes})"
+        )

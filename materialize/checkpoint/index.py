@@ -1,0 +1,77 @@
+"""Sharded checkpoints: a ``*.index.json`` weight map over several files.
+
+Before any shard is opened the index is checked as a whole: every shard path
+stays inside the checkpoint folder, and every missing shard is named at once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+from ..errors import CheckpointError, CheckpointNotFoundError
+from .base import TensorInfo
+
+ShardReader = Callable[[Path], dict[str, TensorInfo]]
+
+
+def read_index(index_path: Path) -> tuple[dict[str, str], dict]:
+    try:
+        document = json.loads(index_path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise CheckpointError("index is not valid UTF-8", path=index_path) from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"index is not valid JSON ({exc.msg} at char {exc.pos})", path=index_path) from None
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CheckpointError("index has no 'weight_map' object of tensor name to shard file", path=index_path)
+    metadata = document.get("metadata") or {}
+    return weight_map, metadata if isinstance(metadata, dict) else {}
+
+
+def resolve_shards(index_path: Path, weight_map: dict[str, str]) -> dict[str, Path]:
+    """Shard file name -> path, refusing any path that leaves the folder."""
+    folder = index_path.parent.resolve()
+    shards: dict[str, Path] = {}
+    missing: list[str] = []
+    for shard_name in dict.fromkeys(weight_map.values()):
+        candidate = Path(shard_name)
+        resolved = (folder / candidate).resolve()
+        if candidate.is_absolute() or not resolved.is_relative_to(folder):
+            raise CheckpointError(f"shard path {shard_name!r} points outside the checkpoint folder", path=index_path)
+        if not resolved.is_file():
+            missing.append(shard_name)
+        shards[shard_name] = folder / candidate
+    if missing:
+        raise CheckpointNotFoundError(
+            f"index names {len(missing)} missing shard(s): {', '.join(missing)}", path=index_path
+        )
+    return shards
+
+
+def read_sharded(index_path: Path, read_shard: ShardReader) -> tuple[dict[str, TensorInfo], list[Path], dict]:
+    weight_map, metadata = read_index(index_path)
+    shards = resolve_shards(index_path, weight_map)
+    tensors: dict[str, TensorInfo] = {}
+    expected_by_shard: dict[str, set[str]] = {}
+    for name, shard_name in weight_map.items():
+        expected_by_shard.setdefault(shard_name, set()).add(name)
+    for shard_name, shard_path in shards.items():
+        found = read_shard(shard_path)
+        expected = expected_by_shard[shard_name]
+        absent = sorted(expected - found.keys())
+        if absent:
+            raise CheckpointError(
+                f"index maps {', '.join(absent)} to {shard_name}, which does not hold it", path=index_path
+            )
+        for name in sorted(found.keys() - expected):
+            owner = weight_map.get(name)
+            where = f"the index maps it to {owner}" if owner else "the index does not name it"
+            raise CheckpointError(f"shard {shard_name} holds tensor '{name}' but {where}", path=index_path, tensor=name)
+        for name in expected:
+            tensors[name] = found[name]
+    ordered = {name: tensors[name] for name in weight_map}
+    return ordered, list(shards.values()), metadata

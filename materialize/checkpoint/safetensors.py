@@ -1,0 +1,145 @@
+"""The safetensors header: read it, validate every field, trust nothing.
+
+Layout: 8-byte little-endian header length N, N bytes of JSON, then the data
+region. Each entry gives dtype, shape and ``data_offsets`` [begin, end)
+relative to the data region.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+
+from ..dtypes import SAFETENSORS_DTYPES
+from ..errors import CheckpointError
+from ..fileio import open_for_reading
+from .base import TensorInfo
+
+# The format's own reference reader caps headers at 100 MB; a larger length
+# is refused before any allocation.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+_LFS_POINTER_PREFIX = b"version https://git-lfs"
+
+
+def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    result: dict[str, object] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKey(key)
+        result[key] = value
+    return result
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and validate one safetensors file's header; no tensor data is read."""
+    fd = open_for_reading(path)
+    try:
+        file_size = os.fstat(fd).st_size
+        prefix = os.pread(fd, 8, 0)
+        if prefix.startswith(_LFS_POINTER_PREFIX[:8]) and os.pread(fd, 64, 0).startswith(_LFS_POINTER_PREFIX):
+            raise CheckpointError(
+                "is a Git LFS pointer, not the weights; run 'git lfs pull' in its repository", path=path
+            )
+        if len(prefix) < 8:
+            raise CheckpointError(f"too short for safetensors ({file_size} bytes, need at least 8)", path=path)
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > MAX_HEADER_BYTES:
+            raise CheckpointError(
+                f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit (corrupt or not safetensors)",
+                path=path,
+            )
+        if 8 + header_len > file_size:
+            raise CheckpointError(
+                f"header length {header_len} runs past the end of the file ({file_size} bytes; truncated?)",
+                path=path,
+            )
+        raw = os.pread(fd, header_len, 8)
+    finally:
+        os.close(fd)
+    if len(raw) != header_len:
+        raise CheckpointError("file shrank while its header was read", path=path)
+    return _parse_header(path, raw, data_start=8 + header_len, file_size=file_size)
+
+
+def _parse_header(path: Path, raw: bytes, *, data_start: int, file_size: int) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"header is not valid UTF-8 (byte {exc.start})", path=path) from None
+    try:
+        header = json.loads(text, object_pairs_hook=_reject_duplicates)
+    except _DuplicateKey as dup:
+        raise CheckpointError("header lists the tensor twice", path=path, tensor=str(dup.args[0])) from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"header is not valid JSON ({exc.msg} at char {exc.pos})", path=path) from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"header is a JSON {type(header).__name__}, not an object", path=path)
+
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise CheckpointError("__metadata__ must map strings to strings", path=path)
+
+    data_size = file_size - data_start
+    tensors: dict[str, TensorInfo] = {}
+    spans: list[tuple[int, int, str]] = []
+    for name, entry in header.items():
+        info, begin, end = _parse_entry(path, name, entry, data_start, data_size)
+        tensors[name] = info
+        spans.append((begin, end, name))
+    _check_layout(path, spans, data_size)
+    return tensors, metadata
+
+
+def _parse_entry(path: Path, name: str, entry: object, data_start: int, data_size: int) -> tuple[TensorInfo, int, int]:
+    def fail(reason: str) -> CheckpointError:
+        return CheckpointError(reason, path=path, tensor=name)
+
+    if not isinstance(entry, dict):
+        raise fail("header entry is not an object")
+    dtype_name = entry.get("dtype")
+    if dtype_name not in SAFETENSORS_DTYPES:
+        raise fail(f"unknown or unsupported dtype {dtype_name!r}")
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise fail(f"shape must be a list of non-negative integers, got {shape!r}")
+    offsets = entry.get("data_offsets")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(o) is int and o >= 0 for o in offsets)
+    ):
+        raise fail(f"data_offsets must be two non-negative integers, got {offsets!r}")
+    begin, end = offsets
+    dtype = SAFETENSORS_DTYPES[dtype_name]
+    if begin > end:
+        raise fail(f"data_offsets are reversed ({begin} > {end})")
+    if end > data_size:
+        raise fail(f"data_offsets end at {end}, past the data region's {data_size} bytes (truncated?)")
+    expected = math.prod(shape) * dtype.itemsize
+    if end - begin != expected:
+        raise fail(f"holds {end - begin} bytes but {dtype_name} x {shape} needs {expected}")
+    return TensorInfo(name=name, dtype=dtype, shape=tuple(shape), path=path, offset=data_start + begin), begin, end
+
+
+def _check_layout(path: Path, spans: list[tuple[int, int, str]], data_size: int) -> None:
+    """Tensors must tile the data region: no overlap, no gap, no trailing bytes."""
+    position = 0
+    for begin, end, name in sorted(spans):
+        if begin < position:
+            raise CheckpointError(f"bytes [{begin}, {end}) overlap the previous tensor's", path=path, tensor=name)
+        if begin > position:
+            raise CheckpointError(f"{begin - position} unaccounted bytes before this tensor", path=path, tensor=name)
+        position = end
+    if position != data_size:
+        raise CheckpointError(
+            f"{data_size - position} trailing bytes after the last tensor (corrupt or wrong header)", path=path
+        )

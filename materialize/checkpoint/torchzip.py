@@ -1,0 +1,226 @@
+"""torch zip checkpoints (``.pt``/``.pth``/``.bin``) read without loading tensors.
+
+``data.pkl`` is unpickled with torch's weights-only unpickler (or, only with
+``trust_pickle``, the full pickler to rebuild a pickled module), with every
+storage created on ``meta``. Each tensor then maps to its storage record in
+the zip, whose bytes are stored uncompressed at a known offset: the same
+direct path as safetensors, with no ``torch.load`` of the data.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+import re
+import struct
+import zipfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import _weights_only_unpickler, nn
+
+from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError
+from .base import TensorInfo
+
+STATE_DICT_KEYS = ("state_dict", "model", "module")
+_LOCAL_HEADER = struct.Struct("<4s22xHH")
+
+
+class _StorageRef:
+    def __init__(self, key: str, nbytes: int) -> None:
+        self.key = key
+        self.nbytes = nbytes
+
+
+def _persistent_loader(path: Path, refs: dict[int, _StorageRef]):
+    def persistent_load(saved_id: Any) -> Any:
+        if not (isinstance(saved_id, tuple) and len(saved_id) == 5):
+            raise CheckpointError(f"unexpected persistent id {saved_id!r} in data.pkl", path=path)
+        _, storage_type, key, _location, numel = saved_id
+        if storage_type is torch.UntypedStorage:
+            dtype = torch.uint8
+        else:
+            dtype = getattr(storage_type, "_dtype", None) or getattr(storage_type, "dtype", None)
+        if not isinstance(dtype, torch.dtype) or type(numel) is not int or numel < 0:
+            raise CheckpointError(f"malformed storage record {key!r} in data.pkl", path=path)
+        storage = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
+        refs[storage._cdata] = _StorageRef(str(key), numel * dtype.itemsize)
+        return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+
+    return persistent_load
+
+
+class _TrustedUnpickler(pickle.Unpickler):
+    pass
+
+
+def _unpickle(path: Path, data: bytes, refs: dict[int, _StorageRef], *, trust_pickle: bool) -> Any:
+    loader = _persistent_loader(path, refs)
+    if trust_pickle:
+        unpickler: Any = _TrustedUnpickler(io.BytesIO(data), encoding="utf-8")
+    else:
+        unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8")
+    unpickler.persistent_load = loader
+    try:
+        return unpickler.load()
+    except CheckpointError:
+        raise
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        if found and not trust_pickle:
+            raise UnsafeCheckpointError(
+                f"refused to unpickle global '{found.group(1)}': it is not plain tensor data and loading it "
+                "could run code from the file. If this is a pickled model (torch.save(model)) that you trust, "
+                "pass trust_pickle=True (CLI: --trust-pickle) to build the model from it",
+                path=path,
+            ) from None
+        raise CheckpointError(f"data.pkl is malformed: {_first_line(exc)}", path=path) from None
+    except Exception as exc:  # a hostile pickle can raise anything the unpickler touches
+        raise CheckpointError(f"cannot unpickle data.pkl: {type(exc).__name__}: {_first_line(exc)}", path=path) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _find_payload(obj: Any) -> tuple[dict[str, torch.Tensor], Optional[nn.Module]]:
+    """The state dict (or module) inside what ``torch.save`` was given."""
+    if isinstance(obj, nn.Module):
+        return _module_tensors(obj), obj
+    if isinstance(obj, dict):
+        for key in STATE_DICT_KEYS:
+            nested = obj.get(key)
+            if isinstance(nested, nn.Module):
+                return _module_tensors(nested), nested
+            if isinstance(nested, dict) and any(isinstance(v, torch.Tensor) for v in nested.values()):
+                return _tensor_entries(nested), None
+        return _tensor_entries(obj), None
+    return {}, None
+
+
+def _tensor_entries(mapping: dict) -> dict[str, torch.Tensor]:
+    return {str(k): v for k, v in mapping.items() if isinstance(v, torch.Tensor)}
+
+
+def _module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    named = dict(module.named_parameters(remove_duplicate=False))
+    named.update(module.named_buffers(remove_duplicate=False))
+    return {name: tensor for name, tensor in named.items() if tensor is not None}
+
+
+def _record_offsets(path: Path, archive: zipfile.ZipFile, prefix: str) -> dict[str, tuple[int, int]]:
+    """Storage key -> (absolute data offset, size) for every stored record."""
+    offsets: dict[str, tuple[int, int]] = {}
+    data_dir = f"{prefix}/data/"
+    with open(path, "rb") as handle:
+        for info in archive.infolist():
+            if not info.filename.startswith(data_dir):
+                continue
+            key = info.filename[len(data_dir):]
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise CheckpointError(f"storage record {key!r} is compressed; torch writes them stored", path=path)
+            handle.seek(info.header_offset)
+            header = handle.read(_LOCAL_HEADER.size)
+            if len(header) != _LOCAL_HEADER.size:
+                raise CheckpointError(f"zip local header of record {key!r} is truncated", path=path)
+            signature, name_len, extra_len = _LOCAL_HEADER.unpack(header)
+            if signature != b"PK\x03\x04":
+                raise CheckpointError(f"zip local header of record {key!r} is corrupt", path=path)
+            offsets[key] = (info.header_offset + _LOCAL_HEADER.size + name_len + extra_len, info.file_size)
+    return offsets
+
+
+def _open_archive(path: Path) -> zipfile.ZipFile:
+    try:
+        return zipfile.ZipFile(path)
+    except zipfile.BadZipFile:
+        with open(path, "rb") as handle:
+            head = handle.read(2)
+        if head[:1] == b"\x80":
+            raise UnsupportedFormatError(
+                "is in torch's legacy (pre-1.6, non-zip) format, which cannot be read lazily; convert it once with "
+                f"python -c \"import torch; torch.save(torch.load('{path}', weights_only=True), 'converted.pt')\"",
+                path=path,
+            ) from None
+        raise CheckpointError("is not a valid torch zip checkpoint (bad or truncated zip)", path=path) from None
+
+
+def _archive_prefix(path: Path, names: list[str]) -> str:
+    pickles = [n for n in names if n.count("/") == 1 and n.endswith("/data.pkl")]
+    if any(n.endswith("/constants.pkl") for n in names) or any("/code/" in n for n in names):
+        raise UnsupportedFormatError(
+            "is a TorchScript archive, not a checkpoint; load it with torch.jit.load and save its state_dict()",
+            path=path,
+        )
+    if len(pickles) != 1:
+        raise CheckpointError("torch zip has no data.pkl record (not a torch.save file)", path=path)
+    return pickles[0].split("/", 1)[0]
+
+
+def read_torch_zip(path: Path, *, trust_pickle: bool) -> tuple[dict[str, TensorInfo], Optional[nn.Module]]:
+    file_size = os.path.getsize(path)
+    with _open_archive(path) as archive:
+        names = archive.namelist()
+        prefix = _archive_prefix(path, names)
+        if f"{prefix}/byteorder" in names and archive.read(f"{prefix}/byteorder").strip() == b"big":
+            raise UnsupportedFormatError("was saved on a big-endian machine; re-save it on a little-endian one", path=path)
+        refs: dict[int, _StorageRef] = {}
+        try:
+            data = archive.read(f"{prefix}/data.pkl")
+        except (zipfile.BadZipFile, OSError, EOFError) as exc:
+            raise CheckpointError(f"cannot read data.pkl: {_first_line(exc)}", path=path) from None
+        payload, module = _find_payload(_unpickle(path, data, refs, trust_pickle=trust_pickle))
+        records = _record_offsets(path, archive, prefix)
+    tensors = {name: _tensor_info(path, name, t, refs, records, file_size) for name, t in payload.items()}
+    return tensors, module
+
+
+def _tensor_info(
+    path: Path,
+    name: str,
+    tensor: torch.Tensor,
+    refs: dict[int, _StorageRef],
+    records: dict[str, tuple[int, int]],
+    file_size: int,
+) -> TensorInfo:
+    def fail(reason: str) -> CheckpointError:
+        return CheckpointError(reason, path=path, tensor=name)
+
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        raise fail(f"has layout {tensor.layout}; only dense tensors are supported")
+    ref = refs.get(tensor.untyped_storage()._cdata)
+    if ref is None:
+        raise fail("its storage is not a record of this file")
+    if ref.key not in records:
+        raise fail(f"storage record data/{ref.key} is missing from the zip")
+    record_offset, record_size = records[ref.key]
+    if record_size < ref.nbytes:
+        raise fail(f"storage record data/{ref.key} holds {record_size} bytes, {ref.nbytes} expected")
+    if record_offset + ref.nbytes > file_size:
+        raise fail(f"storage record data/{ref.key} runs past the end of the file (truncated?)")
+    itemsize = tensor.element_size()
+    shape = tuple(tensor.shape)
+    start = tensor.storage_offset() * itemsize
+    contiguous = tensor.is_contiguous()
+    numel = math.prod(shape)
+    if numel == 0:
+        span = 0
+    elif contiguous:
+        span = numel * itemsize
+    else:
+        span = (sum((size - 1) * stride for size, stride in zip(shape, tensor.stride())) + 1) * itemsize
+    if start + span > ref.nbytes:
+        raise fail(f"view of bytes [{start}, {start + span}) lies outside its {ref.nbytes}-byte storage")
+    return TensorInfo(
+        name=name,
+        dtype=tensor.dtype,
+        shape=shape,
+        path=path,
+        offset=record_offset + start,
+        stride=None if contiguous else tuple(tensor.stride()),
+        span_nbytes=None if contiguous else span,
+    )

@@ -1,0 +1,99 @@
+"""Every error the library raises on purpose.
+
+Each class also inherits the builtin it resembles, so callers that catch
+``ValueError`` or ``FileNotFoundError`` keep working, and carries the file and
+tensor it is about so that a one-line message can always name both.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+
+class MaterializeError(Exception):
+    """Base class: a load, build or data error a user can cause."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: Optional[os.PathLike | str] = None,
+        tensor: Optional[str] = None,
+    ) -> None:
+        self.path = os.fspath(path) if path is not None else None
+        self.tensor = tensor
+        self.reason = message
+        super().__init__(self._format())
+
+    def _format(self) -> str:
+        where = []
+        if self.path is not None:
+            where.append(self.path)
+        if self.tensor is not None:
+            where.append(f"tensor '{self.tensor}'")
+        return f"{': '.join(where)}: {self.reason}" if where else self.reason
+
+    def __str__(self) -> str:
+        return self._format()
+
+
+class CheckpointError(MaterializeError, ValueError):
+    """A checkpoint file is malformed, truncated or inconsistent."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """A checkpoint path, or a shard an index names, does not exist."""
+
+
+class CheckpointAccessError(CheckpointError, PermissionError):
+    """A checkpoint exists but cannot be read (permissions, I/O error)."""
+
+
+class UnsupportedFormatError(CheckpointError):
+    """A file in a format this library does not read (legacy torch, TorchScript)."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """Loading the file would run code it carries; refused without trust_pickle."""
+
+
+class KeyMismatchError(MaterializeError, LookupError):
+    """The model and the checkpoint disagree on which tensors exist."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: Optional[os.PathLike | str] = None,
+        missing: Sequence[str] = (),
+        unexpected: Sequence[str] = (),
+        mismatched: Sequence[str] = (),
+    ) -> None:
+        self.missing = list(missing)
+        self.unexpected = list(unexpected)
+        self.mismatched = list(mismatched)
+        super().__init__(message, path=path)
+
+
+class ShapeMismatchError(KeyMismatchError, ValueError):
+    """A tensor's shape in the checkpoint differs from the model's."""
+
+
+class InitError(MaterializeError, RuntimeError):
+    """A tensor the checkpoint lacks has no initializer to fill it."""
+
+
+class ModelSpecError(MaterializeError, ValueError):
+    """A model spec (factory, TOML file) cannot be turned into a model."""
+
+
+class DeviceError(MaterializeError, RuntimeError):
+    """The requested device does not exist or cannot be used."""
+
+
+def summarize_names(names: Sequence[str], limit: int = 8) -> str:
+    """A short, one-line rendering of many tensor names."""
+    shown = ", ".join(names[:limit])
+    extra = len(names) - limit
+    return f"{shown} (and {extra} more)" if extra > 0 else shown

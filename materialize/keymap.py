@@ -1,0 +1,72 @@
+"""Renaming checkpoint keys to model names.
+
+A checkpoint saved from a wrapper (``DistributedDataParallel``'s ``module.``,
+``torch.compile``'s ``_orig_mod.``, a base model inside a head model's
+``model.``) names tensors differently from the bare model. A :class:`KeyMap`
+is an ordered list of rules applied to every checkpoint name.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Union
+
+# Prefixes that wrappers add; stripped automatically when every checkpoint key
+# carries one and no model name does (see KeyMap.auto).
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+@dataclass(frozen=True)
+class KeyMap:
+    """Ordered rename rules from checkpoint names to model names.
+
+    Build one with the class methods, or pass a plain mapping of
+    ``{regex: replacement}`` (applied with :func:`re.sub`, in order) or a
+    callable ``name -> name`` wherever a ``key_map`` is accepted.
+    """
+
+    rules: tuple[tuple[re.Pattern, str], ...] = field(default_factory=tuple)
+
+    @classmethod
+    def strip_prefix(cls, prefix: str) -> "KeyMap":
+        return cls(((re.compile("^" + re.escape(prefix)), ""),))
+
+    @classmethod
+    def add_prefix(cls, prefix: str) -> "KeyMap":
+        return cls(((re.compile("^"), prefix),))
+
+    @classmethod
+    def regex(cls, renames: Mapping[str, str]) -> "KeyMap":
+        return cls(tuple((re.compile(pattern), replacement) for pattern, replacement in renames.items()))
+
+    def __add__(self, other: "KeyMap") -> "KeyMap":
+        return KeyMap(self.rules + other.rules)
+
+    def __call__(self, name: str) -> str:
+        for pattern, replacement in self.rules:
+            name = pattern.sub(replacement, name)
+        return name
+
+
+KeyMapLike = Union[KeyMap, Mapping[str, str], Callable[[str], str], None]
+
+
+def as_key_map(key_map: KeyMapLike) -> Callable[[str], str]:
+    if key_map is None:
+        return lambda name: name
+    if isinstance(key_map, Mapping):
+        return KeyMap.regex(key_map)
+    if callable(key_map):
+        return key_map
+    raise TypeError(f"key_map must be a KeyMap, a mapping of regex to replacement or a callable, got {type(key_map).__name__}")
+
+
+def auto_strip_wrapper_prefix(checkpoint_names: Iterable[str], model_names: set[str]) -> Callable[[str], str]:
+    """Strip ``module.`` / ``_orig_mod.`` when every checkpoint name has it and the model's don't."""
+    names = list(checkpoint_names)
+    for prefix in WRAPPER_PREFIXES:
+        if names and all(n.startswith(prefix) for n in names) and not any(m.startswith(prefix) for m in model_names):
+            return KeyMap.strip_prefix(prefix)
+    return lambda name: name

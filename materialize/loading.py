@@ -1,0 +1,250 @@
+"""Allocate once, initialize what the checkpoint lacks, stream in the rest."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+from torch import nn
+
+from .checkpoint import Checkpoint, open_checkpoint
+from .dtypes import dtype_name, parse_dtype
+from .engine import Job, ProgressFn, stream
+from .keymap import KeyMapLike
+from .memory import PeakMemory
+from .planning import Entry, InitFn, Plan, make_plan
+from .report import Report
+from .spec import ModelSpec, build
+from .transfer import resolve_device, staging_for
+
+CheckpointLike = Union[str, os.PathLike, Checkpoint]
+DeviceLike = Union[str, torch.device]
+DtypeLike = Union[str, torch.dtype, None]
+
+
+@contextmanager
+def _opened(checkpoint: CheckpointLike, trust_pickle: bool) -> Iterator[Checkpoint]:
+    if isinstance(checkpoint, Checkpoint):
+        yield checkpoint  # the caller owns it and closes it
+        return
+    with open_checkpoint(checkpoint, trust_pickle=trust_pickle) as ckpt:
+        yield ckpt
+
+
+def plan(
+    model: nn.Module,
+    checkpoint: CheckpointLike,
+    *,
+    device: DeviceLike = "cpu",
+    dtype: DtypeLike = None,
+    strict: bool = True,
+    key_map: KeyMapLike = None,
+    init: Optional[InitFn] = None,
+    trust_pickle: bool = False,
+) -> Plan:
+    """What :func:`load` would do, without reading any tensor data.
+
+    Raises the same errors a load would (missing, unexpected and mismatched
+    tensors; tensors that cannot be initialized).
+    """
+    with _opened(checkpoint, trust_pickle) as ckpt:
+        return make_plan(
+            model, ckpt, device=resolve_device(device), dtype=parse_dtype(dtype),
+            strict=strict, key_map=key_map, init=init,
+        )
+
+
+def load(
+    model: nn.Module,
+    checkpoint: CheckpointLike,
+    *,
+    device: DeviceLike = "cpu",
+    dtype: DtypeLike = None,
+    strict: bool = True,
+    key_map: KeyMapLike = None,
+    init: Optional[InitFn] = None,
+    trust_pickle: bool = False,
+    progress: Optional[ProgressFn] = None,
+) -> Report:
+    """Materialize ``model`` on ``device`` from ``checkpoint``, each tensor allocated once.
+
+    Args:
+        model: a module whose tensors may be on ``meta`` (built under
+            :func:`meta_init` or ``torch.device("meta")``) or real.
+        checkpoint: a path (file, shard index, folder) or an open :class:`Checkpoint`.
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        dtype: cast floating tensors to this dtype; ``None`` keeps each
+            tensor's checkpoint dtype, and initialized tensors follow the
+            dtype of the loaded ones.
+        strict: missing or unexpected tensors are an error. With
+            ``strict=False`` unexpected tensors are skipped and missing ones
+            initialized by their module's ``reset_parameters()`` (or ``init``).
+        key_map: renames checkpoint names to model names (:class:`KeyMap`,
+            ``{regex: replacement}`` or a callable). Without one, a
+            ``module.`` or ``_orig_mod.`` prefix on every checkpoint name is
+            stripped when the model has none.
+        init: ``fn(module)`` used instead of ``reset_parameters()``.
+        trust_pickle: see :func:`open_checkpoint`.
+        progress: ``fn(bytes_done, bytes_total)``, called from reader threads.
+
+    Tied parameters stay one tensor. Real buffers absent from the checkpoint
+    move to ``device`` unchanged. If the load fails, every tensor the model
+    had before is put back, so the model is left as it was.
+    """
+    target = resolve_device(device)
+    with _opened(checkpoint, trust_pickle) as ckpt:
+        the_plan = make_plan(
+            model, ckpt, device=target, dtype=parse_dtype(dtype), strict=strict, key_map=key_map, init=init
+        )
+        return execute(the_plan, ckpt, init=init, progress=progress)
+
+
+def execute(the_plan: Plan, ckpt: Checkpoint, *, init: Optional[InitFn] = None, progress: Optional[ProgressFn] = None) -> Report:
+    """Carry out a plan made by :func:`make_plan` against ``ckpt``."""
+    started = time.perf_counter()
+    undo: list[tuple[nn.Module, str, bool, torch.Tensor]] = []
+    with PeakMemory(the_plan.device) as memory, torch.no_grad():
+        try:
+            jobs = [job for entry in the_plan.entries for job in _materialize_entry(entry, undo)]
+            for _, module in the_plan.init_modules:
+                if init is not None:
+                    init(module)
+                else:
+                    module.reset_parameters()
+            bytes_read = stream(jobs, ckpt.files, staging_factory=lambda: staging_for(the_plan.device), progress=progress)
+        except BaseException:
+            _undo(undo)
+            raise
+    final = [_registered(entry) for entry in the_plan.entries]
+    return Report(
+        checkpoint=os.fspath(ckpt.path),
+        format=ckpt.format,
+        device=str(the_plan.device),
+        loaded=[e.name for e in the_plan.of("load")],
+        initialized=[e.name for e in the_plan.of("init")],
+        kept=[e.name for e in the_plan.of("keep")],
+        missing=list(the_plan.missing),
+        unexpected=list(the_plan.unexpected),
+        tied=[list(group) for group in the_plan.tied_groups],
+        dtypes=dict(Counter(dtype_name(t.dtype) for t in final)),
+        bytes_read=bytes_read,
+        model_bytes=sum(t.numel() * t.element_size() for t in final),
+        seconds=time.perf_counter() - started,
+        peak_host_bytes=memory.peak_host,
+        host_growth_bytes=memory.host_growth,
+        peak_device_bytes=memory.peak_device,
+    )
+
+
+def _materialize_entry(entry: Entry, undo: list) -> list[Job]:
+    """Allocate one tensor (once, whatever its tie group) and register it everywhere."""
+    original = entry.original
+    if entry.action == "keep":
+        tensor = original.to(entry.device)
+    elif _reusable(original, entry):
+        tensor = original  # already real, right place and type: fill it in place
+    else:
+        tensor = torch.empty(entry.shape, dtype=entry.dtype, device=entry.device)
+    if tensor is not original and isinstance(original, nn.Parameter):
+        grad = original.requires_grad and (tensor.is_floating_point() or tensor.is_complex())
+        tensor = nn.Parameter(tensor, requires_grad=grad)
+    for owner in entry.owners:
+        registry = owner.module._parameters if owner.is_parameter else owner.module._buffers
+        undo.append((owner.module, owner.attr, owner.is_parameter, registry[owner.attr]))
+        registry[owner.attr] = tensor
+    if entry.action != "load":
+        return []
+    assert entry.source is not None
+    return [Job(tensor.detach(), entry.source)]
+
+
+def _registered(entry: Entry) -> torch.Tensor:
+    """The tensor a module holds now: an init may have replaced the one allocated."""
+    owner = entry.owners[0]
+    return (owner.module._parameters if owner.is_parameter else owner.module._buffers)[owner.attr]
+
+
+def _reusable(original: torch.Tensor, entry: Entry) -> bool:
+    return (
+        original.device == entry.device
+        and original.dtype == entry.dtype
+        and tuple(original.shape) == entry.shape
+        and original.is_contiguous()
+    )
+
+
+def _undo(undo: list[tuple[nn.Module, str, bool, torch.Tensor]]) -> None:
+    for module, attr, is_parameter, previous in reversed(undo):
+        (module._parameters if is_parameter else module._buffers)[attr] = previous
+
+
+def load_tensors(
+    checkpoint: CheckpointLike,
+    *,
+    device: DeviceLike = "cpu",
+    dtype: DtypeLike = None,
+    trust_pickle: bool = False,
+    progress: Optional[ProgressFn] = None,
+) -> tuple[dict[str, torch.Tensor], Report]:
+    """Materialize every tensor of a checkpoint as a plain dict on ``device``."""
+    target = resolve_device(device)
+    cast = parse_dtype(dtype)
+    started = time.perf_counter()
+    with _opened(checkpoint, trust_pickle) as ckpt, PeakMemory(target) as memory:
+        tensors: dict[str, torch.Tensor] = {}
+        jobs = []
+        for name, info in ckpt.items():
+            wanted = cast if cast is not None and info.dtype.is_floating_point else info.dtype
+            tensors[name] = torch.empty(info.shape, dtype=wanted, device=target)
+            jobs.append(Job(tensors[name], info))
+        bytes_read = stream(jobs, ckpt.files, staging_factory=lambda: staging_for(target), progress=progress)
+    report = Report(
+        checkpoint=os.fspath(ckpt.path),
+        format=ckpt.format,
+        device=str(target),
+        loaded=list(tensors),
+        dtypes=dict(Counter(dtype_name(t.dtype) for t in tensors.values())),
+        bytes_read=bytes_read,
+        model_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+        seconds=time.perf_counter() - started,
+        peak_host_bytes=memory.peak_host,
+        host_growth_bytes=memory.host_growth,
+        peak_device_bytes=memory.peak_device,
+    )
+    return tensors, report
+
+
+def load_model(
+    source: CheckpointLike,
+    *,
+    model: Union[nn.Module, ModelSpec, None] = None,
+    model_args: Optional[Mapping[str, Any]] = None,
+    trust_pickle: bool = False,
+    **load_options: Any,
+) -> tuple[Union[nn.Module, dict[str, torch.Tensor]], Report]:
+    """Build the skeleton and load it in one call (what the CLI runs).
+
+    ``model`` is a module, a spec for :func:`build` (called with
+    ``model_args``), or ``None``: then a pickled module in the checkpoint is
+    its own skeleton (needs ``trust_pickle``), and a plain state dict is
+    materialized as a ``dict`` of tensors.
+    """
+    with _opened(source, trust_pickle) as ckpt:
+        if model is None and ckpt.module is None:
+            load_options.pop("strict", None)
+            load_options.pop("key_map", None)
+            load_options.pop("init", None)
+            return load_tensors(ckpt, **load_options)
+        if model is None:
+            skeleton = ckpt.module
+        elif isinstance(model, nn.Module):
+            skeleton = model
+        else:
+            skeleton = build(model, **dict(model_args or {}))
+        assert skeleton is not None
+        return skeleton, load(skeleton, ckpt, **load_options)

@@ -1,0 +1,84 @@
+"""Build models without memory: parameters on ``meta``, buffers kept real.
+
+Buffers such as a rotary ``inv_freq`` are computed in ``__init__`` and are
+usually absent from checkpoints, so putting them on ``meta`` would lose them;
+parameters are what checkpoints hold. The interception point is torch's
+supported global hook on parameter (and buffer) registration, installed once
+and active only in threads currently inside :func:`meta_init`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn.modules import module as module_hooks
+
+_state = threading.local()
+_install_lock = threading.Lock()
+_installed = False
+
+
+def _depth_flags() -> list[bool]:
+    stack = getattr(_state, "stack", None)
+    if stack is None:
+        stack = _state.stack = []
+    return stack
+
+
+def _to_meta_parameter(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> Optional[nn.Parameter]:
+    if not _depth_flags() or param is None or param.device.type == "meta":
+        return None
+    meta = param.detach().to("meta")
+    if type(param) is nn.Parameter:
+        return nn.Parameter(meta, requires_grad=param.requires_grad)
+    return param.__class__(meta, requires_grad=param.requires_grad)
+
+
+def _to_meta_buffer(module: nn.Module, name: str, buffer: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    stack = _depth_flags()
+    if not stack or not stack[-1] or buffer is None or buffer.device.type == "meta":
+        return None
+    return buffer.to("meta")
+
+
+def _install_hooks() -> None:
+    global _installed
+    with _install_lock:
+        if not _installed:
+            module_hooks.register_module_parameter_registration_hook(_to_meta_parameter)
+            module_hooks.register_module_buffer_registration_hook(_to_meta_buffer)
+            _installed = True
+
+
+@contextmanager
+def meta_init(include_buffers: bool = False) -> Iterator[None]:
+    """Create the parameters of every module built inside on ``meta``.
+
+    Args:
+        include_buffers: put buffers on ``meta`` too. Off by default because
+            non-persistent buffers (never saved in checkpoints) would then
+            have to be recomputed by an init.
+
+    Parameters are allocated on CPU by the module's constructor and moved to
+    ``meta`` as they are registered, so a constructor that fills a large
+    tensor (``torch.randn``) still pays for that fill once; ``nn.Linear`` and
+    friends allocate without touching memory and cost nothing. Nesting is
+    allowed (the innermost ``include_buffers`` wins) and the effect is local
+    to the calling thread.
+    """
+    _install_hooks()
+    stack = _depth_flags()
+    stack.append(include_buffers)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def is_meta(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "meta"

@@ -1,0 +1,1 @@
+"""Models shipped with the package: the demo and benchmark transformer."""

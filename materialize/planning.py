@@ -1,0 +1,236 @@
+"""What a load will do, decided before any tensor byte is read.
+
+Pure bookkeeping: model names are matched to checkpoint names, tied tensors
+are grouped, every tensor gets an action (load, init or keep), a dtype and a
+device, and every error a load would hit with names and shapes is raised
+here first.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import torch
+from torch import nn
+
+from .checkpoint import Checkpoint, TensorInfo
+from .dtypes import dtype_name
+from .errors import InitError, KeyMismatchError, ShapeMismatchError
+from .keymap import KeyMapLike, as_key_map, auto_strip_wrapper_prefix
+
+Action = Literal["load", "init", "keep"]
+InitFn = Callable[[nn.Module], None]
+
+
+@dataclass(frozen=True)
+class Owner:
+    """One place a tensor is registered: ``module.<attr>``."""
+
+    module: nn.Module
+    attr: str
+    is_parameter: bool
+    persistent: bool
+
+
+@dataclass
+class Entry:
+    """One unique tensor (a tie group counts once) and what to do with it."""
+
+    names: tuple[str, ...]
+    owners: list[Owner]
+    original: torch.Tensor
+    action: Action
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    source: Optional[TensorInfo] = None
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.original.numel() * self.dtype.itemsize
+
+
+@dataclass
+class Plan:
+    path: str
+    device: torch.device
+    entries: list[Entry]
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    init_modules: list[tuple[str, nn.Module]] = field(default_factory=list)
+
+    def of(self, action: Action) -> list[Entry]:
+        return [e for e in self.entries if e.action == action]
+
+    @property
+    def tied_groups(self) -> list[tuple[str, ...]]:
+        return [e.names for e in self.entries if len(e.names) > 1]
+
+    @property
+    def bytes_by_device(self) -> dict[str, int]:
+        totals: Counter[str] = Counter()
+        for entry in self.entries:
+            totals[str(entry.device)] += entry.nbytes
+        return dict(totals)
+
+    @property
+    def load_nbytes(self) -> int:
+        return sum(e.source.read_nbytes for e in self.of("load") if e.source is not None)
+
+    def to_dict(self) -> dict:
+        return {
+            "checkpoint": self.path,
+            "device": str(self.device),
+            "tensors": {action: len(self.of(action)) for action in ("load", "init", "keep")},
+            "bytes_by_device": self.bytes_by_device,
+            "read_bytes": self.load_nbytes,
+            "tied_groups": [list(group) for group in self.tied_groups],
+            "missing": self.missing,
+            "unexpected": self.unexpected,
+            "mismatched": [
+                {"name": n, "model_shape": list(m), "checkpoint_shape": list(c)} for n, m, c in self.mismatched
+            ],
+            "initialized_modules": [name or "<root>" for name, _ in self.init_modules],
+            "dtypes": dict(Counter(dtype_name(e.dtype) for e in self.entries)),
+        }
+
+
+def _collect_groups(model: nn.Module) -> list[tuple[torch.Tensor, list[tuple[str, Owner]]]]:
+    """Every unique tensor of the model with all the names it is registered under."""
+    groups: dict[int, tuple[torch.Tensor, list[tuple[str, Owner]]]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for attr, param in module._parameters.items():
+            if param is not None:
+                owner = Owner(module, attr, is_parameter=True, persistent=True)
+                groups.setdefault(id(param), (param, []))[1].append((dot + attr, owner))
+        for attr, buffer in module._buffers.items():
+            if buffer is not None:
+                persistent = attr not in module._non_persistent_buffers_set
+                owner = Owner(module, attr, is_parameter=False, persistent=persistent)
+                groups.setdefault(id(buffer), (buffer, []))[1].append((dot + attr, owner))
+    for _, named in groups.values():
+        unique: dict[str, Owner] = {}
+        for name, owner in named:
+            unique.setdefault(name, owner)
+        named[:] = list(unique.items())
+    return list(groups.values())
+
+
+def _map_checkpoint_names(ckpt: Checkpoint, model_names: set[str], key_map: KeyMapLike) -> dict[str, str]:
+    """Model name -> checkpoint name."""
+    rename = as_key_map(key_map) if key_map is not None else auto_strip_wrapper_prefix(ckpt, model_names)
+    mapped: dict[str, str] = {}
+    for ckpt_name in ckpt:
+        model_name = rename(ckpt_name)
+        if model_name in mapped:
+            raise KeyMismatchError(
+                f"checkpoint tensors '{mapped[model_name]}' and '{ckpt_name}' both map to model name "
+                f"'{model_name}'; fix the key_map",
+                path=ckpt.path,
+            )
+        mapped[model_name] = ckpt_name
+    return mapped
+
+
+def _float_dtype_of_loads(entries: list[Entry]) -> Optional[torch.dtype]:
+    """The floating dtype holding most loaded bytes; initialized tensors follow it."""
+    weights: Counter[torch.dtype] = Counter()
+    for entry in entries:
+        if entry.action == "load" and entry.dtype.is_floating_point:
+            weights[entry.dtype] += entry.nbytes
+    return weights.most_common(1)[0][0] if weights else None
+
+
+def make_plan(
+    model: nn.Module,
+    ckpt: Checkpoint,
+    *,
+    device: torch.device,
+    dtype: Optional[torch.dtype] = None,
+    strict: bool = True,
+    key_map: KeyMapLike = None,
+    init: Optional[InitFn] = None,
+) -> Plan:
+    groups = _collect_groups(model)
+    model_names = {name for _, named in groups for name, _ in named}
+    to_ckpt = _map_checkpoint_names(ckpt, model_names, key_map)
+
+    plan = Plan(path=str(ckpt.path), device=device, entries=[])
+    for tensor, named in groups:
+        names = tuple(name for name, _ in named)
+        owners = [owner for _, owner in named]
+        source_name = next((to_ckpt[n] for n in names if n in to_ckpt), None)
+        entry = Entry(names, owners, tensor, "keep", tuple(tensor.shape), tensor.dtype, device)
+        if source_name is not None:
+            info = ckpt[source_name]
+            entry.action, entry.source = "load", info
+            if info.shape != entry.shape:
+                plan.mismatched.append((names[0], entry.shape, info.shape))
+            wants_cast = dtype is not None and info.dtype.is_floating_point
+            entry.dtype = dtype if wants_cast else info.dtype
+        elif tensor.device.type == "meta":
+            entry.action = "init"
+            if all(owner.persistent for owner in owners):
+                plan.missing.append(names[0])
+        plan.entries.append(entry)
+
+    plan.unexpected = [c for m, c in to_ckpt.items() if m not in model_names]
+    _raise_for_mismatch(plan, ckpt, strict)
+
+    follow = dtype or _float_dtype_of_loads(plan.entries)
+    for entry in plan.of("init"):
+        if follow is not None and entry.dtype.is_floating_point:
+            entry.dtype = follow
+    plan.init_modules = _init_modules(model, plan, init, ckpt)
+    return plan
+
+
+def _raise_for_mismatch(plan: Plan, ckpt: Checkpoint, strict: bool) -> None:
+    shapes = [f"{n} (model {list(m)}, checkpoint {list(c)})" for n, m, c in plan.mismatched]
+    problems = []
+    if strict and plan.missing:
+        problems.append(f"{len(plan.missing)} missing from the checkpoint: {', '.join(plan.missing)}")
+    if strict and plan.unexpected:
+        problems.append(f"{len(plan.unexpected)} unexpected in the checkpoint: {', '.join(plan.unexpected)}")
+    if shapes:
+        problems.append(f"{len(shapes)} with a different shape: {', '.join(shapes)}")
+    if not problems:
+        return
+    error = ShapeMismatchError if (shapes and len(problems) == 1) else KeyMismatchError
+    hint = "; pass strict=False (CLI: --no-strict) to initialize missing and skip unexpected tensors" if (
+        strict and (plan.missing or plan.unexpected)
+    ) else ""
+    raise error(
+        "model and checkpoint disagree: " + "; ".join(problems) + hint,
+        path=ckpt.path,
+        missing=plan.missing,
+        unexpected=plan.unexpected,
+        mismatched=[n for n, _, _ in plan.mismatched],
+    )
+
+
+def _init_modules(model: nn.Module, plan: Plan, init: Optional[InitFn], ckpt: Checkpoint) -> list[tuple[str, nn.Module]]:
+    """The modules that own a tensor to initialize, each once, in model order."""
+    wanted: dict[int, nn.Module] = {}
+    uninitializable: list[str] = []
+    for entry in plan.of("init"):
+        owner = entry.owners[0].module
+        if init is None and not callable(getattr(owner, "reset_parameters", None)):
+            uninitializable.append(entry.name)
+        wanted[id(owner)] = owner
+    if uninitializable:
+        raise InitError(
+            f"no initializer for {', '.join(uninitializable)}: the checkpoint lacks them and their modules "
+            "have no reset_parameters(); pass init=fn(module) or a checkpoint that holds them",
+            path=ckpt.path,
+        )
+    return [(name, module) for name, module in model.named_modules() if id(module) in wanted]

@@ -1,0 +1,93 @@
+"""What a load did: counts, bytes, time and memory, as a table or as JSON."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+def format_bytes(nbytes: Optional[float]) -> str:
+    if nbytes is None:
+        return "n/a"
+    value = float(nbytes)
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(value) < 1000 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1000
+    return f"{value:.2f} TB"
+
+
+@dataclass
+class Report:
+    """The outcome of one load. ``str(report)`` is a table; :meth:`to_dict` is JSON-ready."""
+
+    checkpoint: str
+    format: str
+    device: str
+    loaded: list[str] = field(default_factory=list)
+    initialized: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    tied: list[list[str]] = field(default_factory=list)
+    dtypes: dict[str, int] = field(default_factory=dict)
+    bytes_read: int = 0
+    model_bytes: int = 0
+    seconds: float = 0.0
+    peak_host_bytes: Optional[int] = None
+    host_growth_bytes: Optional[int] = None
+    peak_device_bytes: Optional[int] = None
+
+    @property
+    def gb_per_second(self) -> float:
+        return self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "checkpoint": self.checkpoint,
+            "format": self.format,
+            "device": self.device,
+            "loaded": self.loaded,
+            "initialized": self.initialized,
+            "kept": self.kept,
+            "missing": self.missing,
+            "unexpected": self.unexpected,
+            "tied": self.tied,
+            "dtypes": self.dtypes,
+            "bytes_read": self.bytes_read,
+            "model_bytes": self.model_bytes,
+            "seconds": round(self.seconds, 6),
+            "gb_per_second": round(self.gb_per_second, 3),
+            "peak_host_bytes": self.peak_host_bytes,
+            "host_growth_bytes": self.host_growth_bytes,
+            "peak_device_bytes": self.peak_device_bytes,
+        }
+
+    def __str__(self) -> str:
+        rows = [
+            ("checkpoint", f"{self.checkpoint} ({self.format})"),
+            ("device", self.device),
+            ("tensors loaded", str(len(self.loaded))),
+            ("tensors initialized", str(len(self.initialized))),
+            ("buffers kept", str(len(self.kept))),
+            ("tied groups", str(len(self.tied))),
+            ("unexpected (skipped)", str(len(self.unexpected))),
+            ("dtypes", ", ".join(f"{name} x{count}" for name, count in sorted(self.dtypes.items())) or "-"),
+            ("model size", format_bytes(self.model_bytes)),
+            ("bytes read", format_bytes(self.bytes_read)),
+            ("time", f"{self.seconds:.3f} s"),
+            ("throughput", f"{self.gb_per_second:.2f} GB/s"),
+            ("peak host memory", format_bytes(self.peak_host_bytes)),
+            ("host memory growth", format_bytes(self.host_growth_bytes)),
+        ]
+        if self.peak_device_bytes is not None:
+            rows.append(("peak device memory", format_bytes(self.peak_device_bytes)))
+        width = max(len(label) for label, _ in rows)
+        lines = [f"{label.ljust(width)}  {value}" for label, value in rows]
+        if self.initialized:
+            lines.append(f"{'initialized'.ljust(width)}  {', '.join(self.initialized[:6])}"
+                         + (f" (+{len(self.initialized) - 6})" if len(self.initialized) > 6 else ""))
+        if self.unexpected:
+            lines.append(f"{'unexpected'.ljust(width)}  {', '.join(self.unexpected[:6])}"
+                         + (f" (+{len(self.unexpected) - 6})" if len(self.unexpected) > 6 else ""))
+        return "\n".join(lines)

@@ -1,0 +1,95 @@
+"""Model specs: the forms a skeleton can be described in.
+
+* a callable returning a module (a class, a factory function);
+* ``"package.module:callable"``;
+* a TOML file in the ``configs/`` format::
+
+      [model]
+      factory = "materialize.models.transformer:DecoderLM"
+
+      [model.args]
+      hidden_size = 1024
+
+Whatever the form, the model is built under :func:`meta_init`, so its
+parameters cost no memory and its buffers are real.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Union
+
+from torch import nn
+
+from .errors import ModelSpecError
+from .meta import meta_init
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+ModelSpec = Union[str, os.PathLike, Callable[..., nn.Module]]
+
+
+def read_config(path: Union[str, os.PathLike]) -> dict[str, Any]:
+    """Read a ``configs/`` TOML file."""
+    try:
+        with open(path, "rb") as handle:
+            return tomllib.load(handle)
+    except FileNotFoundError:
+        raise ModelSpecError("no such config file", path=path) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ModelSpecError(f"invalid TOML: {exc}", path=path) from None
+
+
+def resolve_factory(spec: ModelSpec) -> tuple[Callable[..., nn.Module], dict[str, Any]]:
+    """The callable a spec names and the arguments its config file gives."""
+    if callable(spec):
+        return spec, {}
+    text = os.fspath(spec)
+    if text.endswith(".toml") or Path(text).is_file():
+        config = read_config(text)
+        model = config.get("model")
+        if not isinstance(model, dict) or not isinstance(model.get("factory"), str):
+            raise ModelSpecError("needs a [model] table with factory = \"package.module:callable\"", path=text)
+        args = model.get("args", {})
+        if not isinstance(args, dict):
+            raise ModelSpecError("[model.args] must be a table", path=text)
+        return _import_callable(model["factory"]), dict(args)
+    return _import_callable(text), {}
+
+
+def _import_callable(target: str) -> Callable[..., nn.Module]:
+    module_name, sep, attr_path = target.partition(":")
+    if not sep or not module_name or not attr_path:
+        raise ModelSpecError(f"model spec {target!r} must be 'package.module:callable' or a .toml config file")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelSpecError(f"model spec {target!r}: cannot import {module_name!r} ({exc})") from None
+    for attr in attr_path.split("."):
+        if not hasattr(obj, attr):
+            raise ModelSpecError(f"model spec {target!r}: {module_name!r} has no attribute {attr_path!r}")
+        obj = getattr(obj, attr)
+    if not callable(obj):
+        raise ModelSpecError(f"model spec {target!r} is not callable")
+    return obj
+
+
+def build(spec: ModelSpec, **kwargs: Any) -> nn.Module:
+    """Build a model skeleton on ``meta`` from a spec; ``kwargs`` override config args."""
+    factory, args = resolve_factory(spec)
+    args.update(kwargs)
+    with meta_init():
+        try:
+            model = factory(**args)
+        except TypeError as exc:
+            raise ModelSpecError(f"model factory {getattr(factory, '__qualname__', factory)!r} rejected its arguments: {exc}") from None
+    if not isinstance(model, nn.Module):
+        raise ModelSpecError(f"model factory {getattr(factory, '__qualname__', factory)!r} returned {type(model).__name__}, not an nn.Module")
+    return model

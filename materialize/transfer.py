@@ -1,0 +1,133 @@
+"""The device seam: how bytes reach a destination the reader cannot fill directly.
+
+A :class:`Staging` owns a ring of host buffers ("slots") and starts copies
+from a slot into a destination view, returning a handle to wait on before
+the slot is refilled. The pipeline that drives it (``engine``) knows nothing
+of devices, so the CPU implementation here, which copies on a worker thread,
+exercises on any machine the exact logic the CUDA implementation runs:
+ring wrap-around, tensors larger than a slot, dtype casts and errors
+mid-stream.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
+
+import torch
+
+DEFAULT_SLOT_BYTES = 64 * 1024 * 1024
+DEFAULT_SLOTS = 4
+
+
+class Completion(Protocol):
+    def wait(self) -> None: ...
+
+
+class Staging(ABC):
+    """A ring of host slots and an asynchronous slot-to-destination copy."""
+
+    def __init__(self, slots: list[torch.Tensor]) -> None:
+        assert slots and all(s.dtype == torch.uint8 and s.dim() == 1 for s in slots)
+        self.slots = slots
+        self.slot_bytes = min(s.numel() for s in slots)
+
+    @abstractmethod
+    def copy(self, dest: torch.Tensor, src: torch.Tensor) -> Completion:
+        """Start ``dest.copy_(src)`` (casting if dtypes differ); ``src`` is a slot view."""
+
+    def begin(self) -> None:
+        """Called once before the first copy."""
+
+    def finish(self) -> None:
+        """Called once after the last copy has been waited on."""
+
+    def close(self) -> None:
+        """Release the slots and any worker."""
+
+
+class _FutureCompletion:
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def wait(self) -> None:
+        self._future.result()
+
+
+class ThreadStaging(Staging):
+    """CPU staging: plain buffers, copies on one worker thread, overlapping reads."""
+
+    def __init__(self, slot_bytes: int = 8 * 1024 * 1024, num_slots: int = 3) -> None:
+        super().__init__([torch.empty(slot_bytes, dtype=torch.uint8) for _ in range(num_slots)])
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="materialize-copy")
+
+    def copy(self, dest: torch.Tensor, src: torch.Tensor) -> Completion:
+        return _FutureCompletion(self._worker.submit(dest.copy_, src))
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+        self.slots = []
+
+
+class CudaStaging(Staging):
+    """Pinned slots; host-to-device copies on a side stream, one event per copy."""
+
+    def __init__(self, device: torch.device, slot_bytes: int = DEFAULT_SLOT_BYTES, num_slots: int = DEFAULT_SLOTS) -> None:
+        super().__init__([torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(num_slots)])
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+
+    def begin(self) -> None:
+        # Destinations were allocated, and maybe initialized, on the current stream.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def copy(self, dest: torch.Tensor, src: torch.Tensor) -> Completion:
+        event = torch.cuda.Event()
+        with torch.cuda.stream(self.stream):
+            dest.copy_(src, non_blocking=True)
+            event.record(self.stream)
+        # Event.wait() orders streams; the ring needs the host to block, hence synchronize().
+        return _EventCompletion(event)
+
+    def finish(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self.stream.synchronize()
+
+    def close(self) -> None:
+        self.slots = []
+
+
+class _EventCompletion:
+    def __init__(self, event: "torch.cuda.Event") -> None:
+        self._event = event
+
+    def wait(self) -> None:
+        self._event.synchronize()
+
+
+def staging_for(device: torch.device) -> Staging:
+    """The staging a destination device needs: the one device-specific choice."""
+    if device.type == "cuda":
+        return CudaStaging(device)
+    return ThreadStaging()
+
+
+def resolve_device(device: "str | torch.device") -> torch.device:
+    """Validate a device up front, so a load never fails after allocating."""
+    from .errors import DeviceError
+
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise DeviceError(f"invalid device {device!r}: {exc}") from None
+    if target.type == "cpu":
+        return torch.device("cpu")
+    if target.type != "cuda":
+        raise DeviceError(f"device {device!r} is not supported; use cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise DeviceError(f"device {device!r} requested but CUDA is not available (no GPU visible, or a CPU-only torch)")
+    index = torch.cuda.current_device() if target.index is None else target.index
+    if index >= torch.cuda.device_count():
+        raise DeviceError(f"device {device!r} does not exist: {torch.cuda.device_count()} GPU(s) visible")
+    return torch.device("cuda", index)

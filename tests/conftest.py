@@ -1,0 +1,85 @@
+"""Shared builders: a tiny real model, and real checkpoint files in every format."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from materialize.models.transformer import DecoderLM
+
+TINY = dict(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
+
+
+def reference_model(*, tie: bool = False, dtype: torch.dtype = torch.float32, seed: int = 0) -> DecoderLM:
+    """A real CPU model; only parameters are cast, buffers stay as built."""
+    torch.manual_seed(seed)
+    model = DecoderLM(**TINY, tie_embeddings=tie)
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return model.eval()
+
+
+def saved_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What saving tools write: persistent tensors, each tie group once."""
+    seen: set[int] = set()
+    state = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            state[name] = tensor.detach().clone().contiguous()
+    return state
+
+
+def write_safetensors(state: dict[str, torch.Tensor], path: Path) -> Path:
+    save_file(state, str(path))
+    return path
+
+
+def write_torch(state: dict, path: Path) -> Path:
+    torch.save(state, path)
+    return path
+
+
+def write_sharded(state: dict[str, torch.Tensor], folder: Path, *, kind: str = "safetensors", shards: int = 3) -> Path:
+    """Hugging Face layout: shards plus an index whose weight_map names them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    names = list(state)
+    suffix, index_name = (
+        (".safetensors", "model.safetensors.index.json") if kind == "safetensors" else (".bin", "pytorch_model.bin.index.json")
+    )
+    weight_map = {}
+    for number in range(shards):
+        part = {n: state[n] for n in names[number::shards]}
+        file_name = f"model-{number + 1:05d}-of-{shards:05d}{suffix}"
+        (write_safetensors if kind == "safetensors" else write_torch)(part, folder / file_name)
+        weight_map.update({n: file_name for n in part})
+    index = folder / index_name
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return index
+
+
+def tiny_skeleton(*, tie: bool = False) -> DecoderLM:
+    from materialize import meta_init
+
+    with meta_init():
+        return DecoderLM(**TINY, tie_embeddings=tie)
+
+
+def assert_state_equal(model: torch.nn.Module, expected: dict[str, torch.Tensor], dtype: Optional[torch.dtype] = None) -> None:
+    actual = model.state_dict()
+    for name, value in expected.items():
+        want = value.to(dtype) if dtype is not None and value.is_floating_point() else value
+        got = actual[name]
+        assert got.device.type != "meta", name
+        assert got.dtype == want.dtype, (name, got.dtype, want.dtype)
+        assert torch.equal(got, want), name
+
+
+@pytest.fixture
+def tokens() -> torch.Tensor:
+    return torch.randint(0, TINY["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(1))

@@ -1,0 +1,55 @@
+"""The CUDA path: staged through pinned memory; host memory bounded by the ring, not the model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import materialize as mz
+from materialize.transfer import DEFAULT_SLOT_BYTES, DEFAULT_SLOTS
+
+from conftest import reference_model, saved_state, tiny_skeleton, write_safetensors, write_torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+PROBE = Path(__file__).with_name("memory_probe.py")
+
+
+@pytest.mark.parametrize("writer", [write_safetensors, write_torch], ids=["safetensors", "torch"])
+@pytest.mark.parametrize("dtype", [None, torch.float16], ids=["keep", "fp16"])
+def test_load_to_cuda_matches_the_source(writer, dtype, tmp_path, tokens):
+    source = reference_model(tie=True, dtype=torch.bfloat16)
+    state = saved_state(source)
+    path = writer(state, tmp_path / ("m.safetensors" if writer is write_safetensors else "m.pt"))
+    model = tiny_skeleton(tie=True)
+
+    report = mz.load(model, path, device="cuda", dtype=dtype)
+
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert all(t.device.type == "cuda" for t in list(model.parameters()) + list(model.buffers()))
+    for name, value in state.items():
+        want = value.to(dtype) if dtype is not None else value
+        assert torch.equal(model.state_dict()[name].cpu(), want), name
+    assert report.peak_device_bytes is not None and report.peak_device_bytes > 0
+
+
+def test_cuda_load_host_memory_is_bounded_by_the_staging_ring(tmp_path):
+    path = tmp_path / "m.safetensors"
+    subprocess.run([sys.executable, str(PROBE), "write", str(path)], check=True)
+
+    done = subprocess.run([sys.executable, str(PROBE), "ours", str(path), "auto", "cuda"], capture_output=True, text=True, check=True)
+    result = json.loads(done.stdout)
+
+    assert result["growth"] <= DEFAULT_SLOT_BYTES * DEFAULT_SLOTS + 128 * 1024 * 1024, result
+
+
+def test_unavailable_cuda_index_is_a_device_error(tmp_path):
+    path = write_safetensors({"w": torch.ones(2)}, tmp_path / "m.safetensors")
+
+    with pytest.raises(mz.DeviceError, match="does not exist"):
+        mz.load_tensors(path, device=f"cuda:{torch.cuda.device_count()}")

@@ -1,0 +1,204 @@
+"""Every supported format loads values equal to the source, with and without a cast."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import materialize as mz
+
+from conftest import (
+    assert_state_equal,
+    reference_model,
+    saved_state,
+    tiny_skeleton,
+    write_safetensors,
+    write_sharded,
+    write_torch,
+)
+
+
+def _write(kind: str, state: dict, tmp_path: Path) -> Path:
+    if kind == "safetensors":
+        return write_safetensors(state, tmp_path / "model.safetensors")
+    if kind == "safetensors-sharded":
+        return write_sharded(state, tmp_path / "sharded", kind="safetensors")
+    if kind == "torch":
+        return write_torch(state, tmp_path / "model.pt")
+    if kind == "torch-sharded":
+        return write_sharded(state, tmp_path / "sharded", kind="torch")
+    if kind.startswith("torch-nested-"):
+        key = kind.removeprefix("torch-nested-")
+        return write_torch({key: state, "epoch": 3, "optimizer": {"lr": 0.1}}, tmp_path / "ckpt.pth")
+    if kind == "hf-folder":
+        write_sharded(state, tmp_path / "repo", kind="safetensors")
+        (tmp_path / "repo" / "config.json").write_text(json.dumps({"model_type": "tiny"}))
+        return tmp_path / "repo"
+    if kind == "hf-folder-bin":
+        folder = tmp_path / "repo"
+        folder.mkdir()
+        write_torch(state, folder / "pytorch_model.bin")
+        return folder
+    raise AssertionError(kind)
+
+
+FORMATS = [
+    "safetensors",
+    "safetensors-sharded",
+    "torch",
+    "torch-sharded",
+    "torch-nested-state_dict",
+    "torch-nested-model",
+    "torch-nested-module",
+    "hf-folder",
+    "hf-folder-bin",
+]
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize("dtype", [None, torch.float32, torch.float16], ids=["keep", "fp32", "fp16"])
+def test_every_format_loads_the_source_values(kind, dtype, tmp_path):
+    source = reference_model(tie=True, dtype=torch.bfloat16)
+    state = saved_state(source)
+    path = _write(kind, state, tmp_path)
+    model = tiny_skeleton(tie=True)
+
+    report = mz.load(model, path, dtype=dtype)
+
+    assert_state_equal(model, state, dtype)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert report.bytes_read == sum(t.numel() * t.element_size() for t in state.values())
+    assert sorted(report.loaded) == sorted(state)
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "torch-sharded"])
+def test_forward_after_load_matches_the_source_model(kind, tmp_path, tokens):
+    source = reference_model(dtype=torch.bfloat16)
+    path = _write(kind, saved_state(source), tmp_path)
+    model = tiny_skeleton()
+
+    mz.load(model, path)
+
+    with torch.no_grad():
+        assert torch.equal(model(tokens), source(tokens))
+
+
+def test_bf16_checkpoint_stays_bf16_without_dtype(tmp_path):
+    source = reference_model(dtype=torch.bfloat16)
+    path = write_safetensors(saved_state(source), tmp_path / "m.safetensors")
+    model = tiny_skeleton()  # built as fp32
+
+    mz.load(model, path)
+
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_load_tensors_materializes_a_plain_state_dict(tmp_path):
+    state = saved_state(reference_model())
+    path = write_torch(state, tmp_path / "m.pt")
+
+    tensors, report = mz.load_tensors(path, dtype="bf16")
+
+    assert set(tensors) == set(state)
+    for name, value in state.items():
+        assert torch.equal(tensors[name], value.to(torch.bfloat16)), name
+    assert report.dtypes == {"bfloat16": len(state)}
+
+
+def test_torch_file_with_shared_and_strided_views_loads_exactly(tmp_path):
+    base = torch.randn(6, 5)
+    state = {
+        "base": base,
+        "rows": base[2:],              # shares storage at an offset
+        "transposed": base.t(),        # non-contiguous view
+        "column": base[:, 1],          # strided
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+        "ints": torch.arange(7, dtype=torch.int64),
+        "flags": torch.tensor([True, False, True]),
+    }
+    path = write_torch(state, tmp_path / "views.pt")
+
+    tensors, _ = mz.load_tensors(path)
+
+    for name, value in state.items():
+        assert tensors[name].shape == value.shape, name
+        assert tensors[name].dtype == value.dtype, name
+        assert torch.equal(tensors[name], value), name
+
+
+@pytest.mark.parametrize("writer", [write_safetensors, write_torch], ids=["safetensors", "torch"])
+def test_special_values_and_dtypes_are_bit_exact(writer, tmp_path):
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-40, 65504.0])
+    state = {
+        "f32": special,
+        "f16": special.half(),
+        "bf16": special.bfloat16(),
+        "f64": special.double(),
+        "i8": torch.tensor([-128, 127], dtype=torch.int8),
+        "u8": torch.tensor([0, 255], dtype=torch.uint8),
+        "i16": torch.tensor([-(2**15), 2**15 - 1], dtype=torch.int16),
+        "i32": torch.tensor([-(2**31), 2**31 - 1], dtype=torch.int32),
+        "i64": torch.tensor([-(2**63), 2**63 - 1], dtype=torch.int64),
+        "bool": torch.tensor([True, False]),
+        "scalar": torch.tensor(7, dtype=torch.int32),
+        "zero_size": torch.empty(3, 0),
+    }
+    if hasattr(torch, "float8_e4m3fn"):
+        state["f8"] = torch.tensor([1.0, -2.0, 448.0]).to(torch.float8_e4m3fn)
+    path = writer(state, tmp_path / ("m.safetensors" if writer is write_safetensors else "m.pt"))
+
+    tensors, _ = mz.load_tensors(path)
+
+    for name, value in state.items():
+        assert tensors[name].dtype == value.dtype, name
+        assert tensors[name].shape == value.shape, name
+        got = tensors[name].reshape(-1).view(torch.uint8) if value.numel() else tensors[name]
+        want = value.reshape(-1).view(torch.uint8) if value.numel() else value
+        assert torch.equal(got, want), name
+
+
+def test_open_checkpoint_reads_headers_only(tmp_path):
+    big = {f"w{i}": torch.randn(1024, 1024) for i in range(16)}  # 64 MiB of data
+    path = write_safetensors(big, tmp_path / "big.safetensors")
+    sharded = write_sharded(big, tmp_path / "sharded", kind="torch", shards=2)
+
+    for target in (path, sharded):
+        before = _bytes_read_by_process()
+        with mz.open_checkpoint(target) as ckpt:
+            infos = dict(ckpt)
+        read = _bytes_read_by_process() - before
+
+        assert read < 1024 * 1024, f"{target}: opening read {read} bytes"
+        assert infos["w3"].shape == (1024, 1024) and infos["w3"].dtype == torch.float32
+        assert ckpt.nbytes == 16 * 1024 * 1024 * 4
+
+
+def _bytes_read_by_process() -> int:
+    with open("/proc/self/io") as io_stats:
+        return next(int(line.split()[1]) for line in io_stats if line.startswith("rchar:"))
+
+
+def test_checkpoint_is_a_lazy_mapping_with_byte_locations(tmp_path):
+    state = {"a": torch.ones(2, 3, dtype=torch.float16), "b": torch.arange(4, dtype=torch.int32)}
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+
+    with mz.open_checkpoint(path) as ckpt:
+        info = ckpt["a"]
+
+        assert set(ckpt) == {"a", "b"} and len(ckpt) == 2
+        assert (info.dtype, info.shape, info.nbytes) == (torch.float16, (2, 3), 12)
+        assert path.read_bytes()[info.offset:info.offset + info.nbytes] == state["a"].numpy().tobytes()
+        assert ckpt.format == "safetensors"
+
+
+def test_folder_with_both_formats_prefers_safetensors(tmp_path):
+    state = {"w": torch.randn(3)}
+    write_safetensors(state, tmp_path / "model.safetensors")
+    write_torch({"w": torch.zeros(3)}, tmp_path / "pytorch_model.bin")
+
+    with mz.open_checkpoint(tmp_path) as ckpt:
+        assert ckpt.format == "safetensors"

@@ -1,0 +1,264 @@
+"""Ties, buffers, init of missing tensors, strictness, key maps, dtypes, rollback."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import materialize as mz
+
+from conftest import TINY, assert_state_equal, reference_model, saved_state, tiny_skeleton, write_safetensors, write_torch
+from materialize.models.transformer import DecoderLM
+
+
+class Scaled(nn.Module):
+    """A module whose own init is recognisable: weight 7, bias -1."""
+
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n, n))
+        self.bias = nn.Parameter(torch.empty(n))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.constant_(self.weight, 7.0)
+        nn.init.constant_(self.bias, -1.0)
+
+
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = Scaled()
+        self.second = Scaled()
+
+
+class NoInit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(3))
+
+
+class Holder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.known = nn.Linear(2, 2)
+        self.bare = NoInit()
+
+
+def _meta(factory):
+    with mz.meta_init():
+        return factory()
+
+
+def test_tied_weights_stay_one_tensor_when_the_checkpoint_holds_either_name(tmp_path):
+    source = reference_model(tie=True)
+    for kept in ("embed_tokens.weight", "lm_head.weight"):
+        state = {k: v for k, v in source.state_dict().items() if k != ({"embed_tokens.weight", "lm_head.weight"} - {kept}).pop()}
+        path = write_safetensors({k: v.contiguous() for k, v in state.items()}, tmp_path / f"{kept}.safetensors")
+        model = tiny_skeleton(tie=True)
+
+        report = mz.load(model, path)
+
+        assert model.lm_head.weight is model.embed_tokens.weight
+        assert torch.equal(model.lm_head.weight, source.lm_head.weight)
+        assert report.missing == [] and report.tied == [["embed_tokens.weight", "lm_head.weight"]]
+        assert len({id(p) for p in model.parameters()}) == len(list(model.parameters()))
+
+
+def test_non_persistent_buffers_survive_meta_init(tmp_path, tokens):
+    source = reference_model()
+    path = write_safetensors(saved_state(source), tmp_path / "m.safetensors")
+    model = tiny_skeleton()
+
+    report = mz.load(model, path)
+
+    rotary = model.layers[0].attn.rotary.inv_freq
+    assert torch.equal(rotary, source.layers[0].attn.rotary.inv_freq)
+    assert len(report.kept) == TINY["num_layers"]
+    with torch.no_grad():
+        assert torch.equal(model(tokens), source(tokens))
+
+
+def test_model_built_under_plain_meta_device_gets_its_buffers_recomputed(tmp_path, tokens):
+    source = reference_model()
+    path = write_safetensors(saved_state(source), tmp_path / "m.safetensors")
+    with torch.device("meta"):
+        model = DecoderLM(**TINY)
+
+    report = mz.load(model, path)
+
+    assert all(t.device.type == "cpu" for t in list(model.parameters()) + list(model.buffers()))
+    assert torch.equal(model.layers[1].attn.rotary.inv_freq, source.layers[1].attn.rotary.inv_freq)
+    assert sorted(report.initialized) == [f"layers.{i}.attn.rotary.inv_freq" for i in range(TINY["num_layers"])]
+    with torch.no_grad():
+        assert torch.equal(model(tokens), source(tokens))
+
+
+def test_missing_tensors_are_initialized_and_loaded_ones_untouched(tmp_path):
+    loaded_weight = torch.randn(4, 4)
+    path = write_safetensors({"first.weight": loaded_weight, "extra": torch.ones(2)}, tmp_path / "m.safetensors")
+    model = _meta(Pair)
+
+    report = mz.load(model, path, strict=False)
+
+    assert torch.equal(model.first.weight, loaded_weight)  # loaded after its module's init ran
+    assert torch.equal(model.first.bias, torch.full((4,), -1.0))
+    assert torch.equal(model.second.weight, torch.full((4, 4), 7.0))
+    assert sorted(report.missing) == ["first.bias", "second.bias", "second.weight"]
+    assert sorted(report.initialized) == sorted(report.missing)
+    assert report.unexpected == ["extra"]
+
+
+def test_custom_init_replaces_reset_parameters(tmp_path):
+    path = write_safetensors({"first.weight": torch.randn(4, 4), "first.bias": torch.randn(4)}, tmp_path / "m.safetensors")
+    model = _meta(Pair)
+    seen = []
+
+    def init(module: nn.Module) -> None:
+        seen.append(module)
+        for param in module.parameters(recurse=False):
+            param.fill_(0.5)
+
+    mz.load(model, path, strict=False, init=init)
+
+    assert seen == [model.second]
+    assert torch.equal(model.second.weight, torch.full((4, 4), 0.5))
+
+
+def test_missing_tensor_without_an_initializer_is_an_error_naming_it(tmp_path):
+    path = write_safetensors({"known.weight": torch.randn(2, 2), "known.bias": torch.randn(2)}, tmp_path / "m.safetensors")
+    model = _meta(Holder)
+
+    with pytest.raises(mz.InitError, match="bare.weight"):
+        mz.load(model, path, strict=False)
+
+    assert model.known.weight.device.type == "meta"
+
+
+def test_strict_mismatch_names_every_tensor_and_leaves_model_untouched(tmp_path):
+    path = write_safetensors({"first.weight": torch.randn(4, 4), "stray.a": torch.ones(1), "stray.b": torch.ones(1)}, tmp_path / "m.safetensors")
+    model = _meta(Pair)
+
+    with pytest.raises(mz.KeyMismatchError) as caught:
+        mz.load(model, path)
+
+    message = str(caught.value)
+    for name in ("first.bias", "second.weight", "second.bias", "stray.a", "stray.b", str(path)):
+        assert name in message
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_shape_mismatch_is_an_error_even_when_not_strict(tmp_path):
+    path = write_safetensors({"first.weight": torch.randn(4, 5)}, tmp_path / "m.safetensors")
+    model = _meta(Pair)
+
+    with pytest.raises(mz.ShapeMismatchError, match=r"first.weight \(model \[4, 4\], checkpoint \[4, 5\]\)"):
+        mz.load(model, path, strict=False)
+
+
+def test_initialized_tensors_follow_the_loaded_dtype(tmp_path):
+    path = write_safetensors({"first.weight": torch.randn(4, 4, dtype=torch.bfloat16)}, tmp_path / "m.safetensors")
+    model = _meta(Pair)
+
+    mz.load(model, path, strict=False)
+
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize(
+    "key_map, saved_prefix",
+    [
+        (mz.KeyMap.strip_prefix("model."), "model."),
+        ({r"^backbone\.": ""}, "backbone."),
+        (lambda name: name.replace("enc.", "", 1), "enc."),
+        (None, "module."),       # DistributedDataParallel's prefix is stripped automatically
+        (None, "_orig_mod."),    # and torch.compile's
+    ],
+)
+def test_key_map_renames_checkpoint_names(key_map, saved_prefix, tmp_path):
+    state = {f"{saved_prefix}{k}": v for k, v in saved_state(reference_model()).items()}
+    path = write_torch(state, tmp_path / "m.pt")
+    model = tiny_skeleton()
+
+    mz.load(model, path, key_map=key_map)
+
+    assert torch.equal(model.norm.weight, state[f"{saved_prefix}norm.weight"])
+
+
+def test_add_prefix_key_map_loads_a_base_model_checkpoint_into_a_wrapper(tmp_path):
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = DecoderLM(**TINY)
+
+    state = saved_state(reference_model())
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+    wrapper = _meta(Wrapper)
+
+    mz.load(wrapper, path, key_map=mz.KeyMap.add_prefix("model."))
+
+    assert torch.equal(wrapper.model.embed_tokens.weight, state["embed_tokens.weight"])
+
+
+def test_real_model_is_filled_in_place(tmp_path):
+    state = saved_state(reference_model())
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+    model = DecoderLM(**TINY)
+    before = model.embed_tokens.weight
+
+    mz.load(model, path)
+
+    assert model.embed_tokens.weight is before
+    assert_state_equal(model, state)
+
+
+def test_requires_grad_is_kept(tmp_path):
+    state = saved_state(reference_model())
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+    model = tiny_skeleton()
+    model.norm.weight.requires_grad_(False)
+
+    mz.load(model, path)
+
+    assert model.norm.weight.requires_grad is False
+    assert model.lm_head.weight.requires_grad is True
+    assert isinstance(model.lm_head.weight, nn.Parameter)
+
+
+def test_file_truncated_after_opening_fails_naming_the_tensor_and_rolls_back(tmp_path):
+    state = saved_state(reference_model())
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+    model = tiny_skeleton()
+    with mz.open_checkpoint(path) as ckpt:
+        last = max(ckpt.values(), key=lambda info: info.offset)
+        os.truncate(path, last.offset + 4)
+
+        with pytest.raises(mz.CheckpointError, match=f"{last.name}.*truncated"):
+            mz.load(model, ckpt)
+
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_plan_reports_what_a_load_would_do_without_reading(tmp_path):
+    source = reference_model(tie=True, dtype=torch.bfloat16)
+    path = write_safetensors(saved_state(source), tmp_path / "m.safetensors")
+    model = tiny_skeleton(tie=True)
+
+    plan = mz.plan(model, path, dtype="fp16")
+    summary = plan.to_dict()
+
+    assert summary["tied_groups"] == [["embed_tokens.weight", "lm_head.weight"]]
+    assert summary["tensors"] == {"load": len(saved_state(source)), "init": 0, "keep": TINY["num_layers"]}
+    assert summary["read_bytes"] == sum(t.numel() * 2 for t in saved_state(source).values())
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error shown when no GPU is visible")
+def test_cuda_without_a_gpu_is_a_clear_device_error(tmp_path):
+    path = write_safetensors({"w": torch.ones(2)}, tmp_path / "m.safetensors")
+
+    with pytest.raises(mz.DeviceError, match="CUDA is not available"):
+        mz.load_tensors(path, device="cuda")

@@ -1,0 +1,77 @@
+"""meta_init: parameters on meta, buffers real, nested and thread-local."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+import materialize as mz
+
+
+class WithBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.register_buffer("table", torch.arange(4.0), persistent=False)
+
+
+def test_parameters_go_to_meta_and_buffers_stay_real():
+    with mz.meta_init():
+        model = WithBuffer()
+
+    assert model.linear.weight.device.type == "meta"
+    assert isinstance(model.linear.weight, nn.Parameter)
+    assert torch.equal(model.table, torch.arange(4.0))
+
+
+def test_include_buffers_puts_buffers_on_meta_too():
+    with mz.meta_init(include_buffers=True):
+        model = WithBuffer()
+
+    assert model.table.device.type == "meta"
+
+
+def test_nested_contexts_restore_the_outer_setting():
+    with mz.meta_init(include_buffers=True):
+        with mz.meta_init():
+            inner = WithBuffer()
+        outer = WithBuffer()
+    after = WithBuffer()
+
+    assert inner.table.device.type == "cpu" and inner.linear.weight.device.type == "meta"
+    assert outer.table.device.type == "meta"
+    assert after.linear.weight.device.type == "cpu"
+
+
+def test_other_threads_are_not_affected():
+    inside = threading.Event()
+    release = threading.Event()
+    built = {}
+
+    def build_under_meta() -> None:
+        with mz.meta_init():
+            inside.set()
+            release.wait(5)
+            built["meta"] = nn.Linear(2, 2)
+
+    worker = threading.Thread(target=build_under_meta)
+    worker.start()
+    inside.wait(5)
+    built["plain"] = nn.Linear(2, 2)
+    release.set()
+    worker.join()
+
+    assert built["plain"].weight.device.type == "cpu"
+    assert built["meta"].weight.device.type == "meta"
+
+
+def test_context_is_left_even_when_the_body_raises():
+    try:
+        with mz.meta_init():
+            raise RuntimeError("boom")
+    except RuntimeError:
+        pass
+
+    assert nn.Linear(2, 2).weight.device.type == "cpu"

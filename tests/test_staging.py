@@ -1,0 +1,127 @@
+"""The staged pipeline (the CUDA path's logic) driven by the CPU staging double."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import materialize as mz
+from materialize.engine import Job, run_staged
+from materialize.fileio import FileSet
+from materialize.transfer import ThreadStaging
+
+from conftest import write_safetensors
+
+
+class RecordingStaging(ThreadStaging):
+    """ThreadStaging that records copies and checks no slot is refilled while in flight."""
+
+    def __init__(self, slot_bytes: int, num_slots: int, fail_on_copy: int = -1) -> None:
+        super().__init__(slot_bytes=slot_bytes, num_slots=num_slots)
+        self.copies = 0
+        self.fail_on_copy = fail_on_copy
+        self.in_flight: dict[int, object] = {}
+        self.finished = False
+
+    def copy(self, dest, src):
+        if self.copies == self.fail_on_copy:
+            self.copies += 1
+
+            def broken():
+                raise RuntimeError("copy engine fault")
+
+            return _Done(self._worker.submit(broken))
+        self.copies += 1
+        return super().copy(dest, src)
+
+    def finish(self):
+        self.finished = True
+
+
+class _Done:
+    def __init__(self, future):
+        self.future = future
+
+    def wait(self):
+        self.future.result()
+
+
+def _jobs(ckpt, dtype=None):
+    dests = {name: torch.empty(info.shape, dtype=dtype or info.dtype) for name, info in ckpt.items()}
+    return dests, [Job(dests[name], info) for name, info in ckpt.items()]
+
+
+def test_ring_wraps_around_and_splits_tensors_larger_than_a_slot(tmp_path):
+    state = {f"t{i}": torch.randn(37 + i * 11) for i in range(6)}  # each larger than one 64-byte slot
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+    staging = RecordingStaging(slot_bytes=64, num_slots=3)
+
+    with mz.open_checkpoint(path) as ckpt:
+        dests, jobs = _jobs(ckpt)
+        run_staged(jobs, ckpt.files, staging, lambda n: None)
+    staging.close()
+
+    expected_chunks = sum(-(-v.numel() * 4 // 64) for v in state.values())
+    assert staging.copies == expected_chunks > 3 * 2
+    assert staging.finished
+    for name, value in state.items():
+        assert torch.equal(dests[name], value), name
+
+
+def test_staged_cast_converts_chunk_by_chunk(tmp_path):
+    state = {"a": torch.randn(1000).bfloat16(), "b": torch.randn(3, 333).bfloat16()}
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+    staging = RecordingStaging(slot_bytes=256, num_slots=2)
+
+    with mz.open_checkpoint(path) as ckpt:
+        dests, jobs = _jobs(ckpt, dtype=torch.float32)
+        run_staged(jobs, ckpt.files, staging, lambda n: None)
+    staging.close()
+
+    for name, value in state.items():
+        assert torch.equal(dests[name], value.float()), name
+
+
+def test_read_error_mid_stream_raises_after_draining_copies(tmp_path):
+    state = {f"t{i}": torch.randn(100) for i in range(4)}
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+    staging = RecordingStaging(slot_bytes=128, num_slots=2)
+
+    with mz.open_checkpoint(path) as ckpt:
+        dests, jobs = _jobs(ckpt)
+        os.truncate(path, ckpt["t2"].offset + 10)
+        with pytest.raises(mz.CheckpointError, match="t2"):
+            run_staged(jobs, ckpt.files, staging, lambda n: None)
+
+    assert not staging.finished
+    assert torch.equal(dests["t0"], state["t0"])  # copies already started completed
+    staging.close()
+
+
+def test_copy_failure_surfaces_and_stops_the_stream(tmp_path):
+    state = {f"t{i}": torch.randn(64) for i in range(4)}
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+    staging = RecordingStaging(slot_bytes=256, num_slots=2, fail_on_copy=1)
+
+    with mz.open_checkpoint(path) as ckpt:
+        _, jobs = _jobs(ckpt)
+        with pytest.raises(RuntimeError, match="copy engine fault"):
+            run_staged(jobs, ckpt.files, staging, lambda n: None)
+
+    assert not staging.finished
+    staging.close()
+
+
+def test_progress_counts_every_byte(tmp_path):
+    state = {f"t{i}": torch.randn(50 + i) for i in range(5)}
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+    seen = []
+
+    tensors, report = mz.load_tensors(path, dtype="fp16", progress=lambda done, total: seen.append((done, total)))
+
+    total = sum(v.numel() * 4 for v in state.values())
+    assert seen[-1] == (total, total)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+    assert report.bytes_read == total

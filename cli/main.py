@@ -15,7 +15,7 @@ from materialize.dtypes import dtype_name
 from materialize.report import format_bytes
 
 from ._errors import one_line
-from .params import DEVICE, DTYPE, MODEL_ARG
+from .params import DEVICE, DTYPE, MODEL_ARG, RENAME
 from .progress import progress_for
 
 DEFAULT_COMMAND = "load"
@@ -61,10 +61,24 @@ model_options = [
     click.option("--device", type=DEVICE, default="cpu", show_default=True, help="Where the tensors are allocated."),
     click.option("--dtype", type=DTYPE, default=None, help="Cast floating tensors; default auto keeps the checkpoint's dtypes."),
     click.option("--strict/--no-strict", default=True, show_default=True, help="Missing or unexpected tensors are an error; --no-strict initializes missing ones."),
+    click.option("--strip-prefix", metavar="PREFIX", help="Remove PREFIX from checkpoint names (e.g. 'model.')."),
+    click.option("--add-prefix", metavar="PREFIX", help="Prepend PREFIX to checkpoint names."),
+    click.option("--rename", "renames", type=RENAME, multiple=True, help="Regex rename of checkpoint names, applied in order after --strip-prefix."),
     click.option("--trust-pickle", is_flag=True, help="Allow a pickled model (torch.save(model)): imports its classes and may run its code."),
     click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout and nothing else there."),
     click.option("--debug", is_flag=True, help="Show the traceback of an error."),
 ]
+
+
+def key_map_from(strip_prefix: Optional[str], add_prefix: Optional[str], renames: tuple) -> Optional[mz.KeyMap]:
+    parts = []
+    if strip_prefix:
+        parts.append(mz.KeyMap.strip_prefix(strip_prefix))
+    if renames:
+        parts.append(mz.KeyMap.regex(dict(renames)))
+    if add_prefix:
+        parts.append(mz.KeyMap.add_prefix(add_prefix))
+    return sum(parts[1:], parts[0]) if parts else None
 
 
 def with_options(options: list) -> Callable:
@@ -92,7 +106,8 @@ def main() -> None:
 @checkpoint_argument
 @with_options(model_options)
 def load_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, device: str,
-                 dtype: Optional[torch.dtype], strict: bool, trust_pickle: bool, as_json: bool, debug: bool) -> None:
+                 dtype: Optional[torch.dtype], strict: bool, strip_prefix: Optional[str], add_prefix: Optional[str],
+                 renames: tuple, trust_pickle: bool, as_json: bool, debug: bool) -> None:
     """(default) Build the model on meta and materialize CHECKPOINT into it."""
 
     def action() -> None:
@@ -101,6 +116,7 @@ def load_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, 
             _, report = mz.load_model(
                 checkpoint, model=model_spec, model_args=dict(model_args), trust_pickle=trust_pickle,
                 device=device, dtype=dtype, strict=strict, progress=progress,
+                key_map=key_map_from(strip_prefix, add_prefix, renames),
             )
         finally:
             if progress is not None:
@@ -160,7 +176,8 @@ def _inspect_text(ckpt: mz.Checkpoint) -> str:
 @checkpoint_argument
 @with_options(model_options)
 def plan_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, device: str,
-                 dtype: Optional[torch.dtype], strict: bool, trust_pickle: bool, as_json: bool, debug: bool) -> None:
+                 dtype: Optional[torch.dtype], strict: bool, strip_prefix: Optional[str], add_prefix: Optional[str],
+                 renames: tuple, trust_pickle: bool, as_json: bool, debug: bool) -> None:
     """What a load would do: per-device bytes, ties, missing and unexpected; reads no tensor data."""
 
     def action() -> None:
@@ -171,7 +188,8 @@ def plan_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, 
                 model = ckpt.module
             else:
                 raise click.UsageError("plan needs --model SPEC (or a pickled module with --trust-pickle)")
-            the_plan = mz.plan(model, ckpt, device=device, dtype=dtype, strict=strict)
+            the_plan = mz.plan(model, ckpt, device=device, dtype=dtype, strict=strict,
+                               key_map=key_map_from(strip_prefix, add_prefix, renames))
             _emit(as_json, the_plan.to_dict(), _plan_text(the_plan.to_dict()))
 
     _run(debug, action)

@@ -59,6 +59,25 @@ class ModelArgType(click.ParamType):
             return key, raw
 
 
+class RenameType(click.ParamType):
+    """``PATTERN=REPLACEMENT``: a regex rename from checkpoint names to model names."""
+
+    name = "pattern=replacement"
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> tuple[str, str]:
+        if isinstance(value, tuple):
+            return value
+        pattern, sep, replacement = str(value).partition("=")
+        if not sep or not pattern:
+            self.fail(f"{value!r} is not PATTERN=REPLACEMENT", param, ctx)
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            self.fail(f"{pattern!r} is not a valid regular expression: {exc}", param, ctx)
+        return pattern, replacement
+
+
 DTYPE = DtypeType()
+RENAME = RenameType()
 DEVICE = DeviceType()
 MODEL_ARG = ModelArgType()

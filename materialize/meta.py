@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
+from torch.overrides import TorchFunctionMode
 
 _state = threading.local()
 _install_lock = threading.Lock()
@@ -55,6 +56,23 @@ def _install_hooks() -> None:
             _installed = True
 
 
+class _SkipInPlaceOnMeta(TorchFunctionMode):
+    """Make in-place ops on meta tensors (``normal_``, ``uniform_``...) free.
+
+    They compute nothing on meta anyway, but the first one imports torch's
+    reference kernels and dynamo, which costs seconds per process.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        # torch.nn.init functions pass their tensor by keyword.
+        target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+        if name.endswith("_") and not name.endswith("__") and isinstance(target, torch.Tensor) and target.is_meta:
+            return target
+        return func(*args, **kwargs)
+
+
 @contextmanager
 def meta_init(include_buffers: bool = False) -> Iterator[None]:
     """Create the parameters of every module built inside on ``meta``.
@@ -75,7 +93,8 @@ def meta_init(include_buffers: bool = False) -> Iterator[None]:
     stack = _depth_flags()
     stack.append(include_buffers)
     try:
-        yield
+        with _SkipInPlaceOnMeta():
+            yield
     finally:
         stack.pop()
 

@@ -177,8 +177,9 @@ def make_plan(
                 plan.mismatched.append((names[0], entry.shape, info.shape))
             wants_cast = dtype is not None and info.dtype.is_floating_point
             entry.dtype = dtype if wants_cast else info.dtype
-        elif tensor.device.type == "meta":
-            entry.action = "init"
+        else:
+            if tensor.device.type == "meta":
+                entry.action = "init"
             if all(owner.persistent for owner in owners):
                 plan.missing.append(names[0])
         plan.entries.append(entry)
@@ -205,6 +206,9 @@ def _raise_for_mismatch(plan: Plan, ckpt: Checkpoint, strict: bool) -> None:
         problems.append(f"{len(shapes)} with a different shape: {', '.join(shapes)}")
     if not problems:
         return
+    prefix_hint = _prefix_hint(plan.missing, plan.unexpected) if strict else ""
+    if prefix_hint:
+        problems.append(prefix_hint)
     error = ShapeMismatchError if (shapes and len(problems) == 1) else KeyMismatchError
     hint = "; pass strict=False (CLI: --no-strict) to initialize missing and skip unexpected tensors" if (
         strict and (plan.missing or plan.unexpected)
@@ -216,6 +220,24 @@ def _raise_for_mismatch(plan: Plan, ckpt: Checkpoint, strict: bool) -> None:
         unexpected=plan.unexpected,
         mismatched=[n for n, _, _ in plan.mismatched],
     )
+
+
+def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
+    """Spot the commonest cause: the names differ only by a prefix one side carries."""
+    if not missing or not unexpected:
+        return ""
+    for extra, short in ((unexpected, missing), (missing, unexpected)):
+        sample = short[0]
+        for name in extra:
+            if name.endswith("." + sample):
+                prefix = name[: -len(sample)]
+                if all(prefix + n in set(extra) for n in short[:50]):
+                    if extra is unexpected:
+                        return (f"the checkpoint names carry the prefix '{prefix}': pass "
+                                f"key_map=KeyMap.strip_prefix('{prefix}') (CLI: --strip-prefix {prefix})")
+                    return (f"the model names carry the prefix '{prefix}': pass "
+                            f"key_map=KeyMap.add_prefix('{prefix}') (CLI: --add-prefix {prefix})")
+    return ""
 
 
 def _init_modules(model: nn.Module, plan: Plan, init: Optional[InitFn], ckpt: Checkpoint) -> list[tuple[str, nn.Module]]:

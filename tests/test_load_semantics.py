@@ -262,3 +262,23 @@ def test_cuda_without_a_gpu_is_a_clear_device_error(tmp_path):
 
     with pytest.raises(mz.DeviceError, match="CUDA is not available"):
         mz.load_tensors(path, device="cuda")
+
+
+def test_real_tensors_absent_from_the_checkpoint_are_missing_under_strict(tmp_path):
+    path = write_safetensors({"first.weight": torch.randn(4, 4)}, tmp_path / "m.safetensors")
+    model = Pair()
+
+    with pytest.raises(mz.KeyMismatchError, match="second.weight"):
+        mz.load(model, path)
+    report = mz.load(model, path, strict=False)
+
+    assert torch.equal(model.second.weight, torch.full((4, 4), 7.0))  # kept as built
+    assert "second.weight" in report.missing and "second.weight" in report.kept
+
+
+def test_a_prefix_mismatch_error_says_which_prefix_to_strip(tmp_path):
+    state = {f"model.{k}": v for k, v in saved_state(reference_model()).items()}
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+
+    with pytest.raises(mz.KeyMismatchError, match=r"prefix 'model\.'.*strip_prefix\('model\.'\)"):
+        mz.load(tiny_skeleton(), path)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import torch
@@ -75,3 +77,34 @@ def test_context_is_left_even_when_the_body_raises():
         pass
 
     assert nn.Linear(2, 2).weight.device.type == "cpu"
+
+
+class FilledBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.zeros(3).fill_(2.0))
+        self.weight = nn.Parameter(torch.empty(3))
+        nn.init.normal_(self.weight)
+
+
+def test_in_place_ops_still_run_on_real_tensors():
+    with mz.meta_init():
+        model = FilledBuffer()
+
+    assert torch.equal(model.scale, torch.full((3,), 2.0))
+    assert model.weight.is_meta
+
+
+def test_building_on_meta_skips_init_kernels_entirely():
+    # In-place init on meta would import torch's reference kernels and dynamo: seconds per process.
+    script = (
+        "import sys, materialize as mz\n"
+        "model = mz.build('materialize.models.transformer:DecoderLM', vocab_size=64, hidden_size=32,"
+        " num_layers=2, num_heads=4, intermediate_size=64)\n"
+        "assert all(p.is_meta for p in model.parameters())\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+
+    assert done.stdout.strip() == "False"

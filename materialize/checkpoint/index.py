@@ -32,19 +32,39 @@ def read_index(index_path: Path) -> tuple[dict[str, str], dict]:
     return weight_map, metadata if isinstance(metadata, dict) else {}
 
 
+def _allowed_roots(folder: Path) -> list[Path]:
+    """Where shard files may really live: the folder, and for a hub cache snapshot its repo's blobs."""
+    roots = [folder]
+    if folder.parent.name == "snapshots":
+        roots.append(folder.parent.parent / "blobs")
+    return roots
+
+
 def resolve_shards(index_path: Path, weight_map: dict[str, str]) -> dict[str, Path]:
-    """Shard file name -> path, refusing any path that leaves the folder."""
+    """Shard file name -> path, refusing any path or symlink that leaves the folder.
+
+    A shard name must be a relative path below the index's folder. A symlink
+    may point into the folder or, in a Hugging Face cache snapshot, into the
+    repo's ``blobs/`` (that is how the cache stores files); nowhere else.
+    """
     folder = index_path.parent.resolve()
+    roots = _allowed_roots(folder)
     shards: dict[str, Path] = {}
     missing: list[str] = []
     for shard_name in dict.fromkeys(weight_map.values()):
         candidate = Path(shard_name)
-        resolved = (folder / candidate).resolve()
-        if candidate.is_absolute() or not resolved.is_relative_to(folder):
+        if candidate.is_absolute() or ".." in candidate.parts or not shard_name.strip():
             raise CheckpointError(f"shard path {shard_name!r} points outside the checkpoint folder", path=index_path)
-        if not resolved.is_file():
+        path = folder / candidate
+        if not path.is_file():
             missing.append(shard_name)
-        shards[shard_name] = folder / candidate
+            continue
+        target = path.resolve()
+        if not any(target.is_relative_to(root) for root in roots):
+            raise CheckpointError(
+                f"shard {shard_name!r} is a symlink to {target}, outside the checkpoint folder", path=index_path
+            )
+        shards[shard_name] = path
     if missing:
         raise CheckpointNotFoundError(
             f"index names {len(missing)} missing shard(s): {', '.join(missing)}", path=index_path

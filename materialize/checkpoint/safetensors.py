@@ -82,7 +82,7 @@ def _parse_header(path: Path, raw: bytes, *, data_start: int, file_size: int) ->
     if not isinstance(header, dict):
         raise CheckpointError(f"header is a JSON {type(header).__name__}, not an object", path=path)
 
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):

@@ -35,6 +35,8 @@ def _run(debug: bool, action: Callable[[], None]) -> None:
     """Run a command body; expected errors become one line and exit code 1."""
     try:
         action()
+    except click.ClickException:
+        raise  # usage errors keep click's own message and exit code 2
     except (mz.MaterializeError, OSError, MemoryError) as error:
         if debug:
             raise

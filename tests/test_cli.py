@@ -331,11 +331,6 @@ def test_plan_with_no_strict_lists_missing_and_unexpected(tmp_path):
     assert summary["tensors"]["init"] == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="CLI bug: plan without --model raises click.UsageError inside _run, whose catch-all "
-    "'except Exception' turns it into exit 1 'Error: unexpected UsageError ...' instead of a usage error (exit 2)",
-)
 def test_plan_without_a_model_is_a_usage_error(tmp_path):
     path = tmp_path / "model.pt"
     write_small_torch(path)
@@ -441,6 +436,27 @@ def test_shape_mismatch_names_the_tensor_and_both_shapes(tmp_path):
     assert "[32]" in line and "[31]" in line
 
 
+def test_model_spec_that_cannot_be_imported_is_one_error_line(tmp_path):
+    path = tmp_path / "tiny.safetensors"
+    write_tiny_decoder_checkpoint(path)
+
+    result = run_cli(path, "--model", "no_such_package.models:Thing")
+
+    line = assert_one_error_line(result, None)
+    assert "no_such_package" in line
+
+
+def test_invalid_toml_config_names_the_config_file(tmp_path):
+    path = tmp_path / "tiny.safetensors"
+    write_tiny_decoder_checkpoint(path)
+    config = tmp_path / "broken.toml"
+    config.write_text('[model]\nfactory = "materialize.models.transformer:DecoderLM\n', encoding="utf-8")
+
+    result = run_cli(path, "--model", config)
+
+    assert_one_error_line(result, str(config))
+
+
 def test_unavailable_cuda_device_is_one_error_line(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible here, so --device cuda is valid")
@@ -482,3 +498,47 @@ def test_version_flag_prints_the_version():
 
     assert result.returncode == 0
     assert materialize.__version__ in result.stdout
+
+
+# ---------------------------------------------------------------- progress on a terminal
+
+
+def _run_on_a_terminal(*args: object) -> tuple[int, str]:
+    """Run the CLI with stdout and stderr on a pseudo-terminal, as a person would."""
+    import pty
+
+    main_fd, child_fd = pty.openpty()
+    process = subprocess.Popen([materialize_command(), *map(str, args)], stdout=child_fd, stderr=child_fd, close_fds=True)
+    os.close(child_fd)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(main_fd, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(main_fd)
+    return process.wait(timeout=300), b"".join(chunks).decode(errors="replace")
+
+
+def test_a_terminal_shows_a_progress_line_with_throughput(tmp_path):
+    path = tmp_path / "model.safetensors"
+    write_small_safetensors(path)
+
+    code, output = _run_on_a_terminal(path)
+
+    assert code == 0
+    assert "loading" in output and "GB/s" in output and "100.0%" in output
+
+
+def test_json_output_has_no_progress_line_even_on_a_terminal(tmp_path):
+    path = tmp_path / "model.safetensors"
+    write_small_safetensors(path)
+
+    code, output = _run_on_a_terminal(path, "--json")
+
+    assert code == 0
+    assert "loading" not in output
+    assert json.loads(output)["bytes_read"] == nbytes(write_small_safetensors(tmp_path / "again.safetensors"))

@@ -120,17 +120,25 @@ def execute(the_plan: Plan, ckpt: Checkpoint, *, init: Optional[InitFn] = None, 
         except BaseException:
             _undo(undo)
             raise
-    final = [_registered(entry) for entry in the_plan.entries]
-    return Report(
-        checkpoint=os.fspath(ckpt.path),
-        format=ckpt.format,
-        device=str(the_plan.device),
+    return _report(
+        ckpt, the_plan.device, [_registered(entry) for entry in the_plan.entries], bytes_read, started, memory,
         loaded=[e.name for e in the_plan.of("load")],
         initialized=[e.name for e in the_plan.of("init")],
         kept=[e.name for e in the_plan.of("keep")],
         missing=list(the_plan.missing),
         unexpected=list(the_plan.unexpected),
         tied=[list(group) for group in the_plan.tied_groups],
+    )
+
+
+def _report(
+    ckpt: Checkpoint, device: torch.device, final: list[torch.Tensor], bytes_read: int, started: float,
+    memory: PeakMemory, **outcome: Any,
+) -> Report:
+    return Report(
+        checkpoint=os.fspath(ckpt.path),
+        format=ckpt.format,
+        device=str(device),
         dtypes=dict(Counter(dtype_name(t.dtype) for t in final)),
         bytes_read=bytes_read,
         model_bytes=sum(t.numel() * t.element_size() for t in final),
@@ -138,6 +146,7 @@ def execute(the_plan: Plan, ckpt: Checkpoint, *, init: Optional[InitFn] = None, 
         peak_host_bytes=memory.peak_host,
         host_growth_bytes=memory.host_growth,
         peak_device_bytes=memory.peak_device,
+        **outcome,
     )
 
 
@@ -203,19 +212,7 @@ def load_tensors(
             tensors[name] = torch.empty(info.shape, dtype=wanted, device=target)
             jobs.append(Job(tensors[name], info))
         bytes_read = stream(jobs, ckpt.files, staging_factory=lambda: staging_for(target), progress=progress)
-    report = Report(
-        checkpoint=os.fspath(ckpt.path),
-        format=ckpt.format,
-        device=str(target),
-        loaded=list(tensors),
-        dtypes=dict(Counter(dtype_name(t.dtype) for t in tensors.values())),
-        bytes_read=bytes_read,
-        model_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
-        seconds=time.perf_counter() - started,
-        peak_host_bytes=memory.peak_host,
-        host_growth_bytes=memory.host_growth,
-        peak_device_bytes=memory.peak_device,
-    )
+    report = _report(ckpt, target, list(tensors.values()), bytes_read, started, memory, loaded=list(tensors))
     return tensors, report
 
 

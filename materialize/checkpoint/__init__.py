@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Union
+from typing import Callable, Union
 
 from ..errors import CheckpointError, CheckpointNotFoundError, UnsupportedFormatError
 from ..fileio import open_for_reading
@@ -92,30 +92,25 @@ def _sniff(path: Path) -> str:
     )
 
 
+# Hugging Face layout first, safetensors before torch; the first rule that
+# matches exactly one file wins, a rule matching several is ambiguous.
+_FOLDER_RULES: tuple[Callable[[Path], bool], ...] = (
+    lambda p: p.name == "model.safetensors.index.json",
+    lambda p: p.name == "model.safetensors",
+    lambda p: p.name.endswith(".safetensors.index.json"),
+    lambda p: p.suffix == ".safetensors",
+    lambda p: p.name == "pytorch_model.bin.index.json",
+    lambda p: p.name == "pytorch_model.bin",
+    lambda p: p.name.endswith(".index.json"),
+    lambda p: p.suffix in TORCH_SUFFIXES and p.name != "training_args.bin",
+)
+
+
 def _pick_from_folder(folder: Path) -> Path:
-    """The one checkpoint a Hugging Face-style folder holds, safetensors first."""
+    """The one checkpoint a Hugging Face-style folder holds."""
     files = sorted(p for p in folder.iterdir() if p.is_file())
-    names = {p.name for p in files}
-    for preferred in ("model.safetensors.index.json", "model.safetensors"):
-        if preferred in names:
-            return folder / preferred
-    for group in (
-        [p for p in files if p.name.endswith(".safetensors.index.json")],
-        [p for p in files if p.suffix == ".safetensors"],
-    ):
-        if len(group) == 1:
-            return group[0]
-        if len(group) > 1:
-            raise CheckpointError(
-                f"holds several candidate checkpoints ({', '.join(p.name for p in group)}); pass one of them",
-                path=folder,
-            )
-    for preferred in ("pytorch_model.bin.index.json", "pytorch_model.bin"):
-        if preferred in names:
-            return folder / preferred
-    indexes = [p for p in files if p.name.endswith(".index.json")]
-    weights = [p for p in files if p.suffix in TORCH_SUFFIXES and p.name != "training_args.bin"]
-    for group in (indexes, weights):
+    for rule in _FOLDER_RULES:
+        group = [p for p in files if rule(p)]
         if len(group) == 1:
             return group[0]
         if len(group) > 1:

@@ -166,7 +166,7 @@ def test_model_from_factory_loads_tied_checkpoint_in_its_own_dtype(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert sorted(report["loaded"]) == sorted(state)
-    assert report["tied"] == [["embed_tokens.weight", "lm_head.weight"]]
+    assert report["tied"] == [["model.embed_tokens.weight", "lm_head.weight"]]
     assert report["missing"] == [] and report["unexpected"] == [] and report["initialized"] == []
     assert report["bytes_read"] == nbytes(state)
     assert report["dtypes"]["bfloat16"] == len(state)
@@ -211,7 +211,7 @@ def test_model_from_a_toml_config_file_loads(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert sorted(report["loaded"]) == sorted(state)
-    assert report["tied"] == [["embed_tokens.weight", "lm_head.weight"]]
+    assert report["tied"] == [["model.embed_tokens.weight", "lm_head.weight"]]
     assert report["bytes_read"] == nbytes(state)
 
 
@@ -238,7 +238,7 @@ def test_trust_pickle_loads_a_pickled_module(tmp_path):
     report = json.loads(result.stdout)
     assert report["format"] == "torch-module"
     assert set(source.state_dict()) - {"lm_head.weight"} <= set(report["loaded"])
-    assert report["tied"] == [["embed_tokens.weight", "lm_head.weight"]]
+    assert report["tied"] == [["model.embed_tokens.weight", "lm_head.weight"]]
     assert report["missing"] == [] and report["initialized"] == []
 
 
@@ -311,14 +311,14 @@ def test_plan_json_reports_what_a_load_would_do(tmp_path):
     assert summary["tensors"]["load"] == len(state)
     assert summary["tensors"]["init"] == 0
     assert summary["read_bytes"] == nbytes(state)
-    assert summary["tied_groups"] == [["embed_tokens.weight", "lm_head.weight"]]
+    assert summary["tied_groups"] == [["model.embed_tokens.weight", "lm_head.weight"]]
     assert summary["missing"] == [] and summary["unexpected"] == []
 
 
 def test_plan_with_no_strict_lists_missing_and_unexpected(tmp_path):
     path = tmp_path / "tiny.safetensors"
     state = tiny_decoder_state()
-    del state["norm.weight"]
+    del state["model.norm.weight"]
     state["bogus.weight"] = torch.ones(2)
     save_file(state, str(path))
 
@@ -326,7 +326,7 @@ def test_plan_with_no_strict_lists_missing_and_unexpected(tmp_path):
 
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
-    assert summary["missing"] == ["norm.weight"]
+    assert summary["missing"] == ["model.norm.weight"]
     assert summary["unexpected"] == ["bogus.weight"]
     assert summary["tensors"]["init"] == 1
 
@@ -412,27 +412,27 @@ def test_code_executing_pickle_fails_in_inspect_without_running_code(tmp_path):
 def test_strict_key_mismatch_names_the_file_and_every_offending_tensor(tmp_path):
     path = tmp_path / "tiny.safetensors"
     state = tiny_decoder_state()
-    del state["norm.weight"]
+    del state["model.norm.weight"]
     state["bogus.weight"] = torch.ones(2)
     save_file(state, str(path))
 
     result = run_cli(path, *TINY_MODEL_OPTIONS)
 
     line = assert_one_error_line(result, str(path))
-    assert "norm.weight" in line
+    assert "model.norm.weight" in line
     assert "bogus.weight" in line
 
 
 def test_shape_mismatch_names_the_tensor_and_both_shapes(tmp_path):
     path = tmp_path / "tiny.safetensors"
     state = tiny_decoder_state()
-    state["norm.weight"] = torch.ones(31)
+    state["model.norm.weight"] = torch.ones(31)
     save_file(state, str(path))
 
     result = run_cli("plan", path, *TINY_MODEL_OPTIONS, "--json")
 
     line = assert_one_error_line(result, str(path))
-    assert "norm.weight" in line
+    assert "model.norm.weight" in line
     assert "[32]" in line and "[31]" in line
 
 

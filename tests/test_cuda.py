@@ -30,7 +30,7 @@ def test_load_to_cuda_matches_the_source(writer, dtype, tmp_path, tokens):
 
     report = mz.load(model, path, device="cuda", dtype=dtype)
 
-    assert model.lm_head.weight is model.embed_tokens.weight
+    assert model.lm_head.weight is model.model.embed_tokens.weight
     assert all(t.device.type == "cuda" for t in list(model.parameters()) + list(model.buffers()))
     for name, value in state.items():
         want = value.to(dtype) if dtype is not None else value

@@ -69,7 +69,7 @@ def test_every_format_loads_the_source_values(kind, dtype, tmp_path):
     report = mz.load(model, path, dtype=dtype)
 
     assert_state_equal(model, state, dtype)
-    assert model.lm_head.weight is model.embed_tokens.weight
+    assert model.lm_head.weight is model.model.embed_tokens.weight
     assert report.bytes_read == sum(t.numel() * t.element_size() for t in state.values())
     assert sorted(report.loaded) == sorted(state)
 

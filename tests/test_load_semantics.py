@@ -55,16 +55,16 @@ def _meta(factory):
 
 def test_tied_weights_stay_one_tensor_when_the_checkpoint_holds_either_name(tmp_path):
     source = reference_model(tie=True)
-    for kept in ("embed_tokens.weight", "lm_head.weight"):
-        state = {k: v for k, v in source.state_dict().items() if k != ({"embed_tokens.weight", "lm_head.weight"} - {kept}).pop()}
+    for kept in ("model.embed_tokens.weight", "lm_head.weight"):
+        state = {k: v for k, v in source.state_dict().items() if k != ({"model.embed_tokens.weight", "lm_head.weight"} - {kept}).pop()}
         path = write_safetensors({k: v.contiguous() for k, v in state.items()}, tmp_path / f"{kept}.safetensors")
         model = tiny_skeleton(tie=True)
 
         report = mz.load(model, path)
 
-        assert model.lm_head.weight is model.embed_tokens.weight
+        assert model.lm_head.weight is model.model.embed_tokens.weight
         assert torch.equal(model.lm_head.weight, source.lm_head.weight)
-        assert report.missing == [] and report.tied == [["embed_tokens.weight", "lm_head.weight"]]
+        assert report.missing == [] and report.tied == [["model.embed_tokens.weight", "lm_head.weight"]]
         assert len({id(p) for p in model.parameters()}) == len(list(model.parameters()))
 
 
@@ -75,8 +75,8 @@ def test_non_persistent_buffers_survive_meta_init(tmp_path, tokens):
 
     report = mz.load(model, path)
 
-    rotary = model.layers[0].attn.rotary.inv_freq
-    assert torch.equal(rotary, source.layers[0].attn.rotary.inv_freq)
+    rotary = model.model.layers[0].self_attn.rotary.inv_freq
+    assert torch.equal(rotary, source.model.layers[0].self_attn.rotary.inv_freq)
     assert len(report.kept) == TINY["num_layers"]
     with torch.no_grad():
         assert torch.equal(model(tokens), source(tokens))
@@ -91,8 +91,8 @@ def test_model_built_under_plain_meta_device_gets_its_buffers_recomputed(tmp_pat
     report = mz.load(model, path)
 
     assert all(t.device.type == "cpu" for t in list(model.parameters()) + list(model.buffers()))
-    assert torch.equal(model.layers[1].attn.rotary.inv_freq, source.layers[1].attn.rotary.inv_freq)
-    assert sorted(report.initialized) == [f"layers.{i}.attn.rotary.inv_freq" for i in range(TINY["num_layers"])]
+    assert torch.equal(model.model.layers[1].self_attn.rotary.inv_freq, source.model.layers[1].self_attn.rotary.inv_freq)
+    assert sorted(report.initialized) == [f"model.layers.{i}.self_attn.rotary.inv_freq" for i in range(TINY["num_layers"])]
     with torch.no_grad():
         assert torch.equal(model(tokens), source(tokens))
 
@@ -185,7 +185,7 @@ def test_key_map_renames_checkpoint_names(key_map, saved_prefix, tmp_path):
 
     mz.load(model, path, key_map=key_map)
 
-    assert torch.equal(model.norm.weight, state[f"{saved_prefix}norm.weight"])
+    assert torch.equal(model.model.norm.weight, state[f"{saved_prefix}model.norm.weight"])
 
 
 def test_add_prefix_key_map_loads_a_base_model_checkpoint_into_a_wrapper(tmp_path):
@@ -200,18 +200,18 @@ def test_add_prefix_key_map_loads_a_base_model_checkpoint_into_a_wrapper(tmp_pat
 
     mz.load(wrapper, path, key_map=mz.KeyMap.add_prefix("model."))
 
-    assert torch.equal(wrapper.model.embed_tokens.weight, state["embed_tokens.weight"])
+    assert torch.equal(wrapper.model.model.embed_tokens.weight, state["model.embed_tokens.weight"])
 
 
 def test_real_model_is_filled_in_place(tmp_path):
     state = saved_state(reference_model())
     path = write_safetensors(state, tmp_path / "m.safetensors")
     model = DecoderLM(**TINY)
-    before = model.embed_tokens.weight
+    before = model.model.embed_tokens.weight
 
     mz.load(model, path)
 
-    assert model.embed_tokens.weight is before
+    assert model.model.embed_tokens.weight is before
     assert_state_equal(model, state)
 
 
@@ -219,11 +219,11 @@ def test_requires_grad_is_kept(tmp_path):
     state = saved_state(reference_model())
     path = write_safetensors(state, tmp_path / "m.safetensors")
     model = tiny_skeleton()
-    model.norm.weight.requires_grad_(False)
+    model.model.norm.weight.requires_grad_(False)
 
     mz.load(model, path)
 
-    assert model.norm.weight.requires_grad is False
+    assert model.model.norm.weight.requires_grad is False
     assert model.lm_head.weight.requires_grad is True
     assert isinstance(model.lm_head.weight, nn.Parameter)
 
@@ -250,7 +250,7 @@ def test_plan_reports_what_a_load_would_do_without_reading(tmp_path):
     plan = mz.plan(model, path, dtype="fp16")
     summary = plan.to_dict()
 
-    assert summary["tied_groups"] == [["embed_tokens.weight", "lm_head.weight"]]
+    assert summary["tied_groups"] == [["model.embed_tokens.weight", "lm_head.weight"]]
     assert summary["tensors"] == {"load": len(saved_state(source)), "init": 0, "keep": TINY["num_layers"]}
     assert summary["read_bytes"] == sum(t.numel() * 2 for t in saved_state(source).values())
     assert all(p.device.type == "meta" for p in model.parameters())

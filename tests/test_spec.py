@@ -33,15 +33,15 @@ def test_build_makes_a_meta_skeleton_from_every_spec_form(form, tmp_path):
     model = mz.build(spec, **kwargs)
 
     assert isinstance(model, DecoderLM)
-    assert model.embed_tokens.weight.shape == (TINY["vocab_size"], TINY["hidden_size"])
+    assert model.model.embed_tokens.weight.shape == (TINY["vocab_size"], TINY["hidden_size"])
     assert all(p.device.type == "meta" for p in model.parameters())
-    assert model.layers[0].attn.rotary.inv_freq.device.type == "cpu"
+    assert model.model.layers[0].self_attn.rotary.inv_freq.device.type == "cpu"
 
 
 def test_keyword_arguments_override_the_config(tmp_path):
     model = mz.build(_toml(tmp_path, TINY), num_layers=1)
 
-    assert len(model.layers) == 1
+    assert len(model.model.layers) == 1
 
 
 @pytest.mark.parametrize(
@@ -71,7 +71,7 @@ def test_load_model_builds_and_loads_in_one_call(tmp_path):
 
     model, report = mz.load_model(path, model=FACTORY, model_args=TINY, dtype="bf16")
 
-    assert torch.equal(model.norm.weight, state["norm.weight"].bfloat16())
+    assert torch.equal(model.model.norm.weight, state["model.norm.weight"].bfloat16())
     assert report.dtypes["bfloat16"] == len(state)
 
 
@@ -101,5 +101,5 @@ def test_writer_produces_a_loadable_sharded_checkpoint(tmp_path):
     for name, value in written.items():
         assert value.dtype == torch.bfloat16
         assert torch.equal(model.get_parameter(name), value), name
-    assert report.tied == [["embed_tokens.weight", "lm_head.weight"]]
+    assert report.tied == [["model.embed_tokens.weight", "lm_head.weight"]]
     assert not list(tmp_path.glob(".ckpt.*"))  # no staging folder left behind

@@ -85,18 +85,41 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, intermediate_size: int, rope_theta: float, eps: float) -> None:
         super().__init__()
-        self.input_norm = RMSNorm(hidden_size, eps)
-        self.attn = Attention(hidden_size, num_heads, rope_theta)
-        self.post_attn_norm = RMSNorm(hidden_size, eps)
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.self_attn = Attention(hidden_size, num_heads, rope_theta)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
         self.mlp = MLP(hidden_size, intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x))
-        return x + self.mlp(self.post_attn_norm(x))
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """The stack without its head: embedding, blocks, final norm."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
+                 intermediate_size: int, rope_theta: float, norm_eps: float) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.layers = nn.ModuleList(
+            Block(hidden_size, num_heads, intermediate_size, rope_theta, norm_eps) for _ in range(num_layers)
+        )
+        self.norm = RMSNorm(hidden_size, norm_eps)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
 
 
 class DecoderLM(nn.Module):
-    """Embedding, ``num_layers`` pre-norm blocks, final norm, LM head."""
+    """Embedding, ``num_layers`` pre-norm blocks, final norm, LM head.
+
+    Tensor names follow Hugging Face's Llama (``model.layers.0.self_attn.q_proj.weight``),
+    so a checkpoint written from it is a Llama checkpoint of the same shape.
+    """
 
     def __init__(
         self,
@@ -110,17 +133,10 @@ class DecoderLM(nn.Module):
         tie_embeddings: bool = False,
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
-        self.layers = nn.ModuleList(
-            Block(hidden_size, num_heads, intermediate_size, rope_theta, norm_eps) for _ in range(num_layers)
-        )
-        self.norm = RMSNorm(hidden_size, norm_eps)
+        self.model = Decoder(vocab_size, hidden_size, num_layers, num_heads, intermediate_size, rope_theta, norm_eps)
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
         if tie_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self.model(input_ids))

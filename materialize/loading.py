@@ -16,6 +16,7 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .dtypes import dtype_name, parse_dtype
 from .engine import Job, ProgressFn, stream
 from .keymap import KeyMapLike
+from .mapping import FileMaps
 from .memory import PeakMemory
 from .planning import Entry, InitFn, Plan, make_plan
 from .report import Report
@@ -69,6 +70,7 @@ def load(
     key_map: KeyMapLike = None,
     init: Optional[InitFn] = None,
     trust_pickle: bool = False,
+    mmap: bool = False,
     progress: Optional[ProgressFn] = None,
 ) -> Report:
     """Materialize ``model`` on ``device`` from ``checkpoint``, each tensor allocated once.
@@ -90,6 +92,11 @@ def load(
             stripped when the model has none.
         init: ``fn(module)`` used instead of ``reset_parameters()``.
         trust_pickle: see :func:`open_checkpoint`.
+        mmap: on CPU, make loaded tensors copy-on-write views of the files
+            instead of copies (zero-copy: the load reads only headers, pages
+            are read on first use, and only pages written to cost memory).
+            Tensors that need a cast, and strided views, are still copied.
+            The files must not change while the model lives.
         progress: ``fn(bytes_done, bytes_total)``, called from reader threads.
 
     Tied parameters stay one tensor. Real buffers absent from the checkpoint
@@ -101,16 +108,25 @@ def load(
         the_plan = make_plan(
             model, ckpt, device=target, dtype=parse_dtype(dtype), strict=strict, key_map=key_map, init=init
         )
-        return execute(the_plan, ckpt, init=init, progress=progress)
+        return execute(the_plan, ckpt, init=init, mmap=mmap, progress=progress)
 
 
-def execute(the_plan: Plan, ckpt: Checkpoint, *, init: Optional[InitFn] = None, progress: Optional[ProgressFn] = None) -> Report:
+def execute(
+    the_plan: Plan,
+    ckpt: Checkpoint,
+    *,
+    init: Optional[InitFn] = None,
+    mmap: bool = False,
+    progress: Optional[ProgressFn] = None,
+) -> Report:
     """Carry out a plan made by :func:`make_plan` against ``ckpt``."""
     started = time.perf_counter()
     undo: list[tuple[nn.Module, str, bool, torch.Tensor]] = []
+    maps = FileMaps() if mmap and the_plan.device.type == "cpu" else None
+    mapped: list[str] = []
     with PeakMemory(the_plan.device) as memory, torch.no_grad():
         try:
-            jobs = [job for entry in the_plan.entries for job in _materialize_entry(entry, undo)]
+            jobs = [job for entry in the_plan.entries for job in _materialize_entry(entry, undo, maps, mapped)]
             for _, module in the_plan.init_modules:
                 if init is not None:
                     init(module)
@@ -128,6 +144,7 @@ def execute(the_plan: Plan, ckpt: Checkpoint, *, init: Optional[InitFn] = None, 
         missing=list(the_plan.missing),
         unexpected=list(the_plan.unexpected),
         tied=[list(group) for group in the_plan.tied_groups],
+        mapped=mapped,
     )
 
 
@@ -150,10 +167,14 @@ def _report(
     )
 
 
-def _materialize_entry(entry: Entry, undo: list) -> list[Job]:
+def _materialize_entry(entry: Entry, undo: list, maps: Optional[FileMaps], mapped: list[str]) -> list[Job]:
     """Allocate one tensor (once, whatever its tie group) and register it everywhere."""
     original = entry.original
-    if entry.action == "keep":
+    view = _mapped_view(entry, maps)
+    if view is not None:
+        tensor = view
+        mapped.append(entry.name)
+    elif entry.action == "keep":
         tensor = original.to(entry.device)
     elif _reusable(original, entry):
         tensor = original  # already real, right place and type: fill it in place
@@ -166,10 +187,16 @@ def _materialize_entry(entry: Entry, undo: list) -> list[Job]:
         registry = owner.module._parameters if owner.is_parameter else owner.module._buffers
         undo.append((owner.module, owner.attr, owner.is_parameter, registry[owner.attr]))
         registry[owner.attr] = tensor
-    if entry.action != "load":
+    if entry.action != "load" or view is not None:
         return []
     assert entry.source is not None
     return [Job(tensor.detach(), entry.source)]
+
+
+def _mapped_view(entry: Entry, maps: Optional[FileMaps]) -> Optional[torch.Tensor]:
+    if maps is None or entry.action != "load" or entry.source is None or entry.source.dtype != entry.dtype:
+        return None
+    return maps.view(entry.source)
 
 
 def _registered(entry: Entry) -> torch.Tensor:
@@ -198,21 +225,32 @@ def load_tensors(
     device: DeviceLike = "cpu",
     dtype: DtypeLike = None,
     trust_pickle: bool = False,
+    mmap: bool = False,
     progress: Optional[ProgressFn] = None,
 ) -> tuple[dict[str, torch.Tensor], Report]:
-    """Materialize every tensor of a checkpoint as a plain dict on ``device``."""
+    """Materialize every tensor of a checkpoint as a plain dict on ``device``.
+
+    ``mmap=True`` (CPU): tensors are copy-on-write views of the files, as in :func:`load`.
+    """
     target = resolve_device(device)
     cast = parse_dtype(dtype)
     started = time.perf_counter()
     with _opened(checkpoint, trust_pickle) as ckpt, PeakMemory(target) as memory:
         tensors: dict[str, torch.Tensor] = {}
         jobs = []
+        maps = FileMaps() if mmap and target.type == "cpu" else None
+        mapped: list[str] = []
         for name, info in ckpt.items():
             wanted = cast if cast is not None and info.dtype.is_floating_point else info.dtype
+            view = maps.view(info) if maps is not None and wanted == info.dtype else None
+            if view is not None:
+                tensors[name] = view
+                mapped.append(name)
+                continue
             tensors[name] = torch.empty(info.shape, dtype=wanted, device=target)
             jobs.append(Job(tensors[name], info))
         bytes_read = stream(jobs, ckpt.files, staging_factory=lambda: staging_for(target), progress=progress)
-    report = _report(ckpt, target, list(tensors.values()), bytes_read, started, memory, loaded=list(tensors))
+    report = _report(ckpt, target, list(tensors.values()), bytes_read, started, memory, loaded=list(tensors), mapped=mapped)
     return tensors, report
 
 

@@ -27,6 +27,7 @@ class Report:
     loaded: list[str] = field(default_factory=list)
     initialized: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)
+    mapped: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     tied: list[list[str]] = field(default_factory=list)
@@ -50,6 +51,7 @@ class Report:
             "loaded": self.loaded,
             "initialized": self.initialized,
             "kept": self.kept,
+            "mapped": self.mapped,
             "missing": self.missing,
             "unexpected": self.unexpected,
             "tied": self.tied,
@@ -70,6 +72,7 @@ class Report:
             ("tensors loaded", str(len(self.loaded))),
             ("tensors initialized", str(len(self.initialized))),
             ("buffers kept", str(len(self.kept))),
+            ("zero-copy views", str(len(self.mapped))),
             ("tied groups", str(len(self.tied))),
             ("unexpected (skipped)", str(len(self.unexpected))),
             ("dtypes", ", ".join(f"{name} x{count}" for name, count in sorted(self.dtypes.items())) or "-"),

@@ -1,6 +1,6 @@
 """Run in a fresh interpreter by test_memory.py: load one way, print peak anonymous memory growth.
 
-Usage: python memory_probe.py write|ours|naive CHECKPOINT [DTYPE|auto] [DEVICE]
+Usage: python memory_probe.py write|ours|ours-mmap|naive CHECKPOINT [DTYPE|auto] [DEVICE]
 """
 
 from __future__ import annotations
@@ -33,13 +33,16 @@ def write(path: str) -> None:
 
 
 def measure(how: str, path: str, dtype: str | None, device: str) -> dict:
-    if how == "ours":
+    if how.startswith("ours"):
         with mz.meta_init():
             model = make_model()
         if device.startswith("cuda"):
             torch.ones(1, device=device)  # CUDA's own context memory is not the load's
         with PeakMemory() as memory:
-            mz.load(model, path, dtype=dtype, device=device)
+            mz.load(model, path, dtype=dtype, device=device, mmap=how == "ours-mmap")
+            if how == "ours-mmap":
+                checksum = sum(float(p.detach().sum()) for p in model.parameters())  # touch every page
+                assert checksum == checksum
     else:
         with PeakMemory() as memory:
             model = make_model()

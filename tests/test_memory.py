@@ -51,3 +51,9 @@ def test_the_measurement_catches_a_double_copy(checkpoints):
     result = _probe("naive", str(checkpoints["torch"]))
 
     assert result["growth"] >= 1.7 * result["model_bytes"], result
+
+
+def test_zero_copy_load_costs_almost_no_anonymous_memory_even_when_read(checkpoints):
+    result = _probe("ours-mmap", str(checkpoints["safetensors"]))
+
+    assert result["growth"] <= 32 * 1024 * 1024, result

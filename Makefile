@@ -1,13 +1,17 @@
 # Two entry points, each self-sufficient on a fresh machine:
 #   make demo   build the demo checkpoint once, then materialize it with the CLI
 #   make test   run the test suite
+#   make bench  compare loaders on a 1.9 GB checkpoint (bench/results/)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_DIR := data/demo
 
-.PHONY: demo test venv clean
+BENCH_STAMP := $(VENV)/.bench-installed
+CONFIG ?= configs/bench-llama-1b.toml
+
+.PHONY: demo test bench venv clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +26,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+$(BENCH_STAMP): $(STAMP) requirements-bench.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt -r requirements-bench.txt
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(PY) -m bench.run --config $(CONFIG)
 
 clean:
 	rm -rf $(VENV) data .pytest_cache

@@ -4,9 +4,11 @@ Three paths, chosen per tensor:
 
 * direct: a CPU destination of the file's dtype is filled by ``preadv`` into
   its own memory, in chunks spread over reader threads (no staging, no copy);
-* staged: anything else (a cast, a GPU destination) goes through the ring of
-  a :class:`~materialize.transfer.Staging`, one slot-sized chunk at a time,
-  so a cast never makes a full-size temporary;
+* cast: a CPU destination of another dtype is filled chunk by chunk, each
+  reader thread reading into its own small reused buffer and casting from it
+  into the destination, so a cast never makes a full-size temporary;
+* staged: a GPU destination goes through the ring of a
+  :class:`~materialize.transfer.Staging`, one slot-sized chunk at a time;
 * strided: a non-contiguous view saved in a torch file is read as its span
   and copied; the only path whose temporary is one tensor's size.
 """
@@ -27,6 +29,7 @@ from .fileio import FileSet, byte_view
 from .transfer import Completion, Staging
 
 DIRECT_CHUNK_BYTES = 16 * 1024 * 1024
+CAST_CHUNK_BYTES = 2 * 1024 * 1024  # per reader thread: stays in cache between read and cast
 ProgressFn = Callable[[int, int], None]
 
 
@@ -65,21 +68,27 @@ def stream(
     reader_threads: Optional[int] = None,
 ) -> int:
     """Run every job; returns the number of bytes read from the files."""
-    direct, staged, strided = [], [], []
+    direct, cast, staged, strided = [], [], [], []
     for job in jobs:
         if job.info.numel == 0:
             continue
         if not job.info.contiguous:
             strided.append(job)
-        elif job.dest.device.type == "cpu" and job.dest.dtype == job.info.dtype:
+        elif job.dest.device.type != "cpu":
+            staged.append(job)
+        elif job.dest.dtype == job.info.dtype:
             direct.append(job)
         else:
-            staged.append(job)
-    tracker = _Progress(sum(j.info.read_nbytes for j in direct + staged + strided), progress)
-    for path in {j.info.path for j in direct + staged + strided}:
+            cast.append(job)
+    everything = direct + cast + staged + strided
+    tracker = _Progress(sum(j.info.read_nbytes for j in everything), progress)
+    for path in {j.info.path for j in everything}:
         files.advise_sequential(path)
+    threads = reader_threads or default_reader_threads()
     if direct:
-        _run_direct(direct, files, tracker, reader_threads or default_reader_threads())
+        _run_direct(direct, files, tracker, threads)
+    if cast:
+        _run_cpu_cast(cast, files, tracker, threads)
     if staged:
         staging = staging_factory()
         try:
@@ -98,13 +107,46 @@ def _run_direct(jobs: list[Job], files: FileSet, tracker: _Progress, threads: in
         tracker.add(stop - start)
 
     # Files in order, large reads: the page cache and storage both prefer it.
-    jobs = sorted(jobs, key=lambda j: (str(j.info.path), j.info.offset))
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="materialize-read") as pool:
-        futures = [
-            pool.submit(read_chunk, job, start, min(start + DIRECT_CHUNK_BYTES, job.info.nbytes))
-            for job in jobs
-            for start in range(0, job.info.nbytes, DIRECT_CHUNK_BYTES)
-        ]
+    tasks = [
+        (job, start, min(start + DIRECT_CHUNK_BYTES, job.info.nbytes))
+        for job in sorted(jobs, key=lambda j: (str(j.info.path), j.info.offset))
+        for start in range(0, job.info.nbytes, DIRECT_CHUNK_BYTES)
+    ]
+    _run_parallel(read_chunk, tasks, threads)
+
+
+def _run_cpu_cast(jobs: list[Job], files: FileSet, tracker: _Progress, threads: int) -> None:
+    local = threading.local()
+
+    def cast_chunk(job: Job, first: int, last: int) -> None:
+        itemsize = job.info.dtype.itemsize
+        if not hasattr(local, "buffer"):
+            local.buffer = torch.empty(CAST_CHUNK_BYTES, dtype=torch.uint8)
+        raw = local.buffer[: (last - first) * itemsize]
+        files.read_into(job.info.path, job.info.offset + first * itemsize, byte_view(raw), tensor=job.info.name)
+        job.dest.view(-1)[first:last].copy_(raw.view(job.info.dtype))
+        tracker.add((last - first) * itemsize)
+
+    tasks = []
+    for job in sorted(jobs, key=lambda j: (str(j.info.path), j.info.offset)):
+        per_chunk = max(1, CAST_CHUNK_BYTES // job.info.dtype.itemsize)
+        tasks += [(job, first, min(first + per_chunk, job.info.numel)) for first in range(0, job.info.numel, per_chunk)]
+    _run_parallel(cast_chunk, tasks, threads)
+
+
+def _single_threaded_kernels() -> None:
+    # Our reader threads already use every core; torch's intra-op threads on
+    # top of them (per calling thread, so the caller's setting is untouched)
+    # oversubscribe the cores and made casts 2-3x slower when measured.
+    torch.set_num_threads(1)
+
+
+def _run_parallel(function: Callable[..., None], tasks: list[tuple], threads: int) -> None:
+    """Run every task on a pool; the first error cancels what has not started and is raised."""
+    with ThreadPoolExecutor(
+        max_workers=threads, thread_name_prefix="materialize-read", initializer=_single_threaded_kernels
+    ) as pool:
+        futures = [pool.submit(function, *task) for task in tasks]
         try:
             for future in futures:
                 future.result()

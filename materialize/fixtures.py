@@ -29,6 +29,12 @@ from .spec import ModelSpec, build, read_config
 INDEX_NAME = "model.safetensors.index.json"
 
 
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
+
+
 def parse_size(text: Union[str, int]) -> int:
     """``"500MB"``, ``"1GiB"`` or a byte count."""
     if isinstance(text, int):
@@ -77,6 +83,7 @@ class _ShardWriter:
             return
         file_name = f"shard-{len(self.written):05d}.safetensors"
         save_file(self.pending, str(self.folder / file_name), metadata={"format": "pt"})
+        os.chmod(self.folder / file_name, 0o666 & ~_umask())  # the writer creates it private
         self.written.append((file_name, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
 
@@ -110,9 +117,7 @@ def write_sharded_checkpoint(
     target = Path(out_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(staging, 0o777 & ~umask)  # mkdtemp's 0700 would make the result private
+    os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would make the result private
     torch.manual_seed(seed)
     try:
         writer = _ShardWriter(staging, parse_size(shard_size))

@@ -15,6 +15,7 @@ from torch import nn
 from .checkpoint import Checkpoint, open_checkpoint
 from .dtypes import dtype_name, parse_dtype
 from .engine import Job, ProgressFn, stream
+from .hostmem import empty_destination
 from .keymap import KeyMapLike
 from .mapping import FileMaps
 from .memory import PeakMemory
@@ -179,7 +180,7 @@ def _materialize_entry(entry: Entry, undo: list, maps: Optional[FileMaps], mappe
     elif _reusable(original, entry):
         tensor = original  # already real, right place and type: fill it in place
     else:
-        tensor = torch.empty(entry.shape, dtype=entry.dtype, device=entry.device)
+        tensor = empty_destination(entry.shape, dtype=entry.dtype, device=entry.device)
     if tensor is not original and isinstance(original, nn.Parameter):
         grad = original.requires_grad and (tensor.is_floating_point() or tensor.is_complex())
         tensor = nn.Parameter(tensor, requires_grad=grad)
@@ -247,7 +248,7 @@ def load_tensors(
                 tensors[name] = view
                 mapped.append(name)
                 continue
-            tensors[name] = torch.empty(info.shape, dtype=wanted, device=target)
+            tensors[name] = empty_destination(info.shape, dtype=wanted, device=target)
             jobs.append(Job(tensors[name], info))
         bytes_read = stream(jobs, ckpt.files, staging_factory=lambda: staging_for(target), progress=progress)
     report = _report(ckpt, target, list(tensors.values()), bytes_read, started, memory, loaded=list(tensors), mapped=mapped)

@@ -1,0 +1,1 @@
+"""Benchmarks: torch-materialize against the loaders people use, on the same files."""

@@ -1,0 +1,238 @@
+"""``make bench``: every method on the same files, same machine, one run.
+
+Each measurement is a fresh interpreter (``bench.methods``); the page cache
+is warmed by a first, discarded run, then the median of ``--runs`` is kept.
+Cold rows evict the method's files from the page cache first
+(``posix_fadvise(DONTNEED)``, no root needed). Writes a markdown table, a
+JSON file and a PNG chart under ``bench/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .fixtures import ensure
+
+RESULTS = Path(__file__).parent / "results"
+
+
+@dataclass(frozen=True)
+class Case:
+    label: str
+    method: str
+    form: str
+    cold: bool = False
+    group: str = "copy"
+
+    @property
+    def key(self) -> str:
+        return f"{self.label}{' (cold)' if self.cold else ''}"
+
+
+CASES = [
+    Case("ours, sharded safetensors", "ours", "sharded"),
+    Case("ours, one safetensors", "ours", "single"),
+    Case("ours, torch zip", "ours", "torch"),
+    Case("safetensors pread backend", "safetensors-pread", "single"),
+    Case("naive: build on CPU + torch.load", "naive", "torch"),
+    Case("accelerate load_checkpoint_and_dispatch", "accelerate", "sharded"),
+    Case("limit: all cores, fresh memory", "limit", "single"),
+    Case("limit: one thread, large reads", "limit-1t", "single"),
+    Case("ours --mmap", "ours-mmap", "sharded", group="zero-copy"),
+    Case("transformers from_pretrained", "transformers", "sharded", group="zero-copy"),
+    Case("torch meta + load(mmap) + assign", "torch-mmap", "torch", group="zero-copy"),
+    Case("safetensors load_file + assign", "safetensors", "single", group="zero-copy"),
+    Case("ours, bf16 -> fp32", "ours-cast", "sharded", group="cast"),
+    Case("accelerate, bf16 -> fp32", "accelerate-cast", "sharded", group="cast"),
+    Case("transformers, bf16 -> fp32", "transformers-cast", "sharded", group="cast"),
+    Case("ours, one safetensors", "ours", "single", cold=True, group="cold"),
+    Case("ours, sharded safetensors", "ours", "sharded", cold=True, group="cold"),
+    Case("safetensors pread backend", "safetensors-pread", "single", cold=True, group="cold"),
+    Case("transformers from_pretrained", "transformers", "sharded", cold=True, group="cold"),
+    Case("limit: all cores, fresh memory", "limit", "single", cold=True, group="cold"),
+    Case("limit: one thread, large reads", "limit-1t", "single", cold=True, group="cold"),
+]
+
+
+def available(method: str) -> bool:
+    if method.startswith("transformers"):
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            return False
+    return True
+
+
+def evict(path: Path) -> None:
+    files = [p for p in path.iterdir() if p.is_file()] if path.is_dir() else [path]
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def run_once(case: Case, fixture: Path, paths: dict[str, Path]) -> dict:
+    if case.cold:
+        evict(paths[case.form])
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.methods", case.method, case.form, str(fixture)],
+        capture_output=True, text=True, cwd=Path(__file__).parent.parent,
+    )
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1], "wall_s": wall}
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["wall_s"] = wall
+    return result
+
+
+def startup_seconds(runs: int) -> float:
+    """Interpreter plus ``import torch, materialize``: the part of wall time that is not loading."""
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import torch, materialize"], check=True)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def measure(case: Case, fixture: Path, paths: dict[str, Path], runs: int) -> dict:
+    run_once(case, fixture, paths)  # warm-up: page cache, import caches
+    results = [run_once(case, fixture, paths) for _ in range(runs)]
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        return {"error": errors[0]}
+    summary = {k: statistics.median(r[k] for r in results) for k in ("load_s", "build_s", "touch_s", "wall_s", "anon_growth", "rss_growth")}
+    summary["verified"] = all(r["verified"] for r in results)
+    summary["forward_ok"] = all(r["forward_ok"] for r in results)
+    summary["runs"] = [r["load_s"] for r in results]
+    return summary
+
+
+def machine() -> dict:
+    cpu = "unknown"
+    try:
+        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    import torch
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": round(memory / 2**30, 1), "kernel": platform.release(),
+            "python": platform.python_version(), "torch": torch.__version__}
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/bench-llama-1b.toml")
+    parser.add_argument("--data", default="data/bench")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--only", help="comma-separated method names to run")
+    args = parser.parse_args(argv)
+
+    paths = ensure(args.config, Path(args.data))
+    fixture = paths["expected"].parent
+    expected = json.loads(paths["expected"].read_text())
+    wanted = set(args.only.split(",")) if args.only else None
+    cases = [c for c in CASES if available(c.method) and (wanted is None or c.method in wanted)]
+    startup = startup_seconds(args.runs)
+    results = {}
+    for case in cases:
+        results[case.key] = {"case": case.__dict__, **measure(case, fixture, paths, args.runs)}
+        print(f"{case.key:<48} {_short(results[case.key])}", flush=True)
+    report = {"machine": machine(), "config": args.config, "nbytes": expected["nbytes"], "startup_s": startup, "results": results}
+    RESULTS.mkdir(exist_ok=True)
+    stem = Path(args.config).stem
+    (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    table = markdown(report)
+    (RESULTS / f"{stem}.md").write_text(table)
+    chart(report, RESULTS / f"{stem}.png")
+    print()
+    print(table)
+
+
+def _short(result: dict) -> str:
+    if "error" in result:
+        return f"error: {result['error']}"
+    return f"load {result['load_s']:.3f} s  anon +{result['anon_growth'] / 1e9:.2f} GB  verified={result['verified']}"
+
+
+def _baseline(report: dict, group: str) -> Optional[dict]:
+    """The row each group's ratios are taken against: ours."""
+    for result in report["results"].values():
+        if result["case"]["group"] == group and result["case"]["method"].startswith("ours") and "error" not in result:
+            return result
+    return None
+
+
+def markdown(report: dict) -> str:
+    gb = report["nbytes"] / 1e9
+    m = report["machine"]
+    lines = [
+        f"{gb:.2f} GB of bf16 weights ({report['config']}); {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GiB, "
+        f"Linux {m['kernel']}, torch {m['torch']}. Median of the runs after a warm-up; each run a fresh process. "
+        f"Interpreter + import start-up, not counted in load: {report['startup_s']:.2f} s.",
+        "",
+        "| group | method | load s | x ours | GB/s | wall s | build s | touch s | anon growth GB | peak RSS growth GB | verified | forward |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
+    for key, result in report["results"].items():
+        group = result["case"]["group"]
+        if "error" in result:
+            lines.append(f"| {group} | {key} | error: {result['error'][:80]} | | | | | | | | | |")
+            continue
+        base = _baseline(report, group)
+        ratio = result["load_s"] / base["load_s"] if base else float("nan")
+        lines.append(
+            f"| {group} | {key} | {result['load_s']:.3f} | {ratio:.2f} | {gb / max(result['load_s'], 1e-9):.1f} | "
+            f"{result['wall_s']:.2f} | {result['build_s']:.3f} | {result['touch_s']:.3f} | {result['anon_growth'] / 1e9:.2f} | "
+            f"{result['rss_growth'] / 1e9:.2f} | {'yes' if result['verified'] else 'NO'} | "
+            f"{'yes' if result['forward_ok'] else 'no'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def chart(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no chart")
+        return
+    rows = [(k, r) for k, r in report["results"].items() if "error" not in r]
+    colors = {"copy": "#4c72b0", "zero-copy": "#55a868", "cast": "#c44e52", "cold": "#8172b2"}
+    fig, ax = plt.subplots(figsize=(10, 0.38 * len(rows) + 1.5))
+    labels = [f"[{r['case']['group']}] {k}" for k, r in rows]
+    values = [r["load_s"] for _, r in rows]
+    bars = ax.barh(range(len(rows)), values, color=[colors[r["case"]["group"]] for _, r in rows])
+    for bar, (key, result) in zip(bars, rows):
+        weight = "bold" if result["case"]["method"].startswith("ours") else "normal"
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {result['load_s']:.2f} s", va="center", fontsize=8, fontweight=weight)
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("load seconds (lower is better)")
+    m = report["machine"]
+    ax.set_title(f"Loading {report['nbytes'] / 1e9:.1f} GB of bf16 weights to CPU - {m['cores']} cores, {m['memory_gb']} GiB", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

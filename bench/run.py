@@ -45,11 +45,11 @@ CASES = [
     Case("ours, torch zip", "ours", "torch"),
     Case("safetensors pread backend", "safetensors-pread", "single"),
     Case("naive: build on CPU + torch.load", "naive", "torch"),
-    Case("accelerate load_checkpoint_and_dispatch", "accelerate", "sharded"),
     Case("limit: all cores, fresh memory", "limit", "single"),
     Case("limit: one thread, large reads", "limit-1t", "single"),
     Case("ours --mmap", "ours-mmap", "sharded", group="zero-copy"),
     Case("transformers from_pretrained", "transformers", "sharded", group="zero-copy"),
+    Case("accelerate load_checkpoint_and_dispatch", "accelerate", "sharded", group="zero-copy"),
     Case("torch meta + load(mmap) + assign", "torch-mmap", "torch", group="zero-copy"),
     Case("safetensors load_file + assign", "safetensors", "single", group="zero-copy"),
     Case("ours, bf16 -> fp32", "ours-cast", "sharded", group="cast"),
@@ -142,6 +142,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--data", default="data/bench")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--only", help="comma-separated method names to run")
+    parser.add_argument("--out", default=str(RESULTS), help="folder for the .json, .md and .png results")
     args = parser.parse_args(argv)
 
     paths = ensure(args.config, Path(args.data))
@@ -155,12 +156,13 @@ def main(argv: Optional[list[str]] = None) -> None:
         results[case.key] = {"case": case.__dict__, **measure(case, fixture, paths, args.runs)}
         print(f"{case.key:<48} {_short(results[case.key])}", flush=True)
     report = {"machine": machine(), "config": args.config, "nbytes": expected["nbytes"], "startup_s": startup, "results": results}
-    RESULTS.mkdir(exist_ok=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     stem = Path(args.config).stem
-    (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
     table = markdown(report)
-    (RESULTS / f"{stem}.md").write_text(table)
-    chart(report, RESULTS / f"{stem}.png")
+    (out / f"{stem}.md").write_text(table)
+    chart(report, out / f"{stem}.png")
     print()
     print(table)
 

@@ -12,10 +12,10 @@ import torch
 
 import materialize as mz
 from materialize.dtypes import dtype_name
-from materialize.report import format_bytes
+from materialize.sizes import format_bytes
 
 from ._errors import one_line
-from .params import DEVICE, DTYPE, MODEL_ARG, RENAME
+from .params import DEVICE, DTYPE, MODEL_ARG, RENAME, SIZE
 from .progress import progress_for
 
 DEFAULT_COMMAND = "load"
@@ -62,7 +62,6 @@ model_options = [
     click.option("--model-arg", "model_args", type=MODEL_ARG, multiple=True, help="KEY=VALUE passed to the model factory (JSON literal values)."),
     click.option("--device", type=DEVICE, default="cpu", show_default=True, help="Where the tensors are allocated."),
     click.option("--dtype", type=DTYPE, default=None, help="Cast floating tensors; default auto keeps the checkpoint's dtypes."),
-    click.option("--mmap", is_flag=True, help="CPU only: tensors become copy-on-write views of the files (zero-copy)."),
     click.option("--strict/--no-strict", default=True, show_default=True, help="Missing or unexpected tensors are an error; --no-strict initializes missing ones."),
     click.option("--strip-prefix", metavar="PREFIX", help="Remove PREFIX from checkpoint names (e.g. 'model.')."),
     click.option("--add-prefix", metavar="PREFIX", help="Prepend PREFIX to checkpoint names."),
@@ -70,6 +69,10 @@ model_options = [
     click.option("--trust-pickle", is_flag=True, help="Allow a pickled model (torch.save(model)): imports its classes and may run its code."),
     click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout and nothing else there."),
     click.option("--debug", is_flag=True, help="Show the traceback of an error."),
+]
+load_only_options = [
+    click.option("--mmap", is_flag=True, help="CPU only: tensors become copy-on-write views of the files (zero-copy)."),
+    click.option("--staging-size", "staging_bytes", type=SIZE, default=None, help="Pinned host memory for GPU loads (default 256MiB)."),
 ]
 
 
@@ -107,10 +110,11 @@ def main() -> None:
 
 @main.command(DEFAULT_COMMAND)
 @checkpoint_argument
-@with_options(model_options)
+@with_options(model_options + load_only_options)
 def load_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, device: str,
-                 dtype: Optional[torch.dtype], mmap: bool, strict: bool, strip_prefix: Optional[str],
-                 add_prefix: Optional[str], renames: tuple, trust_pickle: bool, as_json: bool, debug: bool) -> None:
+                 dtype: Optional[torch.dtype], mmap: bool, staging_bytes: Optional[int], strict: bool,
+                 strip_prefix: Optional[str], add_prefix: Optional[str], renames: tuple, trust_pickle: bool,
+                 as_json: bool, debug: bool) -> None:
     """(default) Build the model on meta and materialize CHECKPOINT into it."""
 
     def action() -> None:
@@ -118,7 +122,7 @@ def load_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, 
         try:
             _, report = mz.load_model(
                 checkpoint, model=model_spec, model_args=dict(model_args), trust_pickle=trust_pickle,
-                device=device, dtype=dtype, strict=strict, mmap=mmap, progress=progress,
+                device=device, dtype=dtype, strict=strict, mmap=mmap, staging_bytes=staging_bytes, progress=progress,
                 key_map=key_map_from(strip_prefix, add_prefix, renames),
             )
         finally:
@@ -179,7 +183,7 @@ def _inspect_text(ckpt: mz.Checkpoint) -> str:
 @checkpoint_argument
 @with_options(model_options)
 def plan_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, device: str,
-                 dtype: Optional[torch.dtype], mmap: bool, strict: bool, strip_prefix: Optional[str], add_prefix: Optional[str],
+                 dtype: Optional[torch.dtype], strict: bool, strip_prefix: Optional[str], add_prefix: Optional[str],
                  renames: tuple, trust_pickle: bool, as_json: bool, debug: bool) -> None:
     """What a load would do: per-device bytes, ties, missing and unexpected; reads no tensor data."""
 

@@ -10,6 +10,7 @@ import click
 import torch
 
 from materialize.dtypes import USER_DTYPE_NAMES, parse_dtype
+from materialize.sizes import parse_size
 
 _DEVICE = re.compile(r"^(cpu|cuda)(:\d+)?$")
 
@@ -77,7 +78,20 @@ class RenameType(click.ParamType):
         return pattern, replacement
 
 
+class SizeType(click.ParamType):
+    name = "size"
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_size(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
 DTYPE = DtypeType()
+SIZE = SizeType()
 RENAME = RenameType()
 DEVICE = DeviceType()
 MODEL_ARG = ModelArgType()

@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Optional, TextIO
 
-from materialize.report import format_bytes
+from materialize.sizes import format_bytes
 
 REFRESH_SECONDS = 0.1
 

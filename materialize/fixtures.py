@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .dtypes import parse_dtype
+from .sizes import parse_size
 from .spec import ModelSpec, build, read_config
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -33,18 +34,6 @@ def _umask() -> int:
     current = os.umask(0)
     os.umask(current)
     return current
-
-
-def parse_size(text: Union[str, int]) -> int:
-    """``"500MB"``, ``"1GiB"`` or a byte count."""
-    if isinstance(text, int):
-        return text
-    units = {"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "B": 1}
-    cleaned = text.strip().upper().replace(" ", "")
-    for unit, factor in units.items():
-        if cleaned.endswith(unit):
-            return int(float(cleaned[: -len(unit)]) * factor)
-    return int(cleaned)
 
 
 def _module_tensors(module: nn.Module, dtype: Optional[torch.dtype]) -> dict[str, torch.Tensor]:

@@ -72,6 +72,7 @@ def load(
     init: Optional[InitFn] = None,
     trust_pickle: bool = False,
     mmap: bool = False,
+    staging_bytes: Optional[int] = None,
     progress: Optional[ProgressFn] = None,
 ) -> Report:
     """Materialize ``model`` on ``device`` from ``checkpoint``, each tensor allocated once.
@@ -98,6 +99,8 @@ def load(
             are read on first use, and only pages written to cost memory).
             Tensors that need a cast, and strided views, are still copied.
             The files must not change while the model lives.
+        staging_bytes: host memory for staging copies to a GPU (pinned),
+            default 256 MiB; the bound on host memory of a CUDA load.
         progress: ``fn(bytes_done, bytes_total)``, called from reader threads.
 
     Tied parameters stay one tensor. Real buffers absent from the checkpoint
@@ -109,7 +112,7 @@ def load(
         the_plan = make_plan(
             model, ckpt, device=target, dtype=parse_dtype(dtype), strict=strict, key_map=key_map, init=init
         )
-        return execute(the_plan, ckpt, init=init, mmap=mmap, progress=progress)
+        return execute(the_plan, ckpt, init=init, mmap=mmap, staging_bytes=staging_bytes, progress=progress)
 
 
 def execute(
@@ -118,6 +121,7 @@ def execute(
     *,
     init: Optional[InitFn] = None,
     mmap: bool = False,
+    staging_bytes: Optional[int] = None,
     progress: Optional[ProgressFn] = None,
 ) -> Report:
     """Carry out a plan made by :func:`make_plan` against ``ckpt``."""
@@ -133,7 +137,7 @@ def execute(
                     init(module)
                 else:
                     module.reset_parameters()
-            bytes_read = stream(jobs, ckpt.files, staging_factory=lambda: staging_for(the_plan.device), progress=progress)
+            bytes_read = stream(jobs, ckpt.files, staging_factory=lambda: staging_for(the_plan.device, staging_bytes), progress=progress)
         except BaseException:
             _undo(undo)
             raise
@@ -227,6 +231,7 @@ def load_tensors(
     dtype: DtypeLike = None,
     trust_pickle: bool = False,
     mmap: bool = False,
+    staging_bytes: Optional[int] = None,
     progress: Optional[ProgressFn] = None,
 ) -> tuple[dict[str, torch.Tensor], Report]:
     """Materialize every tensor of a checkpoint as a plain dict on ``device``.
@@ -250,7 +255,7 @@ def load_tensors(
                 continue
             tensors[name] = empty_destination(info.shape, dtype=wanted, device=target)
             jobs.append(Job(tensors[name], info))
-        bytes_read = stream(jobs, ckpt.files, staging_factory=lambda: staging_for(target), progress=progress)
+        bytes_read = stream(jobs, ckpt.files, staging_factory=lambda: staging_for(target, staging_bytes), progress=progress)
     report = _report(ckpt, target, list(tensors.values()), bytes_read, started, memory, loaded=list(tensors), mapped=mapped)
     return tensors, report
 

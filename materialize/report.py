@@ -5,16 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-
-def format_bytes(nbytes: Optional[float]) -> str:
-    if nbytes is None:
-        return "n/a"
-    value = float(nbytes)
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(value) < 1000 or unit == "GB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1000
-    return f"{value:.2f} TB"
+from .sizes import format_bytes
 
 
 @dataclass

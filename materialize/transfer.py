@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
 
 DEFAULT_SLOT_BYTES = 64 * 1024 * 1024
 DEFAULT_SLOTS = 4
+MIN_SLOT_BYTES = 1024 * 1024
 
 
 class Completion(Protocol):
@@ -106,11 +107,16 @@ class _EventCompletion:
         self._event.synchronize()
 
 
-def staging_for(device: torch.device) -> Staging:
-    """The staging a destination device needs: the one device-specific choice."""
+def staging_for(device: torch.device, staging_bytes: Optional[int] = None) -> Staging:
+    """The staging a destination device needs: the one device-specific choice.
+
+    ``staging_bytes`` is the whole ring's size (host memory, pinned on CUDA);
+    the default is ``DEFAULT_SLOTS x DEFAULT_SLOT_BYTES`` (256 MiB).
+    """
+    slot_bytes = DEFAULT_SLOT_BYTES if staging_bytes is None else max(MIN_SLOT_BYTES, staging_bytes // DEFAULT_SLOTS)
     if device.type == "cuda":
-        return CudaStaging(device)
-    return ThreadStaging()
+        return CudaStaging(device, slot_bytes=slot_bytes)
+    return ThreadStaging(slot_bytes=slot_bytes)
 
 
 def resolve_device(device: "str | torch.device") -> torch.device:

@@ -542,3 +542,30 @@ def test_json_output_has_no_progress_line_even_on_a_terminal(tmp_path):
     assert code == 0
     assert "loading" not in output
     assert json.loads(output)["bytes_read"] == nbytes(write_small_safetensors(tmp_path / "again.safetensors"))
+
+
+# ---------------------------------------------------------------- zero-copy and staging options
+
+
+def test_mmap_flag_maps_every_tensor_instead_of_reading_it(tmp_path):
+    path = tmp_path / "model.safetensors"
+    tensors = write_small_safetensors(path)
+
+    result = run_cli(path, "--mmap", "--json")
+
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert sorted(report["mapped"]) == sorted(tensors)
+    assert report["bytes_read"] == 0
+
+
+def test_staging_size_takes_human_sizes_and_rejects_nonsense(tmp_path):
+    path = tmp_path / "model.safetensors"
+    write_small_safetensors(path)
+
+    good = run_cli(path, "--staging-size", "64MB", "--json")
+    bad = run_cli(path, "--staging-size", "lots")
+
+    assert good.returncode == 0, good.stderr
+    assert bad.returncode == 2
+    assert "not a size" in bad.stderr

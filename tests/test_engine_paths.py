@@ -1,0 +1,71 @@
+"""The CPU paths of the engine: chunked parallel casts, thread settings, huge-page hints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import materialize as mz
+from materialize import engine
+from materialize.hostmem import MIN_ADVISED_BYTES, advise_huge_pages
+
+from conftest import write_safetensors, write_torch
+
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def test_cast_of_tensors_larger_than_a_chunk_is_exact(tmp_path, monkeypatch):
+    monkeypatch.setattr(engine, "CAST_CHUNK_BYTES", 1000)  # many chunks, spread over threads
+    state = {f"w{i}": torch.randn(3000 + 17 * i, dtype=torch.bfloat16) for i in range(5)}
+    state["odd"] = torch.randn(7, 13).half()
+    for path in (write_safetensors(state, tmp_path / "m.safetensors"), write_torch(state, tmp_path / "m.pt")):
+        tensors, report = mz.load_tensors(path, dtype="fp32")
+
+        for name, value in state.items():
+            assert torch.equal(tensors[name], value.float()), name
+        assert report.bytes_read == sum(v.numel() * v.element_size() for v in state.values())
+
+
+def test_direct_reads_split_across_chunks_are_exact(tmp_path, monkeypatch):
+    monkeypatch.setattr(engine, "DIRECT_CHUNK_BYTES", 4096)
+    state = {f"w{i}": torch.randn(5000 + i) for i in range(4)}
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+
+    tensors, _ = mz.load_tensors(path)
+
+    for name, value in state.items():
+        assert torch.equal(tensors[name], value), name
+
+
+def test_loading_leaves_the_callers_thread_count_alone(tmp_path):
+    path = write_safetensors({"w": torch.randn(1000)}, tmp_path / "m.safetensors")
+    before = torch.get_num_threads()
+
+    mz.load_tensors(path, dtype="bf16")
+
+    assert torch.get_num_threads() == before
+
+
+@pytest.mark.skipif(
+    not THP_MODE.exists() or "[never]" in THP_MODE.read_text(), reason="transparent huge pages unavailable"
+)
+def test_fresh_destinations_are_eligible_for_huge_pages():
+    tensor = torch.empty(4 * MIN_ADVISED_BYTES, dtype=torch.uint8)
+
+    advise_huge_pages(tensor)
+
+    assert _vma_flag(tensor.data_ptr() + MIN_ADVISED_BYTES, "THPeligible") == "1"
+
+
+def _vma_flag(address: int, flag: str) -> str:
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            low, high = (int(part, 16) for part in head.split("-"))
+            inside = low <= address < high
+        elif inside and line.startswith(flag + ":"):
+            return line.split()[1]
+    return ""

@@ -7,16 +7,19 @@ import sys
 from collections.abc import Callable
 from typing import Any, Optional
 
+from typing import TYPE_CHECKING
+
 import click
-import torch
 
 import materialize as mz
-from materialize.dtypes import dtype_name
 from materialize.sizes import format_bytes
 
 from ._errors import one_line
 from .params import DEVICE, DTYPE, MODEL_ARG, RENAME, SIZE
 from .progress import progress_for
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_COMMAND = "load"
 GROUP_FLAGS = {"--help", "-h", "--version"}
@@ -112,7 +115,7 @@ def main() -> None:
 @checkpoint_argument
 @with_options(model_options + load_only_options)
 def load_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, device: str,
-                 dtype: Optional[torch.dtype], mmap: bool, staging_bytes: Optional[int], strict: bool,
+                 dtype: "Optional[torch.dtype]", mmap: bool, staging_bytes: Optional[int], strict: bool,
                  strip_prefix: Optional[str], add_prefix: Optional[str], renames: tuple, trust_pickle: bool,
                  as_json: bool, debug: bool) -> None:
     """(default) Build the model on meta and materialize CHECKPOINT into it."""
@@ -157,7 +160,7 @@ def _inspect_dict(ckpt: mz.Checkpoint) -> dict[str, Any]:
         "nbytes": ckpt.nbytes,
         "metadata": ckpt.metadata,
         "tensors": [
-            {"name": i.name, "dtype": dtype_name(i.dtype), "shape": list(i.shape), "nbytes": i.nbytes,
+            {"name": i.name, "dtype": i.dtype_name, "shape": list(i.shape), "nbytes": i.nbytes,
              "file": i.path.name, "offset": i.offset}
             for i in ckpt.values()
         ],
@@ -174,7 +177,7 @@ def _inspect_text(ckpt: mz.Checkpoint) -> str:
     many_files = len(ckpt.shards) > 1
     for info in ckpt.values():
         shape = "x".join(map(str, info.shape)) or "scalar"
-        row = f"{info.name.ljust(width)}  {dtype_name(info.dtype):<14} {shape:<20} {format_bytes(info.nbytes):>10}"
+        row = f"{info.name.ljust(width)}  {info.dtype_name:<14} {shape:<20} {format_bytes(info.nbytes):>10}"
         lines.append(row + (f"  {info.path.name}" if many_files else ""))
     return "\n".join(lines)
 
@@ -183,7 +186,7 @@ def _inspect_text(ckpt: mz.Checkpoint) -> str:
 @checkpoint_argument
 @with_options(model_options)
 def plan_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, device: str,
-                 dtype: Optional[torch.dtype], strict: bool, strip_prefix: Optional[str], add_prefix: Optional[str],
+                 dtype: "Optional[torch.dtype]", strict: bool, strip_prefix: Optional[str], add_prefix: Optional[str],
                  renames: tuple, trust_pickle: bool, as_json: bool, debug: bool) -> None:
     """What a load would do: per-device bytes, ties, missing and unexpected; reads no tensor data."""
 

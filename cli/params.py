@@ -6,11 +6,17 @@ import json
 import re
 from typing import Any, Optional
 
-import click
-import torch
+from typing import TYPE_CHECKING
 
-from materialize.dtypes import USER_DTYPE_NAMES, parse_dtype
+import click
+
 from materialize.sizes import parse_size
+
+if TYPE_CHECKING:
+    import torch
+
+# Spelled out here so that building the CLI does not import torch (see materialize.dtypes).
+DTYPE_CHOICES = "auto, bf16, fp16, fp32, fp64, fp8_e4m3, fp8_e5m2"
 
 _DEVICE = re.compile(r"^(cpu|cuda)(:\d+)?$")
 
@@ -21,13 +27,15 @@ class DtypeType(click.ParamType):
     def get_metavar(self, param: click.Parameter, ctx: Optional[click.Context] = None) -> str:
         return "auto|bf16|fp16|fp32|..."
 
-    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> Optional[torch.dtype]:
-        if value is None or isinstance(value, torch.dtype):
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> "Optional[torch.dtype]":
+        from materialize.dtypes import parse_dtype
+
+        if value is None or not isinstance(value, str):
             return value
         try:
             return parse_dtype(value)
         except ValueError:
-            self.fail(f"unknown dtype {value!r}; choose auto or one of {', '.join(USER_DTYPE_NAMES)}", param, ctx)
+            self.fail(f"unknown dtype {value!r}; choose one of: {DTYPE_CHOICES}", param, ctx)
 
 
 class DeviceType(click.ParamType):

@@ -8,53 +8,79 @@
         model = MyModel(cfg)                      # parameters on meta, buffers real
     report = mz.load(model, "ckpt/", device="cuda", dtype="bf16")
     print(report)
+
+The names below are imported on first use, so tools that only read headers
+(``materialize inspect`` on safetensors) never pay for importing torch.
 """
 
-from .checkpoint import Checkpoint, TensorInfo, open_checkpoint
-from .errors import (
-    CheckpointAccessError,
-    CheckpointError,
-    CheckpointNotFoundError,
-    DeviceError,
-    InitError,
-    KeyMismatchError,
-    MaterializeError,
-    ModelSpecError,
-    ShapeMismatchError,
-    UnsafeCheckpointError,
-    UnsupportedFormatError,
-)
-from .keymap import KeyMap
-from .loading import load, load_model, load_tensors, plan
-from .meta import meta_init
-from .planning import Plan
-from .report import Report
-from .spec import build
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Checkpoint",
-    "CheckpointAccessError",
-    "CheckpointError",
-    "CheckpointNotFoundError",
-    "DeviceError",
-    "InitError",
-    "KeyMap",
-    "KeyMismatchError",
-    "MaterializeError",
-    "ModelSpecError",
-    "Plan",
-    "Report",
-    "ShapeMismatchError",
-    "TensorInfo",
-    "UnsafeCheckpointError",
-    "UnsupportedFormatError",
-    "build",
-    "load",
-    "load_model",
-    "load_tensors",
-    "meta_init",
-    "open_checkpoint",
-    "plan",
-]
+# public name -> the module that defines it
+_EXPORTS = {
+    "meta_init": "meta",
+    "build": "spec",
+    "open_checkpoint": "checkpoint",
+    "Checkpoint": "checkpoint",
+    "TensorInfo": "checkpoint",
+    "load": "loading",
+    "load_model": "loading",
+    "load_tensors": "loading",
+    "plan": "loading",
+    "Plan": "planning",
+    "Report": "report",
+    "KeyMap": "keymap",
+    "MaterializeError": "errors",
+    "CheckpointError": "errors",
+    "CheckpointNotFoundError": "errors",
+    "CheckpointAccessError": "errors",
+    "UnsupportedFormatError": "errors",
+    "UnsafeCheckpointError": "errors",
+    "KeyMismatchError": "errors",
+    "ShapeMismatchError": "errors",
+    "InitError": "errors",
+    "ModelSpecError": "errors",
+    "DeviceError": "errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'materialize' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from .checkpoint import Checkpoint, TensorInfo, open_checkpoint
+    from .errors import (
+        CheckpointAccessError,
+        CheckpointError,
+        CheckpointNotFoundError,
+        DeviceError,
+        InitError,
+        KeyMismatchError,
+        MaterializeError,
+        ModelSpecError,
+        ShapeMismatchError,
+        UnsafeCheckpointError,
+        UnsupportedFormatError,
+    )
+    from .keymap import KeyMap
+    from .loading import load, load_model, load_tensors, plan
+    from .meta import meta_init
+    from .planning import Plan
+    from .report import Report
+    from .spec import build

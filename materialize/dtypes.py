@@ -12,27 +12,6 @@ def _optional(name: str) -> Optional[torch.dtype]:
     return getattr(torch, name, None)
 
 
-_SAFETENSORS = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "C64": torch.complex64,
-    "U16": _optional("uint16"),
-    "U32": _optional("uint32"),
-    "U64": _optional("uint64"),
-    "F8_E4M3": _optional("float8_e4m3fn"),
-    "F8_E5M2": _optional("float8_e5m2"),
-    "F8_E8M0": _optional("float8_e8m0fnu"),
-}
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {k: v for k, v in _SAFETENSORS.items() if v is not None}
-
 _ALIASES = {
     "fp64": torch.float64, "float64": torch.float64, "double": torch.float64,
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,

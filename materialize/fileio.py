@@ -12,13 +12,15 @@ import errno
 import os
 import threading
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import CheckpointAccessError, CheckpointError, CheckpointNotFoundError
 
+if TYPE_CHECKING:
+    import torch
 
-def byte_view(tensor: torch.Tensor) -> memoryview:
+
+def byte_view(tensor: "torch.Tensor") -> memoryview:
     """A writable view of a contiguous CPU tensor's bytes (any dtype)."""
     assert tensor.device.type == "cpu" and tensor.is_contiguous()
     nbytes = tensor.numel() * tensor.element_size()

@@ -569,3 +569,34 @@ def test_staging_size_takes_human_sizes_and_rejects_nonsense(tmp_path):
     assert good.returncode == 0, good.stderr
     assert bad.returncode == 2
     assert "not a size" in bad.stderr
+
+
+# ---------------------------------------------------------------- start-up cost
+
+
+def test_inspecting_safetensors_never_imports_torch(tmp_path):
+    path = tmp_path / "model.safetensors"
+    write_small_safetensors(path)
+    script = (
+        "import sys\n"
+        "from materialize_cli.main import main\n"
+        f"sys.argv = ['materialize', 'inspect', {str(path)!r}]\n"
+        "try:\n    main()\nexcept SystemExit as done:\n    assert done.code in (0, None), done.code\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+
+    assert result.returncode == 0, result.stderr
+    assert "w " in result.stdout and "bfloat16" in result.stdout
+    assert result.stdout.strip().endswith("torch imported: False")
+
+
+def test_every_dtype_the_cli_offers_parses():
+    from materialize.dtypes import parse_dtype
+    from materialize_cli.params import DTYPE_CHOICES
+
+    parsed = {name: parse_dtype(name) for name in DTYPE_CHOICES.split(", ")}
+
+    assert parsed["auto"] is None
+    assert parsed["bf16"] is torch.bfloat16 and parsed["fp32"] is torch.float32

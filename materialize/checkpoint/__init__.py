@@ -16,7 +16,6 @@ from ..fileio import open_for_reading
 from .base import Checkpoint, TensorInfo
 from .index import read_sharded
 from .safetensors import read_header
-from .torchzip import read_torch_zip
 
 __all__ = ["Checkpoint", "TensorInfo", "open_checkpoint"]
 
@@ -48,6 +47,8 @@ def open_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Checkpoint
     if kind == "safetensors":
         tensors, metadata = read_header(target)
         return Checkpoint(path=target, format="safetensors", tensors=tensors, shards=[target], metadata=metadata)
+    from .torchzip import read_torch_zip  # imports torch, which safetensors headers do not need
+
     tensors, module = read_torch_zip(target, trust_pickle=trust_pickle)
     return Checkpoint(
         path=target,
@@ -62,6 +63,8 @@ def _open_index(index_path: Path, *, trust_pickle: bool) -> Checkpoint:
     def read_shard(shard: Path) -> dict[str, TensorInfo]:
         if _sniff(shard) == "safetensors":
             return read_header(shard)[0]
+        from .torchzip import read_torch_zip
+
         tensors, module = read_torch_zip(shard, trust_pickle=trust_pickle)
         if module is not None:
             raise CheckpointError("a shard holds a pickled module, not a state dict", path=shard)

@@ -7,26 +7,30 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..fileio import FileSet
+
+if TYPE_CHECKING:  # reading headers must not import torch: `materialize inspect` stays fast
+    import torch
+    from torch import nn
 
 
 @dataclass(frozen=True)
 class TensorInfo:
     """Where one tensor's bytes live, and what they mean.
 
-    ``offset`` is the absolute file offset of the tensor's first element.
+    ``dtype_name`` is torch's name for the dtype (``"bfloat16"``); ``dtype``
+    gives the ``torch.dtype`` itself. ``offset`` is the absolute file offset
+    of the tensor's first element.
     ``stride`` is ``None`` for a contiguous tensor; a torch file may hold a
     strided view, whose elements then span ``span_nbytes`` bytes from
     ``offset``.
     """
 
     name: str
-    dtype: torch.dtype
+    dtype_name: str
+    itemsize: int
     shape: tuple[int, ...]
     path: Path
     offset: int
@@ -34,12 +38,18 @@ class TensorInfo:
     span_nbytes: Optional[int] = None
 
     @property
+    def dtype(self) -> "torch.dtype":
+        import torch
+
+        return getattr(torch, self.dtype_name)
+
+    @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
+        return self.numel * self.itemsize
 
     @property
     def contiguous(self) -> bool:
@@ -65,7 +75,7 @@ class Checkpoint(Mapping[str, TensorInfo]):
     tensors: dict[str, TensorInfo]
     shards: list[Path]
     metadata: dict[str, Any] = field(default_factory=dict)
-    module: Optional[nn.Module] = None
+    module: Optional["nn.Module"] = None
     files: FileSet = field(default_factory=FileSet, repr=False)
 
     def __getitem__(self, name: str) -> TensorInfo:

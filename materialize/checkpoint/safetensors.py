@@ -13,7 +13,6 @@ import os
 import struct
 from pathlib import Path
 
-from ..dtypes import SAFETENSORS_DTYPES
 from ..errors import CheckpointError
 from ..fileio import open_for_reading
 from .base import TensorInfo
@@ -22,6 +21,15 @@ from .base import TensorInfo
 # is refused before any allocation.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 _LFS_POINTER_PREFIX = b"version https://git-lfs"
+
+# The format's dtype codes, as torch names and element sizes.
+SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),
+    "U64": ("uint64", 8), "U32": ("uint32", 4), "U16": ("uint16", 2), "U8": ("uint8", 1),
+    "BOOL": ("bool", 1), "C64": ("complex64", 8),
+    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1), "F8_E8M0": ("float8_e8m0fnu", 1),
+}
 
 
 def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
@@ -119,15 +127,18 @@ def _parse_entry(path: Path, name: str, entry: object, data_start: int, data_siz
     ):
         raise fail(f"data_offsets must be two non-negative integers, got {offsets!r}")
     begin, end = offsets
-    dtype = SAFETENSORS_DTYPES[dtype_name]
+    torch_name, itemsize = SAFETENSORS_DTYPES[dtype_name]
     if begin > end:
         raise fail(f"data_offsets are reversed ({begin} > {end})")
     if end > data_size:
         raise fail(f"data_offsets end at {end}, past the data region's {data_size} bytes (truncated?)")
-    expected = math.prod(shape) * dtype.itemsize
+    expected = math.prod(shape) * itemsize
     if end - begin != expected:
         raise fail(f"holds {end - begin} bytes but {dtype_name} x {shape} needs {expected}")
-    return TensorInfo(name=name, dtype=dtype, shape=tuple(shape), path=path, offset=data_start + begin), begin, end
+    info = TensorInfo(
+        name=name, dtype_name=torch_name, itemsize=itemsize, shape=tuple(shape), path=path, offset=data_start + begin
+    )
+    return info, begin, end
 
 
 def _check_layout(path: Path, spans: list[tuple[int, int, str]], data_size: int) -> None:

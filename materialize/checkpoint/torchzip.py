@@ -217,7 +217,8 @@ def _tensor_info(
         raise fail(f"view of bytes [{start}, {start + span}) lies outside its {ref.nbytes}-byte storage")
     return TensorInfo(
         name=name,
-        dtype=tensor.dtype,
+        dtype_name=str(tensor.dtype).removeprefix("torch."),
+        itemsize=itemsize,
         shape=shape,
         path=path,
         offset=record_offset + start,

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -92,7 +93,7 @@ def stream(
     if staged:
         staging = staging_factory()
         try:
-            run_staged(staged, files, staging, tracker.add)
+            run_staged(staged, files, staging, tracker.add, reader_threads=threads)
         finally:
             staging.close()
     for job in strided:
@@ -155,37 +156,69 @@ def _run_parallel(function: Callable[..., None], tasks: list[tuple], threads: in
                 future.cancel()
 
 
-def run_staged(jobs: list[Job], files: FileSet, staging: Staging, on_bytes: Callable[[int], None]) -> None:
-    """Read each job chunk by chunk into the ring, copying slots out asynchronously.
+def _chunks(jobs: list[Job], slot_bytes: int) -> Iterator[tuple[Job, int, int]]:
+    """Every job cut into element ranges that fit one slot."""
+    for job in jobs:
+        per_slot = max(1, slot_bytes // job.info.itemsize)
+        for first in range(0, job.info.numel, per_slot):
+            yield job, first, min(job.info.numel, first + per_slot)
 
-    A slot is refilled only after the copy out of it has completed. Whatever
-    happens, every started copy is waited on before returning, so no copy
-    still reads a slot that is released or reused.
+
+def run_staged(
+    jobs: list[Job],
+    files: FileSet,
+    staging: Staging,
+    on_bytes: Callable[[int], None],
+    *,
+    reader_threads: int = 1,
+) -> None:
+    """Read chunks into the ring on reader threads, copying each slot out asynchronously.
+
+    Slot ``i % n`` holds chunk ``i``. A slot is refilled only after the copy
+    out of it has completed; copies are started in chunk order as soon as
+    their reads finish. Whatever happens, every read and every started copy
+    is waited on before returning, so nothing still touches a slot that is
+    released or reused.
     """
-    pending: list[Optional[Completion]] = [None] * len(staging.slots)
-    turn = 0
+    slots = staging.slots
+    copies: list[Optional[Completion]] = [None] * len(slots)
+    reads: deque[tuple[Future, Job, int, int, int]] = deque()
+
+    def read(job: Job, first: int, last: int, index: int) -> None:
+        size = job.info.itemsize
+        view = byte_view(slots[index][: (last - first) * size])
+        files.read_into(job.info.path, job.info.offset + first * size, view, tensor=job.info.name)
+
+    def start_copy() -> None:
+        future, job, first, last, index = reads.popleft()
+        future.result()
+        source = slots[index][: (last - first) * job.info.itemsize].view(job.info.dtype)
+        copies[index] = staging.copy(job.dest.view(-1)[first:last], source)
+        on_bytes((last - first) * job.info.itemsize)
+
+    pool = ThreadPoolExecutor(max_workers=reader_threads, thread_name_prefix="materialize-stage")
     staging.begin()
     try:
-        for job in jobs:
-            info = job.info
-            itemsize = info.dtype.itemsize
-            per_slot = max(1, staging.slot_bytes // itemsize)
-            dest = job.dest.view(-1)
-            for first in range(0, info.numel, per_slot):
-                last = min(info.numel, first + per_slot)
-                index = turn % len(staging.slots)
-                turn += 1
-                if pending[index] is not None:
-                    pending[index].wait()
-                    pending[index] = None
-                slot = staging.slots[index][: (last - first) * itemsize]
-                files.read_into(info.path, info.offset + first * itemsize, byte_view(slot), tensor=info.name)
-                pending[index] = staging.copy(dest[first:last], slot.view(info.dtype))
-                on_bytes((last - first) * itemsize)
+        for turn, (job, first, last) in enumerate(_chunks(jobs, staging.slot_bytes)):
+            index = turn % len(slots)
+            if len(reads) == len(slots):  # the oldest read still owns this slot
+                start_copy()
+            if copies[index] is not None:
+                copies[index].wait()
+                copies[index] = None
+            reads.append((pool.submit(read, job, first, last, index), job, first, last, index))
+            while reads and reads[0][0].done():
+                start_copy()
+        while reads:
+            start_copy()
     except BaseException:
-        _drain(pending, raise_errors=False)
+        for future, *_ in reads:
+            future.cancel()
+        pool.shutdown(wait=True)
+        _drain(copies, raise_errors=False)
         raise
-    _drain(pending, raise_errors=True)
+    pool.shutdown(wait=True)
+    _drain(copies, raise_errors=True)
     staging.finish()
 
 

@@ -17,8 +17,8 @@ from typing import Optional, Protocol
 
 import torch
 
-DEFAULT_SLOT_BYTES = 64 * 1024 * 1024
-DEFAULT_SLOTS = 4
+DEFAULT_SLOT_BYTES = 32 * 1024 * 1024
+DEFAULT_SLOTS = 8  # enough for every reader thread to fill one slot while others copy out
 MIN_SLOT_BYTES = 1024 * 1024
 
 

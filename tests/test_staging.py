@@ -53,14 +53,15 @@ def _jobs(ckpt, dtype=None):
     return dests, [Job(dests[name], info) for name, info in ckpt.items()]
 
 
-def test_ring_wraps_around_and_splits_tensors_larger_than_a_slot(tmp_path):
+@pytest.mark.parametrize("readers", [1, 3])
+def test_ring_wraps_around_and_splits_tensors_larger_than_a_slot(tmp_path, readers):
     state = {f"t{i}": torch.randn(37 + i * 11) for i in range(6)}  # each larger than one 64-byte slot
     path = write_safetensors(state, tmp_path / "m.safetensors")
     staging = RecordingStaging(slot_bytes=64, num_slots=3)
 
     with mz.open_checkpoint(path) as ckpt:
         dests, jobs = _jobs(ckpt)
-        run_staged(jobs, ckpt.files, staging, lambda n: None)
+        run_staged(jobs, ckpt.files, staging, lambda n: None, reader_threads=readers)
     staging.close()
 
     expected_chunks = sum(-(-v.numel() * 4 // 64) for v in state.values())
@@ -70,21 +71,23 @@ def test_ring_wraps_around_and_splits_tensors_larger_than_a_slot(tmp_path):
         assert torch.equal(dests[name], value), name
 
 
-def test_staged_cast_converts_chunk_by_chunk(tmp_path):
+@pytest.mark.parametrize("readers", [1, 2])
+def test_staged_cast_converts_chunk_by_chunk(tmp_path, readers):
     state = {"a": torch.randn(1000).bfloat16(), "b": torch.randn(3, 333).bfloat16()}
     path = write_safetensors(state, tmp_path / "m.safetensors")
     staging = RecordingStaging(slot_bytes=256, num_slots=2)
 
     with mz.open_checkpoint(path) as ckpt:
         dests, jobs = _jobs(ckpt, dtype=torch.float32)
-        run_staged(jobs, ckpt.files, staging, lambda n: None)
+        run_staged(jobs, ckpt.files, staging, lambda n: None, reader_threads=readers)
     staging.close()
 
     for name, value in state.items():
         assert torch.equal(dests[name], value.float()), name
 
 
-def test_read_error_mid_stream_raises_after_draining_copies(tmp_path):
+@pytest.mark.parametrize("readers", [1, 2])
+def test_read_error_mid_stream_raises_after_draining_copies(tmp_path, readers):
     state = {f"t{i}": torch.randn(100) for i in range(4)}
     path = write_safetensors(state, tmp_path / "m.safetensors")
     staging = RecordingStaging(slot_bytes=128, num_slots=2)
@@ -93,14 +96,15 @@ def test_read_error_mid_stream_raises_after_draining_copies(tmp_path):
         dests, jobs = _jobs(ckpt)
         os.truncate(path, ckpt["t2"].offset + 10)
         with pytest.raises(mz.CheckpointError, match="t2"):
-            run_staged(jobs, ckpt.files, staging, lambda n: None)
+            run_staged(jobs, ckpt.files, staging, lambda n: None, reader_threads=readers)
 
     assert not staging.finished
     assert torch.equal(dests["t0"], state["t0"])  # copies already started completed
     staging.close()
 
 
-def test_copy_failure_surfaces_and_stops_the_stream(tmp_path):
+@pytest.mark.parametrize("readers", [1, 2])
+def test_copy_failure_surfaces_and_stops_the_stream(tmp_path, readers):
     state = {f"t{i}": torch.randn(64) for i in range(4)}
     path = write_safetensors(state, tmp_path / "m.safetensors")
     staging = RecordingStaging(slot_bytes=256, num_slots=2, fail_on_copy=1)
@@ -108,7 +112,7 @@ def test_copy_failure_surfaces_and_stops_the_stream(tmp_path):
     with mz.open_checkpoint(path) as ckpt:
         _, jobs = _jobs(ckpt)
         with pytest.raises(RuntimeError, match="copy engine fault"):
-            run_staged(jobs, ckpt.files, staging, lambda n: None)
+            run_staged(jobs, ckpt.files, staging, lambda n: None, reader_threads=readers)
 
     assert not staging.finished
     staging.close()
@@ -125,3 +129,42 @@ def test_progress_counts_every_byte(tmp_path):
     assert seen[-1] == (total, total)
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
     assert report.bytes_read == total
+
+
+class SlotGuardStaging(ThreadStaging):
+    """Fails the test if a slot is refilled while a copy out of it is still running."""
+
+    def __init__(self) -> None:
+        super().__init__(slot_bytes=96, num_slots=3)
+        self.busy: set[int] = set()
+        self.violations = 0
+
+    def copy(self, dest, src):
+        index = next(i for i, slot in enumerate(self.slots) if slot.data_ptr() == src.data_ptr())
+        if index in self.busy:
+            self.violations += 1
+        self.busy.add(index)
+
+        def slow_copy():
+            import time
+
+            time.sleep(0.002)  # copies slower than reads: the ring must wait for them
+            dest.copy_(src)
+            self.busy.discard(index)
+
+        return _Done(self._worker.submit(slow_copy))
+
+
+def test_no_slot_is_reused_while_its_copy_is_in_flight(tmp_path):
+    state = {f"t{i}": torch.randn(200 + i) for i in range(5)}
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+    staging = SlotGuardStaging()
+
+    with mz.open_checkpoint(path) as ckpt:
+        dests, jobs = _jobs(ckpt)
+        run_staged(jobs, ckpt.files, staging, lambda n: None, reader_threads=3)
+    staging.close()
+
+    assert staging.violations == 0
+    for name, value in state.items():
+        assert torch.equal(dests[name], value), name

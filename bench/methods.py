@@ -61,11 +61,11 @@ def _prepare(method: str) -> tuple[Setup, Load]:
     built apart from the load, so the load column compares loading alone.
     """
     if method.startswith("ours"):
-        import materialize as mz
+        from materialize import load
 
         dtype = torch.float32 if method == "ours-cast" else None
         return (lambda args: _skeleton(args, "ours")), (
-            lambda path, model: _with(model, lambda m: mz.load(m, path, dtype=dtype, mmap=method == "ours-mmap"))
+            lambda path, model: _with(model, lambda m: load(m, path, dtype=dtype, mmap=method == "ours-mmap"))
         )
     if method == "naive":
         from materialize.models.transformer import DecoderLM

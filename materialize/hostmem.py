@@ -12,7 +12,6 @@ requirement.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 from typing import Optional
 
@@ -27,7 +26,8 @@ def _load_libc() -> Optional[ctypes.CDLL]:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        # The running process's own symbols: no library search (find_library spawns a subprocess).
+        libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         return libc
     except (OSError, AttributeError):

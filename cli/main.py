@@ -15,7 +15,7 @@ import materialize as mz
 from materialize.sizes import format_bytes
 
 from ._errors import one_line
-from .params import DEVICE, DTYPE, MODEL_ARG, RENAME, SIZE
+from .params import DEVICE, DEVICE_MAP, DTYPE, MAX_MEMORY, MODEL_ARG, RENAME, SIZE
 from .progress import progress_for
 
 if TYPE_CHECKING:
@@ -61,14 +61,19 @@ def _emit(as_json: bool, payload: dict, text: str) -> None:
 
 checkpoint_argument = click.argument("checkpoint", type=click.Path(dir_okay=True, path_type=str))
 model_options = [
-    click.option("--model", "model_spec", metavar="SPEC", help="package.module:callable, or a configs/ TOML file."),
+    click.option("--model", "model_spec", metavar="SPEC",
+                 help="package.module:callable, a configs/ TOML file, or hf:ClassName (default: config.json's architecture)."),
     click.option("--model-arg", "model_args", type=MODEL_ARG, multiple=True, help="KEY=VALUE passed to the model factory (JSON literal values)."),
     click.option("--device", type=DEVICE, default="cpu", show_default=True, help="Where the tensors are allocated."),
+    click.option("--device-map", type=DEVICE_MAP, default=None,
+                 help="Spread over devices: auto|balanced|balanced_low_0|sequential, or JSON {module: device|\"disk\"}."),
+    click.option("--max-memory", type=MAX_MEMORY, default=None, help="Budget per device for --device-map, e.g. 0=70GiB,cpu=100GiB."),
     click.option("--dtype", type=DTYPE, default=None, help="Cast floating tensors; default auto keeps the checkpoint's dtypes."),
     click.option("--strict/--no-strict", default=True, show_default=True, help="Missing or unexpected tensors are an error; --no-strict initializes missing ones."),
     click.option("--strip-prefix", metavar="PREFIX", help="Remove PREFIX from checkpoint names (e.g. 'model.')."),
     click.option("--add-prefix", metavar="PREFIX", help="Prepend PREFIX to checkpoint names."),
     click.option("--rename", "renames", type=RENAME, multiple=True, help="Regex rename of checkpoint names, applied in order after --strip-prefix."),
+    click.option("--revision", metavar="REV", help="Hub revision (branch, tag or commit) when CHECKPOINT is a repo id."),
     click.option("--trust-pickle", is_flag=True, help="Allow a pickled model (torch.save(model)): imports its classes and may run its code."),
     click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout and nothing else there."),
     click.option("--debug", is_flag=True, help="Show the traceback of an error."),
@@ -114,18 +119,23 @@ def main() -> None:
 @main.command(DEFAULT_COMMAND)
 @checkpoint_argument
 @with_options(model_options + load_only_options)
-def load_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, device: str,
+def load_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, device: str, device_map: Any,
+                 max_memory: Any,
                  dtype: "Optional[torch.dtype]", mmap: bool, staging_bytes: Optional[int], strict: bool,
-                 strip_prefix: Optional[str], add_prefix: Optional[str], renames: tuple, trust_pickle: bool,
-                 as_json: bool, debug: bool) -> None:
-    """(default) Build the model on meta and materialize CHECKPOINT into it."""
+                 strip_prefix: Optional[str], add_prefix: Optional[str], renames: tuple, revision: Optional[str],
+                 trust_pickle: bool, as_json: bool, debug: bool) -> None:
+    """(default) Build the model on meta and materialize CHECKPOINT into it.
+
+    CHECKPOINT is a file, a shard index, a folder (Hugging Face layout) or a hub repo id (org/name).
+    """
 
     def action() -> None:
         progress = progress_for(not as_json)
         try:
             _, report = mz.load_model(
-                checkpoint, model=model_spec, model_args=dict(model_args), trust_pickle=trust_pickle,
+                checkpoint, model=model_spec, model_args=dict(model_args), revision=revision, trust_pickle=trust_pickle,
                 device=device, dtype=dtype, strict=strict, mmap=mmap, staging_bytes=staging_bytes, progress=progress,
+                device_map=device_map, max_memory=max_memory,
                 key_map=key_map_from(strip_prefix, add_prefix, renames),
             )
         finally:
@@ -185,22 +195,19 @@ def _inspect_text(ckpt: mz.Checkpoint) -> str:
 @main.command("plan")
 @checkpoint_argument
 @with_options(model_options)
-def plan_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, device: str,
+def plan_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, device: str, device_map: Any,
+                 max_memory: Any,
                  dtype: "Optional[torch.dtype]", strict: bool, strip_prefix: Optional[str], add_prefix: Optional[str],
-                 renames: tuple, trust_pickle: bool, as_json: bool, debug: bool) -> None:
+                 renames: tuple, revision: Optional[str], trust_pickle: bool, as_json: bool, debug: bool) -> None:
     """What a load would do: per-device bytes, ties, missing and unexpected; reads no tensor data."""
 
     def action() -> None:
-        with mz.open_checkpoint(checkpoint, trust_pickle=trust_pickle) as ckpt:
-            if model_spec is not None:
-                model = mz.build(model_spec, **dict(model_args))
-            elif ckpt.module is not None:
-                model = ckpt.module
-            else:
-                raise click.UsageError("plan needs --model SPEC (or a pickled module with --trust-pickle)")
-            the_plan = mz.plan(model, ckpt, device=device, dtype=dtype, strict=strict,
-                               key_map=key_map_from(strip_prefix, add_prefix, renames))
-            _emit(as_json, the_plan.to_dict(), _plan_text(the_plan.to_dict()))
+        the_plan = mz.plan(
+            model_spec, checkpoint, model_args=dict(model_args), revision=revision, trust_pickle=trust_pickle,
+            device=device, dtype=dtype, strict=strict, key_map=key_map_from(strip_prefix, add_prefix, renames),
+            device_map=device_map, max_memory=max_memory,
+        )
+        _emit(as_json, the_plan.to_dict(), _plan_text(the_plan.to_dict()))
 
     _run(debug, action)
 

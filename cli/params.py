@@ -98,7 +98,47 @@ class SizeType(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
+class DeviceMapType(click.ParamType):
+    """A strategy name, or a JSON object of module name to device."""
+
+    name = "device_map"
+    STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> Any:
+        if not isinstance(value, str) or value in self.STRATEGIES:
+            return value
+        try:
+            mapping = json.loads(value)
+        except json.JSONDecodeError:
+            mapping = None
+        if not isinstance(mapping, dict):
+            self.fail(f"{value!r} is not one of {', '.join(self.STRATEGIES)} nor a JSON object of module to device", param, ctx)
+        return mapping
+
+
+class MaxMemoryType(click.ParamType):
+    """``0=70GiB,cpu=100GiB,disk=1TB``: a budget per device for a computed device map."""
+
+    name = "max_memory"
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> Any:
+        if not isinstance(value, str):
+            return value
+        budget: dict[Any, int] = {}
+        for part in filter(None, value.split(",")):
+            device, sep, size = part.partition("=")
+            if not sep:
+                self.fail(f"{part!r} is not DEVICE=SIZE", param, ctx)
+            try:
+                budget[int(device) if device.strip().isdigit() else device.strip()] = parse_size(size)
+            except ValueError as exc:
+                self.fail(str(exc), param, ctx)
+        return budget
+
+
 DTYPE = DtypeType()
+DEVICE_MAP = DeviceMapType()
+MAX_MEMORY = MaxMemoryType()
 SIZE = SizeType()
 RENAME = RenameType()
 DEVICE = DeviceType()

@@ -64,7 +64,7 @@ def stream(
     jobs: Iterable[Job],
     files: FileSet,
     *,
-    staging_factory: Callable[[], Staging],
+    staging_factory: Callable[[torch.device], Staging],
     progress: Optional[ProgressFn] = None,
     reader_threads: Optional[int] = None,
 ) -> int:
@@ -90,10 +90,11 @@ def stream(
         _run_direct(direct, files, tracker, threads)
     if cast:
         _run_cpu_cast(cast, files, tracker, threads)
-    if staged:
-        staging = staging_factory()
+    for device in dict.fromkeys(job.dest.device for job in staged):
+        staging = staging_factory(device)
         try:
-            run_staged(staged, files, staging, tracker.add, reader_threads=threads)
+            on_device = [job for job in staged if job.dest.device == device]
+            run_staged(on_device, files, staging, tracker.add, reader_threads=threads)
         finally:
             staging.close()
     for job in strided:

@@ -7,15 +7,20 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 from torch import nn
 
 from .checkpoint import Checkpoint, open_checkpoint
+from .devicemap import DeviceMapLike, Placement, compute_device_map
 from .dtypes import dtype_name, parse_dtype
 from .engine import Job, ProgressFn, stream
+from .errors import ModelSpecError
+from .hf import HF_SPEC_PREFIX, build_hf, hf_init, hf_key_map, is_hf_folder, is_hf_model
 from .hostmem import empty_destination
+from .hub import resolve as resolve_source
 from .keymap import KeyMapLike
 from .mapping import FileMaps
 from .memory import PeakMemory
@@ -38,8 +43,15 @@ def _opened(checkpoint: CheckpointLike, trust_pickle: bool) -> Iterator[Checkpoi
         yield ckpt
 
 
+def _model_defaults(model: nn.Module, key_map: KeyMapLike, init: Optional[InitFn]) -> tuple[KeyMapLike, Optional[InitFn]]:
+    """transformers models bring their own key renames and init, unless the caller gave others."""
+    if not is_hf_model(model):
+        return key_map, init
+    return (key_map if key_map is not None else hf_key_map(model)), (init if init is not None else hf_init(model))
+
+
 def plan(
-    model: nn.Module,
+    model: Union[nn.Module, ModelSpec, None],
     checkpoint: CheckpointLike,
     *,
     device: DeviceLike = "cpu",
@@ -47,17 +59,30 @@ def plan(
     strict: bool = True,
     key_map: KeyMapLike = None,
     init: Optional[InitFn] = None,
+    model_args: Optional[Mapping[str, Any]] = None,
+    revision: Optional[str] = None,
     trust_pickle: bool = False,
+    device_map: Optional[DeviceMapLike] = None,
+    max_memory: Optional[Mapping[Union[int, str], Union[int, str]]] = None,
 ) -> Plan:
     """What :func:`load` would do, without reading any tensor data.
 
-    Raises the same errors a load would (missing, unexpected and mismatched
-    tensors; tensors that cannot be initialized).
+    ``model`` is a module or anything :func:`load_model` accepts as one
+    (a spec, ``"hf:ClassName"``, or ``None`` for a Hugging Face folder or a
+    pickled module). Raises the same errors a load would (missing,
+    unexpected and mismatched tensors; tensors that cannot be initialized).
     """
-    with _opened(checkpoint, trust_pickle) as ckpt:
+    source = checkpoint if isinstance(checkpoint, Checkpoint) else resolve_source(checkpoint, revision=revision)
+    folder = None if isinstance(source, Checkpoint) else Path(source)
+    with _opened(source, trust_pickle) as ckpt:
+        skeleton = _skeleton(model, model_args, folder, ckpt)
+        if skeleton is None:
+            raise ModelSpecError("a plan needs a model: pass one (CLI: --model SPEC)", path=ckpt.path)
+        key_map, init = _model_defaults(skeleton, key_map, init)
+        cast = parse_dtype(dtype)
         return make_plan(
-            model, ckpt, device=resolve_device(device), dtype=parse_dtype(dtype),
-            strict=strict, key_map=key_map, init=init,
+            skeleton, ckpt, device=resolve_device(device), dtype=cast, strict=strict, key_map=key_map, init=init,
+            placement=_placement(skeleton, ckpt, device_map, max_memory, cast),
         )
 
 
@@ -73,6 +98,8 @@ def load(
     trust_pickle: bool = False,
     mmap: bool = False,
     staging_bytes: Optional[int] = None,
+    device_map: Optional[DeviceMapLike] = None,
+    max_memory: Optional[Mapping[Union[int, str], Union[int, str]]] = None,
     progress: Optional[ProgressFn] = None,
 ) -> Report:
     """Materialize ``model`` on ``device`` from ``checkpoint``, each tensor allocated once.
@@ -101,6 +128,13 @@ def load(
             The files must not change while the model lives.
         staging_bytes: host memory for staging copies to a GPU (pinned),
             default 256 MiB; the bound on host memory of a CUDA load.
+        device_map: spread the model over devices instead of ``device``: a
+            dict of module name to GPU index, ``"cpu"`` or ``"disk"``, or
+            ``"auto"``/``"balanced"``/``"balanced_low_0"``/``"sequential"``,
+            computed by accelerate within ``max_memory``. Each tensor is
+            allocated directly on its device; ``"disk"`` tensors stay mapped
+            from the checkpoint. With more than one device the model is
+            dispatched with accelerate's hooks, so its forward runs as is.
         progress: ``fn(bytes_done, bytes_total)``, called from reader threads.
 
     Tied parameters stay one tensor. Real buffers absent from the checkpoint
@@ -108,11 +142,41 @@ def load(
     had before is put back, so the model is left as it was.
     """
     target = resolve_device(device)
+    cast = parse_dtype(dtype)
+    key_map, init = _model_defaults(model, key_map, init)
     with _opened(checkpoint, trust_pickle) as ckpt:
+        placement = _placement(model, ckpt, device_map, max_memory, cast)
         the_plan = make_plan(
-            model, ckpt, device=target, dtype=parse_dtype(dtype), strict=strict, key_map=key_map, init=init
+            model, ckpt, device=target, dtype=cast, strict=strict, key_map=key_map, init=init, placement=placement
         )
-        return execute(the_plan, ckpt, init=init, mmap=mmap, staging_bytes=staging_bytes, progress=progress)
+        report = execute(the_plan, ckpt, init=init, mmap=mmap, staging_bytes=staging_bytes, progress=progress)
+    if placement is not None and placement.needs_dispatch:
+        from accelerate import dispatch_model
+
+        dispatch_model(model, device_map=placement.for_accelerate())
+    return report
+
+
+def _placement(
+    model: nn.Module,
+    ckpt: Checkpoint,
+    device_map: Optional[DeviceMapLike],
+    max_memory: Optional[Mapping[Union[int, str], Union[int, str]]],
+    dtype: Optional[torch.dtype],
+) -> Optional[Placement]:
+    if device_map is None:
+        return None
+    # Sized as the tensors will be: the cast, or the checkpoint's own dtype (not the skeleton's).
+    sizing = dtype or _dominant_float_dtype(ckpt)
+    return Placement(compute_device_map(model, device_map, max_memory=max_memory, dtype=sizing))
+
+
+def _dominant_float_dtype(ckpt: Checkpoint) -> Optional[torch.dtype]:
+    weights: Counter[str] = Counter()
+    for info in ckpt.values():
+        if info.dtype.is_floating_point:
+            weights[info.dtype_name] += info.nbytes
+    return getattr(torch, weights.most_common(1)[0][0]) if weights else None
 
 
 def execute(
@@ -127,17 +191,18 @@ def execute(
     """Carry out a plan made by :func:`make_plan` against ``ckpt``."""
     started = time.perf_counter()
     undo: list[tuple[nn.Module, str, bool, torch.Tensor]] = []
-    maps = FileMaps() if mmap and the_plan.device.type == "cpu" else None
+    wants_views = (mmap and the_plan.device.type == "cpu") or any(e.on_disk for e in the_plan.entries)
+    maps = FileMaps() if wants_views else None
     mapped: list[str] = []
     with PeakMemory(the_plan.device) as memory, torch.no_grad():
         try:
-            jobs = [job for entry in the_plan.entries for job in _materialize_entry(entry, undo, maps, mapped)]
+            jobs = [job for entry in the_plan.entries for job in _materialize_entry(entry, undo, maps, mmap, mapped)]
             for _, module in the_plan.init_modules:
                 if init is not None:
                     init(module)
                 else:
                     module.reset_parameters()
-            bytes_read = stream(jobs, ckpt.files, staging_factory=lambda: staging_for(the_plan.device, staging_bytes), progress=progress)
+            bytes_read = stream(jobs, ckpt.files, staging_factory=lambda device: staging_for(device, staging_bytes), progress=progress)
         except BaseException:
             _undo(undo)
             raise
@@ -150,6 +215,7 @@ def execute(
         unexpected=list(the_plan.unexpected),
         tied=[list(group) for group in the_plan.tied_groups],
         mapped=mapped,
+        bytes_by_device=the_plan.bytes_by_device,
     )
 
 
@@ -172,10 +238,10 @@ def _report(
     )
 
 
-def _materialize_entry(entry: Entry, undo: list, maps: Optional[FileMaps], mapped: list[str]) -> list[Job]:
+def _materialize_entry(entry: Entry, undo: list, maps: Optional[FileMaps], mmap: bool, mapped: list[str]) -> list[Job]:
     """Allocate one tensor (once, whatever its tie group) and register it everywhere."""
     original = entry.original
-    view = _mapped_view(entry, maps)
+    view = _mapped_view(entry, maps) if (entry.on_disk or (mmap and entry.device.type == "cpu")) else None
     if view is not None:
         tensor = view
         mapped.append(entry.name)
@@ -255,7 +321,7 @@ def load_tensors(
                 continue
             tensors[name] = empty_destination(info.shape, dtype=wanted, device=target)
             jobs.append(Job(tensors[name], info))
-        bytes_read = stream(jobs, ckpt.files, staging_factory=lambda: staging_for(target, staging_bytes), progress=progress)
+        bytes_read = stream(jobs, ckpt.files, staging_factory=lambda device: staging_for(device, staging_bytes), progress=progress)
     report = _report(ckpt, target, list(tensors.values()), bytes_read, started, memory, loaded=list(tensors), mapped=mapped)
     return tensors, report
 
@@ -265,27 +331,49 @@ def load_model(
     *,
     model: Union[nn.Module, ModelSpec, None] = None,
     model_args: Optional[Mapping[str, Any]] = None,
+    revision: Optional[str] = None,
     trust_pickle: bool = False,
     **load_options: Any,
 ) -> tuple[Union[nn.Module, dict[str, torch.Tensor]], Report]:
     """Build the skeleton and load it in one call (what the CLI runs).
 
-    ``model`` is a module, a spec for :func:`build` (called with
-    ``model_args``), or ``None``: then a pickled module in the checkpoint is
-    its own skeleton (needs ``trust_pickle``), and a plain state dict is
-    materialized as a ``dict`` of tensors.
+    ``source`` is a checkpoint path, a Hugging Face folder, or a hub repo id
+    (``org/name``, at ``revision``). ``model`` is a module, a spec for
+    :func:`build` (called with ``model_args``), ``"hf:ClassName"`` (a
+    transformers class built from the source's ``config.json``), or ``None``:
+    then a folder with a ``config.json`` builds its transformers model, a
+    pickled module in the checkpoint is its own skeleton (needs
+    ``trust_pickle``), and a plain state dict is materialized as a ``dict`` of
+    tensors.
     """
+    if not isinstance(source, Checkpoint):
+        source = resolve_source(source, revision=revision)
+    folder = None if isinstance(source, Checkpoint) else Path(source)
     with _opened(source, trust_pickle) as ckpt:
-        if model is None and ckpt.module is None:
-            load_options.pop("strict", None)
-            load_options.pop("key_map", None)
-            load_options.pop("init", None)
+        skeleton = _skeleton(model, model_args, folder, ckpt)
+        if skeleton is None:
+            if load_options.get("device_map") is not None:
+                raise ModelSpecError("a device map needs a model to place: pass one (CLI: --model SPEC)", path=ckpt.path)
+            for option in ("strict", "key_map", "init", "device_map", "max_memory"):
+                load_options.pop(option, None)
             return load_tensors(ckpt, **load_options)
-        if model is None:
-            skeleton = ckpt.module
-        elif isinstance(model, nn.Module):
-            skeleton = model
-        else:
-            skeleton = build(model, **dict(model_args or {}))
-        assert skeleton is not None
         return skeleton, load(skeleton, ckpt, **load_options)
+
+
+def _skeleton(
+    model: Union[nn.Module, ModelSpec, None],
+    model_args: Optional[Mapping[str, Any]],
+    folder: Optional[Path],
+    ckpt: Checkpoint,
+) -> Optional[nn.Module]:
+    if isinstance(model, nn.Module):
+        return model
+    if isinstance(model, str) and model.startswith(HF_SPEC_PREFIX):
+        if folder is None or not is_hf_folder(folder):
+            raise ModelSpecError(f"{model!r} needs a Hugging Face folder or hub id holding config.json as the source")
+        return build_hf(folder, model_class=model[len(HF_SPEC_PREFIX):] or None)
+    if model is not None:
+        return build(model, **dict(model_args or {}))
+    if folder is not None and is_hf_folder(folder):
+        return build_hf(folder)
+    return ckpt.module

@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import torch
 from torch import nn
 
 from .checkpoint import Checkpoint, TensorInfo
 from .dtypes import dtype_name
-from .errors import InitError, KeyMismatchError, ShapeMismatchError
+from .errors import DeviceError, InitError, KeyMismatchError, ShapeMismatchError
 from .keymap import KeyMapLike, as_key_map, auto_strip_wrapper_prefix
 
 Action = Literal["load", "init", "keep"]
@@ -47,6 +47,7 @@ class Entry:
     dtype: torch.dtype
     device: torch.device
     source: Optional[TensorInfo] = None
+    on_disk: bool = False  # left in the checkpoint file, mapped copy-on-write
 
     @property
     def name(self) -> str:
@@ -78,7 +79,7 @@ class Plan:
     def bytes_by_device(self) -> dict[str, int]:
         totals: Counter[str] = Counter()
         for entry in self.entries:
-            totals[str(entry.device)] += entry.nbytes
+            totals["disk" if entry.on_disk else str(entry.device)] += entry.nbytes
         return dict(totals)
 
     @property
@@ -159,7 +160,13 @@ def make_plan(
     strict: bool = True,
     key_map: KeyMapLike = None,
     init: Optional[InitFn] = None,
+    placement: Optional[Callable[[str], Union[torch.device, str]]] = None,
 ) -> Plan:
+    """Match, group and place every tensor of ``model``; raise what a load would hit.
+
+    ``placement`` maps a tensor name to its device or ``"disk"`` (see
+    :mod:`materialize.devicemap`); without one everything goes to ``device``.
+    """
     groups = _collect_groups(model)
     model_names = {name for _, named in groups for name, _ in named}
     to_ckpt = _map_checkpoint_names(ckpt, model_names, key_map)
@@ -169,7 +176,10 @@ def make_plan(
         names = tuple(name for name, _ in named)
         owners = [owner for _, owner in named]
         source_name = next((to_ckpt[n] for n in names if n in to_ckpt), None)
-        entry = Entry(names, owners, tensor, "keep", tuple(tensor.shape), tensor.dtype, device)
+        place = placement(names[0]) if placement is not None else device
+        on_disk = place == "disk"
+        entry = Entry(names, owners, tensor, "keep", tuple(tensor.shape), tensor.dtype,
+                      torch.device("cpu") if on_disk else place, on_disk=on_disk)
         if source_name is not None:
             info = ckpt[source_name]
             entry.action, entry.source = "load", info
@@ -186,6 +196,7 @@ def make_plan(
 
     plan.unexpected = [c for m, c in to_ckpt.items() if m not in model_names]
     _raise_for_mismatch(plan, ckpt, strict)
+    _raise_for_unmappable_disk(plan, ckpt)
 
     follow = dtype or _float_dtype_of_loads(plan.entries)
     for entry in plan.of("init"):
@@ -220,6 +231,17 @@ def _raise_for_mismatch(plan: Plan, ckpt: Checkpoint, strict: bool) -> None:
         unexpected=plan.unexpected,
         mismatched=[n for n, _, _ in plan.mismatched],
     )
+
+
+def _raise_for_unmappable_disk(plan: Plan, ckpt: Checkpoint) -> None:
+    """Disk tensors stay in the file: they cannot be cast, and must be there to map."""
+    cast = [e.name for e in plan.entries if e.on_disk and e.action == "load" and e.source and e.source.dtype != e.dtype]
+    if cast:
+        raise DeviceError(
+            f"tensors placed on disk stay mapped from the file and cannot be cast: {', '.join(cast)}; "
+            "drop the dtype or place those modules on cpu",
+            path=ckpt.path,
+        )
 
 
 def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:

@@ -23,6 +23,7 @@ class Report:
     unexpected: list[str] = field(default_factory=list)
     tied: list[list[str]] = field(default_factory=list)
     dtypes: dict[str, int] = field(default_factory=dict)
+    bytes_by_device: dict[str, int] = field(default_factory=dict)
     bytes_read: int = 0
     model_bytes: int = 0
     seconds: float = 0.0
@@ -47,6 +48,7 @@ class Report:
             "unexpected": self.unexpected,
             "tied": self.tied,
             "dtypes": self.dtypes,
+            "bytes_by_device": self.bytes_by_device,
             "bytes_read": self.bytes_read,
             "model_bytes": self.model_bytes,
             "seconds": round(self.seconds, 6),
@@ -68,6 +70,7 @@ class Report:
             ("unexpected (skipped)", str(len(self.unexpected))),
             ("dtypes", ", ".join(f"{name} x{count}" for name, count in sorted(self.dtypes.items())) or "-"),
             ("model size", format_bytes(self.model_bytes)),
+            *((f"  on {place}", format_bytes(n)) for place, n in self.bytes_by_device.items() if len(self.bytes_by_device) > 1),
             ("bytes read", format_bytes(self.bytes_read)),
             ("time", f"{self.seconds:.3f} s"),
             ("throughput", f"{self.gb_per_second:.2f} GB/s"),

@@ -82,7 +82,17 @@ def _import_callable(target: str) -> Callable[..., nn.Module]:
 
 
 def build(spec: ModelSpec, **kwargs: Any) -> nn.Module:
-    """Build a model skeleton on ``meta`` from a spec; ``kwargs`` override config args."""
+    """Build a model skeleton on ``meta`` from a spec; ``kwargs`` override config args.
+
+    A folder holding a Hugging Face ``config.json`` builds its transformers
+    model (needs the ``hf`` extra).
+    """
+    if not callable(spec) and Path(os.fspath(spec)).is_dir():
+        from .hf import build_hf, is_hf_folder
+
+        if not is_hf_folder(Path(os.fspath(spec))):
+            raise ModelSpecError("is a folder without config.json: not a model spec", path=spec)
+        return build_hf(Path(os.fspath(spec)))
     factory, args = resolve_factory(spec)
     args.update(kwargs)
     with meta_init():

@@ -1,0 +1,140 @@
+"""Hugging Face models: skeletons from ``config.json``, and their names and inits as transformers knows them.
+
+Needs the optional extra ``torch-materialize[hf]`` (transformers). Only what
+transformers itself decides is taken from it: the model class (from
+``architectures`` or an ``hf:AutoModelForX`` spec), its key renames and
+base-model prefix, and its ``_init_weights`` for tensors a checkpoint lacks.
+Everything else (allocation, reading, ties, buffers) is the ordinary load.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+from torch import nn
+
+from .errors import CheckpointError, ModelSpecError
+from .meta import meta_init
+
+CONFIG_NAME = "config.json"
+HF_SPEC_PREFIX = "hf:"
+
+
+def is_hf_folder(path: Path) -> bool:
+    return path.is_dir() and (path / CONFIG_NAME).is_file()
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ModelSpecError(
+            "building a model from config.json needs transformers: pip install 'torch-materialize[hf]'"
+        ) from None
+    return transformers
+
+
+def build_hf(folder: Path, *, model_class: Optional[str] = None) -> nn.Module:
+    """A transformers model for ``folder``'s ``config.json``, parameters on meta.
+
+    ``model_class`` is a transformers class name (``"AutoModelForCausalLM"``,
+    ``"BertModel"``); by default the config's first ``architectures`` entry,
+    else ``AutoModel``. Remote code is never run.
+    """
+    transformers = _transformers()
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelSpecError(f"cannot read its config.json: {_first_line(exc)}", path=folder / CONFIG_NAME) from None
+    name = model_class or next(iter(getattr(config, "architectures", None) or []), "AutoModel")
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        raise ModelSpecError(
+            f"transformers has no model class {name!r} (installed: transformers {transformers.__version__})",
+            path=folder / CONFIG_NAME,
+        )
+    with meta_init():
+        try:
+            model = cls.from_config(config) if name.startswith("Auto") else cls(config)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ModelSpecError(f"{name} cannot be built from this config: {_first_line(exc)}", path=folder / CONFIG_NAME) from None
+    return model.eval()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    transformers = sys.modules.get("transformers")  # never import it just to ask
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+def hf_key_map(model: nn.Module) -> Callable[[str], str]:
+    """Checkpoint name -> model name, with transformers' own renames and base-model prefix.
+
+    A name that needs one of transformers' tensor conversions (fusing or
+    splitting tensors) cannot be read directly; it is reported as such.
+    """
+    model_names = set(model.state_dict(keep_vars=True))
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    renamings, converters = _conversions(model)
+
+    def rename(name: str) -> str:
+        renamed = name
+        for renaming in renamings:
+            renamed, _ = renaming.rename_source_key(renamed)
+        for converter in converters:
+            _, pattern = converter.rename_source_key(renamed)
+            if pattern is not None:
+                raise CheckpointError(
+                    f"needs transformers' weight conversion {type(converter).__name__} ({pattern}), which this loader "
+                    "does not apply; load this model with transformers' from_pretrained",
+                    tensor=name,
+                )
+        if renamed in model_names or not prefix:
+            return renamed
+        if renamed.startswith(prefix + ".") and renamed[len(prefix) + 1:] in model_names:
+            return renamed[len(prefix) + 1:]  # a head model's checkpoint into its base model
+        if f"{prefix}.{renamed}" in model_names:
+            return f"{prefix}.{renamed}"  # a base model's checkpoint into a head model
+        return renamed
+
+    return rename
+
+
+def _conversions(model: nn.Module) -> tuple[list, list]:
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+    except ImportError:  # older transformers: prefixes only
+        return [], []
+    transforms = get_model_conversion_mapping(model)
+    return (
+        [t for t in transforms if isinstance(t, WeightRenaming)],
+        [t for t in transforms if isinstance(t, WeightConverter)],
+    )
+
+
+def hf_init(model: nn.Module) -> Callable[[nn.Module], None]:
+    """Initialize one module with the ``_init_weights`` of the transformers model that contains it."""
+    transformers = sys.modules["transformers"]
+    owner: dict[int, nn.Module] = {}
+
+    def visit(module: nn.Module, current: nn.Module) -> None:
+        if isinstance(module, transformers.PreTrainedModel):
+            current = module
+        owner[id(module)] = current
+        for child in module.children():
+            visit(child, current)
+
+    visit(model, model)
+
+    def init(module: nn.Module) -> None:
+        owner.get(id(module), model)._init_weights(module)
+
+    return init

@@ -1,0 +1,66 @@
+"""Hub repo ids (``org/name``) resolved to a local folder through huggingface_hub.
+
+Only configs and weights are fetched (safetensors when the repo has them,
+torch files otherwise). huggingface_hub's own settings apply unchanged: the
+cache location (``HF_HOME``, ``HF_HUB_CACHE``), offline mode
+(``HF_HUB_OFFLINE``) and tokens. A repo already in the cache needs no network.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Optional, Union
+
+from .errors import CheckpointAccessError, CheckpointNotFoundError
+
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
+CONFIG_PATTERNS = ["*.json"]
+SAFETENSORS_PATTERNS = ["*.safetensors"]
+TORCH_PATTERNS = ["*.bin", "*.pt", "*.pth"]
+
+
+def looks_like_repo_id(source: Union[str, os.PathLike]) -> bool:
+    text = os.fspath(source)
+    return not Path(text).exists() and bool(REPO_ID.match(text)) and ".." not in text
+
+
+def resolve(source: Union[str, os.PathLike], *, revision: Optional[str] = None) -> Path:
+    """A local path as it is; a repo id as the folder of its cached snapshot."""
+    if not looks_like_repo_id(source):
+        return Path(source)
+    repo_id = os.fspath(source)
+    folder = _download(repo_id, revision, CONFIG_PATTERNS + SAFETENSORS_PATTERNS)
+    if not any(folder.glob("*.safetensors")):
+        folder = _download(repo_id, revision, CONFIG_PATTERNS + TORCH_PATTERNS)
+    return folder
+
+
+def _download(repo_id: str, revision: Optional[str], patterns: list[str]) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    where = f"{repo_id}@{revision}" if revision else repo_id
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+    except LocalEntryNotFoundError:
+        raise CheckpointNotFoundError(
+            "not in the local Hugging Face cache, and the hub cannot be reached (offline, HF_HUB_OFFLINE=1 "
+            "or no network); download it once where the hub is reachable",
+            path=where,
+        ) from None
+    except RevisionNotFoundError:
+        raise CheckpointNotFoundError(f"the hub repo has no revision {revision!r}", path=where) from None
+    except GatedRepoError:
+        raise CheckpointAccessError("the hub repo is gated: accept its terms and log in (hf auth login)", path=where) from None
+    except RepositoryNotFoundError:
+        raise CheckpointNotFoundError("no such hub repo (or it is private: log in with hf auth login)", path=where) from None
+    except HfHubHTTPError as exc:
+        raise CheckpointAccessError(f"hub request failed: {str(exc).splitlines()[0]}", path=where) from None

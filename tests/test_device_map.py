@@ -1,0 +1,90 @@
+"""Device maps: each tensor allocated on its device, disk tensors left mapped in the file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import materialize as mz
+
+from conftest import TINY, reference_model, saved_state, tiny_skeleton, write_safetensors
+
+CLI = str(Path(sys.executable).parent / "materialize")
+SPLIT = {"model.embed_tokens": "disk", "model.layers.0": "disk", "model.layers.1": "cpu", "model.norm": "cpu", "lm_head": "disk"}
+
+
+def test_cpu_and_disk_split_gives_the_same_forward_as_all_cpu(tmp_path, tokens):
+    source = reference_model(dtype=torch.bfloat16)
+    path = write_safetensors(saved_state(source), tmp_path / "m.safetensors")
+    model = tiny_skeleton()
+
+    report = mz.load(model, path, device_map=SPLIT)
+
+    disk_names = [n for n in saved_state(source) if n.startswith(("model.embed_tokens", "model.layers.0.", "lm_head"))]
+    assert sorted(report.mapped) == sorted(disk_names)
+    assert set(report.bytes_by_device) == {"cpu", "disk"}
+    with torch.no_grad():
+        assert torch.equal(model(tokens), source(tokens))
+
+
+def test_auto_device_map_offloads_what_does_not_fit_to_disk(tmp_path, tokens):
+    source = reference_model()
+    path = write_safetensors(saved_state(source), tmp_path / "m.safetensors")
+    model = tiny_skeleton()
+    budget = {"cpu": 20_000}  # far less than the model: the rest goes to disk
+
+    plan = mz.plan(model, path, device_map="sequential", max_memory=budget)
+    report = mz.load(model, path, device_map="sequential", max_memory=budget)
+
+    assert plan.bytes_by_device.get("disk", 0) > 0
+    assert report.bytes_by_device == plan.bytes_by_device
+    with torch.no_grad():
+        assert torch.equal(model(tokens), source(tokens))
+
+
+def test_disk_tensors_cannot_be_cast(tmp_path):
+    path = write_safetensors(saved_state(reference_model(dtype=torch.bfloat16)), tmp_path / "m.safetensors")
+
+    with pytest.raises(mz.DeviceError, match="on disk .* cannot be cast"):
+        mz.load(tiny_skeleton(), path, device_map={"": "disk"}, dtype="fp32")
+
+
+def test_a_device_map_that_misses_a_module_names_the_tensor(tmp_path):
+    path = write_safetensors(saved_state(reference_model()), tmp_path / "m.safetensors")
+
+    with pytest.raises(mz.DeviceError, match="lm_head.weight"):
+        mz.load(tiny_skeleton(), path, device_map={"model": "cpu"})
+
+
+def test_cli_plan_shows_bytes_per_device_for_a_device_map(tmp_path):
+    path = write_safetensors(saved_state(reference_model()), tmp_path / "m.safetensors")
+    args = [f"--model-arg={k}={json.dumps(v)}" for k, v in TINY.items()]
+
+    done = subprocess.run(
+        [CLI, "plan", str(path), "--model", "materialize.models.transformer:DecoderLM", *args,
+         "--device-map", json.dumps({"model": "cpu", "lm_head": "disk"}), "--json"],
+        capture_output=True, text=True,
+    )
+
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    lm_head = TINY["vocab_size"] * TINY["hidden_size"] * 4
+    assert summary["bytes_by_device"]["disk"] == lm_head
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_and_cpu_split_is_dispatched_and_runs(tmp_path, tokens):
+    source = reference_model()
+    path = write_safetensors(saved_state(source), tmp_path / "m.safetensors")
+    model = tiny_skeleton()
+
+    mz.load(model, path, device_map={"model.embed_tokens": 0, "model.layers": 0, "model.norm": "cpu", "lm_head": "disk"})
+
+    assert model.model.layers[0].mlp.up_proj.weight.device.type == "cuda"
+    with torch.no_grad():
+        assert torch.allclose(model(tokens.cuda()).cpu(), source(tokens), atol=1e-5)

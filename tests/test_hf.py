@@ -1,0 +1,198 @@
+"""Hugging Face models: what materialize builds and loads equals what from_pretrained gives."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import materialize as mz
+
+transformers = pytest.importorskip("transformers")
+
+CLI = str(Path(sys.executable).parent / "materialize")
+
+
+def _tiny(kind: str):
+    """A tiny random model of a real architecture, and an input for its forward."""
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=99, n_positions=64)
+        return transformers.GPT2LMHeadModel(config), {"input_ids": torch.arange(7)[None] % 99}
+    if kind == "llama":
+        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, vocab_size=99, tie_word_embeddings=True)
+        return transformers.LlamaForCausalLM(config), {"input_ids": torch.arange(7)[None] % 99}
+    if kind == "bert":
+        config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                         vocab_size=99, max_position_embeddings=64)
+        return transformers.BertForMaskedLM(config), {"input_ids": torch.arange(7)[None] % 99}
+    if kind == "t5":
+        config = transformers.T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=2, vocab_size=99, d_kv=8,
+                                       decoder_start_token_id=0)
+        ids = torch.arange(7)[None] % 99
+        return transformers.T5ForConditionalGeneration(config), {"input_ids": ids, "decoder_input_ids": ids[:, :4]}
+    if kind == "vit":
+        config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                        image_size=32, patch_size=8, num_labels=3)
+        return transformers.ViTForImageClassification(config), {"pixel_values": torch.randn(1, 3, 32, 32)}
+    raise AssertionError(kind)
+
+
+def _save(model, folder: Path, *, as_bin: bool, dtype: torch.dtype) -> Path:
+    model = model.to(dtype)
+    model.save_pretrained(folder, max_shard_size="40KB")
+    if as_bin:  # the same tensors as sharded torch files, as older saves have them
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        state = model.state_dict()
+        weight_map = {}
+        for shard in sorted(set(index["weight_map"].values())):
+            names = [n for n, s in index["weight_map"].items() if s == shard]
+            bin_name = shard.replace("model-", "pytorch_model-").replace(".safetensors", ".bin")
+            torch.save({n: state[n].contiguous() for n in names}, folder / bin_name)
+            weight_map.update({n: bin_name for n in names})
+            (folder / shard).unlink()
+        (folder / "model.safetensors.index.json").unlink()
+        (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
+KINDS = ["gpt2", "llama", "bert", "t5", "vit"]
+
+
+@pytest.mark.parametrize("as_bin", [False, True], ids=["safetensors", "bin"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_load_model_equals_from_pretrained(kind, as_bin, tmp_path):
+    source, inputs = _tiny(kind)
+    folder = _save(source, tmp_path / kind, as_bin=as_bin, dtype=torch.bfloat16)
+
+    model, report = mz.load_model(folder)
+    reference = type(source).from_pretrained(folder).eval()
+
+    assert type(model) is type(reference)
+    ours, theirs = model.state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, value in theirs.items():
+        assert ours[name].dtype == value.dtype, name
+        assert torch.equal(ours[name], value), name
+    assert report.missing == [] and report.unexpected == []
+    with torch.no_grad():
+        assert torch.equal(model(**inputs)[0], reference(**inputs)[0])
+
+
+def test_tied_embeddings_stay_tied(tmp_path):
+    source, _ = _tiny("llama")
+    folder = _save(source, tmp_path / "llama", as_bin=False, dtype=torch.float32)
+
+    model, report = mz.load_model(folder)
+
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert report.tied == [["model.embed_tokens.weight", "lm_head.weight"]]
+
+
+def test_base_model_checkpoint_loads_into_a_head_model(tmp_path):
+    head, inputs = _tiny("bert")
+    head.bert.save_pretrained(tmp_path / "base")
+
+    model, report = mz.load_model(tmp_path / "base", model="hf:BertForMaskedLM", strict=False)
+
+    assert torch.equal(model.bert.embeddings.word_embeddings.weight, head.bert.embeddings.word_embeddings.weight)
+    assert report.missing and all(name.startswith("cls.") for name in report.missing)
+    assert all(not t.is_meta for t in model.state_dict().values())
+    assert torch.isfinite(model.cls.predictions.transform.dense.weight).all()
+
+
+def test_head_model_checkpoint_loads_into_its_base_model(tmp_path):
+    head, _ = _tiny("bert")
+    head.save_pretrained(tmp_path / "head")
+
+    model, report = mz.load_model(tmp_path / "head", model="hf:BertModel", strict=False)
+
+    assert torch.equal(model.embeddings.word_embeddings.weight, head.bert.embeddings.word_embeddings.weight)
+    assert all(name.startswith("cls.") for name in report.unexpected)
+
+
+def test_cli_loads_a_hugging_face_folder_without_a_model_spec(tmp_path):
+    source, _ = _tiny("gpt2")
+    folder = _save(source, tmp_path / "gpt2", as_bin=False, dtype=torch.float16)
+
+    done = subprocess.run([CLI, str(folder), "--json"], capture_output=True, text=True)
+
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["format"] == "safetensors-sharded"
+    assert report["dtypes"].get("float16") == len(report["loaded"])
+    assert report["missing"] == [] and report["unexpected"] == []
+
+
+def _hub_cache(tmp_path: Path, folder: Path, repo_id: str) -> Path:
+    """A Hugging Face cache holding one repo snapshot, laid out as huggingface_hub does."""
+    cache = tmp_path / "hub"
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for number, file in enumerate(sorted(folder.iterdir())):
+        blob = repo / "blobs" / f"{number:040d}"
+        shutil.copy(file, blob)
+        os.symlink(os.path.relpath(blob, snapshot), snapshot / file.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return cache
+
+
+def _offline_env(cache: Path) -> dict:
+    return {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+
+
+def test_hub_repo_id_loads_from_the_local_cache_offline(tmp_path):
+    source, _ = _tiny("llama")
+    folder = _save(source, tmp_path / "llama", as_bin=False, dtype=torch.bfloat16)
+    cache = _hub_cache(tmp_path, folder, "tiny-org/tiny-llama")
+
+    done = subprocess.run([CLI, "tiny-org/tiny-llama", "--json"], capture_output=True, text=True, env=_offline_env(cache))
+
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["checkpoint"].endswith("model.safetensors.index.json")
+    assert "snapshots" in report["checkpoint"]
+    assert report["bytes_read"] == sum(
+        t.numel() * t.element_size() for n, t in source.state_dict().items() if n != "lm_head.weight"
+    )
+
+
+def test_missing_hub_repo_offline_is_one_clear_error(tmp_path):
+    cache = tmp_path / "hub"
+    cache.mkdir()
+
+    done = subprocess.run([CLI, "nobody/nothing"], capture_output=True, text=True, env=_offline_env(cache))
+
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: nobody/nothing")
+    assert "cache" in lines[0] and "offline" in lines[0]
+
+
+def test_without_transformers_a_clear_error_names_the_extra(tmp_path):
+    source, _ = _tiny("gpt2")
+    folder = _save(source, tmp_path / "gpt2", as_bin=False, dtype=torch.float32)
+    script = (
+        "import sys\n"
+        "sys.modules['transformers'] = None  # as if not installed\n"
+        "import materialize as mz\n"
+        "try:\n"
+        f"    mz.load_model({str(folder)!r})\n"
+        "except mz.ModelSpecError as error:\n"
+        "    print(error)\n"
+    )
+
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+
+    assert "torch-materialize[hf]" in done.stdout, done.stderr

@@ -40,6 +40,8 @@ def _run(debug: bool, action: Callable[[], None]) -> None:
         action()
     except click.ClickException:
         raise  # usage errors keep click's own message and exit code 2
+    except mz.ModelRequiredError as error:
+        raise click.UsageError(error.reason) from None
     except (mz.MaterializeError, OSError, MemoryError) as error:
         if debug:
             raise

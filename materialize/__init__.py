@@ -44,6 +44,7 @@ _EXPORTS = {
     "ShapeMismatchError": "errors",
     "InitError": "errors",
     "ModelSpecError": "errors",
+    "ModelRequiredError": "errors",
     "DeviceError": "errors",
 }
 
@@ -73,6 +74,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         InitError,
         KeyMismatchError,
         MaterializeError,
+        ModelRequiredError,
         ModelSpecError,
         ShapeMismatchError,
         UnsafeCheckpointError,

@@ -88,6 +88,10 @@ class ModelSpecError(MaterializeError, ValueError):
     """A model spec (factory, TOML file) cannot be turned into a model."""
 
 
+class ModelRequiredError(ModelSpecError):
+    """The operation needs a model and the source does not describe one."""
+
+
 class DeviceError(MaterializeError, RuntimeError):
     """The requested device does not exist or cannot be used."""
 

@@ -17,7 +17,7 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .devicemap import DeviceMapLike, Placement, compute_device_map
 from .dtypes import dtype_name, parse_dtype
 from .engine import Job, ProgressFn, stream
-from .errors import ModelSpecError
+from .errors import ModelRequiredError, ModelSpecError
 from .hf import HF_SPEC_PREFIX, build_hf, hf_init, hf_key_map, is_hf_folder, is_hf_model
 from .hostmem import empty_destination
 from .hub import resolve as resolve_source
@@ -77,7 +77,7 @@ def plan(
     with _opened(source, trust_pickle) as ckpt:
         skeleton = _skeleton(model, model_args, folder, ckpt)
         if skeleton is None:
-            raise ModelSpecError("a plan needs a model: pass one (CLI: --model SPEC)", path=ckpt.path)
+            raise ModelRequiredError("a plan needs a model: pass one (CLI: --model SPEC)", path=ckpt.path)
         key_map, init = _model_defaults(skeleton, key_map, init)
         cast = parse_dtype(dtype)
         return make_plan(
@@ -353,7 +353,7 @@ def load_model(
         skeleton = _skeleton(model, model_args, folder, ckpt)
         if skeleton is None:
             if load_options.get("device_map") is not None:
-                raise ModelSpecError("a device map needs a model to place: pass one (CLI: --model SPEC)", path=ckpt.path)
+                raise ModelRequiredError("a device map needs a model to place: pass one (CLI: --model SPEC)", path=ckpt.path)
             for option in ("strict", "key_map", "init", "device_map", "max_memory"):
                 load_options.pop(option, None)
             return load_tensors(ckpt, **load_options)

@@ -18,7 +18,7 @@ from torch import nn
 
 from .checkpoint import Checkpoint, TensorInfo
 from .dtypes import dtype_name
-from .errors import DeviceError, InitError, KeyMismatchError, ShapeMismatchError
+from .errors import DeviceError, InitError, KeyMismatchError, MaterializeError, ShapeMismatchError
 from .keymap import KeyMapLike, as_key_map, auto_strip_wrapper_prefix
 
 Action = Literal["load", "init", "keep"]
@@ -131,7 +131,11 @@ def _map_checkpoint_names(ckpt: Checkpoint, model_names: set[str], key_map: KeyM
     rename = as_key_map(key_map) if key_map is not None else auto_strip_wrapper_prefix(ckpt, model_names)
     mapped: dict[str, str] = {}
     for ckpt_name in ckpt:
-        model_name = rename(ckpt_name)
+        try:
+            model_name = rename(ckpt_name)
+        except MaterializeError as error:
+            error.path = error.path or str(ckpt.path)  # a key map knows names, not files
+            raise
         if model_name in mapped:
             raise KeyMismatchError(
                 f"checkpoint tensors '{mapped[model_name]}' and '{ckpt_name}' both map to model name "

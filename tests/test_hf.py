@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import materialize as mz
 
@@ -50,13 +51,12 @@ def _save(model, folder: Path, *, as_bin: bool, dtype: torch.dtype) -> Path:
     model.save_pretrained(folder, max_shard_size="40KB")
     if as_bin:  # the same tensors as sharded torch files, as older saves have them
         index = json.loads((folder / "model.safetensors.index.json").read_text())
-        state = model.state_dict()
         weight_map = {}
         for shard in sorted(set(index["weight_map"].values())):
-            names = [n for n, s in index["weight_map"].items() if s == shard]
+            tensors = load_file(folder / shard)  # the names as saved, which may differ from the module's
             bin_name = shard.replace("model-", "pytorch_model-").replace(".safetensors", ".bin")
-            torch.save({n: state[n].contiguous() for n in names}, folder / bin_name)
-            weight_map.update({n: bin_name for n in names})
+            torch.save(tensors, folder / bin_name)
+            weight_map.update({n: bin_name for n in tensors})
             (folder / shard).unlink()
         (folder / "model.safetensors.index.json").unlink()
         (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
@@ -196,3 +196,15 @@ def test_without_transformers_a_clear_error_names_the_extra(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
 
     assert "torch-materialize[hf]" in done.stdout, done.stderr
+
+
+def test_checkpoints_needing_tensor_conversions_are_refused_by_name(tmp_path):
+    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                        num_key_value_heads=2, vocab_size=50, num_local_experts=2, num_experts_per_tok=1)
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "moe")
+
+    with pytest.raises(mz.CheckpointError) as caught:
+        mz.load_model(tmp_path / "moe")
+
+    message = str(caught.value)
+    assert str(tmp_path / "moe") in message and "experts.0" in message and "from_pretrained" in message

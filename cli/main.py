@@ -196,18 +196,19 @@ def _inspect_text(ckpt: mz.Checkpoint) -> str:
 
 @main.command("plan")
 @checkpoint_argument
-@with_options(model_options)
+@with_options(model_options + load_only_options)
 def plan_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, device: str, device_map: Any,
                  max_memory: Any,
                  dtype: "Optional[torch.dtype]", strict: bool, strip_prefix: Optional[str], add_prefix: Optional[str],
-                 renames: tuple, revision: Optional[str], trust_pickle: bool, as_json: bool, debug: bool) -> None:
+                 renames: tuple, revision: Optional[str], trust_pickle: bool, as_json: bool, debug: bool,
+                 mmap: bool, staging_bytes: Optional[int]) -> None:
     """What a load would do: per-device bytes, ties, missing and unexpected; reads no tensor data."""
 
     def action() -> None:
         the_plan = mz.plan(
             model_spec, checkpoint, model_args=dict(model_args), revision=revision, trust_pickle=trust_pickle,
             device=device, dtype=dtype, strict=strict, key_map=key_map_from(strip_prefix, add_prefix, renames),
-            device_map=device_map, max_memory=max_memory,
+            device_map=device_map, max_memory=max_memory, mmap=mmap, staging_bytes=staging_bytes,
         )
         _emit(as_json, the_plan.to_dict(), _plan_text(the_plan.to_dict()))
 
@@ -222,6 +223,11 @@ def _plan_text(summary: dict[str, Any]) -> str:
         f"read         {format_bytes(summary['read_bytes'])}",
     ]
     lines += [f"on {device:<9} {format_bytes(n)}" for device, n in summary["bytes_by_device"].items()]
+    for device, memory in summary["memory"].items():
+        verdict = {True: "fits", False: "DOES NOT FIT", None: "available memory unknown"}[memory["fits"]]
+        peak = "peak host memory" if device == "cpu" else f"memory on {device}"
+        available = f" of {format_bytes(memory['available'])} available" if memory["available"] is not None else ""
+        lines.append(f"{peak}: {format_bytes(memory['needed'])}{available}: {verdict}")
     lines += [f"tied         {', '.join(group)}" for group in summary["tied_groups"]]
     for key in ("missing", "unexpected"):
         if summary[key]:

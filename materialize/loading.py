@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .checkpoint import Checkpoint, open_checkpoint
+from .capacity import fit_report
 from .devicemap import DeviceMapLike, Placement, compute_device_map
 from .dtypes import dtype_name, parse_dtype
 from .engine import Job, ProgressFn, stream
@@ -64,6 +65,8 @@ def plan(
     trust_pickle: bool = False,
     device_map: Optional[DeviceMapLike] = None,
     max_memory: Optional[Mapping[Union[int, str], Union[int, str]]] = None,
+    mmap: bool = False,
+    staging_bytes: Optional[int] = None,
 ) -> Plan:
     """What :func:`load` would do, without reading any tensor data.
 
@@ -71,6 +74,8 @@ def plan(
     (a spec, ``"hf:ClassName"``, or ``None`` for a Hugging Face folder or a
     pickled module). Raises the same errors a load would (missing,
     unexpected and mismatched tensors; tensors that cannot be initialized).
+    ``plan.fits`` compares the memory each device will need (the expected
+    peak of host memory for ``"cpu"``) with what is available now.
     """
     source = checkpoint if isinstance(checkpoint, Checkpoint) else resolve_source(checkpoint, revision=revision)
     folder = None if isinstance(source, Checkpoint) else Path(source)
@@ -80,10 +85,12 @@ def plan(
             raise ModelRequiredError("a plan needs a model: pass one (CLI: --model SPEC)", path=ckpt.path)
         key_map, init = _model_defaults(skeleton, key_map, init)
         cast = parse_dtype(dtype)
-        return make_plan(
+        the_plan = make_plan(
             skeleton, ckpt, device=resolve_device(device), dtype=cast, strict=strict, key_map=key_map, init=init,
             placement=_placement(skeleton, ckpt, device_map, max_memory, cast),
         )
+    the_plan.fits = fit_report(the_plan, mmap=mmap, staging_bytes=staging_bytes)
+    return the_plan
 
 
 def load(

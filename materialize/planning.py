@@ -67,6 +67,7 @@ class Plan:
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     init_modules: list[tuple[str, nn.Module]] = field(default_factory=list)
+    fits: dict[str, dict] = field(default_factory=dict)  # filled by materialize.plan (capacity.fit_report)
 
     def of(self, action: Action) -> list[Entry]:
         return [e for e in self.entries if e.action == action]
@@ -100,6 +101,7 @@ class Plan:
                 {"name": n, "model_shape": list(m), "checkpoint_shape": list(c)} for n, m, c in self.mismatched
             ],
             "initialized_modules": [name or "<root>" for name, _ in self.init_modules],
+            "memory": self.fits,
             "dtypes": dict(Counter(dtype_name(e.dtype) for e in self.entries)),
         }
 

@@ -88,3 +88,29 @@ def test_gpu_and_cpu_split_is_dispatched_and_runs(tmp_path, tokens):
     assert model.model.layers[0].mlp.up_proj.weight.device.type == "cuda"
     with torch.no_grad():
         assert torch.allclose(model(tokens.cuda()).cpu(), source(tokens), atol=1e-5)
+
+
+def test_plan_reports_expected_peak_host_memory_and_whether_it_fits(tmp_path):
+    state = saved_state(reference_model(dtype=torch.bfloat16))
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+    loaded = sum(t.numel() * t.element_size() for t in state.values())
+
+    copy = mz.plan(tiny_skeleton(), path).fits["cpu"]
+    mapped = mz.plan(tiny_skeleton(), path, mmap=True).fits["cpu"]
+    cast = mz.plan(tiny_skeleton(), path, mmap=True, dtype="fp32").fits["cpu"]
+
+    assert copy["needed"] >= loaded and copy["fits"] is True
+    assert mapped["needed"] < loaded
+    assert cast["needed"] >= 2 * loaded  # a cast cannot stay mapped
+
+
+def test_plan_says_when_a_model_does_not_fit(tmp_path):
+    path = write_safetensors({"unrelated": torch.zeros(1)}, tmp_path / "m.safetensors")
+    # About 3 TB in fp32 on meta: planning allocates nothing, so this costs nothing.
+    huge = mz.build("materialize.models.transformer:DecoderLM", vocab_size=32000, hidden_size=16384,
+                    num_layers=256, num_heads=128, intermediate_size=65536)
+
+    memory = mz.plan(huge, path, strict=False).to_dict()["memory"]["cpu"]
+
+    assert memory["needed"] > 10**12
+    assert memory["fits"] is False

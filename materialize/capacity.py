@@ -1,0 +1,56 @@
+"""Whether a plan fits: expected peak memory per device against what is available.
+
+Read from the system at planning time (``/proc/meminfo``'s MemAvailable and
+each GPU's free memory); no tensor data is involved.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .engine import CAST_CHUNK_BYTES, default_reader_threads
+from .planning import Plan
+from .transfer import DEFAULT_SLOT_BYTES, DEFAULT_SLOTS
+
+
+def available_host_bytes() -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def available_device_bytes(device: str) -> Optional[int]:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    return None
+
+
+def expected_peak_host_bytes(plan: Plan, *, mmap: bool = False, staging_bytes: Optional[int] = None) -> int:
+    """Host memory the load will add: CPU tensors that are copied, plus staging."""
+    def mapped(e) -> bool:  # what the load will leave in the file (see loading._mapped_view)
+        viewable = e.action == "load" and e.source is not None and e.source.dtype == e.dtype and e.source.contiguous
+        return viewable and (e.on_disk or mmap)
+
+    copied = sum(e.nbytes for e in plan.entries if e.device.type == "cpu" and not mapped(e))
+    to_gpu = any(e.device.type == "cuda" for e in plan.entries)
+    staging = (staging_bytes or DEFAULT_SLOT_BYTES * DEFAULT_SLOTS) if to_gpu else 0
+    casts = any(e.device.type == "cpu" and e.source is not None and e.source.dtype != e.dtype for e in plan.entries)
+    return copied + staging + (CAST_CHUNK_BYTES * default_reader_threads() if casts else 0)
+
+
+def fit_report(plan: Plan, *, mmap: bool = False, staging_bytes: Optional[int] = None) -> dict:
+    """Per device: bytes the load puts there, bytes available now, and whether it fits."""
+    needs = {device: n for device, n in plan.bytes_by_device.items() if device not in ("cpu", "disk")}
+    needs["cpu"] = expected_peak_host_bytes(plan, mmap=mmap, staging_bytes=staging_bytes)
+    result = {}
+    for device, needed in needs.items():
+        available = available_host_bytes() if device == "cpu" else available_device_bytes(device)
+        result[device] = {"needed": needed, "available": available, "fits": None if available is None else needed <= available}
+    return result

@@ -208,3 +208,15 @@ def test_checkpoints_needing_tensor_conversions_are_refused_by_name(tmp_path):
 
     message = str(caught.value)
     assert str(tmp_path / "moe") in message and "experts.0" in message and "from_pretrained" in message
+
+
+def test_device_map_with_disk_offload_matches_from_pretrained(tmp_path):
+    source, inputs = _tiny("llama")
+    folder = _save(source, tmp_path / "llama", as_bin=False, dtype=torch.float32)
+
+    model, report = mz.load_model(folder, device_map="sequential", max_memory={"cpu": 60_000})
+    reference = type(source).from_pretrained(folder).eval()
+
+    assert report.bytes_by_device.get("disk", 0) > 0 and report.mapped
+    with torch.no_grad():
+        assert torch.equal(model(**inputs)[0], reference(**inputs)[0])

@@ -84,9 +84,14 @@ def _import_callable(target: str) -> Callable[..., nn.Module]:
 def build(spec: ModelSpec, **kwargs: Any) -> nn.Module:
     """Build a model skeleton on ``meta`` from a spec; ``kwargs`` override config args.
 
-    A folder holding a Hugging Face ``config.json`` builds its transformers
-    model (needs the ``hf`` extra).
+    A folder holding a Hugging Face ``config.json``, or a hub repo id
+    (``org/name``), builds its transformers model (needs the ``hf`` extra).
     """
+    if not callable(spec):
+        from .hub import looks_like_repo_id, resolve
+
+        if looks_like_repo_id(spec) and not os.fspath(spec).endswith(".toml"):
+            spec = resolve(spec)
     if not callable(spec) and Path(os.fspath(spec)).is_dir():
         from .hf import build_hf, is_hf_folder
 

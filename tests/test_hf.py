@@ -220,3 +220,32 @@ def test_device_map_with_disk_offload_matches_from_pretrained(tmp_path):
     assert report.bytes_by_device.get("disk", 0) > 0 and report.mapped
     with torch.no_grad():
         assert torch.equal(model(**inputs)[0], reference(**inputs)[0])
+
+
+def test_an_auto_class_spec_builds_from_the_folders_config(tmp_path):
+    source, inputs = _tiny("gpt2")
+    folder = _save(source, tmp_path / "gpt2", as_bin=False, dtype=torch.float32)
+
+    model, _ = mz.load_model(folder, model="hf:AutoModelForCausalLM")
+
+    assert type(model) is type(source)
+    with torch.no_grad():
+        assert torch.equal(model(**inputs)[0], source.eval()(**inputs)[0])
+
+
+def test_build_and_load_model_take_a_hub_id_from_the_cache(tmp_path):
+    source, _ = _tiny("bert")
+    folder = _save(source, tmp_path / "bert", as_bin=False, dtype=torch.float32)
+    cache = _hub_cache(tmp_path, folder, "tiny-org/tiny-bert")
+    script = (
+        "import materialize as mz, torch\n"
+        "skeleton = mz.build('tiny-org/tiny-bert')\n"
+        "assert all(p.is_meta for p in skeleton.parameters())\n"
+        "model, report = mz.load_model('tiny-org/tiny-bert', revision='main')\n"
+        "print(type(skeleton).__name__, type(model).__name__, len(report.loaded))\n"
+    )
+
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=_offline_env(cache))
+
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[:2] == ["BertForMaskedLM", "BertForMaskedLM"]

@@ -19,6 +19,8 @@ HINTS: list[tuple[type[BaseException], str]] = [
     (mz.InitError, ""),
     (mz.ModelSpecError, ""),
     (mz.DeviceError, " (try --device cpu)"),
+    (mz.CastOverflowError, ""),
+    (mz.SanitizerError, " (a bug in the model's init or in this loader: please report it)"),
     (mz.MaterializeError, ""),
 ]
 

@@ -81,6 +81,9 @@ model_options = [
     click.option("--debug", is_flag=True, help="Show the traceback of an error."),
 ]
 load_only_options = [
+    click.option("--check", is_flag=True, help="Sanitizer: poison fresh memory and prove every tensor was written exactly once."),
+    click.option("--check-finite", is_flag=True, help="Report tensors holding NaN or Inf."),
+    click.option("--allow-overflow", is_flag=True, help="Let a cast to a narrower float type turn large values into inf."),
     click.option("--mmap", is_flag=True, help="CPU only: tensors become copy-on-write views of the files (zero-copy)."),
     click.option("--staging-size", "staging_bytes", type=SIZE, default=None, help="Pinned host memory for GPU loads (default 256MiB)."),
 ]
@@ -125,7 +128,8 @@ def load_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, 
                  max_memory: Any,
                  dtype: "Optional[torch.dtype]", mmap: bool, staging_bytes: Optional[int], strict: bool,
                  strip_prefix: Optional[str], add_prefix: Optional[str], renames: tuple, revision: Optional[str],
-                 trust_pickle: bool, as_json: bool, debug: bool) -> None:
+                 trust_pickle: bool, as_json: bool, debug: bool, check: bool, check_finite: bool,
+                 allow_overflow: bool) -> None:
     """(default) Build the model on meta and materialize CHECKPOINT into it.
 
     CHECKPOINT is a file, a shard index, a folder (Hugging Face layout) or a hub repo id (org/name).
@@ -137,8 +141,8 @@ def load_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, 
             _, report = mz.load_model(
                 checkpoint, model=model_spec, model_args=dict(model_args), revision=revision, trust_pickle=trust_pickle,
                 device=device, dtype=dtype, strict=strict, mmap=mmap, staging_bytes=staging_bytes, progress=progress,
-                device_map=device_map, max_memory=max_memory,
-                key_map=key_map_from(strip_prefix, add_prefix, renames),
+                device_map=device_map, max_memory=max_memory, check=check, check_finite=check_finite,
+                allow_overflow=allow_overflow, key_map=key_map_from(strip_prefix, add_prefix, renames),
             )
         finally:
             if progress is not None:
@@ -201,7 +205,8 @@ def plan_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, 
                  max_memory: Any,
                  dtype: "Optional[torch.dtype]", strict: bool, strip_prefix: Optional[str], add_prefix: Optional[str],
                  renames: tuple, revision: Optional[str], trust_pickle: bool, as_json: bool, debug: bool,
-                 mmap: bool, staging_bytes: Optional[int]) -> None:
+                 mmap: bool, staging_bytes: Optional[int], check: bool, check_finite: bool,
+                 allow_overflow: bool) -> None:
     """What a load would do: per-device bytes, ties, missing and unexpected; reads no tensor data."""
 
     def action() -> None:

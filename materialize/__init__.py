@@ -44,6 +44,8 @@ _EXPORTS = {
     "ShapeMismatchError": "errors",
     "InitError": "errors",
     "ModelSpecError": "errors",
+    "CastOverflowError": "errors",
+    "SanitizerError": "sanitizer",
     "ModelRequiredError": "errors",
     "DeviceError": "errors",
 }
@@ -67,6 +69,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from .checkpoint import Checkpoint, TensorInfo, open_checkpoint
     from .errors import (
+        CastOverflowError,
         CheckpointAccessError,
         CheckpointError,
         CheckpointNotFoundError,
@@ -85,4 +88,5 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .meta import meta_init
     from .planning import Plan
     from .report import Report
+    from .sanitizer import SanitizerError
     from .spec import build

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from .checkpoint import TensorInfo
+from .errors import CastOverflowError
 from .fileio import FileSet, byte_view
 from .transfer import Completion, Staging
 
@@ -67,8 +68,14 @@ def stream(
     staging_factory: Callable[[torch.device], Staging],
     progress: Optional[ProgressFn] = None,
     reader_threads: Optional[int] = None,
+    allow_overflow: bool = False,
 ) -> int:
-    """Run every job; returns the number of bytes read from the files."""
+    """Run every job; returns the number of bytes read from the files.
+
+    Unless ``allow_overflow``, a cast that would turn finite values into inf
+    (fp32 to fp16 above 65504, say) raises :class:`CastOverflowError`.
+    """
+    checked = None if allow_overflow else check_cast_range
     direct, cast, staged, strided = [], [], [], []
     for job in jobs:
         if job.info.numel == 0:
@@ -89,16 +96,16 @@ def stream(
     if direct:
         _run_direct(direct, files, tracker, threads)
     if cast:
-        _run_cpu_cast(cast, files, tracker, threads)
+        _run_cpu_cast(cast, files, tracker, threads, checked)
     for device in dict.fromkeys(job.dest.device for job in staged):
         staging = staging_factory(device)
         try:
             on_device = [job for job in staged if job.dest.device == device]
-            run_staged(on_device, files, staging, tracker.add, reader_threads=threads)
+            run_staged(on_device, files, staging, tracker.add, reader_threads=threads, check_range=checked)
         finally:
             staging.close()
     for job in strided:
-        _run_strided(job, files)
+        _run_strided(job, files, checked)
         tracker.add(job.info.read_nbytes)
     return tracker.done
 
@@ -117,7 +124,28 @@ def _run_direct(jobs: list[Job], files: FileSet, tracker: _Progress, threads: in
     _run_parallel(read_chunk, tasks, threads)
 
 
-def _run_cpu_cast(jobs: list[Job], files: FileSet, tracker: _Progress, threads: int) -> None:
+RangeCheck = Callable[[torch.Tensor, torch.dtype, TensorInfo], None]
+
+
+def check_cast_range(values: torch.Tensor, target: torch.dtype, info: TensorInfo) -> None:
+    """Refuse a cast that would turn finite values into inf (or NaN, for fp8)."""
+    if not (values.is_floating_point() and target.is_floating_point) or values.numel() == 0:
+        return
+    limit = torch.finfo(target).max
+    if limit >= torch.finfo(values.dtype).max:
+        return
+    wide = values if values.dtype == torch.float64 else values.float()
+    peak = float(torch.where(torch.isfinite(wide), wide.abs(), torch.zeros((), dtype=wide.dtype)).max())
+    if peak > limit:
+        raise CastOverflowError(
+            f"casting {info.dtype_name} to {str(target).removeprefix('torch.')} overflows: it holds {peak:.6g}, "
+            f"beyond the target's largest value {limit:.6g}; choose a wider dtype or allow the overflow "
+            "(allow_overflow=True, CLI: --allow-overflow)",
+            path=info.path, tensor=info.name,
+        )
+
+
+def _run_cpu_cast(jobs: list[Job], files: FileSet, tracker: _Progress, threads: int, check_range: Optional[RangeCheck]) -> None:
     local = threading.local()
 
     def cast_chunk(job: Job, first: int, last: int) -> None:
@@ -126,6 +154,8 @@ def _run_cpu_cast(jobs: list[Job], files: FileSet, tracker: _Progress, threads: 
             local.buffer = torch.empty(CAST_CHUNK_BYTES, dtype=torch.uint8)
         raw = local.buffer[: (last - first) * itemsize]
         files.read_into(job.info.path, job.info.offset + first * itemsize, byte_view(raw), tensor=job.info.name)
+        if check_range is not None:
+            check_range(raw.view(job.info.dtype), job.dest.dtype, job.info)
         job.dest.view(-1)[first:last].copy_(raw.view(job.info.dtype))
         tracker.add((last - first) * itemsize)
 
@@ -172,6 +202,7 @@ def run_staged(
     on_bytes: Callable[[int], None],
     *,
     reader_threads: int = 1,
+    check_range: Optional[RangeCheck] = None,
 ) -> None:
     """Read chunks into the ring on reader threads, copying each slot out asynchronously.
 
@@ -189,6 +220,8 @@ def run_staged(
         size = job.info.itemsize
         view = byte_view(slots[index][: (last - first) * size])
         files.read_into(job.info.path, job.info.offset + first * size, view, tensor=job.info.name)
+        if check_range is not None and job.dest.dtype != job.info.dtype:
+            check_range(slots[index][: (last - first) * size].view(job.info.dtype), job.dest.dtype, job.info)
 
     def start_copy() -> None:
         future, job, first, last, index = reads.popleft()
@@ -237,10 +270,12 @@ def _drain(pending: list[Optional[Completion]], *, raise_errors: bool) -> None:
         raise first_error
 
 
-def _run_strided(job: Job, files: FileSet) -> None:
+def _run_strided(job: Job, files: FileSet, check_range: Optional[RangeCheck]) -> None:
     info = job.info
     assert info.stride is not None and info.span_nbytes is not None
     span = torch.empty(info.span_nbytes, dtype=torch.uint8)
     files.read_into(info.path, info.offset, byte_view(span), tensor=info.name)
     view = torch.as_strided(span.view(info.dtype), info.shape, info.stride)
+    if check_range is not None and job.dest.dtype != info.dtype:
+        check_range(view, job.dest.dtype, info)
     job.dest.copy_(view)

@@ -84,6 +84,10 @@ class InitError(MaterializeError, RuntimeError):
     """A tensor the checkpoint lacks has no initializer to fill it."""
 
 
+class CastOverflowError(MaterializeError, OverflowError):
+    """A cast to a narrower float type would turn finite values into inf."""
+
+
 class ModelSpecError(MaterializeError, ValueError):
     """A model spec (factory, TOML file) cannot be turned into a model."""
 

@@ -27,6 +27,7 @@ from .mapping import FileMaps
 from .memory import PeakMemory
 from .planning import Entry, InitFn, Plan, make_plan
 from .report import Report
+from .sanitizer import CountingFiles, SanitizerError, audit, nonfinite, poison
 from .spec import ModelSpec, build
 from .transfer import resolve_device, staging_for
 
@@ -107,6 +108,9 @@ def load(
     staging_bytes: Optional[int] = None,
     device_map: Optional[DeviceMapLike] = None,
     max_memory: Optional[Mapping[Union[int, str], Union[int, str]]] = None,
+    allow_overflow: bool = False,
+    check: bool = False,
+    check_finite: bool = False,
     progress: Optional[ProgressFn] = None,
 ) -> Report:
     """Materialize ``model`` on ``device`` from ``checkpoint``, each tensor allocated once.
@@ -142,6 +146,13 @@ def load(
             allocated directly on its device; ``"disk"`` tensors stay mapped
             from the checkpoint. With more than one device the model is
             dispatched with accelerate's hooks, so its forward runs as is.
+        allow_overflow: a cast to a narrower float type (fp32 to fp16, say)
+            that would turn finite values into inf is an error naming the
+            tensor, unless this is set.
+        check: sanitizer mode (see :mod:`materialize.sanitizer`): poison
+            fresh memory, count every byte written, and prove after the load
+            that each tensor was written exactly once, as planned.
+        check_finite: list tensors holding NaN or Inf in ``report.nonfinite``.
         progress: ``fn(bytes_done, bytes_total)``, called from reader threads.
 
     Tied parameters stay one tensor. Real buffers absent from the checkpoint
@@ -156,7 +167,10 @@ def load(
         the_plan = make_plan(
             model, ckpt, device=target, dtype=cast, strict=strict, key_map=key_map, init=init, placement=placement
         )
-        report = execute(the_plan, ckpt, init=init, mmap=mmap, staging_bytes=staging_bytes, progress=progress)
+        report = execute(
+            the_plan, ckpt, init=init, mmap=mmap, staging_bytes=staging_bytes, allow_overflow=allow_overflow,
+            check=check, check_finite=check_finite, progress=progress,
+        )
     if placement is not None and placement.needs_dispatch:
         from accelerate import dispatch_model
 
@@ -193,6 +207,9 @@ def execute(
     init: Optional[InitFn] = None,
     mmap: bool = False,
     staging_bytes: Optional[int] = None,
+    allow_overflow: bool = False,
+    check: bool = False,
+    check_finite: bool = False,
     progress: Optional[ProgressFn] = None,
 ) -> Report:
     """Carry out a plan made by :func:`make_plan` against ``ckpt``."""
@@ -201,20 +218,31 @@ def execute(
     wants_views = (mmap and the_plan.device.type == "cpu") or any(e.on_disk for e in the_plan.entries)
     maps = FileMaps() if wants_views else None
     mapped: list[str] = []
+    files = CountingFiles(ckpt.files) if check else ckpt.files
     with PeakMemory(the_plan.device) as memory, torch.no_grad():
         try:
-            jobs = [job for entry in the_plan.entries for job in _materialize_entry(entry, undo, maps, mmap, mapped)]
+            jobs = [
+                job for entry in the_plan.entries for job in _materialize_entry(entry, undo, maps, mmap, mapped, check)
+            ]
             for _, module in the_plan.init_modules:
                 if init is not None:
                     init(module)
                 else:
                     module.reset_parameters()
-            bytes_read = stream(jobs, ckpt.files, staging_factory=lambda device: staging_for(device, staging_bytes), progress=progress)
+            bytes_read = stream(
+                jobs, files, staging_factory=lambda device: staging_for(device, staging_bytes),
+                allow_overflow=allow_overflow, progress=progress,
+            )
+            registered = [(entry, _registered(entry)) for entry in the_plan.entries]
+            if check:
+                problems = audit(the_plan, registered, files, set(mapped))
+                if problems:
+                    raise SanitizerError(f"check failed for {len(problems)} tensor(s): " + "; ".join(problems), path=ckpt.path)
         except BaseException:
             _undo(undo)
             raise
     return _report(
-        ckpt, the_plan.device, [_registered(entry) for entry in the_plan.entries], bytes_read, started, memory,
+        ckpt, the_plan.device, [tensor for _, tensor in registered], bytes_read, started, memory,
         loaded=[e.name for e in the_plan.of("load")],
         initialized=[e.name for e in the_plan.of("init")],
         kept=[e.name for e in the_plan.of("keep")],
@@ -223,6 +251,7 @@ def execute(
         tied=[list(group) for group in the_plan.tied_groups],
         mapped=mapped,
         bytes_by_device=the_plan.bytes_by_device,
+        nonfinite=nonfinite(registered) if check_finite else [],
     )
 
 
@@ -245,7 +274,9 @@ def _report(
     )
 
 
-def _materialize_entry(entry: Entry, undo: list, maps: Optional[FileMaps], mmap: bool, mapped: list[str]) -> list[Job]:
+def _materialize_entry(
+    entry: Entry, undo: list, maps: Optional[FileMaps], mmap: bool, mapped: list[str], check: bool
+) -> list[Job]:
     """Allocate one tensor (once, whatever its tie group) and register it everywhere."""
     original = entry.original
     view = _mapped_view(entry, maps) if (entry.on_disk or (mmap and entry.device.type == "cpu")) else None
@@ -258,6 +289,8 @@ def _materialize_entry(entry: Entry, undo: list, maps: Optional[FileMaps], mmap:
         tensor = original  # already real, right place and type: fill it in place
     else:
         tensor = empty_destination(entry.shape, dtype=entry.dtype, device=entry.device)
+    if check and view is None and entry.action != "keep":
+        poison(tensor)  # whatever is not written later is caught by the audit
     if tensor is not original and isinstance(original, nn.Parameter):
         grad = original.requires_grad and (tensor.is_floating_point() or tensor.is_complex())
         tensor = nn.Parameter(tensor, requires_grad=grad)
@@ -305,6 +338,8 @@ def load_tensors(
     trust_pickle: bool = False,
     mmap: bool = False,
     staging_bytes: Optional[int] = None,
+    allow_overflow: bool = False,
+    check_finite: bool = False,
     progress: Optional[ProgressFn] = None,
 ) -> tuple[dict[str, torch.Tensor], Report]:
     """Materialize every tensor of a checkpoint as a plain dict on ``device``.
@@ -328,8 +363,15 @@ def load_tensors(
                 continue
             tensors[name] = empty_destination(info.shape, dtype=wanted, device=target)
             jobs.append(Job(tensors[name], info))
-        bytes_read = stream(jobs, ckpt.files, staging_factory=lambda device: staging_for(device, staging_bytes), progress=progress)
-    report = _report(ckpt, target, list(tensors.values()), bytes_read, started, memory, loaded=list(tensors), mapped=mapped)
+        bytes_read = stream(
+            jobs, ckpt.files, staging_factory=lambda device: staging_for(device, staging_bytes),
+            allow_overflow=allow_overflow, progress=progress,
+        )
+    finite_problems = [n for n, t in tensors.items() if check_finite and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    report = _report(
+        ckpt, target, list(tensors.values()), bytes_read, started, memory, loaded=list(tensors), mapped=mapped,
+        nonfinite=finite_problems,
+    )
     return tensors, report
 
 
@@ -361,7 +403,7 @@ def load_model(
         if skeleton is None:
             if load_options.get("device_map") is not None:
                 raise ModelRequiredError("a device map needs a model to place: pass one (CLI: --model SPEC)", path=ckpt.path)
-            for option in ("strict", "key_map", "init", "device_map", "max_memory"):
+            for option in ("strict", "key_map", "init", "device_map", "max_memory", "check"):
                 load_options.pop(option, None)
             return load_tensors(ckpt, **load_options)
         return skeleton, load(skeleton, ckpt, **load_options)

@@ -206,7 +206,9 @@ def make_plan(
 
     follow = dtype or _float_dtype_of_loads(plan.entries)
     for entry in plan.of("init"):
-        if follow is not None and entry.dtype.is_floating_point:
+        # Computed buffers (never saved, like a rotary inv_freq) keep the dtype their module gives them.
+        computed = not any(owner.persistent for owner in entry.owners)
+        if follow is not None and entry.dtype.is_floating_point and not computed:
             entry.dtype = follow
     plan.init_modules = _init_modules(model, plan, init, ckpt)
     return plan

@@ -19,6 +19,7 @@ class Report:
     initialized: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)
     mapped: list[str] = field(default_factory=list)
+    nonfinite: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     tied: list[list[str]] = field(default_factory=list)
@@ -44,6 +45,7 @@ class Report:
             "initialized": self.initialized,
             "kept": self.kept,
             "mapped": self.mapped,
+            "nonfinite": self.nonfinite,
             "missing": self.missing,
             "unexpected": self.unexpected,
             "tied": self.tied,
@@ -84,6 +86,9 @@ class Report:
         if self.initialized:
             lines.append(f"{'initialized'.ljust(width)}  {', '.join(self.initialized[:6])}"
                          + (f" (+{len(self.initialized) - 6})" if len(self.initialized) > 6 else ""))
+        if self.nonfinite:
+            lines.append(f"{'NaN/Inf in'.ljust(width)}  {', '.join(self.nonfinite[:6])}"
+                         + (f" (+{len(self.nonfinite) - 6})" if len(self.nonfinite) > 6 else ""))
         if self.unexpected:
             lines.append(f"{'unexpected'.ljust(width)}  {', '.join(self.unexpected[:6])}"
                          + (f" (+{len(self.unexpected) - 6})" if len(self.unexpected) > 6 else ""))

@@ -748,3 +748,22 @@ def test_strict_load_of_a_torch_state_dict_with_extra_key_names_it(tmp_path):
     assert "surplus" in str(caught.value)
     assert caught.value.unexpected == ["surplus"]
     assert_on_meta(model)
+
+
+def test_a_permission_error_reports_the_real_errno_even_as_root(tmp_path, monkeypatch):
+    # chmod cannot stop root, so the refusal is simulated where the file is opened.
+    path = write_real_safetensors(tmp_path / "model.safetensors")
+    real_open = os.open
+
+    def refuse(file, flags, *args, **kwargs):
+        if Path(file) == path:
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refuse)
+
+    with pytest.raises(mz.CheckpointAccessError) as caught:
+        mz.open_checkpoint(path)
+
+    assert str(path) in str(caught.value) and "Permission denied" in str(caught.value)
+    assert not isinstance(caught.value, FileNotFoundError)

@@ -73,8 +73,9 @@ def _unpickle(path: Path, data: bytes, refs: dict[int, _StorageRef], *, trust_pi
         if found and not trust_pickle:
             raise UnsafeCheckpointError(
                 f"refused to unpickle global '{found.group(1)}': it is not plain tensor data and loading it "
-                "could run code from the file. If this is a pickled model (torch.save(model)) that you trust, "
-                "pass trust_pickle=True (CLI: --trust-pickle) to build the model from it",
+                "could run code from the file. To allow this one class, if you know it is safe, register it with "
+                "torch.serialization.add_safe_globals; if the file is a pickled model (torch.save(model)) that you "
+                "trust, pass trust_pickle=True (CLI: --trust-pickle) to build the model from it",
                 path=path,
             ) from None
         raise CheckpointError(f"data.pkl is malformed: {_first_line(exc)}", path=path) from None

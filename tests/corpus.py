@@ -1,0 +1,226 @@
+"""The corpus of hostile inputs: every case a real file (or folder), written by this script.
+
+``python tests/corpus.py OUT_DIR`` writes each case under ``OUT_DIR/<name>/``
+and a ``manifest.json`` describing what it must produce; ``test_corpus.py``
+runs every case through the library and the CLI. Each case names the error
+class it must end in and words its one-line message must contain (the file
+is always among them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import struct
+import sys
+import zipfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+TINY_MODEL = "materialize.models.transformer:DecoderLM"
+TINY_ARGS = {"vocab_size": 16, "hidden_size": 8, "num_layers": 1, "num_heads": 2, "intermediate_size": 8}
+
+
+@dataclass
+class Case:
+    name: str
+    target: str  # relative to the case folder
+    error: str  # a class name in materialize
+    words: list[str]
+    load: dict = field(default_factory=dict)  # keyword arguments of materialize.load_model
+    cli: list[str] = field(default_factory=list)
+    marker: str = ""  # a file that must NOT exist afterwards: proof that no code ran
+
+
+# ---------------------------------------------------------------- writers
+
+
+def raw_safetensors(path: Path, header, data: bytes = b"", length: int | None = None) -> None:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
+
+
+def f32(shape: list, begin, end) -> dict:
+    return {"dtype": "F32", "shape": shape, "data_offsets": [begin, end]}
+
+
+def real_safetensors(path: Path, tensors: dict | None = None) -> dict:
+    tensors = tensors if tensors is not None else {"a": torch.arange(4.0), "b": torch.ones(2, 3)}
+    save_file(tensors, str(path))
+    return tensors
+
+
+def index(folder: Path, weight_map: dict) -> None:
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def rewrite_zip(path: Path, edit: Callable[[dict], dict], compression: int = zipfile.ZIP_STORED) -> None:
+    with zipfile.ZipFile(path) as archive:
+        records = {info.filename: archive.read(info.filename) for info in archive.infolist()}
+    records = edit(records)
+    with zipfile.ZipFile(path, "w", compression=compression) as archive:
+        for name, data in records.items():
+            archive.writestr(name, data)
+
+
+class Gadget:
+    """Pickles to a call that would run when unpickled."""
+
+    def __init__(self, function, argument) -> None:
+        self.function, self.argument = function, argument
+
+    def __reduce__(self):
+        return (self.function, (self.argument,))
+
+
+def pickled_call(path: Path, function, argument) -> None:
+    torch.save({"weight": torch.ones(2), "payload": Gadget(function, argument)}, path)
+
+
+# ---------------------------------------------------------------- the cases
+
+
+def build(root: Path) -> list[Case]:
+    cases: list[Case] = []
+
+    def case(name: str, target: str, error: str, words: list[str], **extra) -> Path:
+        folder = root / name
+        folder.mkdir(parents=True)
+        cases.append(Case(name, target, error, words, **extra))
+        return folder
+
+    st = "model.safetensors"
+    folder = case("st-under-8-bytes", st, "CheckpointError", ["too short"])
+    (folder / st).write_bytes(b"\x01\x02\x03")
+    folder = case("st-header-past-eof", st, "CheckpointError", ["past the end"])
+    raw_safetensors(folder / st, {"a": f32([1], 0, 4)}, length=10_000)
+    folder = case("st-git-lfs-pointer", st, "CheckpointError", ["Git LFS"])
+    (folder / st).write_text("version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 123\n")
+    folder = case("st-header-over-cap", st, "CheckpointError", ["limit"])
+    raw_safetensors(folder / st, b"{}", length=2**40)
+    folder = case("st-invalid-utf8", st, "CheckpointError", ["UTF-8"])
+    raw_safetensors(folder / st, b'{"a": "\xff\xfe"}')
+    folder = case("st-invalid-json", st, "CheckpointError", ["not valid JSON"])
+    raw_safetensors(folder / st, b'{"a": {"dtype": ')
+    folder = case("st-header-not-object", st, "CheckpointError", ["not an object"])
+    raw_safetensors(folder / st, b"[1, 2, 3]")
+    folder = case("st-unknown-dtype", st, "CheckpointError", ["'a'", "dtype"])
+    raw_safetensors(folder / st, {"a": {"dtype": "Q7", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4)
+    folder = case("st-duplicate-key", st, "CheckpointError", ["'a'", "twice"])
+    raw_safetensors(folder / st, b'{"a": ' + json.dumps(f32([1], 0, 4)).encode() + b', "a": ' + json.dumps(f32([1], 4, 8)).encode() + b"}", b"\0" * 8)
+    folder = case("st-overlapping-offsets", st, "CheckpointError", ["overlap"])
+    raw_safetensors(folder / st, {"a": f32([2], 0, 8), "b": f32([2], 4, 12)}, b"\0" * 12)
+    folder = case("st-reversed-offsets", st, "CheckpointError", ["'a'", "reversed"])
+    raw_safetensors(folder / st, {"a": f32([0], 4, 0)}, b"\0" * 4)
+    folder = case("st-gap-between-tensors", st, "CheckpointError", ["'b'", "unaccounted"])
+    raw_safetensors(folder / st, {"a": f32([1], 0, 4), "b": f32([1], 8, 12)}, b"\0" * 12)
+    folder = case("st-offsets-out-of-range", st, "CheckpointError", ["'a'", "past the data"])
+    raw_safetensors(folder / st, {"a": f32([4], 0, 16)}, b"\0" * 8)
+    folder = case("st-trailing-bytes", st, "CheckpointError", ["trailing"])
+    raw_safetensors(folder / st, {"a": f32([1], 0, 4)}, b"\0" * 12)
+    folder = case("st-length-not-dtype-times-shape", st, "CheckpointError", ["'a'", "needs"])
+    raw_safetensors(folder / st, {"a": f32([3], 0, 8)}, b"\0" * 8)
+    folder = case("st-shape-product-overflow", st, "CheckpointError", ["'a'", "needs"])
+    raw_safetensors(folder / st, {"a": f32([2**40, 2**40, 2**40], 0, 4)}, b"\0" * 4)
+    folder = case("st-negative-dimension", st, "CheckpointError", ["'a'", "shape"])
+    raw_safetensors(folder / st, {"a": f32([-1], 0, 4)}, b"\0" * 4)
+    folder = case("st-float-offsets", st, "CheckpointError", ["'a'", "data_offsets"])
+    raw_safetensors(folder / st, {"a": f32([1], 0.0, 4.0)}, b"\0" * 4)
+    folder = case("st-metadata-not-strings", st, "CheckpointError", ["__metadata__"])
+    raw_safetensors(folder / st, {"__metadata__": {"format": 1}, "a": f32([1], 0, 4)}, b"\0" * 4)
+    folder = case("st-truncated-data", st, "CheckpointError", ["past the data"])
+    real_safetensors(folder / st)
+    os.truncate(folder / st, (folder / st).stat().st_size - 5)
+
+    idx = "model.safetensors.index.json"
+    folder = case("shard-missing", idx, "CheckpointNotFoundError", ["missing shard", "s1.safetensors", "s2.safetensors"])
+    index(folder, {"a": "s1.safetensors", "b": "s2.safetensors"})
+    folder = case("shard-lacks-mapped-tensor", idx, "CheckpointError", ["zzz", "does not hold"])
+    real_safetensors(folder / "s1.safetensors")
+    index(folder, {"a": "s1.safetensors", "b": "s1.safetensors", "zzz": "s1.safetensors"})
+    folder = case("shard-holds-unindexed-tensor", idx, "CheckpointError", ["'b'", "does not name"])
+    real_safetensors(folder / "s1.safetensors")
+    index(folder, {"a": "s1.safetensors"})
+    folder = case("shard-tensor-in-two-shards", idx, "CheckpointError", ["'a'", "maps it to"])
+    real_safetensors(folder / "s1.safetensors", {"a": torch.ones(1)})
+    real_safetensors(folder / "s2.safetensors", {"a": torch.ones(1), "b": torch.ones(1)})
+    index(folder, {"a": "s1.safetensors", "b": "s2.safetensors"})
+    folder = case("shard-path-traversal", idx, "CheckpointError", ["outside the checkpoint folder"])
+    real_safetensors(root / "outside.safetensors")
+    index(folder, {"a": "../outside.safetensors"})
+    folder = case("shard-absolute-path", idx, "CheckpointError", ["outside the checkpoint folder"])
+    index(folder, {"a": str((root / "outside.safetensors").resolve())})
+    folder = case("shard-symlink-escape", idx, "CheckpointError", ["symlink", "outside"])
+    os.symlink(root / "outside.safetensors", folder / "s1.safetensors")
+    index(folder, {"a": "s1.safetensors", "b": "s1.safetensors"})
+    folder = case("index-invalid-json", idx, "CheckpointError", ["not valid JSON"])
+    (folder / idx).write_text('{"weight_map": ')
+    folder = case("index-without-weight-map", idx, "CheckpointError", ["weight_map"])
+    (folder / idx).write_text('{"metadata": {}}')
+
+    pt = "model.pt"
+    folder = case("pt-os-system", pt, "UnsafeCheckpointError", ["system", "trust"], marker="pwned-os-system")
+    pickled_call(folder / pt, os.system, f"touch {folder / 'pwned-os-system'}")
+    folder = case("pt-eval", pt, "UnsafeCheckpointError", ["eval"], marker="pwned-eval")
+    pickled_call(folder / pt, eval, f"open({str(folder / 'pwned-eval')!r}, 'w')")
+    folder = case("pt-exec-via-builtins", pt, "UnsafeCheckpointError", ["exec"], marker="pwned-exec")
+    pickled_call(folder / pt, exec, f"open({str(folder / 'pwned-exec')!r}, 'w')")
+    folder = case("pt-non-allowlisted-global", pt, "UnsafeCheckpointError", ["argparse.Namespace", "add_safe_globals"])
+    torch.save({"weight": torch.ones(2), "args": __import__("argparse").Namespace(lr=0.1)}, folder / pt)
+    folder = case("pt-pickled-module", pt, "UnsafeCheckpointError", ["trust_pickle"])
+    torch.save(nn.Linear(2, 2), folder / pt)
+    folder = case("pt-torchscript", pt, "UnsupportedFormatError", ["TorchScript"])
+    torch.jit.save(torch.jit.script(nn.Linear(2, 2)), folder / pt)
+    folder = case("pt-malformed-opcodes", pt, "CheckpointError", ["data.pkl"])
+    torch.save({"w": torch.ones(2)}, folder / pt)
+    rewrite_zip(folder / pt, lambda r: {k: (b"\x80\x02\xff\xfe\xfd" if k.endswith("data.pkl") else v) for k, v in r.items()})
+    folder = case("pt-storage-record-too-short", pt, "CheckpointError", ["'w'", "32 expected"])
+    torch.save({"w": torch.ones(8)}, folder / pt)
+    rewrite_zip(folder / pt, lambda r: {k: (v[:-4] if "/data/" in k else v) for k, v in r.items()})
+    folder = case("pt-missing-data-pkl", pt, "CheckpointError", ["data.pkl"])
+    torch.save({"w": torch.ones(2)}, folder / pt)
+    rewrite_zip(folder / pt, lambda r: {k: v for k, v in r.items() if not k.endswith("data.pkl")})
+    folder = case("pt-missing-storage-record", pt, "CheckpointError", ["'w'", "missing"])
+    torch.save({"w": torch.ones(2)}, folder / pt)
+    rewrite_zip(folder / pt, lambda r: {k: v for k, v in r.items() if "/data/" not in k})
+    folder = case("pt-truncated-zip", pt, "CheckpointError", ["zip"])
+    torch.save({"w": torch.ones(1000)}, folder / pt)
+    os.truncate(folder / pt, (folder / pt).stat().st_size // 2)
+    folder = case("pt-legacy-format", pt, "UnsupportedFormatError", ["legacy", "torch.save"])
+    torch.save({"w": torch.ones(2)}, folder / pt, _use_new_zipfile_serialization=False)
+    folder = case("pt-compressed-records", pt, "CheckpointError", ["compressed"])
+    torch.save({"w": torch.ones(64)}, folder / pt)
+    rewrite_zip(folder / pt, lambda r: r, compression=zipfile.ZIP_DEFLATED)
+    folder = case("pt-big-endian", pt, "UnsupportedFormatError", ["big-endian"])
+    torch.save({"w": torch.ones(2)}, folder / pt)
+    rewrite_zip(folder / pt, lambda r: {k: (b"big" if k.endswith("/byteorder") else v) for k, v in r.items()})
+    folder = case("pt-not-a-checkpoint", pt, "CheckpointError", ["not a valid torch zip"])
+    (folder / pt).write_bytes(b"this is plain text, not a model")
+
+    model = {"model": TINY_MODEL, "model_args": TINY_ARGS}
+    cli_model = ["--model", TINY_MODEL, *[f"--model-arg={k}={v}" for k, v in TINY_ARGS.items()]]
+    folder = case("load-shape-mismatch", st, "ShapeMismatchError", ["model.norm.weight", "[8]", "[9]"], load=model, cli=cli_model)
+    from materialize.models.transformer import DecoderLM
+
+    state = {k: v.contiguous() for k, v in DecoderLM(**TINY_ARGS).state_dict().items()}
+    save_file({**state, "model.norm.weight": torch.ones(9)}, str(folder / st))
+    folder = case("load-missing-and-unexpected", st, "KeyMismatchError", ["lm_head.weight", "stray"], load=model, cli=cli_model)
+    save_file({**{k: v for k, v in state.items() if k != "lm_head.weight"}, "stray": torch.ones(1)}, str(folder / st))
+    folder = case("load-fp16-overflow", st, "CastOverflowError", ["'big'", "overflows"], load={"dtype": "fp16"}, cli=["--dtype", "fp16"])
+    save_file({"big": torch.tensor([1e9])}, str(folder / st))
+    case("path-does-not-exist", "nowhere.safetensors", "CheckpointNotFoundError", ["no such file"])
+    case("folder-without-checkpoint", ".", "CheckpointNotFoundError", ["holds no"])
+
+    (root / "manifest.json").write_text(json.dumps([asdict(c) for c in cases], indent=1))
+    return cases
+
+
+if __name__ == "__main__":
+    written = build(Path(sys.argv[1]))
+    print(f"{len(written)} cases in {sys.argv[1]}")

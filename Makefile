@@ -2,6 +2,7 @@
 #   make demo   build the demo checkpoint once, then materialize it with the CLI
 #   make test   run the test suite
 #   make bench  compare loaders on a 1.9 GB checkpoint (bench/results/)
+#   make fuzz   fuzz the header, index and zip readers (FUZZ_SECONDS, default 600)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -11,9 +12,11 @@ DEMO_DIR := data/demo
 BENCH_STAMP := $(VENV)/.bench-installed
 CONFIG ?= configs/bench-llama-1b.toml
 
-.PHONY: demo test bench venv clean
+FUZZ_SECONDS ?= 600
 
-$(STAMP): pyproject.toml requirements-dev.txt
+.PHONY: demo test bench fuzz venv clean
+
+$(STAMP): pyproject.toml requirements-dev.txt requirements-fuzz.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt -e .
 	touch $(STAMP)
@@ -33,6 +36,9 @@ $(BENCH_STAMP): $(STAMP) requirements-bench.txt
 
 bench: $(BENCH_STAMP)
 	$(PY) -m bench.run --config $(CONFIG)
+
+fuzz: $(STAMP)
+	$(PY) -m fuzz.run --seconds $(FUZZ_SECONDS)
 
 clean:
 	rm -rf $(VENV) data .pytest_cache

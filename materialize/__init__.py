@@ -28,9 +28,9 @@ _EXPORTS = {
     "Checkpoint": "checkpoint",
     "TensorInfo": "checkpoint",
     "load": "loading",
-    "load_model": "loading",
-    "load_tensors": "loading",
-    "plan": "loading",
+    "load_model": "sources",
+    "load_tensors": "sources",
+    "plan": "sources",
     "Plan": "planning",
     "Report": "report",
     "KeyMap": "keymap",
@@ -45,7 +45,7 @@ _EXPORTS = {
     "InitError": "errors",
     "ModelSpecError": "errors",
     "CastOverflowError": "errors",
-    "SanitizerError": "sanitizer",
+    "SanitizerError": "errors",
     "ModelRequiredError": "errors",
     "DeviceError": "errors",
 }
@@ -79,14 +79,15 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         MaterializeError,
         ModelRequiredError,
         ModelSpecError,
+        SanitizerError,
         ShapeMismatchError,
         UnsafeCheckpointError,
         UnsupportedFormatError,
     )
     from .keymap import KeyMap
-    from .loading import load, load_model, load_tensors, plan
+    from .loading import load
+    from .sources import load_model, load_tensors, plan
     from .meta import meta_init
     from .planning import Plan
     from .report import Report
-    from .sanitizer import SanitizerError
     from .spec import build

@@ -88,6 +88,10 @@ class CastOverflowError(MaterializeError, OverflowError):
     """A cast to a narrower float type would turn finite values into inf."""
 
 
+class SanitizerError(MaterializeError, AssertionError):
+    """Check mode found a tensor that was not materialized exactly once, as planned."""
+
+
 class ModelSpecError(MaterializeError, ValueError):
     """A model spec (factory, TOML file) cannot be turned into a model."""
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import MaterializeError
+from .errors import SanitizerError
 from .fileio import FileSet
 from .planning import Entry, Plan
 
@@ -32,10 +32,6 @@ _FLOAT_POISON_BITS = {
 }
 _INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _FP8_NAN = 0x7F  # e4m3fn has a single NaN pattern (and e5m2 counts 0x7F as NaN too)
-
-
-class SanitizerError(MaterializeError, AssertionError):
-    """Check mode found a tensor that was not materialized exactly once, as planned."""
 
 
 def _poison_bits(dtype: torch.dtype) -> int:

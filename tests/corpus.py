@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import struct
 import sys
 import zipfile

@@ -9,7 +9,6 @@ import torch
 
 import materialize as mz
 from materialize.engine import Job, run_staged
-from materialize.fileio import FileSet
 from materialize.transfer import ThreadStaging
 
 from conftest import write_safetensors

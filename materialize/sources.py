@@ -1,0 +1,168 @@
+"""From a source (a path, a Hugging Face folder, a hub id) to a plan, a loaded model, or plain tensors."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import torch
+from torch import nn
+
+from .capacity import fit_report
+from .checkpoint import Checkpoint
+from .devicemap import DeviceMapLike
+from .dtypes import parse_dtype
+from .engine import Job, ProgressFn, stream
+from .errors import ModelRequiredError, ModelSpecError
+from .hf import HF_SPEC_PREFIX, build_hf, is_hf_folder
+from .hostmem import empty_destination
+from .hub import resolve as resolve_source
+from .keymap import KeyMapLike
+from .loading import CheckpointLike, DeviceLike, DtypeLike, _model_defaults, _opened, _placement, _report, load
+from .mapping import FileMaps
+from .memory import PeakMemory
+from .planning import InitFn, Plan, make_plan
+from .report import Report
+from .spec import ModelSpec, build
+from .transfer import resolve_device, staging_for
+
+
+def plan(
+    model: Union[nn.Module, ModelSpec, None],
+    checkpoint: CheckpointLike,
+    *,
+    device: DeviceLike = "cpu",
+    dtype: DtypeLike = None,
+    strict: bool = True,
+    key_map: KeyMapLike = None,
+    init: Optional[InitFn] = None,
+    model_args: Optional[Mapping[str, Any]] = None,
+    revision: Optional[str] = None,
+    trust_pickle: bool = False,
+    device_map: Optional[DeviceMapLike] = None,
+    max_memory: Optional[Mapping[Union[int, str], Union[int, str]]] = None,
+    mmap: bool = False,
+    staging_bytes: Optional[int] = None,
+) -> Plan:
+    """What :func:`load` would do, without reading any tensor data.
+
+    ``model`` is a module or anything :func:`load_model` accepts as one
+    (a spec, ``"hf:ClassName"``, or ``None`` for a Hugging Face folder or a
+    pickled module). Raises the same errors a load would (missing,
+    unexpected and mismatched tensors; tensors that cannot be initialized).
+    ``plan.fits`` compares the memory each device will need (the expected
+    peak of host memory for ``"cpu"``) with what is available now.
+    """
+    source = checkpoint if isinstance(checkpoint, Checkpoint) else resolve_source(checkpoint, revision=revision)
+    folder = None if isinstance(source, Checkpoint) else Path(source)
+    with _opened(source, trust_pickle) as ckpt:
+        skeleton = _skeleton(model, model_args, folder, ckpt)
+        if skeleton is None:
+            raise ModelRequiredError("a plan needs a model: pass one (CLI: --model SPEC)", path=ckpt.path)
+        key_map, init = _model_defaults(skeleton, key_map, init)
+        cast = parse_dtype(dtype)
+        the_plan = make_plan(
+            skeleton, ckpt, device=resolve_device(device), dtype=cast, strict=strict, key_map=key_map, init=init,
+            placement=_placement(skeleton, ckpt, device_map, max_memory, cast),
+        )
+    the_plan.fits = fit_report(the_plan, mmap=mmap, staging_bytes=staging_bytes)
+    return the_plan
+
+
+def load_tensors(
+    checkpoint: CheckpointLike,
+    *,
+    device: DeviceLike = "cpu",
+    dtype: DtypeLike = None,
+    trust_pickle: bool = False,
+    mmap: bool = False,
+    staging_bytes: Optional[int] = None,
+    allow_overflow: bool = False,
+    check_finite: bool = False,
+    progress: Optional[ProgressFn] = None,
+) -> tuple[dict[str, torch.Tensor], Report]:
+    """Materialize every tensor of a checkpoint as a plain dict on ``device``.
+
+    ``mmap=True`` (CPU): tensors are copy-on-write views of the files, as in :func:`load`.
+    """
+    target = resolve_device(device)
+    cast = parse_dtype(dtype)
+    started = time.perf_counter()
+    with _opened(checkpoint, trust_pickle) as ckpt, PeakMemory(target) as memory:
+        tensors: dict[str, torch.Tensor] = {}
+        jobs = []
+        maps = FileMaps() if mmap and target.type == "cpu" else None
+        mapped: list[str] = []
+        for name, info in ckpt.items():
+            wanted = cast if cast is not None and info.dtype.is_floating_point else info.dtype
+            view = maps.view(info) if maps is not None and wanted == info.dtype else None
+            if view is not None:
+                tensors[name] = view
+                mapped.append(name)
+                continue
+            tensors[name] = empty_destination(info.shape, dtype=wanted, device=target)
+            jobs.append(Job(tensors[name], info))
+        bytes_read = stream(
+            jobs, ckpt.files, staging_factory=lambda device: staging_for(device, staging_bytes),
+            allow_overflow=allow_overflow, progress=progress,
+        )
+    finite_problems = [n for n, t in tensors.items() if check_finite and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    report = _report(
+        ckpt, target, list(tensors.values()), bytes_read, started, memory, loaded=list(tensors), mapped=mapped,
+        nonfinite=finite_problems,
+    )
+    return tensors, report
+
+
+def load_model(
+    source: CheckpointLike,
+    *,
+    model: Union[nn.Module, ModelSpec, None] = None,
+    model_args: Optional[Mapping[str, Any]] = None,
+    revision: Optional[str] = None,
+    trust_pickle: bool = False,
+    **load_options: Any,
+) -> tuple[Union[nn.Module, dict[str, torch.Tensor]], Report]:
+    """Build the skeleton and load it in one call (what the CLI runs).
+
+    ``source`` is a checkpoint path, a Hugging Face folder, or a hub repo id
+    (``org/name``, at ``revision``). ``model`` is a module, a spec for
+    :func:`build` (called with ``model_args``), ``"hf:ClassName"`` (a
+    transformers class built from the source's ``config.json``), or ``None``:
+    then a folder with a ``config.json`` builds its transformers model, a
+    pickled module in the checkpoint is its own skeleton (needs
+    ``trust_pickle``), and a plain state dict is materialized as a ``dict`` of
+    tensors.
+    """
+    if not isinstance(source, Checkpoint):
+        source = resolve_source(source, revision=revision)
+    folder = None if isinstance(source, Checkpoint) else Path(source)
+    with _opened(source, trust_pickle) as ckpt:
+        skeleton = _skeleton(model, model_args, folder, ckpt)
+        if skeleton is None:
+            if load_options.get("device_map") is not None:
+                raise ModelRequiredError("a device map needs a model to place: pass one (CLI: --model SPEC)", path=ckpt.path)
+            for option in ("strict", "key_map", "init", "device_map", "max_memory", "check"):
+                load_options.pop(option, None)
+            return load_tensors(ckpt, **load_options)
+        return skeleton, load(skeleton, ckpt, **load_options)
+
+
+def _skeleton(
+    model: Union[nn.Module, ModelSpec, None],
+    model_args: Optional[Mapping[str, Any]],
+    folder: Optional[Path],
+    ckpt: Checkpoint,
+) -> Optional[nn.Module]:
+    if isinstance(model, nn.Module):
+        return model
+    if isinstance(model, str) and model.startswith(HF_SPEC_PREFIX):
+        if folder is None or not is_hf_folder(folder):
+            raise ModelSpecError(f"{model!r} needs a Hugging Face folder or hub id holding config.json as the source")
+        return build_hf(folder, model_class=model[len(HF_SPEC_PREFIX):] or None)
+    if model is not None:
+        return build(model, **dict(model_args or {}))
+    if folder is not None and is_hf_folder(folder):
+        return build_hf(folder)
+    return ckpt.module

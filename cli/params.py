@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Optional
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 import click
 

@@ -86,8 +86,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     )
     from .keymap import KeyMap
     from .loading import load
-    from .sources import load_model, load_tensors, plan
     from .meta import meta_init
     from .planning import Plan
     from .report import Report
+    from .sources import load_model, load_tensors, plan
     from .spec import build

@@ -16,6 +16,7 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .devicemap import DeviceMapLike, Placement, compute_device_map
 from .dtypes import dtype_name, parse_dtype
 from .engine import Job, ProgressFn, stream
+from .errors import SanitizerError
 from .hf import hf_init, hf_key_map, is_hf_model
 from .hostmem import empty_destination
 from .keymap import KeyMapLike
@@ -23,7 +24,6 @@ from .mapping import FileMaps
 from .memory import PeakMemory
 from .planning import Entry, InitFn, Plan, make_plan
 from .report import Report
-from .errors import SanitizerError
 from .sanitizer import CountingFiles, audit, nonfinite, poison
 from .transfer import resolve_device, staging_for
 

@@ -18,7 +18,13 @@ from torch import nn
 
 from .checkpoint import Checkpoint, TensorInfo
 from .dtypes import dtype_name
-from .errors import DeviceError, InitError, KeyMismatchError, MaterializeError, ShapeMismatchError
+from .errors import (
+    DeviceError,
+    InitError,
+    KeyMismatchError,
+    MaterializeError,
+    ShapeMismatchError,
+)
 from .keymap import KeyMapLike, as_key_map, auto_strip_wrapper_prefix
 
 Action = Literal["load", "init", "keep"]

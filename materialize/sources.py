@@ -19,7 +19,16 @@ from .hf import HF_SPEC_PREFIX, build_hf, is_hf_folder
 from .hostmem import empty_destination
 from .hub import resolve as resolve_source
 from .keymap import KeyMapLike
-from .loading import CheckpointLike, DeviceLike, DtypeLike, _model_defaults, _opened, _placement, _report, load
+from .loading import (
+    CheckpointLike,
+    DeviceLike,
+    DtypeLike,
+    _model_defaults,
+    _opened,
+    _placement,
+    _report,
+    load,
+)
 from .mapping import FileMaps
 from .memory import PeakMemory
 from .planning import InitFn, Plan, make_plan

@@ -47,7 +47,9 @@ def open_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Checkpoint
     if kind == "safetensors":
         tensors, metadata = read_header(target)
         return Checkpoint(path=target, format="safetensors", tensors=tensors, shards=[target], metadata=metadata)
-    from .torchzip import read_torch_zip  # imports torch, which safetensors headers do not need
+    from .torchzip import (
+        read_torch_zip,  # imports torch, which safetensors headers do not need
+    )
 
     tensors, module = read_torch_zip(target, trust_pickle=trust_pickle)
     return Checkpoint(

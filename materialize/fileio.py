@@ -35,6 +35,8 @@ def open_for_reading(path: Path) -> int:
         return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise CheckpointNotFoundError("no such file", path=path) from None
+    except ValueError:  # a NUL byte in the name
+        raise CheckpointError("is not a usable file name (it contains a NUL byte)", path=repr(str(path))) from None
     except IsADirectoryError:
         raise CheckpointError("is a directory where a file was expected", path=path) from None
     except OSError as exc:

@@ -23,7 +23,7 @@ TORCH_PATTERNS = ["*.bin", "*.pt", "*.pth"]
 
 def looks_like_repo_id(source: Union[str, os.PathLike]) -> bool:
     text = os.fspath(source)
-    return not Path(text).exists() and bool(REPO_ID.match(text)) and ".." not in text
+    return bool(REPO_ID.match(text)) and ".." not in text and not Path(text).exists()
 
 
 def resolve(source: Union[str, os.PathLike], *, revision: Optional[str] = None) -> Path:

@@ -37,6 +37,8 @@ def open_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Checkpoint
     read; tensor bytes are read later, straight into their destinations.
     """
     target = Path(path)
+    if "\0" in str(target):
+        raise CheckpointError("is not a usable file name (it contains a NUL byte)", path=repr(str(target)))
     if not target.exists():
         raise CheckpointNotFoundError("no such file or directory", path=target)
     if target.is_dir():

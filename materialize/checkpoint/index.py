@@ -23,6 +23,8 @@ def read_index(index_path: Path) -> tuple[dict[str, str], dict]:
         raise CheckpointError("index is not valid UTF-8", path=index_path) from None
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"index is not valid JSON ({exc.msg} at char {exc.pos})", path=index_path) from None
+    except (RecursionError, ValueError) as exc:  # nesting past the recursion limit; integers past 4300 digits
+        raise CheckpointError(f"index JSON cannot be parsed safely: {type(exc).__name__}", path=index_path) from None
     weight_map = document.get("weight_map") if isinstance(document, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
@@ -56,10 +58,15 @@ def resolve_shards(index_path: Path, weight_map: dict[str, str]) -> dict[str, Pa
         if candidate.is_absolute() or ".." in candidate.parts or not shard_name.strip():
             raise CheckpointError(f"shard path {shard_name!r} points outside the checkpoint folder", path=index_path)
         path = folder / candidate
-        if not path.is_file():
+        try:
+            present = path.is_file()
+            target = path.resolve()
+        except (OSError, ValueError) as exc:  # a name too long for the file system, a loop, a NUL byte
+            reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+            raise CheckpointError(f"shard path {shard_name[:80]!r} cannot be used: {reason}", path=index_path) from None
+        if not present:
             missing.append(shard_name)
             continue
-        target = path.resolve()
         if not any(target.is_relative_to(root) for root in roots):
             raise CheckpointError(
                 f"shard {shard_name!r} is a symlink to {target}, outside the checkpoint folder", path=index_path

@@ -87,6 +87,8 @@ def _parse_header(path: Path, raw: bytes, *, data_start: int, file_size: int) ->
         raise CheckpointError("header lists the tensor twice", path=path, tensor=str(dup.args[0])) from None
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"header is not valid JSON ({exc.msg} at char {exc.pos})", path=path) from None
+    except (RecursionError, ValueError) as exc:  # nesting past the recursion limit; integers past 4300 digits
+        raise CheckpointError(f"header JSON cannot be parsed safely: {type(exc).__name__}", path=path) from None
     if not isinstance(header, dict):
         raise CheckpointError(f"header is a JSON {type(header).__name__}, not an object", path=path)
 
@@ -114,11 +116,13 @@ def _parse_entry(path: Path, name: str, entry: object, data_start: int, data_siz
     if not isinstance(entry, dict):
         raise fail("header entry is not an object")
     dtype_name = entry.get("dtype")
-    if dtype_name not in SAFETENSORS_DTYPES:
+    if not isinstance(dtype_name, str) or dtype_name not in SAFETENSORS_DTYPES:
         raise fail(f"unknown or unsupported dtype {dtype_name!r}")
     shape = entry.get("shape")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise fail(f"shape must be a list of non-negative integers, got {shape!r}")
+        raise fail(f"shape must be a list of non-negative integers, got {_short(shape)}")
+    if not shape_fits_int64(shape):
+        raise fail(f"shape {_short(shape)} is larger than any tensor can be (dimensions past 2**63)")
     offsets = entry.get("data_offsets")
     if (
         not isinstance(offsets, list)
@@ -139,6 +143,24 @@ def _parse_entry(path: Path, name: str, entry: object, data_start: int, data_siz
         name=name, dtype_name=torch_name, itemsize=itemsize, shape=tuple(shape), path=path, offset=data_start + begin
     )
     return info, begin, end
+
+
+def shape_fits_int64(shape: list) -> bool:
+    """Whether torch can describe the shape: each dimension, and the strides they multiply into, below 2**63."""
+    limit = 2**63
+    extent = 1
+    for dim in shape:
+        if dim >= limit:
+            return False
+        extent *= max(dim, 1)
+        if extent >= limit:
+            return False
+    return True
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _check_layout(path: Path, spans: list[tuple[int, int, str]], data_size: int) -> None:

@@ -16,6 +16,7 @@ import pickle
 import re
 import struct
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any, Optional
 
@@ -135,9 +136,22 @@ def _record_offsets(path: Path, archive: zipfile.ZipFile, prefix: str) -> dict[s
     return offsets
 
 
+# What a damaged zip can raise from zipfile besides BadZipFile.
+ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, OSError, NotImplementedError, UnicodeDecodeError, ValueError)
+
+
+def _read(path: Path, archive: zipfile.ZipFile, name: str) -> bytes:
+    try:
+        return archive.read(name)
+    except ZIP_ERRORS as exc:
+        raise CheckpointError(f"cannot read record {name!r} of the zip: {_first_line(exc)}", path=path) from None
+
+
 def _open_archive(path: Path) -> zipfile.ZipFile:
     try:
         return zipfile.ZipFile(path)
+    except (NotImplementedError, UnicodeDecodeError, ValueError, EOFError) as exc:
+        raise CheckpointError(f"is not a readable zip: {_first_line(exc)}", path=path) from None
     except zipfile.BadZipFile:
         with open(path, "rb") as handle:
             head = handle.read(2)
@@ -167,15 +181,15 @@ def read_torch_zip(path: Path, *, trust_pickle: bool) -> tuple[dict[str, TensorI
     with _open_archive(path) as archive:
         names = archive.namelist()
         prefix = _archive_prefix(path, names)
-        if f"{prefix}/byteorder" in names and archive.read(f"{prefix}/byteorder").strip() == b"big":
+        if f"{prefix}/byteorder" in names and _read(path, archive, f"{prefix}/byteorder").strip() == b"big":
             raise UnsupportedFormatError("was saved on a big-endian machine; re-save it on a little-endian one", path=path)
         refs: dict[int, _StorageRef] = {}
-        try:
-            data = archive.read(f"{prefix}/data.pkl")
-        except (zipfile.BadZipFile, OSError, EOFError) as exc:
-            raise CheckpointError(f"cannot read data.pkl: {_first_line(exc)}", path=path) from None
+        data = _read(path, archive, f"{prefix}/data.pkl")
         payload, module = _find_payload(_unpickle(path, data, refs, trust_pickle=trust_pickle))
-        records = _record_offsets(path, archive, prefix)
+        try:
+            records = _record_offsets(path, archive, prefix)
+        except ZIP_ERRORS as exc:
+            raise CheckpointError(f"cannot locate the storage records: {_first_line(exc)}", path=path) from None
     tensors = {name: _tensor_info(path, name, t, refs, records, file_size) for name, t in payload.items()}
     return tensors, module
 
@@ -205,6 +219,8 @@ def _tensor_info(
         raise fail(f"storage record data/{ref.key} runs past the end of the file (truncated?)")
     itemsize = tensor.element_size()
     shape = tuple(tensor.shape)
+    if any(d < 0 for d in shape) or any(st < 0 for st in tensor.stride()) or tensor.storage_offset() < 0:
+        raise fail(f"has a negative size, stride or offset ({list(shape)}, {list(tensor.stride())}, {tensor.storage_offset()})")
     start = tensor.storage_offset() * itemsize
     contiguous = tensor.is_contiguous()
     numel = math.prod(shape)

@@ -1,0 +1,1 @@
+"""Time-boxed fuzzing of the checkpoint readers: ``python -m fuzz.run --seconds N``."""

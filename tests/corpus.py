@@ -13,6 +13,7 @@ import json
 import os
 import struct
 import sys
+import warnings
 import zipfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -199,6 +200,12 @@ def build(root: Path) -> list[Case]:
     folder = case("pt-big-endian", pt, "UnsupportedFormatError", ["big-endian"])
     torch.save({"w": torch.ones(2)}, folder / pt)
     rewrite_zip(folder / pt, lambda r: {k: (b"big" if k.endswith("/byteorder") else v) for k, v in r.items()})
+    folder = case("pt-duplicate-record", pt, "CheckpointError", ["more than once", "data/0"])
+    torch.save({"w": torch.ones(4)}, folder / pt)
+    with zipfile.ZipFile(folder / pt, "a") as archive, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zipfile warns about the duplicate name: that is the point
+        prefix = archive.namelist()[0].split("/")[0]
+        archive.writestr(f"{prefix}/data/0", b"\0" * 16)
     folder = case("pt-not-a-checkpoint", pt, "CheckpointError", ["not a valid torch zip"])
     (folder / pt).write_bytes(b"this is plain text, not a model")
 

@@ -180,6 +180,9 @@ def read_torch_zip(path: Path, *, trust_pickle: bool) -> tuple[dict[str, TensorI
     file_size = os.path.getsize(path)
     with _open_archive(path) as archive:
         names = archive.namelist()
+        duplicated = sorted({n for n in names if names.count(n) > 1}) if len(set(names)) != len(names) else []
+        if duplicated:  # readers disagree on which copy counts: torch's takes the first, zipfile the last
+            raise CheckpointError(f"the zip holds records more than once: {', '.join(duplicated[:5])}", path=path)
         prefix = _archive_prefix(path, names)
         if f"{prefix}/byteorder" in names and _read(path, archive, f"{prefix}/byteorder").strip() == b"big":
             raise UnsupportedFormatError("was saved on a big-endian machine; re-save it on a little-endian one", path=path)

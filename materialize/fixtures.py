@@ -12,6 +12,7 @@ Run as ``python -m materialize.fixtures CONFIG OUT_DIR``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -51,8 +52,9 @@ def _module_tensors(module: nn.Module, dtype: Optional[torch.dtype]) -> dict[str
 
 
 class _ShardWriter:
-    def __init__(self, folder: Path, shard_bytes: int) -> None:
+    def __init__(self, folder: Path, shard_bytes: int, metadata: Optional[dict] = None) -> None:
         self.folder = folder
+        self.metadata = dict(metadata or {})
         self.shard_bytes = shard_bytes
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = 0
@@ -84,7 +86,7 @@ class _ShardWriter:
             new_name = f"model-{index + 1:05d}-of-{count:05d}.safetensors"
             (self.folder / old_name).rename(self.folder / new_name)
             weight_map.update({name: new_name for name in names})
-        index_doc = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+        index_doc = {"metadata": {**self.metadata, "total_size": self.total}, "weight_map": weight_map}
         (self.folder / INDEX_NAME).write_text(json.dumps(index_doc, indent=2))
 
 
@@ -96,6 +98,7 @@ def write_sharded_checkpoint(
     shard_size: Union[str, int] = "1GB",
     seed: int = 0,
     model_args: Optional[dict] = None,
+    metadata: Optional[dict] = None,
 ) -> Path:
     """Write a model's initialized weights as sharded safetensors plus index.
 
@@ -109,7 +112,7 @@ def write_sharded_checkpoint(
     os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would make the result private
     torch.manual_seed(seed)
     try:
-        writer = _ShardWriter(staging, parse_size(shard_size))
+        writer = _ShardWriter(staging, parse_size(shard_size), metadata)
         persistent = set(skeleton.state_dict(keep_vars=True))
         seen: set[int] = set()
         for prefix, module in skeleton.named_modules():
@@ -132,6 +135,22 @@ def write_sharded_checkpoint(
     return target
 
 
+def fingerprint(config: str) -> str:
+    """What decides the checkpoint's content: the config, and the names and shapes its model has."""
+    skeleton = build(config)
+    layout = sorted((name, list(t.shape)) for name, t in skeleton.state_dict().items())
+    digest = hashlib.sha256(Path(config).read_bytes())
+    digest.update(json.dumps(layout).encode())
+    return digest.hexdigest()[:16]
+
+
+def _built_from(out: Path) -> Optional[str]:
+    try:
+        return json.loads((out / INDEX_NAME).read_text())["metadata"].get("source")
+    except (OSError, ValueError, KeyError, AttributeError):
+        return None
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description="Write the checkpoint a configs/ TOML file describes, once.")
     parser.add_argument("config")
@@ -139,8 +158,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--force", action="store_true", help="rewrite even if the output exists")
     args = parser.parse_args(argv)
     out = Path(args.out_dir)
-    if (out / INDEX_NAME).exists() and not args.force:
-        print(f"{out}: demo checkpoint already built")
+    source = fingerprint(args.config)
+    if not args.force and _built_from(out) == source:
+        print(f"{out}: checkpoint already built from {args.config}")
         return
     settings = read_config(args.config).get("checkpoint", {})
     written = write_sharded_checkpoint(
@@ -149,6 +169,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         dtype=settings.get("dtype"),
         shard_size=settings.get("shard_size", "1GB"),
         seed=settings.get("seed", 0),
+        metadata={"source": source},
     )
     total = sum(p.stat().st_size for p in written.iterdir())
     print(f"{written}: wrote {total / 1e9:.2f} GB")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,3 +104,19 @@ def test_writer_produces_a_loadable_sharded_checkpoint(tmp_path):
         assert torch.equal(model.get_parameter(name), value), name
     assert report.tied == [["model.embed_tokens.weight", "lm_head.weight"]]
     assert not list(tmp_path.glob(".ckpt.*"))  # no staging folder left behind
+
+
+def test_the_demo_writer_rebuilds_only_when_its_config_changes(tmp_path, capsys):
+    from materialize.fixtures import main
+
+    config = _toml(tmp_path, TINY)
+    out = tmp_path / "demo"
+
+    main([config, str(out)])
+    main([config, str(out)])
+    Path(config).write_text(Path(config).read_text().replace('"num_layers" = 2', "").replace("num_layers = 2", "num_layers = 1"))
+    main([config, str(out)])
+
+    lines = capsys.readouterr().out.splitlines()
+    assert "wrote" in lines[0] and "already built" in lines[1] and "wrote" in lines[2]
+    assert len(mz.load_model(out, model=config)[0].model.layers) == 1

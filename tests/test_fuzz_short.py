@@ -303,9 +303,6 @@ def test_torch_tensor_with_a_size_of_minus_2_63_is_a_checkpoint_error(data):
     torch_zip(data)
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason="BUG: rebuilt on meta, a view with stride -1 "
-                   "comes back with stride 1, so the pickle's elements 4, 3 load as elements 4, 5; torch.load refuses "
-                   "the file ('Storage size calculation overflowed'), materialize loads wrong values")
 @EXPLICIT_ONLY
 @example(data=torch_view_file(size=2, stride=-1, offset=4))
 @given(data=torch_zip_records())

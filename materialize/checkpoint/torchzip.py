@@ -25,6 +25,7 @@ from torch import _weights_only_unpickler, nn
 
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError
 from .base import TensorInfo
+from .pickle_scan import negative_layouts
 
 STATE_DICT_KEYS = ("state_dict", "model", "module")
 _LOCAL_HEADER = struct.Struct("<4s22xHH")
@@ -189,6 +190,12 @@ def read_torch_zip(path: Path, *, trust_pickle: bool) -> tuple[dict[str, TensorI
         refs: dict[int, _StorageRef] = {}
         data = _read(path, archive, f"{prefix}/data.pkl")
         payload, module = _find_payload(_unpickle(path, data, refs, trust_pickle=trust_pickle))
+        hostile = negative_layouts(data)
+        if hostile:
+            offset, size, stride = hostile[0]
+            raise CheckpointError(
+                f"a tensor has a negative size, stride or offset ({list(size)}, {list(stride)}, {offset})", path=path
+            )
         try:
             records = _record_offsets(path, archive, prefix)
         except ZIP_ERRORS as exc:

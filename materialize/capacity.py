@@ -34,11 +34,7 @@ def available_device_bytes(device: str) -> Optional[int]:
 
 def expected_peak_host_bytes(plan: Plan, *, mmap: bool = False, staging_bytes: Optional[int] = None) -> int:
     """Host memory the load will add: CPU tensors that are copied, plus staging."""
-    def mapped(e) -> bool:  # what the load will leave in the file (see loading._mapped_view)
-        viewable = e.action == "load" and e.source is not None and e.source.dtype == e.dtype and e.source.contiguous
-        return viewable and (e.on_disk or mmap)
-
-    copied = sum(e.nbytes for e in plan.entries if e.device.type == "cpu" and not mapped(e))
+    copied = sum(e.nbytes for e in plan.entries if e.device.type == "cpu" and not e.stays_in_file(mmap))
     to_gpu = any(e.device.type == "cuda" for e in plan.entries)
     staging = (staging_bytes or DEFAULT_SLOT_BYTES * DEFAULT_SLOTS) if to_gpu else 0
     casts = any(e.device.type == "cpu" and e.source is not None and e.source.dtype != e.dtype for e in plan.entries)

@@ -205,7 +205,7 @@ def execute(
         tied=[list(group) for group in the_plan.tied_groups],
         mapped=mapped,
         bytes_by_device=the_plan.bytes_by_device,
-        nonfinite=nonfinite(registered) if check_finite else [],
+        nonfinite=nonfinite((entry.name, tensor) for entry, tensor in registered) if check_finite else [],
     )
 
 
@@ -233,7 +233,7 @@ def _materialize_entry(
 ) -> list[Job]:
     """Allocate one tensor (once, whatever its tie group) and register it everywhere."""
     original = entry.original
-    view = _mapped_view(entry, maps) if (entry.on_disk or (mmap and entry.device.type == "cpu")) else None
+    view = maps.view(entry.source) if maps is not None and entry.source and entry.stays_in_file(mmap) else None
     if view is not None:
         tensor = view
         mapped.append(entry.name)
@@ -256,12 +256,6 @@ def _materialize_entry(
         return []
     assert entry.source is not None
     return [Job(tensor.detach(), entry.source)]
-
-
-def _mapped_view(entry: Entry, maps: Optional[FileMaps]) -> Optional[torch.Tensor]:
-    if maps is None or entry.action != "load" or entry.source is None or entry.source.dtype != entry.dtype:
-        return None
-    return maps.view(entry.source)
 
 
 def _registered(entry: Entry) -> torch.Tensor:

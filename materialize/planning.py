@@ -59,6 +59,14 @@ class Entry:
     def name(self) -> str:
         return self.names[0]
 
+    def stays_in_file(self, mmap: bool) -> bool:
+        """Whether a load leaves this tensor as a view of the file instead of copying it."""
+        viewable = (
+            self.action == "load" and self.source is not None
+            and self.source.dtype == self.dtype and self.source.contiguous
+        )
+        return viewable and (self.on_disk or (mmap and self.device.type == "cpu"))
+
     @property
     def nbytes(self) -> int:
         return self.original.numel() * self.dtype.itemsize

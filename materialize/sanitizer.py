@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from .errors import SanitizerError
 from .fileio import FileSet
 from .planning import Entry, Plan
 
@@ -121,10 +120,9 @@ def audit(plan: Plan, registered: Iterable[tuple[Entry, torch.Tensor]], counts: 
     return problems
 
 
-def nonfinite(registered: Iterable[tuple[Entry, torch.Tensor]]) -> list[str]:
+def nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """Names of floating tensors holding NaN or Inf."""
-    found = []
-    for entry, tensor in registered:
-        if not tensor.is_meta and tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
-            found.append(entry.name)
-    return found
+    return [
+        name for name, tensor in named
+        if not tensor.is_meta and tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all())
+    ]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
@@ -33,6 +35,7 @@ from .mapping import FileMaps
 from .memory import PeakMemory
 from .planning import InitFn, Plan, make_plan
 from .report import Report
+from .sanitizer import nonfinite
 from .spec import ModelSpec, build
 from .transfer import resolve_device, staging_for
 
@@ -63,10 +66,7 @@ def plan(
     ``plan.fits`` compares the memory each device will need (the expected
     peak of host memory for ``"cpu"``) with what is available now.
     """
-    source = checkpoint if isinstance(checkpoint, Checkpoint) else resolve_source(checkpoint, revision=revision)
-    folder = None if isinstance(source, Checkpoint) else Path(source)
-    with _opened(source, trust_pickle) as ckpt:
-        skeleton = _skeleton(model, model_args, folder, ckpt)
+    with _opened_with_skeleton(checkpoint, model, model_args, revision, trust_pickle) as (ckpt, skeleton):
         if skeleton is None:
             raise ModelRequiredError("a plan needs a model: pass one (CLI: --model SPEC)", path=ckpt.path)
         key_map, init = _model_defaults(skeleton, key_map, init)
@@ -116,10 +116,9 @@ def load_tensors(
             jobs, ckpt.files, staging_factory=lambda device: staging_for(device, staging_bytes),
             allow_overflow=allow_overflow, progress=progress,
         )
-    finite_problems = [n for n, t in tensors.items() if check_finite and t.is_floating_point() and not bool(torch.isfinite(t).all())]
     report = _report(
         ckpt, target, list(tensors.values()), bytes_read, started, memory, loaded=list(tensors), mapped=mapped,
-        nonfinite=finite_problems,
+        nonfinite=nonfinite(tensors.items()) if check_finite else [],
     )
     return tensors, report
 
@@ -144,11 +143,7 @@ def load_model(
     ``trust_pickle``), and a plain state dict is materialized as a ``dict`` of
     tensors.
     """
-    if not isinstance(source, Checkpoint):
-        source = resolve_source(source, revision=revision)
-    folder = None if isinstance(source, Checkpoint) else Path(source)
-    with _opened(source, trust_pickle) as ckpt:
-        skeleton = _skeleton(model, model_args, folder, ckpt)
+    with _opened_with_skeleton(source, model, model_args, revision, trust_pickle) as (ckpt, skeleton):
         if skeleton is None:
             if load_options.get("device_map") is not None:
                 raise ModelRequiredError("a device map needs a model to place: pass one (CLI: --model SPEC)", path=ckpt.path)
@@ -156,6 +151,22 @@ def load_model(
                 load_options.pop(option, None)
             return load_tensors(ckpt, **load_options)
         return skeleton, load(skeleton, ckpt, **load_options)
+
+
+@contextmanager
+def _opened_with_skeleton(
+    source: CheckpointLike,
+    model: Union[nn.Module, ModelSpec, None],
+    model_args: Optional[Mapping[str, Any]],
+    revision: Optional[str],
+    trust_pickle: bool,
+) -> Iterator[tuple[Checkpoint, Optional[nn.Module]]]:
+    """Resolve a hub id, open the checkpoint, and build the model the source calls for (None: none)."""
+    if not isinstance(source, Checkpoint):
+        source = resolve_source(source, revision=revision)
+    folder = None if isinstance(source, Checkpoint) else Path(source)
+    with _opened(source, trust_pickle) as ckpt:
+        yield ckpt, _skeleton(model, model_args, folder, ckpt)
 
 
 def _skeleton(

@@ -26,6 +26,7 @@ from .planning import Entry, InitFn, Plan, make_plan
 from .report import Report
 from .sanitizer import CountingFiles, audit, nonfinite, poison
 from .transfer import resolve_device, staging_for
+from .validate import check_bools
 
 CheckpointLike = Union[str, os.PathLike, Checkpoint]
 DeviceLike = Union[str, torch.device]
@@ -188,6 +189,7 @@ def execute(
                 allow_overflow=allow_overflow, progress=progress,
             )
             registered = [(entry, _registered(entry)) for entry in the_plan.entries]
+            check_bools((entry.source, tensor) for entry, tensor in registered if entry.action == "load" and entry.source)
             if check:
                 problems = audit(the_plan, registered, files, set(mapped))
                 if problems:

@@ -38,6 +38,7 @@ from .report import Report
 from .sanitizer import nonfinite
 from .spec import ModelSpec, build
 from .transfer import resolve_device, staging_for
+from .validate import check_bools
 
 
 def plan(
@@ -116,6 +117,7 @@ def load_tensors(
             jobs, ckpt.files, staging_factory=lambda device: staging_for(device, staging_bytes),
             allow_overflow=allow_overflow, progress=progress,
         )
+        check_bools((ckpt[name], tensor) for name, tensor in tensors.items())
     report = _report(
         ckpt, target, list(tensors.values()), bytes_read, started, memory, loaded=list(tensors), mapped=mapped,
         nonfinite=nonfinite(tensors.items()) if check_finite else [],

@@ -69,6 +69,17 @@ def rewrite_zip(path: Path, edit: Callable[[dict], dict], compression: int = zip
             archive.writestr(name, data)
 
 
+def record_info(path: Path, suffix: str) -> zipfile.ZipInfo:
+    with zipfile.ZipFile(path) as archive:
+        return next(info for info in archive.infolist() if info.filename.endswith(suffix))
+
+
+def patch(path: Path, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        handle.write(data)
+
+
 class Gadget:
     """Pickles to a call that would run when unpickled."""
 
@@ -134,6 +145,8 @@ def build(root: Path) -> list[Case]:
     raw_safetensors(folder / st, {"a": f32([1], 0.0, 4.0)}, b"\0" * 4)
     folder = case("st-metadata-not-strings", st, "CheckpointError", ["__metadata__"])
     raw_safetensors(folder / st, {"__metadata__": {"format": 1}, "a": f32([1], 0, 4)}, b"\0" * 4)
+    folder = case("st-bool-not-0-or-1", st, "CheckpointError", ["'m'", "0 and 1"])
+    raw_safetensors(folder / st, {"m": {"dtype": "BOOL", "shape": [2], "data_offsets": [0, 2]}}, b"\x01\x07")
     folder = case("st-truncated-data", st, "CheckpointError", ["past the data"])
     real_safetensors(folder / st)
     os.truncate(folder / st, (folder / st).stat().st_size - 5)
@@ -206,6 +219,27 @@ def build(root: Path) -> list[Case]:
         warnings.simplefilter("ignore")  # zipfile warns about the duplicate name: that is the point
         prefix = archive.namelist()[0].split("/")[0]
         archive.writestr(f"{prefix}/data/0", b"\0" * 16)
+    folder = case("pt-local-header-disagrees", pt, "CheckpointError", ["data/0", "disagrees with the central directory"])
+    torch.save({"w": torch.ones(4)}, folder / pt)
+    info = record_info(folder / pt, "/data/0")
+    patch(folder / pt, info.header_offset + 30 + len(info.filename) - 1, b"9")  # data/0 -> data/9 in the local copy only
+    folder = case("pt-end-record-count", pt, "CheckpointError", ["end record counts"])
+    torch.save({"w": torch.ones(4)}, folder / pt)
+    end_record = (folder / pt).read_bytes().rfind(b"PK\x05\x06")
+    patch(folder / pt, end_record + 10, struct.pack("<H", 3))
+    folder = case("pt-encrypted-record", pt, "CheckpointError", ["data/0", "encrypted"])
+    torch.save({"w": torch.ones(4)}, folder / pt)
+    info = record_info(folder / pt, "/data/0")
+    with zipfile.ZipFile(folder / pt) as archive:
+        start = archive.start_dir
+    raw = (folder / pt).read_bytes()
+    at = start
+    while raw[at + 46: at + 46 + len(info.filename)] != info.filename.encode():
+        at += 46 + sum(struct.unpack_from("<HHH", raw, at + 28))
+    patch(folder / pt, at + 8, struct.pack("<H", struct.unpack_from("<H", raw, at + 8)[0] | 1))
+    folder = case("pt-bool-not-0-or-1", pt, "CheckpointError", ["'mask'", "0 and 1"])
+    torch.save({"mask": torch.tensor([True, False, True])}, folder / pt)
+    rewrite_zip(folder / pt, lambda r: {k: (b"\x01\x00\x07" if "/data/" in k else v) for k, v in r.items()})
     folder = case("pt-not-a-checkpoint", pt, "CheckpointError", ["not a valid torch zip"])
     (folder / pt).write_bytes(b"this is plain text, not a model")
 

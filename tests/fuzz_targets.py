@@ -445,9 +445,6 @@ def torch_zip(data: bytes) -> None:
 def _compare_with_torch_load(path: Path, loaded: list[dict[str, torch.Tensor]]) -> None:
     """Where torch itself reads the same file as a flat state dict, the values must agree."""
     try:
-        with zipfile.ZipFile(path) as archive:
-            if archive.testzip() is not None:
-                return  # a record fails its CRC: the file is corrupt and readers may disagree on it
         reference = torch.load(path, weights_only=True, map_location="cpu")
     except Exception:
         return  # torch refuses what we accepted: stricter is not wrong, and not our bug

@@ -28,7 +28,8 @@ from .base import TensorInfo
 from .pickle_scan import negative_layouts
 
 STATE_DICT_KEYS = ("state_dict", "model", "module")
-_LOCAL_HEADER = struct.Struct("<4s22xHH")
+_LOCAL_HEADER = struct.Struct("<4s4xH16xHH")
+_SMALL_RECORD = 1 << 20
 
 
 class _StorageRef:
@@ -116,29 +117,103 @@ def _module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _record_offsets(path: Path, archive: zipfile.ZipFile, prefix: str) -> dict[str, tuple[int, int]]:
-    """Storage key -> (absolute data offset, size) for every stored record."""
+    """Storage key -> (absolute data offset, size) for every stored record.
+
+    Every record's local header is checked against the central directory
+    (signature, name, method) and records must not overlap each other or the
+    central directory: readers that trust one or the other would otherwise
+    read different bytes from a damaged file. Record CRCs are not verified
+    (that would cost a pass over all the data).
+    """
+    _check_end_record(path, archive)
     offsets: dict[str, tuple[int, int]] = {}
     data_dir = f"{prefix}/data/"
+    spans: list[tuple[int, int, str]] = []
     with open(path, "rb") as handle:
         for info in archive.infolist():
-            if not info.filename.startswith(data_dir):
-                continue
-            key = info.filename[len(data_dir):]
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise CheckpointError(f"storage record {key!r} is compressed; torch writes them stored", path=path)
+            name = info.filename
+            if info.flag_bits & 0x1:
+                raise CheckpointError(f"zip record {name!r} is encrypted; torch never writes that", path=path)
+            if info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size:
+                raise CheckpointError(f"zip record {name!r} is stored but its two sizes differ (corrupt zip)", path=path)
+            if info.volume != 0:
+                raise CheckpointError(f"zip record {name!r} claims to be on another disk (corrupt zip)", path=path)
+            if info.compress_type != zipfile.ZIP_STORED and name.startswith(data_dir):
+                raise CheckpointError(f"storage record {name[len(data_dir):]!r} is compressed; torch writes them stored", path=path)
             handle.seek(info.header_offset)
             header = handle.read(_LOCAL_HEADER.size)
             if len(header) != _LOCAL_HEADER.size:
-                raise CheckpointError(f"zip local header of record {key!r} is truncated", path=path)
-            signature, name_len, extra_len = _LOCAL_HEADER.unpack(header)
-            if signature != b"PK\x03\x04":
-                raise CheckpointError(f"zip local header of record {key!r} is corrupt", path=path)
-            offsets[key] = (info.header_offset + _LOCAL_HEADER.size + name_len + extra_len, info.file_size)
+                raise CheckpointError(f"zip local header of record {name!r} is truncated", path=path)
+            signature, method, name_len, extra_len = _LOCAL_HEADER.unpack(header)
+            local_name = handle.read(name_len)
+            if signature != b"PK\x03\x04" or method != info.compress_type or local_name != _raw_name(info):
+                raise CheckpointError(f"zip local header of record {name!r} disagrees with the central directory (corrupt zip)", path=path)
+            data_start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+            spans.append((info.header_offset, data_start + info.compress_size, name))
+            if name.startswith(data_dir):
+                offsets[name[len(data_dir):]] = (data_start, info.file_size)
+            elif info.file_size <= _SMALL_RECORD:
+                _read(path, archive, name)  # zipfile checks its CRC: the cheap records are verified in full
+    spans.sort()
+    for (_, end, name), (next_start, _, next_name) in zip(spans, spans[1:] + [(archive.start_dir, 0, "central directory")]):
+        if end > next_start:
+            raise CheckpointError(f"zip record {name!r} overlaps {next_name!r} (corrupt zip)", path=path)
     return offsets
 
 
+_END_RECORD = struct.Struct("<4sHHHHIIH")
+_CENTRAL_ENTRY_SIZE = 46
+_ZIP64_LOCATOR = struct.Struct("<4sIQI")
+_ZIP64_END_RECORD = struct.Struct("<4sQHHIIQQQQ")
+
+
+def _check_end_record(path: Path, archive: zipfile.ZipFile) -> None:
+    """The end-of-central-directory fields zipfile ignores but torch's reader checks."""
+    with open(path, "rb") as handle:
+        handle.seek(0, os.SEEK_END)
+        file_size = handle.tell()
+        tail_size = min(file_size, _END_RECORD.size + 0xFFFF)
+        handle.seek(file_size - tail_size)
+        tail = handle.read(tail_size)
+        at = tail.rfind(b"PK\x05\x06")
+        if at < 0 or at + _END_RECORD.size > len(tail):
+            raise CheckpointError("zip end-of-central-directory record is missing (truncated zip?)", path=path)
+        _, disk, cd_disk, entries_here, entries_total, directory_size, _, _ = _END_RECORD.unpack_from(tail, at)
+        counts = [entries_here, entries_total]
+        disks = [disk, cd_disk]
+        if at >= _ZIP64_LOCATOR.size and tail[at - _ZIP64_LOCATOR.size: at - _ZIP64_LOCATOR.size + 4] == b"PK\x06\x07":
+            _, locator_disk, record_offset, total_disks = _ZIP64_LOCATOR.unpack_from(tail, at - _ZIP64_LOCATOR.size)
+            handle.seek(record_offset)
+            record = handle.read(_ZIP64_END_RECORD.size)
+            if len(record) != _ZIP64_END_RECORD.size or record[:4] != b"PK\x06\x06":
+                raise CheckpointError("zip64 end-of-central-directory record is missing or corrupt", path=path)
+            fields = _ZIP64_END_RECORD.unpack(record)
+            disks += [locator_disk, total_disks - 1, fields[4], fields[5]]
+            counts = [c for c in counts if c != 0xFFFF] + [fields[6], fields[7]]
+            directory_size = fields[8]
+        if any(d not in (0, 0xFFFF) for d in disks):
+            raise CheckpointError("zip claims to span several disks (corrupt zip)", path=path)
+        count = len(archive.infolist())
+        if any(c != count for c in counts):
+            raise CheckpointError(f"zip end record counts {max(counts)} records, its directory holds {count} (corrupt zip)", path=path)
+        handle.seek(archive.start_dir)
+        directory = handle.read(directory_size)
+    walked = 0
+    for _ in range(count):  # zipfile reads past a short directory silently; torch's reader does not
+        if directory[walked:walked + 4] != b"PK\x01\x02" or walked + _CENTRAL_ENTRY_SIZE > len(directory):
+            break
+        name_len, extra_len, comment_len = struct.unpack_from("<HHH", directory, walked + 28)
+        walked += _CENTRAL_ENTRY_SIZE + name_len + extra_len + comment_len
+    if walked != directory_size or len(directory) != directory_size:
+        raise CheckpointError("zip central directory entries do not add up to its recorded size (corrupt zip)", path=path)
+
+
+def _raw_name(info: zipfile.ZipInfo) -> bytes:
+    return info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+
+
 # What a damaged zip can raise from zipfile besides BadZipFile.
-ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, OSError, NotImplementedError, UnicodeDecodeError, ValueError)
+ZIP_ERRORS = (zipfile.BadZipFile, RuntimeError, zlib.error, EOFError, OSError, NotImplementedError, UnicodeDecodeError, ValueError)
 
 
 def _read(path: Path, archive: zipfile.ZipFile, name: str) -> bytes:
@@ -198,6 +273,8 @@ def read_torch_zip(path: Path, *, trust_pickle: bool) -> tuple[dict[str, TensorI
             )
         try:
             records = _record_offsets(path, archive, prefix)
+        except CheckpointError:
+            raise
         except ZIP_ERRORS as exc:
             raise CheckpointError(f"cannot locate the storage records: {_first_line(exc)}", path=path) from None
     tensors = {name: _tensor_info(path, name, t, refs, records, file_size) for name, t in payload.items()}

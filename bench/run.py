@@ -60,12 +60,31 @@ CASES = [
     Case("safetensors pread backend", "safetensors-pread", "single", cold=True, group="cold"),
     Case("transformers from_pretrained", "transformers", "sharded", cold=True, group="cold"),
     Case("ours --mmap", "ours-mmap", "sharded", cold=True, group="cold"),
+    Case("ours --direct-io, one safetensors", "ours-direct", "single", cold=True, group="cold"),
+    Case("ours --direct-io, sharded safetensors", "ours-direct", "sharded", cold=True, group="cold"),
     Case("limit: all cores, fresh memory", "limit", "single", cold=True, group="cold"),
     Case("limit: one thread, large reads", "limit-1t", "single", cold=True, group="cold"),
+    Case("limit: copy out of a mapping (read-ahead)", "limit-mapped", "single", cold=True, group="cold"),
+    # To a GPU: only where one is present.
+    Case("ours to cuda, sharded safetensors", "ours-cuda", "sharded", group="cuda"),
+    Case("ours to cuda, one safetensors", "ours-cuda", "single", group="cuda"),
+    Case("ours to cuda, torch zip", "ours-cuda", "torch", group="cuda"),
+    Case("safetensors load_file(device=cuda) + assign", "safetensors-cuda", "single", group="cuda"),
+    Case("torch.load(mmap, map_location=cuda) + assign", "torch-cuda", "torch", group="cuda"),
+    Case("accelerate, device_map cuda", "accelerate-cuda", "sharded", group="cuda"),
+    Case("transformers, device_map cuda", "transformers-cuda", "sharded", group="cuda"),
+    Case("ours to cuda, one safetensors", "ours-cuda", "single", cold=True, group="cuda cold"),
+    Case("ours to cuda --direct-io, one safetensors", "ours-direct-cuda", "single", cold=True, group="cuda cold"),
+    Case("safetensors load_file(device=cuda) + assign", "safetensors-cuda", "single", cold=True, group="cuda cold"),
 ]
 
 
 def available(method: str) -> bool:
+    if method.endswith("-cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
     if method.startswith("transformers"):
         try:
             import transformers  # noqa: F401
@@ -83,6 +102,23 @@ def evict(path: Path) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def recache(paths: dict[str, Path]) -> None:
+    """Evict every fixture file, then read it back once, so all are cached alike.
+
+    How a file entered the page cache matters to zero-copy loads: pages cached
+    by the writer's small writes are mapped 4 KiB at a time, pages brought in by
+    read-ahead as large folios, and first touch of a mapping differs by 3x.
+    """
+    for key, path in paths.items():
+        if key == "expected":
+            continue
+        for file in ([p for p in path.iterdir() if p.is_file()] if path.is_dir() else [path]):
+            evict(file)
+            with open(file, "rb") as handle:
+                while handle.read(64 * 1024 * 1024):
+                    pass
 
 
 def run_once(case: Case, fixture: Path, paths: dict[str, Path]) -> dict:
@@ -121,6 +157,7 @@ def measure(case: Case, fixture: Path, paths: dict[str, Path], runs: int) -> dic
     summary["verified"] = all(r["verified"] for r in results)
     summary["forward_ok"] = all(r["forward_ok"] for r in results)
     summary["runs"] = [r["load_s"] for r in results]
+    summary["load_min_s"], summary["load_max_s"] = min(summary["runs"]), max(summary["runs"])
     return summary
 
 
@@ -133,7 +170,8 @@ def machine() -> dict:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     import torch
 
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": round(memory / 2**30, 1), "kernel": platform.release(),
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"cpu": cpu, "gpu": gpu, "cores": os.cpu_count(), "memory_gb": round(memory / 2**30, 1), "kernel": platform.release(),
             "python": platform.python_version(), "torch": torch.__version__}
 
 
@@ -141,7 +179,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/bench-llama-1b.toml")
     parser.add_argument("--data", default="data/bench")
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--only", help="comma-separated method names to run")
     parser.add_argument("--out", default=str(RESULTS), help="folder for the .json, .md and .png results")
     args = parser.parse_args(argv)
@@ -151,12 +189,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     expected = json.loads(paths["expected"].read_text())
     wanted = set(args.only.split(",")) if args.only else None
     cases = [c for c in CASES if available(c.method) and (wanted is None or c.method in wanted)]
+    recache(paths)
     startup = startup_seconds(args.runs)
     results = {}
     for case in cases:
         results[case.key] = {"case": case.__dict__, **measure(case, fixture, paths, args.runs)}
         print(f"{case.key:<48} {_short(results[case.key])}", flush=True)
-    report = {"machine": machine(), "config": args.config, "nbytes": expected["nbytes"], "startup_s": startup, "results": results}
+    report = {"machine": machine(), "config": args.config, "runs": args.runs, "nbytes": expected["nbytes"], "startup_s": startup, "results": results}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = Path(args.config).stem
@@ -187,21 +226,23 @@ def markdown(report: dict) -> str:
     m = report["machine"]
     lines = [
         f"{gb:.2f} GB of bf16 weights ({report['config']}); {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GiB, "
-        f"Linux {m['kernel']}, torch {m['torch']}. Median of the runs after a warm-up; each run a fresh process. "
+        f"Linux {m['kernel']}, torch {m['torch']}{', ' + m['gpu'] if m.get('gpu') else ''}. "
+        f"Median of {report.get('runs', 3)} runs after a warm-up (fastest and slowest beside it); each run a fresh process. "
         f"Interpreter + import start-up, not counted in load: {report['startup_s']:.2f} s.",
         "",
-        "| group | method | load s | x ours | GB/s | wall s | build s | touch s | anon growth GB | peak RSS growth GB | verified | forward |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+        "| group | method | load s | min-max s | x ours | GB/s | wall s | build s | touch s | anon growth GB | peak RSS growth GB | verified | forward |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for key, result in report["results"].items():
         group = result["case"]["group"]
         if "error" in result:
-            lines.append(f"| {group} | {key} | error: {result['error'][:80]} | | | | | | | | | |")
+            lines.append(f"| {group} | {key} | error: {result['error'][:80]} | | | | | | | | | | |")
             continue
         base = _baseline(report, group)
         ratio = result["load_s"] / base["load_s"] if base else float("nan")
         lines.append(
-            f"| {group} | {key} | {result['load_s']:.3f} | {ratio:.2f} | {gb / max(result['load_s'], 1e-9):.1f} | "
+            f"| {group} | {key} | {result['load_s']:.3f} | {result.get('load_min_s', result['load_s']):.3f}-"
+            f"{result.get('load_max_s', result['load_s']):.3f} | {ratio:.2f} | {gb / max(result['load_s'], 1e-9):.1f} | "
             f"{result['wall_s']:.2f} | {result['build_s']:.3f} | {result['touch_s']:.3f} | {result['anon_growth'] / 1e9:.2f} | "
             f"{result['rss_growth'] / 1e9:.2f} | {'yes' if result['verified'] else 'NO'} | "
             f"{'yes' if result['forward_ok'] else 'no'} |"
@@ -219,7 +260,8 @@ def chart(report: dict, path: Path) -> None:
         print("matplotlib not installed: no chart")
         return
     rows = [(k, r) for k, r in report["results"].items() if "error" not in r]
-    colors = {"copy": "#4c72b0", "zero-copy": "#55a868", "cast": "#c44e52", "cold": "#8172b2"}
+    colors = {"copy": "#4c72b0", "zero-copy": "#55a868", "cast": "#c44e52", "cold": "#8172b2", "cuda": "#937860",
+              "cuda cold": "#da8bc3"}
     fig, ax = plt.subplots(figsize=(10, 0.38 * len(rows) + 1.5))
     labels = [f"[{r['case']['group']}] {k}" for k, r in rows]
     values = [r["load_s"] + r["touch_s"] for _, r in rows]

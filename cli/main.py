@@ -59,7 +59,8 @@ def _emit(as_json: bool, payload: dict, text: str) -> None:
     click.echo(json.dumps(payload, indent=2) if as_json else text)
 
 
-checkpoint_argument = click.argument("checkpoint", type=click.Path(dir_okay=True, path_type=str))
+# readable=False: the library opens the file and reports the real error, with exit 1
+checkpoint_argument = click.argument("checkpoint", type=click.Path(dir_okay=True, readable=False, path_type=str))
 model_options = [
     click.option("--model", "model_spec", metavar="SPEC",
                  help="package.module:callable, a configs/ TOML file, or hf:ClassName (default: config.json's architecture)."),
@@ -84,6 +85,7 @@ load_only_options = [
     click.option("--allow-overflow", is_flag=True, help="Let a cast to a narrower float type turn large values into inf."),
     click.option("--mmap", is_flag=True, help="CPU only: tensors become copy-on-write views of the files (zero-copy)."),
     click.option("--staging-size", "staging_bytes", type=SIZE, default=None, help="Pinned host memory for GPU loads (default 256MiB)."),
+    click.option("--direct-io", is_flag=True, help="Read around the page cache (O_DIRECT): for cold checkpoints on fast storage."),
 ]
 
 
@@ -127,7 +129,7 @@ def load_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, 
                  dtype: "Optional[torch.dtype]", mmap: bool, staging_bytes: Optional[int], strict: bool,
                  strip_prefix: Optional[str], add_prefix: Optional[str], renames: tuple, revision: Optional[str],
                  trust_pickle: bool, as_json: bool, debug: bool, check: bool, check_finite: bool,
-                 allow_overflow: bool) -> None:
+                 allow_overflow: bool, direct_io: bool) -> None:
     """(default) Build the model on meta and materialize CHECKPOINT into it.
 
     CHECKPOINT is a file, a shard index, a folder (Hugging Face layout) or a hub repo id (org/name).
@@ -141,6 +143,7 @@ def load_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, 
                 device=device, dtype=dtype, strict=strict, mmap=mmap, staging_bytes=staging_bytes, progress=progress,
                 device_map=device_map, max_memory=max_memory, check=check, check_finite=check_finite,
                 allow_overflow=allow_overflow, key_map=key_map_from(strip_prefix, add_prefix, renames),
+                direct_io=direct_io,
             )
         finally:
             if progress is not None:
@@ -204,7 +207,7 @@ def plan_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, 
                  dtype: "Optional[torch.dtype]", strict: bool, strip_prefix: Optional[str], add_prefix: Optional[str],
                  renames: tuple, revision: Optional[str], trust_pickle: bool, as_json: bool, debug: bool,
                  mmap: bool, staging_bytes: Optional[int], check: bool, check_finite: bool,
-                 allow_overflow: bool) -> None:
+                 allow_overflow: bool, direct_io: bool) -> None:
     """What a load would do: per-device bytes, ties, missing and unexpected; reads no tensor data."""
 
     def action() -> None:

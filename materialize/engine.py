@@ -27,7 +27,7 @@ import torch
 
 from .checkpoint import TensorInfo
 from .errors import CastOverflowError
-from .fileio import FileSet, byte_view
+from .fileio import DirectReads, FileSet, byte_view
 from .transfer import Completion, Staging
 
 DIRECT_CHUNK_BYTES = 16 * 1024 * 1024
@@ -69,12 +69,21 @@ def stream(
     progress: Optional[ProgressFn] = None,
     reader_threads: Optional[int] = None,
     allow_overflow: bool = False,
+    direct_io: bool = False,
 ) -> int:
     """Run every job; returns the number of bytes read from the files.
 
     Unless ``allow_overflow``, a cast that would turn finite values into inf
     (fp32 to fp16 above 65504, say) raises :class:`CastOverflowError`.
+    ``direct_io`` reads around the page cache (see :class:`DirectReads`).
     """
+    if direct_io:
+        bypass = DirectReads(files)
+        try:
+            return stream(jobs, bypass, staging_factory=staging_factory, progress=progress,
+                          reader_threads=reader_threads, allow_overflow=allow_overflow)
+        finally:
+            bypass.close()
     checked = None if allow_overflow else check_cast_range
     direct, cast, staged, strided = [], [], [], []
     for job in jobs:

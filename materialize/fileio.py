@@ -89,3 +89,92 @@ class FileSet:
             fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
+
+
+DIRECT_ALIGNMENT = 4096  # covers 512-byte and 4 KiB logical blocks
+DIRECT_BOUNCE_BYTES = 8 * 1024 * 1024
+
+
+class DirectReads(FileSet):
+    """Reads that bypass the page cache (``O_DIRECT``), for cold checkpoints on fast storage.
+
+    O_DIRECT wants the file offset, the length and the memory address aligned
+    to the device's block size, and tensors in a checkpoint sit at any
+    offset, so every read goes through an aligned bounce buffer per thread
+    (8 MiB) and is copied into the destination: one memcpy, far cheaper than
+    the storage. The gain is on storage faster than the page cache's
+    read-ahead path, and in not filling the page cache with a checkpoint that
+    is read once; a checkpoint already cached is read from storage again, so
+    this is opt-in. Where a file system refuses O_DIRECT (tmpfs, some network
+    file systems), that file is read the ordinary way.
+    """
+
+    def __init__(self, files: FileSet) -> None:
+        super().__init__()
+        self._inner = files
+        self._direct_fds: dict[Path, int] = {}
+        self._bounce = threading.local()
+
+    def fd(self, path: Path) -> int:
+        return self._inner.fd(path)
+
+    def _direct_fd(self, path: Path) -> int:
+        """A second descriptor opened with O_DIRECT, or -1 where the file system refuses it."""
+        with self._lock:
+            if path not in self._direct_fds:
+                self._inner.fd(path)  # the ordinary open: its errors name the file as usual
+                try:
+                    self._direct_fds[path] = os.open(path, os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+                except OSError:
+                    self._direct_fds[path] = -1
+            return self._direct_fds[path]
+
+    def _bounce_buffer(self) -> memoryview:
+        if not hasattr(self._bounce, "view"):
+            import mmap
+
+            self._bounce.map = mmap.mmap(-1, DIRECT_BOUNCE_BYTES)  # anonymous maps are page-aligned
+            self._bounce.view = memoryview(self._bounce.map)
+        return self._bounce.view
+
+    def read_into(self, path: Path, offset: int, dest: memoryview, *, tensor: str) -> None:
+        fd = self._direct_fd(path) if hasattr(os, "O_DIRECT") else -1
+        if fd < 0:
+            self._inner.read_into(path, offset, dest, tensor=tensor)
+            return
+        bounce = self._bounce_buffer()
+        total = len(dest)
+        done = 0
+        while done < total:
+            position = offset + done
+            aligned = position - position % DIRECT_ALIGNMENT
+            skip = position - aligned
+            want = min(DIRECT_BOUNCE_BYTES, -(-(skip + total - done) // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT)
+            try:
+                got = os.preadv(fd, [bounce[:want]], aligned)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL:  # an alignment this device will not take: read it buffered
+                    self._inner.read_into(path, position, dest[done:], tensor=tensor)
+                    return
+                raise CheckpointAccessError(
+                    f"read failed at byte {position}: {os.strerror(exc.errno or errno.EIO)}", path=path, tensor=tensor,
+                ) from None
+            useful = min(got - skip, total - done)
+            if useful <= 0:
+                raise CheckpointError(
+                    f"file ends at byte {position}, before the tensor's last byte "
+                    f"{offset + total} (truncated or rewritten while loading?)",
+                    path=path, tensor=tensor,
+                )
+            dest[done:done + useful] = bounce[skip:skip + useful]
+            done += useful
+
+    def advise_sequential(self, path: Path) -> None:
+        pass  # the page cache is not used
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._direct_fds = self._direct_fds, {}
+        for fd in fds.values():
+            if fd >= 0:
+                os.close(fd)

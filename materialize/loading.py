@@ -67,6 +67,7 @@ def load(
     check: bool = False,
     check_finite: bool = False,
     progress: Optional[ProgressFn] = None,
+    direct_io: bool = False,
 ) -> Report:
     """Materialize ``model`` on ``device`` from ``checkpoint``, each tensor allocated once.
 
@@ -109,6 +110,11 @@ def load(
             that each tensor was written exactly once, as planned.
         check_finite: list tensors holding NaN or Inf in ``report.nonfinite``.
         progress: ``fn(bytes_done, bytes_total)``, called from reader threads.
+        direct_io: read the files with ``O_DIRECT``, around the page cache:
+            for cold checkpoints on fast storage, and to leave the page cache
+            alone. A checkpoint already in the page cache is read from
+            storage again, so it is off by default. Ignored for tensors
+            that stay mapped (``mmap``, disk offload).
 
     Tied parameters stay one tensor. Real buffers absent from the checkpoint
     move to ``device`` unchanged. If the load fails, every tensor the model
@@ -124,7 +130,7 @@ def load(
         )
         report = execute(
             the_plan, ckpt, init=init, mmap=mmap, staging_bytes=staging_bytes, allow_overflow=allow_overflow,
-            check=check, check_finite=check_finite, progress=progress,
+            check=check, check_finite=check_finite, progress=progress, direct_io=direct_io,
         )
     if placement is not None and placement.needs_dispatch:
         from accelerate import dispatch_model
@@ -166,6 +172,7 @@ def execute(
     check: bool = False,
     check_finite: bool = False,
     progress: Optional[ProgressFn] = None,
+    direct_io: bool = False,
 ) -> Report:
     """Carry out a plan made by :func:`make_plan` against ``ckpt``."""
     started = time.perf_counter()
@@ -186,7 +193,7 @@ def execute(
                     module.reset_parameters()
             bytes_read = stream(
                 jobs, files, staging_factory=lambda device: staging_for(device, staging_bytes),
-                allow_overflow=allow_overflow, progress=progress,
+                allow_overflow=allow_overflow, progress=progress, direct_io=direct_io,
             )
             registered = [(entry, _registered(entry)) for entry in the_plan.entries]
             check_bools((entry.source, tensor) for entry, tensor in registered if entry.action == "load" and entry.source)

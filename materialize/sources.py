@@ -91,10 +91,12 @@ def load_tensors(
     allow_overflow: bool = False,
     check_finite: bool = False,
     progress: Optional[ProgressFn] = None,
+    direct_io: bool = False,
 ) -> tuple[dict[str, torch.Tensor], Report]:
     """Materialize every tensor of a checkpoint as a plain dict on ``device``.
 
-    ``mmap=True`` (CPU): tensors are copy-on-write views of the files, as in :func:`load`.
+    ``mmap=True`` (CPU): tensors are copy-on-write views of the files, and
+    ``direct_io=True`` reads around the page cache, as in :func:`load`.
     """
     target = resolve_device(device)
     cast = parse_dtype(dtype)
@@ -115,7 +117,7 @@ def load_tensors(
             jobs.append(Job(tensors[name], info))
         bytes_read = stream(
             jobs, ckpt.files, staging_factory=lambda device: staging_for(device, staging_bytes),
-            allow_overflow=allow_overflow, progress=progress,
+            allow_overflow=allow_overflow, progress=progress, direct_io=direct_io,
         )
         check_bools((ckpt[name], tensor) for name, tensor in tensors.items())
     report = _report(

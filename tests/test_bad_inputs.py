@@ -675,6 +675,42 @@ def test_unreadable_file_raises_access_error_naming_the_file(tmp_path):
     assert isinstance(caught.value, PermissionError)
 
 
+# Imported before dropping root: the interpreter's own files may be unreadable to nobody.
+_AS_NOBODY = """
+import os, sys
+import materialize_cli.main as cli, materialize as mz, materialize.sources, materialize.loading
+import materialize.checkpoint.safetensors, materialize.report, materialize_cli._errors
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+cli.main(sys.argv[1:], prog_name="materialize")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root, to drop to the user nobody")
+def test_cli_run_by_another_user_reports_the_real_permission_error():
+    """As root, chmod means nothing: a CLI that drops to nobody meets the real EACCES."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="materialize-perm-"))  # pytest's tmp_path is private to root
+    try:
+        folder.chmod(0o755)
+        if any(not parent.stat().st_mode & 0o001 for parent in folder.parents):
+            pytest.skip(f"{folder.parent} is not searchable by other users")
+        path = write_real_safetensors(folder / "model.safetensors")
+        path.chmod(0)
+        result = subprocess.run([sys.executable, "-c", _AS_NOBODY, str(path)], capture_output=True, text=True, timeout=300)
+    finally:
+        shutil.rmtree(folder)
+
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error:"), result.stderr
+    assert str(path) in lines[0] and "Permission denied" in lines[0]
+    assert result.stdout == ""
+
+
 def test_nonexistent_path_raises_not_found_which_is_a_file_not_found_error(tmp_path):
     path = tmp_path / "nowhere" / "model.safetensors"
 

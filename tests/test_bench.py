@@ -33,13 +33,16 @@ def test_bench_measures_and_verifies_every_selected_method(tmp_path):
 
     subprocess.run(
         [sys.executable, "-m", "bench.run", "--config", str(config), "--data", str(tmp_path / "data"),
-         "--runs", "1", "--only", "ours,ours-mmap,ours-cast,limit", "--out", str(out)],
+         "--runs", "1", "--only", "ours,ours-mmap,ours-cast,ours-direct,limit,limit-mapped", "--out", str(out)],
         cwd=ROOT, check=True, capture_output=True, text=True,
     )
 
     report = json.loads((out / "bench-tiny.json").read_text())
     rows = report["results"]
-    assert {"ours, sharded safetensors", "ours, torch zip", "ours --mmap", "ours, bf16 -> fp32"} <= set(rows)
+    assert {
+        "ours, sharded safetensors", "ours, torch zip", "ours --mmap", "ours, bf16 -> fp32",
+        "ours --direct-io, one safetensors (cold)", "limit: copy out of a mapping (read-ahead) (cold)",
+    } <= set(rows)
     for key, row in rows.items():
         assert "error" not in row, (key, row)
         assert row["verified"], key

@@ -228,13 +228,24 @@ def _report(
         device=str(device),
         dtypes=dict(Counter(dtype_name(t.dtype) for t in final)),
         bytes_read=bytes_read,
-        model_bytes=sum(t.numel() * t.element_size() for t in final),
+        model_bytes=_unique_bytes(final),
         seconds=time.perf_counter() - started,
         peak_host_bytes=memory.peak_host,
         host_growth_bytes=memory.host_growth,
         peak_device_bytes=memory.peak_device,
         **outcome,
     )
+
+
+def _unique_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of memory the tensors hold, each storage counted once (views share theirs)."""
+    storages = {}
+    for tensor in tensors:
+        if tensor.is_meta:
+            continue
+        storage = tensor.untyped_storage()
+        storages.setdefault((storage.device, storage.data_ptr()), storage.nbytes())
+    return sum(storages.values())
 
 
 def _materialize_entry(

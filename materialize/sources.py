@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .capacity import fit_report
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, TensorInfo
 from .devicemap import DeviceMapLike
 from .dtypes import parse_dtype
 from .engine import Job, ProgressFn, stream
@@ -38,6 +38,7 @@ from .report import Report
 from .sanitizer import nonfinite
 from .spec import ModelSpec, build
 from .transfer import resolve_device, staging_for
+from .shared import shared_spans
 from .validate import check_bools
 
 
@@ -102,19 +103,31 @@ def load_tensors(
     cast = parse_dtype(dtype)
     started = time.perf_counter()
     with _opened(checkpoint, trust_pickle) as ckpt, PeakMemory(target) as memory:
-        tensors: dict[str, torch.Tensor] = {}
+        made: dict[str, torch.Tensor] = {}
         jobs = []
         maps = FileMaps() if mmap and target.type == "cpu" else None
         mapped: list[str] = []
-        for name, info in ckpt.items():
+
+        def materialize(info: TensorInfo) -> torch.Tensor:
             wanted = cast if cast is not None and info.dtype.is_floating_point else info.dtype
             view = maps.view(info) if maps is not None and wanted == info.dtype else None
             if view is not None:
-                tensors[name] = view
-                mapped.append(name)
-                continue
-            tensors[name] = empty_destination(info.shape, dtype=wanted, device=target)
-            jobs.append(Job(tensors[name], info))
+                mapped.append(info.name)
+                return view
+            tensor = empty_destination(info.shape, dtype=wanted, device=target)
+            jobs.append(Job(tensor, info))
+            return tensor
+
+        for group in shared_spans(ckpt.values()):
+            before = len(mapped)
+            base = materialize(group.span)
+            if len(mapped) > before:
+                mapped[before:] = [member.name for member in group.members]
+            made.update((member.name, group.view(base, member)) for member in group.members)
+        for name, info in ckpt.items():
+            if name not in made:
+                made[name] = materialize(info)
+        tensors = {name: made[name] for name in ckpt}
         bytes_read = stream(
             jobs, ckpt.files, staging_factory=lambda device: staging_for(device, staging_bytes),
             allow_overflow=allow_overflow, progress=progress, direct_io=direct_io,

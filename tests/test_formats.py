@@ -202,3 +202,32 @@ def test_folder_with_both_formats_prefers_safetensors(tmp_path):
 
     with mz.open_checkpoint(tmp_path) as ckpt:
         assert ckpt.format == "safetensors"
+
+
+@pytest.mark.parametrize("mmap", [False, True], ids=["read", "mmap"])
+@pytest.mark.parametrize("dtype", [None, "fp32"], ids=["same", "cast"])
+def test_views_of_one_storage_in_a_torch_file_stay_one_storage(tmp_path, mmap, dtype):
+    base = torch.randn(6, 4, dtype=torch.bfloat16)
+    state = {
+        "embed": base,
+        "head": base,  # a tie saved as two names
+        "rows": base[2:],
+        "transposed": base.t(),
+        "alone": torch.randn(3, dtype=torch.bfloat16),
+    }
+    path = write_torch(state, tmp_path / "tied.pt")
+
+    tensors, report = mz.load_tensors(path, mmap=mmap, dtype=dtype)
+
+    for name, value in state.items():
+        want = value.float() if dtype and value.is_floating_point() else value
+        assert torch.equal(tensors[name], want), name
+    group = ["embed", "head", "rows", "transposed"]
+    assert len({tensors[n].untyped_storage().data_ptr() for n in group}) == 1
+    tensors["embed"][3, 1] = 42.0  # one memory: a write shows through every view of it
+    assert tensors["head"][3, 1] == 42.0 and tensors["rows"][1, 1] == 42.0 and tensors["transposed"][1, 3] == 42.0
+    itemsize = 4 if dtype else 2
+    mapped = mmap and dtype is None
+    assert report.bytes_read == (0 if mapped else (24 + 3) * 2)  # the shared storage read once, or mapped
+    assert sorted(report.mapped) == (sorted(state) if mapped else [])
+    assert report.model_bytes == (24 + 3) * itemsize

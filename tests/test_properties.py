@@ -155,6 +155,19 @@ def test_any_state_dict_saved_with_torch_save_loads_back_bit_for_bit_shared_view
         loaded, _report = mz.load_tensors(path, mmap=mmap)
 
         assert_loaded_exactly(state, loaded)
+        assert_sharing_kept(state, loaded)
+
+
+def assert_sharing_kept(saved: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> None:
+    """Non-empty tensors that shared a storage when saved share one after the load."""
+    def storage_of(tensor: torch.Tensor) -> int:
+        return tensor.untyped_storage().data_ptr()
+
+    names = [n for n in saved if saved[n].numel()]
+    for a in names:
+        for b in names:
+            if storage_of(saved[a]) == storage_of(saved[b]):
+                assert storage_of(loaded[a]) == storage_of(loaded[b]), (a, b)
 
 
 @ROUND_TRIP

@@ -25,7 +25,8 @@ class TensorInfo:
     of the tensor's first element.
     ``stride`` is ``None`` for a contiguous tensor; a torch file may hold a
     strided view, whose elements then span ``span_nbytes`` bytes from
-    ``offset``.
+    ``offset``. ``storage`` is the file offset of the storage record a torch
+    file's tensor views: tensors with the same one shared a storage when saved.
     """
 
     name: str
@@ -36,6 +37,7 @@ class TensorInfo:
     offset: int
     stride: Optional[tuple[int, ...]] = None
     span_nbytes: Optional[int] = None
+    storage: Optional[int] = None
 
     @property
     def dtype(self) -> "torch.dtype":

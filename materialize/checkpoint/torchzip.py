@@ -328,4 +328,5 @@ def _tensor_info(
         offset=record_offset + start,
         stride=None if contiguous else tuple(tensor.stride()),
         span_nbytes=None if contiguous else span,
+        storage=record_offset,
     )

@@ -230,13 +230,13 @@ def markdown(report: dict) -> str:
         f"Median of {report.get('runs', 3)} runs after a warm-up (fastest and slowest beside it); each run a fresh process. "
         f"Interpreter + import start-up, not counted in load: {report['startup_s']:.2f} s.",
         "",
-        "| group | method | load s | min-max s | x ours | GB/s | wall s | build s | touch s | anon growth GB | peak RSS growth GB | verified | forward |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+        "| group | method | load s | min-max s | x ours | GB/s | wall s | build s | touch s | anon growth GB | peak RSS growth GB | RSS x ours | verified | forward |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for key, result in report["results"].items():
         group = result["case"]["group"]
         if "error" in result:
-            lines.append(f"| {group} | {key} | error: {result['error'][:80]} | | | | | | | | | | |")
+            lines.append(f"| {group} | {key} | error: {result['error'][:80]} | | | | | | | | | | | |")
             continue
         base = _baseline(report, group)
         ratio = result["load_s"] / base["load_s"] if base else float("nan")
@@ -244,10 +244,17 @@ def markdown(report: dict) -> str:
             f"| {group} | {key} | {result['load_s']:.3f} | {result.get('load_min_s', result['load_s']):.3f}-"
             f"{result.get('load_max_s', result['load_s']):.3f} | {ratio:.2f} | {gb / max(result['load_s'], 1e-9):.1f} | "
             f"{result['wall_s']:.2f} | {result['build_s']:.3f} | {result['touch_s']:.3f} | {result['anon_growth'] / 1e9:.2f} | "
-            f"{result['rss_growth'] / 1e9:.2f} | {'yes' if result['verified'] else 'NO'} | "
+            f"{result['rss_growth'] / 1e9:.2f} | {_memory_ratio(result, base)} | {'yes' if result['verified'] else 'NO'} | "
             f"{'yes' if result['forward_ok'] else 'no'} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _memory_ratio(result: dict, base: Optional[dict]) -> str:
+    """Peak RSS growth against ours; none where ours grows by too little to divide by (zero-copy)."""
+    if base is None or base["rss_growth"] < 50e6:
+        return "-"
+    return f"{result['rss_growth'] / base['rss_growth']:.2f}"
 
 
 def chart(report: dict, path: Path) -> None:

@@ -3,8 +3,8 @@
 Buffers such as a rotary ``inv_freq`` are computed in ``__init__`` and are
 usually absent from checkpoints, so putting them on ``meta`` would lose them;
 parameters are what checkpoints hold. The interception point is torch's
-supported global hook on parameter (and buffer) registration, installed once
-and active only in threads currently inside :func:`meta_init`.
+supported global hook on parameter (and buffer) registration, installed while
+any thread is inside :func:`meta_init` and acting only in those threads.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from torch.overrides import TorchFunctionMode
 
 _state = threading.local()
 _install_lock = threading.Lock()
-_installed = False
+_active_contexts = 0
+_hook_handles: list = []
 
 
 def _depth_flags() -> list[bool]:
@@ -48,12 +49,25 @@ def _to_meta_buffer(module: nn.Module, name: str, buffer: Optional[torch.Tensor]
 
 
 def _install_hooks() -> None:
-    global _installed
+    global _active_contexts
     with _install_lock:
-        if not _installed:
-            module_hooks.register_module_parameter_registration_hook(_to_meta_parameter)
-            module_hooks.register_module_buffer_registration_hook(_to_meta_buffer)
-            _installed = True
+        if _active_contexts == 0:
+            _hook_handles[:] = [
+                module_hooks.register_module_parameter_registration_hook(_to_meta_parameter),
+                module_hooks.register_module_buffer_registration_hook(_to_meta_buffer),
+            ]
+        _active_contexts += 1
+
+
+def _remove_hooks() -> None:
+    """The last context to leave, in any thread, takes the hooks away: none linger process-wide."""
+    global _active_contexts
+    with _install_lock:
+        _active_contexts -= 1
+        if _active_contexts == 0:
+            for handle in _hook_handles:
+                handle.remove()
+            _hook_handles.clear()
 
 
 class _SkipInPlaceOnMeta(TorchFunctionMode):
@@ -97,6 +111,7 @@ def meta_init(include_buffers: bool = False) -> Iterator[None]:
             yield
     finally:
         stack.pop()
+        _remove_hooks()
 
 
 def is_meta(tensor: torch.Tensor) -> bool:

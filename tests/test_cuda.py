@@ -38,6 +38,21 @@ def test_load_to_cuda_matches_the_source(writer, dtype, tmp_path, tokens):
     assert report.peak_device_bytes is not None and report.peak_device_bytes > 0
 
 
+@pytest.mark.parametrize("dtype", [None, "fp32"], ids=["keep", "fp32"])
+def test_direct_io_to_cuda_matches_the_source(dtype, tmp_path):
+    torch.manual_seed(0)
+    state = {f"w{i}": torch.randn(1000 + 37 * i, dtype=torch.bfloat16) for i in range(5)}
+    state["tied"] = state["w0"]
+    path = write_torch(state, tmp_path / "m.pt")
+
+    tensors, _ = mz.load_tensors(path, device="cuda", dtype=dtype, direct_io=True, staging_bytes=8 * 1024 * 1024)
+
+    for name, value in state.items():
+        want = value.float() if dtype else value
+        assert tensors[name].device.type == "cuda"
+        assert torch.equal(tensors[name].cpu(), want), name
+
+
 def test_cuda_load_host_memory_is_bounded_by_the_staging_ring(tmp_path):
     path = tmp_path / "m.safetensors"
     subprocess.run([sys.executable, str(PROBE), "write", str(path)], check=True)

@@ -79,6 +79,38 @@ def test_context_is_left_even_when_the_body_raises():
     assert nn.Linear(2, 2).weight.device.type == "cpu"
 
 
+def _registration_hooks() -> int:
+    from torch.nn.modules import module as module_hooks
+
+    return len(module_hooks._global_parameter_registration_hooks) + len(module_hooks._global_buffer_registration_hooks)
+
+
+def test_no_hook_is_left_installed_once_every_context_is_left():
+    before = _registration_hooks()
+    inside = threading.Event()
+    release = threading.Event()
+
+    def hold_a_context() -> None:
+        with mz.meta_init():
+            inside.set()
+            release.wait(5)
+
+    worker = threading.Thread(target=hold_a_context)
+    worker.start()
+    inside.wait(5)
+    with mz.meta_init():
+        pass
+    still_held = _registration_hooks()  # the worker's context is still open: its hooks must stay
+    with mz.meta_init():
+        held_model = nn.Linear(2, 2)
+    release.set()
+    worker.join()
+
+    assert still_held == before + 2
+    assert held_model.weight.device.type == "meta"
+    assert _registration_hooks() == before
+
+
 class FilledBuffer(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -118,6 +118,7 @@ def main() -> None:
       materialize CHECKPOINT [--model SPEC] [--device cuda] [--dtype bf16]
       materialize inspect CHECKPOINT
       materialize plan CHECKPOINT --model SPEC
+      materialize convert SRC DST [--dtype bf16] [--shard-size 5GB]
     """
 
 
@@ -217,6 +218,41 @@ def plan_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, 
             device_map=device_map, max_memory=max_memory, mmap=mmap, staging_bytes=staging_bytes,
         )
         _emit(as_json, the_plan.to_dict(), _plan_text(the_plan.to_dict()))
+
+    _run(debug, action)
+
+
+@main.command("convert")
+@click.argument("src", type=click.Path(dir_okay=True, readable=False, path_type=str))
+@click.argument("dst", type=click.Path(path_type=str))
+@click.option("--dtype", type=DTYPE, default=None, help="Cast floating tensors (default: keep each one's dtype).")
+@click.option("--shard-size", default="5GB", show_default=True, type=SIZE,
+              help="Most bytes per shard when DST is a folder.")
+@click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
+@click.option("--allow-overflow", is_flag=True, help="Let a cast to a narrower float type turn large values into inf.")
+@click.option("--revision", default=None, help="Hub revision when SRC is a repo id.")
+@click.option("--trust-pickle", is_flag=True, help="Allow a pickled model (torch.save(model)); runs its code.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--debug", is_flag=True, help="Show the traceback of an error.")
+def convert_command(src: str, dst: str, dtype: "Optional[torch.dtype]", shard_size: int, overwrite: bool,
+                    allow_overflow: bool, revision: Optional[str], trust_pickle: bool, as_json: bool, debug: bool) -> None:
+    """Rewrite SRC (any checkpoint) as safetensors at DST.
+
+    DST ending in .safetensors is one file; otherwise a folder in the Hugging Face layout (shards and an index
+    when larger than --shard-size, plus SRC's config and tokenizer files). Nothing is left at DST if it fails.
+    """
+
+    def action() -> None:
+        progress = progress_for(not as_json)
+        try:
+            report = mz.convert(
+                src, dst, dtype=dtype, shard_size=shard_size, overwrite=overwrite, trust_pickle=trust_pickle,
+                allow_overflow=allow_overflow, revision=revision, progress=progress,
+            )
+        finally:
+            if progress is not None:
+                progress.close()
+        _emit(as_json, report.to_dict(), str(report))
 
     _run(debug, action)
 

@@ -48,6 +48,9 @@ _EXPORTS = {
     "SanitizerError": "errors",
     "ModelRequiredError": "errors",
     "DeviceError": "errors",
+    "OutputError": "errors",
+    "convert": "conversion",
+    "ConvertReport": "conversion",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -68,6 +71,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from .checkpoint import Checkpoint, TensorInfo, open_checkpoint
+    from .conversion import ConvertReport, convert
     from .errors import (
         CastOverflowError,
         CheckpointAccessError,
@@ -79,6 +83,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         MaterializeError,
         ModelRequiredError,
         ModelSpecError,
+        OutputError,
         SanitizerError,
         ShapeMismatchError,
         UnsafeCheckpointError,

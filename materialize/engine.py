@@ -99,8 +99,10 @@ def stream(
             cast.append(job)
     everything = direct + cast + staged + strided
     tracker = _Progress(sum(j.info.read_nbytes for j in everything), progress)
-    for path in {j.info.path for j in everything}:
-        files.advise_sequential(path)
+    # No POSIX_FADV_SEQUENTIAL: with reader threads sharing a descriptor it made
+    # cold loads 1.7x slower here (the doubled read-ahead window of one shared
+    # read-ahead state, thrashed by interleaved chunks); the default window is
+    # what a cold read of all cores wants (bench: cold rows).
     threads = reader_threads or default_reader_threads()
     if direct:
         _run_direct(direct, files, tracker, threads)

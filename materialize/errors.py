@@ -100,6 +100,10 @@ class ModelRequiredError(ModelSpecError):
     """The operation needs a model and the source does not describe one."""
 
 
+class OutputError(MaterializeError, OSError):
+    """A conversion cannot write its output (it exists, or the disk refuses)."""
+
+
 class DeviceError(MaterializeError, RuntimeError):
     """The requested device does not exist or cannot be used."""
 

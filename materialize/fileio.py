@@ -77,13 +77,6 @@ class FileSet:
                 )
             done += got
 
-    def advise_sequential(self, path: Path) -> None:
-        if hasattr(os, "posix_fadvise"):
-            try:
-                os.posix_fadvise(self.fd(path), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            except OSError:
-                pass  # advice only; some file systems refuse it
-
     def close(self) -> None:
         with self._lock:
             fds, self._fds = self._fds, {}
@@ -168,9 +161,6 @@ class DirectReads(FileSet):
                 )
             dest[done:done + useful] = bounce[skip:skip + useful]
             done += useful
-
-    def advise_sequential(self, path: Path) -> None:
-        pass  # the page cache is not used
 
     def close(self) -> None:
         with self._lock:

@@ -88,9 +88,6 @@ class CountingFiles(FileSet):
         with self._count_lock:
             self.bytes_by_tensor[tensor] += len(dest)
 
-    def advise_sequential(self, path: Path) -> None:
-        self._inner.advise_sequential(path)
-
     def close(self) -> None:
         pass  # the checkpoint owns the descriptors
 

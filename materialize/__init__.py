@@ -49,6 +49,7 @@ _EXPORTS = {
     "ModelRequiredError": "errors",
     "DeviceError": "errors",
     "OutputError": "errors",
+    "AllocationError": "errors",
     "convert": "conversion",
     "ConvertReport": "conversion",
 }
@@ -73,6 +74,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .checkpoint import Checkpoint, TensorInfo, open_checkpoint
     from .conversion import ConvertReport, convert
     from .errors import (
+        AllocationError,
         CastOverflowError,
         CheckpointAccessError,
         CheckpointError,

@@ -39,6 +39,7 @@ from .dtypes import parse_dtype
 from .engine import Job, ProgressFn, stream
 from .errors import MaterializeError, OutputError
 from .fileio import byte_view
+from .hostmem import empty_destination
 from .loading import DtypeLike
 from .hub import resolve as resolve_source
 from .sizes import format_bytes, parse_size
@@ -211,7 +212,11 @@ def _write_file(ckpt: Checkpoint, items: list[_Item], path: Path, allow_overflow
     with open(path, "wb") as out:
         out.write(struct.pack("<Q", len(raw)) + raw)
         for batch in _batches(items):
-            tensors = [torch.empty(item.info.shape, dtype=item.dtype) for item in batch]
+            tensors = [
+                empty_destination(item.info.shape, dtype=item.dtype, device=torch.device("cpu"), name=item.info.name,
+                                  path=item.info.path)
+                for item in batch
+            ]
             stream(
                 [Job(tensor, item.info) for tensor, item in zip(tensors, batch)], ckpt.files,
                 staging_factory=staging_for, allow_overflow=allow_overflow,

@@ -100,6 +100,10 @@ class ModelRequiredError(ModelSpecError):
     """The operation needs a model and the source does not describe one."""
 
 
+class AllocationError(MaterializeError, MemoryError):
+    """A tensor's memory cannot be allocated on its device."""
+
+
 class OutputError(MaterializeError, OSError):
     """A conversion cannot write its output (it exists, or the disk refuses)."""
 

@@ -12,10 +12,16 @@ requirement.
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
+from pathlib import Path
 from typing import Optional
 
 import torch
+
+from .dtypes import dtype_name
+from .errors import AllocationError
+from .sizes import format_bytes
 
 HUGE_PAGE_BYTES = 2 * 1024 * 1024
 MIN_ADVISED_BYTES = 2 * HUGE_PAGE_BYTES
@@ -50,8 +56,20 @@ def advise_huge_pages(tensor: torch.Tensor) -> None:
         _libc.madvise(start, end - start, _MADV_HUGEPAGE)
 
 
-def empty_destination(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Allocate a tensor that is about to be filled completely."""
-    tensor = torch.empty(shape, dtype=dtype, device=device)
+def empty_destination(
+    shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device,
+    name: Optional[str] = None, path: Optional[Path] = None,
+) -> torch.Tensor:
+    """Allocate a tensor that is about to be filled completely; running out of memory names it."""
+    try:
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+    except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        if not isinstance(exc, MemoryError) and "alloc" not in str(exc).lower():
+            raise
+        nbytes = math.prod(shape) * dtype.itemsize
+        raise AllocationError(
+            f"cannot allocate {format_bytes(nbytes)} on {device} for its {list(shape)} {dtype_name(dtype)} values (out of memory)",
+            path=path, tensor=name,
+        ) from None
     advise_huge_pages(tensor)
     return tensor

@@ -262,7 +262,10 @@ def _materialize_entry(
     elif _reusable(original, entry):
         tensor = original  # already real, right place and type: fill it in place
     else:
-        tensor = empty_destination(entry.shape, dtype=entry.dtype, device=entry.device)
+        source = entry.source
+        tensor = empty_destination(
+            entry.shape, dtype=entry.dtype, device=entry.device, name=entry.name, path=source.path if source else None,
+        )
     if check and view is None and entry.action != "keep":
         poison(tensor)  # whatever is not written later is caught by the audit
     if tensor is not original and isinstance(original, nn.Parameter):

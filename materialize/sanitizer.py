@@ -22,6 +22,7 @@ import torch
 
 from .fileio import FileSet
 from .planning import Entry, Plan
+from .validate import distinct_elements
 
 _FLOAT_POISON_BITS = {
     torch.float64: 0x7FF8A5A5A5A5A5A5,
@@ -121,5 +122,6 @@ def nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """Names of floating tensors holding NaN or Inf."""
     return [
         name for name, tensor in named
-        if not tensor.is_meta and tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all())
+        if not tensor.is_meta and tensor.is_floating_point() and tensor.numel()
+        and not bool(torch.isfinite(distinct_elements(tensor)).all())
     ]

@@ -32,14 +32,21 @@ class SharedSpan:
 
 
 def shared_spans(infos: Iterable[TensorInfo]) -> list[SharedSpan]:
-    """Groups of two or more non-empty tensors viewing one storage record, of one dtype, element-aligned."""
+    """Groups of non-empty tensors viewing one storage record, of one dtype, element-aligned.
+
+    A group of one is kept too when its elements overlap in memory (a stride
+    of 0, as ``expand`` makes): it stays a view of its few bytes, as
+    ``torch.load`` gives it, instead of a copy that may be vastly larger
+    (a file can claim billions of elements backed by one).
+    """
     groups: dict[tuple, list[TensorInfo]] = defaultdict(list)
     for info in infos:
         if info.storage is not None and info.numel > 0:
             groups[(info.path, info.storage)].append(info)
     spans = []
     for members in groups.values():
-        if len(members) < 2 or len({m.dtype_name for m in members}) != 1:
+        overlapping = len(members) == 1 and members[0].read_nbytes < members[0].nbytes
+        if (len(members) < 2 and not overlapping) or len({m.dtype_name for m in members}) != 1:
             continue  # views of one storage as different dtypes stay separate copies
         start = min(m.offset for m in members)
         end = max(m.offset + m.read_nbytes for m in members)

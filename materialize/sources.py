@@ -114,7 +114,7 @@ def load_tensors(
             if view is not None:
                 mapped.append(info.name)
                 return view
-            tensor = empty_destination(info.shape, dtype=wanted, device=target)
+            tensor = empty_destination(info.shape, dtype=wanted, device=target, name=info.name, path=info.path)
             jobs.append(Job(tensor, info))
             return tensor
 

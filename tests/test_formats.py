@@ -231,3 +231,29 @@ def test_views_of_one_storage_in_a_torch_file_stay_one_storage(tmp_path, mmap, d
     assert report.bytes_read == (0 if mapped else (24 + 3) * 2)  # the shared storage read once, or mapped
     assert sorted(report.mapped) == (sorted(state) if mapped else [])
     assert report.model_bytes == (24 + 3) * itemsize
+
+
+def test_an_expanded_tensor_stays_a_view_of_its_few_stored_values(tmp_path):
+    row = torch.tensor([1.0, float("nan"), 3.0, 4.0])
+    state = {"expanded": row.expand(2**31, 4), "plain": torch.ones(2)}  # 32 GiB claimed, 16 bytes stored
+    path = write_torch(state, tmp_path / "expanded.pt")
+
+    for mmap in (False, True):
+        tensors, report = mz.load_tensors(path, mmap=mmap, check_finite=True)
+
+        expanded = tensors["expanded"]
+        assert expanded.shape == (2**31, 4) and expanded.stride() == (0, 1)
+        assert expanded.untyped_storage().nbytes() == 16
+        assert torch.allclose(expanded[123], row, equal_nan=True) and torch.allclose(expanded[-1], row, equal_nan=True)
+        assert report.nonfinite == ["expanded"]
+        assert report.model_bytes == 16 + 8
+
+
+def test_converting_an_expansion_too_large_to_allocate_is_an_allocation_error(tmp_path):
+    path = write_torch({"huge": torch.zeros(1).expand(2**40)}, tmp_path / "huge.pt")  # 4 TiB once written out
+
+    with pytest.raises(mz.AllocationError) as caught:
+        mz.convert(path, tmp_path / "out.safetensors")
+
+    assert "'huge'" in str(caught.value) and "out of memory" in str(caught.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["huge.pt"]

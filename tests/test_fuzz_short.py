@@ -154,6 +154,12 @@ def torch_file_with_central_directory_offset_past_its_start() -> bytes:
     return patched(data, end + 48, struct.pack("<Q", offset + 4096))
 
 
+def torch_file_with_a_storage_record_marked_as_a_directory() -> bytes:
+    """Central directory: the DOS directory bit in data/0's external attributes; torch.load then returns unread memory."""
+    data = torch_file()
+    return patched(data, central_entry(data, "data/0") + 38, struct.pack("<I", 0x10))
+
+
 def torch_file_with_data_pkl_compression_99() -> bytes:
     data = torch_file()
     return patched(data, central_entry(data, "data.pkl") + 10, struct.pack("<H", 99))
@@ -273,6 +279,18 @@ def test_torch_zip_whose_byteorder_record_fails_its_crc_is_a_checkpoint_error(da
 @example(data=torch_file_with_central_directory_offset_past_its_start())
 @given(data=mutated_torch_bytes())
 def test_torch_zip_whose_central_directory_points_before_the_file_is_a_checkpoint_error(data):
+    torch_zip(data)
+
+
+@EXPLICIT_ONLY
+@example(data=torch_file_with_a_storage_record_marked_as_a_directory())
+@given(data=mutated_torch_bytes())
+def test_torch_zip_whose_storage_record_is_marked_as_a_directory_is_a_checkpoint_error(data):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model.pt"
+        path.write_bytes(data)
+        with pytest.raises(mz.CheckpointError, match="marked as a directory"):
+            mz.open_checkpoint(path)
     torch_zip(data)
 
 

@@ -30,6 +30,7 @@ from .pickle_scan import negative_layouts
 STATE_DICT_KEYS = ("state_dict", "model", "module")
 _LOCAL_HEADER = struct.Struct("<4s4xH16xHH")
 _SMALL_RECORD = 1 << 20
+_DOS_DIRECTORY = 0x10
 
 
 class _StorageRef:
@@ -136,6 +137,8 @@ def _record_offsets(path: Path, archive: zipfile.ZipFile, prefix: str) -> dict[s
                 raise CheckpointError(f"zip record {name!r} is encrypted; torch never writes that", path=path)
             if info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size:
                 raise CheckpointError(f"zip record {name!r} is stored but its two sizes differ (corrupt zip)", path=path)
+            if info.external_attr & _DOS_DIRECTORY:  # torch's reader then returns unread memory for it
+                raise CheckpointError(f"zip record {name!r} is marked as a directory (corrupt zip)", path=path)
             if info.volume != 0:
                 raise CheckpointError(f"zip record {name!r} claims to be on another disk (corrupt zip)", path=path)
             if info.compress_type != zipfile.ZIP_STORED and name.startswith(data_dir):

@@ -93,9 +93,12 @@ def available(method: str) -> bool:
     return True
 
 
+def _files(path: Path) -> list[Path]:
+    return [p for p in path.iterdir() if p.is_file()] if path.is_dir() else [path]
+
+
 def evict(path: Path) -> None:
-    files = [p for p in path.iterdir() if p.is_file()] if path.is_dir() else [path]
-    for file in files:
+    for file in _files(path):
         fd = os.open(file, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -114,8 +117,8 @@ def recache(paths: dict[str, Path]) -> None:
     for key, path in paths.items():
         if key == "expected":
             continue
-        for file in ([p for p in path.iterdir() if p.is_file()] if path.is_dir() else [path]):
-            evict(file)
+        evict(path)
+        for file in _files(path):
             with open(file, "rb") as handle:
                 while handle.read(64 * 1024 * 1024):
                     pass

@@ -26,28 +26,27 @@ import os
 import shutil
 import struct
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
 import torch
 
-from .checkpoint import Checkpoint, TensorInfo, open_checkpoint
+from .checkpoint import Checkpoint, TensorInfo
+from .checkpoint.index import SAFETENSORS_INDEX_NAME
 from .checkpoint.safetensors import SAFETENSORS_DTYPES
 from .dtypes import parse_dtype
 from .engine import Job, ProgressFn, stream
 from .errors import MaterializeError, OutputError
 from .fileio import byte_view
 from .hostmem import empty_destination
-from .loading import DtypeLike
+from .loading import DtypeLike, _opened
 from .hub import resolve as resolve_source
 from .sizes import format_bytes, parse_size
 from .transfer import staging_for
 from .validate import check_bools
 
 BATCH_BYTES = 256 * 1024 * 1024
-INDEX_NAME = "model.safetensors.index.json"
 _CODES = {torch_name: code for code, (torch_name, _) in SAFETENSORS_DTYPES.items()}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 
@@ -120,7 +119,7 @@ def convert(
     with _opened(source, trust_pickle) as ckpt:
         items = [_Item(info, cast if cast is not None and info.dtype.is_floating_point else info.dtype) for info in ckpt.values()]
         single_file = destination.suffix == ".safetensors"
-        shards = [items] if single_file or shard_bytes is None else _shards(items, shard_bytes)
+        shards = [items] if single_file or shard_bytes is None else _groups(items, shard_bytes)
         temporary = destination.parent / f".{destination.name}.partial-{os.getpid()}"
         try:
             written, copied = _write_all(ckpt, source, shards, temporary, single_file, allow_overflow, progress)
@@ -137,33 +136,17 @@ def convert(
         )
 
 
-class _opened:
-    """Open a path, or use a caller's open checkpoint without closing it."""
-
-    def __init__(self, source: Union[Path, str, Checkpoint], trust_pickle: bool) -> None:
-        self._source, self._trust_pickle, self._owned = source, trust_pickle, None
-
-    def __enter__(self) -> Checkpoint:
-        if isinstance(self._source, Checkpoint):
-            return self._source
-        self._owned = open_checkpoint(self._source, trust_pickle=self._trust_pickle)
-        return self._owned
-
-    def __exit__(self, *exc: object) -> None:
-        if self._owned is not None:
-            self._owned.close()
-
-
-def _shards(items: list[_Item], shard_bytes: int) -> list[list[_Item]]:
-    shards: list[list[_Item]] = [[]]
+def _groups(items: list[_Item], limit: int) -> list[list[_Item]]:
+    """Consecutive items, at most ``limit`` bytes a group (an item larger than that alone in its own)."""
+    groups: list[list[_Item]] = [[]]
     size = 0
     for item in items:
-        if shards[-1] and size + item.nbytes > shard_bytes:
-            shards.append([])
+        if groups[-1] and size + item.nbytes > limit:
+            groups.append([])
             size = 0
-        shards[-1].append(item)
+        groups[-1].append(item)
         size += item.nbytes
-    return shards
+    return groups
 
 
 def _write_all(
@@ -193,7 +176,7 @@ def _write_all(
             "metadata": {"total_size": total},
             "weight_map": {item.info.name: name for name, shard in zip(names, shards) for item in shard},
         }
-        (temporary / INDEX_NAME).write_text(json.dumps(index, indent=2))
+        (temporary / SAFETENSORS_INDEX_NAME).write_text(json.dumps(index, indent=2))
     copied = _copy_companions(source, temporary)
     return names, copied
 
@@ -211,7 +194,7 @@ def _write_file(ckpt: Checkpoint, items: list[_Item], path: Path, allow_overflow
     raw += b" " * (-len(raw) % 8)  # the data region starts 8-byte aligned, as safetensors writes it
     with open(path, "wb") as out:
         out.write(struct.pack("<Q", len(raw)) + raw)
-        for batch in _batches(items):
+        for batch in _groups(items, BATCH_BYTES):
             tensors = [
                 empty_destination(item.info.shape, dtype=item.dtype, device=torch.device("cpu"), name=item.info.name,
                                   path=item.info.path)
@@ -228,19 +211,6 @@ def _write_file(ckpt: Checkpoint, items: list[_Item], path: Path, allow_overflow
             advanced(sum(item.nbytes for item in batch))
         out.flush()
         os.fsync(out.fileno())
-
-
-def _batches(items: list[_Item]) -> Iterator[list[_Item]]:
-    batch: list[_Item] = []
-    size = 0
-    for item in items:
-        if batch and size + item.nbytes > BATCH_BYTES:
-            yield batch
-            batch, size = [], 0
-        batch.append(item)
-        size += item.nbytes
-    if batch:
-        yield batch
 
 
 def _copy_companions(source: object, folder: Path) -> list[str]:

@@ -43,6 +43,17 @@ def open_for_reading(path: Path) -> int:
         raise CheckpointAccessError(f"cannot open: {os.strerror(exc.errno or errno.EIO)}", path=path) from None
 
 
+def _read_failed(exc: OSError, path: Path, position: int, tensor: str) -> CheckpointAccessError:
+    return CheckpointAccessError(f"read failed at byte {position}: {os.strerror(exc.errno or errno.EIO)}", path=path, tensor=tensor)
+
+
+def _file_ends(path: Path, position: int, end: int, tensor: str) -> CheckpointError:
+    return CheckpointError(
+        f"file ends at byte {position}, before the tensor's last byte {end} (truncated or rewritten while loading?)",
+        path=path, tensor=tensor,
+    )
+
+
 class FileSet:
     """Descriptors for the files of one checkpoint, opened once, shared by threads."""
 
@@ -65,16 +76,9 @@ class FileSet:
             try:
                 got = os.preadv(fd, [dest[done:]], offset + done)
             except OSError as exc:
-                raise CheckpointAccessError(
-                    f"read failed at byte {offset + done}: {os.strerror(exc.errno or errno.EIO)}",
-                    path=path, tensor=tensor,
-                ) from None
+                raise _read_failed(exc, path, offset + done, tensor) from None
             if got == 0:
-                raise CheckpointError(
-                    f"file ends at byte {offset + done}, before the tensor's last byte "
-                    f"{offset + total} (truncated or rewritten while loading?)",
-                    path=path, tensor=tensor,
-                )
+                raise _file_ends(path, offset + done, offset + total, tensor)
             done += got
 
     def close(self) -> None:
@@ -149,16 +153,10 @@ class DirectReads(FileSet):
                 if exc.errno == errno.EINVAL:  # an alignment this device will not take: read it buffered
                     self._inner.read_into(path, position, dest[done:], tensor=tensor)
                     return
-                raise CheckpointAccessError(
-                    f"read failed at byte {position}: {os.strerror(exc.errno or errno.EIO)}", path=path, tensor=tensor,
-                ) from None
+                raise _read_failed(exc, path, position, tensor) from None
             useful = min(got - skip, total - done)
             if useful <= 0:
-                raise CheckpointError(
-                    f"file ends at byte {position}, before the tensor's last byte "
-                    f"{offset + total} (truncated or rewritten while loading?)",
-                    path=path, tensor=tensor,
-                )
+                raise _file_ends(path, position, offset + total, tensor)
             dest[done:done + useful] = bounce[skip:skip + useful]
             done += useful
 

@@ -24,11 +24,12 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from .checkpoint.index import SAFETENSORS_INDEX_NAME
 from .dtypes import parse_dtype
 from .sizes import parse_size
 from .spec import ModelSpec, build, read_config
 
-INDEX_NAME = "model.safetensors.index.json"
+INDEX_NAME = SAFETENSORS_INDEX_NAME
 
 
 def _umask() -> int:

@@ -14,7 +14,7 @@ from typing import Callable, Union
 from ..errors import CheckpointError, CheckpointNotFoundError, UnsupportedFormatError
 from ..fileio import open_for_reading
 from .base import Checkpoint, TensorInfo
-from .index import read_sharded
+from .index import SAFETENSORS_INDEX_NAME, read_sharded
 from .safetensors import read_header
 
 __all__ = ["Checkpoint", "TensorInfo", "open_checkpoint"]
@@ -102,7 +102,7 @@ def _sniff(path: Path) -> str:
 # Hugging Face layout first, safetensors before torch; the first rule that
 # matches exactly one file wins, a rule matching several is ambiguous.
 _FOLDER_RULES: tuple[Callable[[Path], bool], ...] = (
-    lambda p: p.name == "model.safetensors.index.json",
+    lambda p: p.name == SAFETENSORS_INDEX_NAME,
     lambda p: p.name == "model.safetensors",
     lambda p: p.name.endswith(".safetensors.index.json"),
     lambda p: p.suffix == ".safetensors",

@@ -13,6 +13,8 @@ from typing import Callable
 from ..errors import CheckpointError, CheckpointNotFoundError
 from .base import TensorInfo
 
+SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
+
 ShardReader = Callable[[Path], dict[str, TensorInfo]]
 
 

@@ -18,7 +18,7 @@ import struct
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, BinaryIO, Optional
 
 import torch
 from torch import _weights_only_unpickler, nn
@@ -126,11 +126,11 @@ def _record_offsets(path: Path, archive: zipfile.ZipFile, prefix: str) -> dict[s
     read different bytes from a damaged file. Record CRCs are not verified
     (that would cost a pass over all the data).
     """
-    _check_end_record(path, archive)
     offsets: dict[str, tuple[int, int]] = {}
     data_dir = f"{prefix}/data/"
     spans: list[tuple[int, int, str]] = []
     with open(path, "rb") as handle:
+        _check_end_record(path, archive, handle)
         for info in archive.infolist():
             name = info.filename
             if info.flag_bits & 0x1:
@@ -170,37 +170,36 @@ _ZIP64_LOCATOR = struct.Struct("<4sIQI")
 _ZIP64_END_RECORD = struct.Struct("<4sQHHIIQQQQ")
 
 
-def _check_end_record(path: Path, archive: zipfile.ZipFile) -> None:
+def _check_end_record(path: Path, archive: zipfile.ZipFile, handle: BinaryIO) -> None:
     """The end-of-central-directory fields zipfile ignores but torch's reader checks."""
-    with open(path, "rb") as handle:
-        handle.seek(0, os.SEEK_END)
-        file_size = handle.tell()
-        tail_size = min(file_size, _END_RECORD.size + 0xFFFF)
-        handle.seek(file_size - tail_size)
-        tail = handle.read(tail_size)
-        at = tail.rfind(b"PK\x05\x06")
-        if at < 0 or at + _END_RECORD.size > len(tail):
-            raise CheckpointError("zip end-of-central-directory record is missing (truncated zip?)", path=path)
-        _, disk, cd_disk, entries_here, entries_total, directory_size, _, _ = _END_RECORD.unpack_from(tail, at)
-        counts = [entries_here, entries_total]
-        disks = [disk, cd_disk]
-        if at >= _ZIP64_LOCATOR.size and tail[at - _ZIP64_LOCATOR.size: at - _ZIP64_LOCATOR.size + 4] == b"PK\x06\x07":
-            _, locator_disk, record_offset, total_disks = _ZIP64_LOCATOR.unpack_from(tail, at - _ZIP64_LOCATOR.size)
-            handle.seek(record_offset)
-            record = handle.read(_ZIP64_END_RECORD.size)
-            if len(record) != _ZIP64_END_RECORD.size or record[:4] != b"PK\x06\x06":
-                raise CheckpointError("zip64 end-of-central-directory record is missing or corrupt", path=path)
-            fields = _ZIP64_END_RECORD.unpack(record)
-            disks += [locator_disk, total_disks - 1, fields[4], fields[5]]
-            counts = [c for c in counts if c != 0xFFFF] + [fields[6], fields[7]]
-            directory_size = fields[8]
-        if any(d not in (0, 0xFFFF) for d in disks):
-            raise CheckpointError("zip claims to span several disks (corrupt zip)", path=path)
-        count = len(archive.infolist())
-        if any(c != count for c in counts):
-            raise CheckpointError(f"zip end record counts {max(counts)} records, its directory holds {count} (corrupt zip)", path=path)
-        handle.seek(archive.start_dir)
-        directory = handle.read(directory_size)
+    handle.seek(0, os.SEEK_END)
+    file_size = handle.tell()
+    tail_size = min(file_size, _END_RECORD.size + 0xFFFF)
+    handle.seek(file_size - tail_size)
+    tail = handle.read(tail_size)
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or at + _END_RECORD.size > len(tail):
+        raise CheckpointError("zip end-of-central-directory record is missing (truncated zip?)", path=path)
+    _, disk, cd_disk, entries_here, entries_total, directory_size, _, _ = _END_RECORD.unpack_from(tail, at)
+    counts = [entries_here, entries_total]
+    disks = [disk, cd_disk]
+    if at >= _ZIP64_LOCATOR.size and tail[at - _ZIP64_LOCATOR.size: at - _ZIP64_LOCATOR.size + 4] == b"PK\x06\x07":
+        _, locator_disk, record_offset, total_disks = _ZIP64_LOCATOR.unpack_from(tail, at - _ZIP64_LOCATOR.size)
+        handle.seek(record_offset)
+        record = handle.read(_ZIP64_END_RECORD.size)
+        if len(record) != _ZIP64_END_RECORD.size or record[:4] != b"PK\x06\x06":
+            raise CheckpointError("zip64 end-of-central-directory record is missing or corrupt", path=path)
+        fields = _ZIP64_END_RECORD.unpack(record)
+        disks += [locator_disk, total_disks - 1, fields[4], fields[5]]
+        counts = [c for c in counts if c != 0xFFFF] + [fields[6], fields[7]]
+        directory_size = fields[8]
+    if any(d not in (0, 0xFFFF) for d in disks):
+        raise CheckpointError("zip claims to span several disks (corrupt zip)", path=path)
+    count = len(archive.infolist())
+    if any(c != count for c in counts):
+        raise CheckpointError(f"zip end record counts {max(counts)} records, its directory holds {count} (corrupt zip)", path=path)
+    handle.seek(archive.start_dir)
+    directory = handle.read(directory_size)
     walked = 0
     for _ in range(count):  # zipfile reads past a short directory silently; torch's reader does not
         if directory[walked:walked + 4] != b"PK\x01\x02" or walked + _CENTRAL_ENTRY_SIZE > len(directory):

@@ -150,6 +150,19 @@ def startup_seconds(runs: int) -> float:
     return statistics.median(times)
 
 
+def cuda_startup_seconds(runs: int) -> Optional[float]:
+    """CUDA context creation in a fresh process: inside every cuda row's load, for every method alike."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    script = ("import time, torch; started = time.perf_counter(); torch.empty(1, device='cuda'); "
+              "torch.cuda.synchronize(); print(time.perf_counter() - started)")
+    times = [float(subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True).stdout)
+             for _ in range(runs)]
+    return statistics.median(times)
+
+
 def measure(case: Case, fixture: Path, paths: dict[str, Path], runs: int) -> dict:
     run_once(case, fixture, paths)  # warm-up: page cache, import caches
     results = [run_once(case, fixture, paths) for _ in range(runs)]
@@ -194,11 +207,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     cases = [c for c in CASES if available(c.method) and (wanted is None or c.method in wanted)]
     recache(paths)
     startup = startup_seconds(args.runs)
+    cuda_startup = cuda_startup_seconds(args.runs) if any(c.group.startswith("cuda") for c in cases) else None
     results = {}
     for case in cases:
         results[case.key] = {"case": case.__dict__, **measure(case, fixture, paths, args.runs)}
         print(f"{case.key:<48} {_short(results[case.key])}", flush=True)
-    report = {"machine": machine(), "config": args.config, "runs": args.runs, "nbytes": expected["nbytes"], "startup_s": startup, "results": results}
+    report = {"machine": machine(), "config": args.config, "runs": args.runs, "nbytes": expected["nbytes"], "startup_s": startup,
+              "cuda_startup_s": cuda_startup, "results": results}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = Path(args.config).stem
@@ -231,7 +246,9 @@ def markdown(report: dict) -> str:
         f"{gb:.2f} GB of bf16 weights ({report['config']}); {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GiB, "
         f"Linux {m['kernel']}, torch {m['torch']}{', ' + m['gpu'] if m.get('gpu') else ''}. "
         f"Median of {report.get('runs', 3)} runs after a warm-up (fastest and slowest beside it); each run a fresh process. "
-        f"Interpreter + import start-up, not counted in load: {report['startup_s']:.2f} s.",
+        f"Interpreter + import start-up, not counted in load: {report['startup_s']:.2f} s."
+        + (f" CUDA context creation, counted in every cuda row's load: {report['cuda_startup_s']:.2f} s."
+           if report.get("cuda_startup_s") else ""),
         "",
         "| group | method | load s | min-max s | x ours | GB/s | wall s | build s | touch s | anon growth GB | peak RSS growth GB | RSS x ours | verified | forward |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
@@ -284,7 +301,7 @@ def chart(report: dict, path: Path) -> None:
     ax.set_xscale("log")  # the naive load is 10x the rest: a linear axis would flatten everything else
     ax.set_xlabel("seconds to load, then touch every weight once (log scale, lower is better)")
     m = report["machine"]
-    ax.set_title(f"Loading {report['nbytes'] / 1e9:.1f} GB of bf16 weights to CPU - {m['cores']} cores, {m['memory_gb']} GiB", fontsize=10)
+    ax.set_title(f"Loading {report['nbytes'] / 1e9:.1f} GB of bf16 weights - {m['cores']} cores, {m['memory_gb']} GiB" + (f", {m['gpu']}" if m.get("gpu") else ""), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -84,7 +84,7 @@ load_only_options = [
     click.option("--check-finite", is_flag=True, help="Report tensors holding NaN or Inf."),
     click.option("--allow-overflow", is_flag=True, help="Let a cast to a narrower float type turn large values into inf."),
     click.option("--mmap", is_flag=True, help="CPU only: tensors become copy-on-write views of the files (zero-copy)."),
-    click.option("--staging-size", "staging_bytes", type=SIZE, default=None, help="Pinned host memory for GPU loads (default 256MiB)."),
+    click.option("--staging-size", "staging_bytes", type=SIZE, default=None, help="Pinned host memory for GPU loads (default 64MiB)."),
     click.option("--direct-io", is_flag=True, help="Read around the page cache (O_DIRECT): for cold checkpoints on fast storage."),
 ]
 

@@ -11,19 +11,13 @@ from typing import Optional
 import torch
 
 from .engine import CAST_CHUNK_BYTES, default_reader_threads
+from .hostmem import meminfo_bytes
 from .planning import Plan
 from .transfer import DEFAULT_SLOT_BYTES, DEFAULT_SLOTS
 
 
 def available_host_bytes() -> Optional[int]:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return meminfo_bytes("MemAvailable")
 
 
 def available_device_bytes(device: str) -> Optional[int]:

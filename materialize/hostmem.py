@@ -56,20 +56,47 @@ def advise_huge_pages(tensor: torch.Tensor) -> None:
         _libc.madvise(start, end - start, _MADV_HUGEPAGE)
 
 
+def meminfo_bytes(*fields: str) -> Optional[int]:
+    """The sum of ``/proc/meminfo`` fields in bytes, or None off Linux."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            values = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in meminfo if ":" in line}
+    except (OSError, ValueError, IndexError):
+        return None
+    if not any(field in values for field in fields):
+        return None
+    return sum(values.get(field, 0) for field in fields)
+
+
+def _out_of_memory(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                   name: Optional[str], path: Optional[Path], reason: str = "out of memory") -> AllocationError:
+    nbytes = math.prod(shape) * dtype.itemsize
+    return AllocationError(
+        f"cannot allocate {format_bytes(nbytes)} on {device} for its {list(shape)} {dtype_name(dtype)} values ({reason})",
+        path=path, tensor=name,
+    )
+
+
 def empty_destination(
     shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device,
     name: Optional[str] = None, path: Optional[Path] = None,
 ) -> torch.Tensor:
-    """Allocate a tensor that is about to be filled completely; running out of memory names it."""
+    """Allocate a tensor that is about to be filled completely; running out of memory names it.
+
+    Where the kernel overcommits (``vm.overcommit_memory=1``) an impossible
+    allocation succeeds and the process is killed while filling it, so a CPU
+    destination larger than all RAM and swap together is refused up front.
+    """
+    if device.type == "cpu":
+        limit = meminfo_bytes("MemTotal", "SwapTotal")
+        if limit and math.prod(shape) * dtype.itemsize > limit:
+            reason = f"out of memory: more than this machine's RAM and swap together, {format_bytes(limit)}"
+            raise _out_of_memory(shape, dtype, device, name, path, reason)
     try:
         tensor = torch.empty(shape, dtype=dtype, device=device)
     except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
         if not isinstance(exc, MemoryError) and "alloc" not in str(exc).lower():
             raise
-        nbytes = math.prod(shape) * dtype.itemsize
-        raise AllocationError(
-            f"cannot allocate {format_bytes(nbytes)} on {device} for its {list(shape)} {dtype_name(dtype)} values (out of memory)",
-            path=path, tensor=name,
-        ) from None
+        raise _out_of_memory(shape, dtype, device, name, path) from None
     advise_huge_pages(tensor)
     return tensor

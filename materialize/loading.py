@@ -94,7 +94,7 @@ def load(
             Tensors that need a cast, and strided views, are still copied.
             The files must not change while the model lives.
         staging_bytes: host memory for staging copies to a GPU (pinned),
-            default 256 MiB; the bound on host memory of a CUDA load.
+            default 64 MiB; the bound on host memory of a CUDA load.
         device_map: spread the model over devices instead of ``device``: a
             dict of module name to GPU index, ``"cpu"`` or ``"disk"``, or
             ``"auto"``/``"balanced"``/``"balanced_low_0"``/``"sequential"``,

@@ -17,7 +17,11 @@ from typing import Optional, Protocol
 
 import torch
 
-DEFAULT_SLOT_BYTES = 32 * 1024 * 1024
+# A 64 MiB ring: pinning host memory is slow (0.37 ms per MiB on an H100 host:
+# 94 ms for 256 MiB, as long as copying 5 GB to the GPU), and small slots keep
+# the copies flowing: 1.9 GB from the page cache took 0.078 s through
+# 8 x 8 MiB, 0.126 s through 8 x 32 MiB and 0.160 s through 8 x 128 MiB.
+DEFAULT_SLOT_BYTES = 8 * 1024 * 1024
 DEFAULT_SLOTS = 8  # enough for every reader thread to fill one slot while others copy out
 MIN_SLOT_BYTES = 1024 * 1024
 
@@ -111,7 +115,7 @@ def staging_for(device: torch.device, staging_bytes: Optional[int] = None) -> St
     """The staging a destination device needs: the one device-specific choice.
 
     ``staging_bytes`` is the whole ring's size (host memory, pinned on CUDA);
-    the default is ``DEFAULT_SLOTS x DEFAULT_SLOT_BYTES`` (256 MiB).
+    the default is ``DEFAULT_SLOTS x DEFAULT_SLOT_BYTES`` (64 MiB).
     """
     slot_bytes = DEFAULT_SLOT_BYTES if staging_bytes is None else max(MIN_SLOT_BYTES, staging_bytes // DEFAULT_SLOTS)
     if device.type == "cuda":

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import materialize as mz
+from materialize import hostmem
 
 from conftest import (
     assert_state_equal,
@@ -257,3 +258,18 @@ def test_converting_an_expansion_too_large_to_allocate_is_an_allocation_error(tm
 
     assert "'huge'" in str(caught.value) and "out of memory" in str(caught.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["huge.pt"]
+
+
+def test_a_destination_beyond_ram_and_swap_is_refused_before_allocating(tmp_path, monkeypatch):
+    # Where the kernel overcommits, torch.empty would succeed and the process die while filling it.
+    path = write_safetensors({"small": torch.ones(4), "big": torch.arange(2**20, dtype=torch.float32)}, tmp_path / "m.safetensors")
+    monkeypatch.setattr(hostmem, "meminfo_bytes", lambda *fields: 2**20)
+    allocated = []
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: allocated.append(a) or real_empty(*a, **k))
+
+    with pytest.raises(mz.AllocationError) as caught:
+        mz.load_tensors(path)
+
+    assert "'big'" in str(caught.value) and "m.safetensors" in str(caught.value) and "4.19 MB" in str(caught.value) and "RAM and swap" in str(caught.value)
+    assert ((2**20,),) not in allocated

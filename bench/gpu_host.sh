@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Tests and the CUDA benchmark on a GPU machine that already has a CUDA torch
+# (and safetensors, accelerate, transformers, pytest) but no network, so
+# `make test` cannot build its own venv there. Uses that machine's python3.
+#
+#   bench/gpu_host.sh test    CUDA-facing tests, then the whole suite
+#   bench/gpu_host.sh bench   the cuda groups of the benchmark (and fixtures)
+#   bench/gpu_host.sh cpu     the CPU groups of the benchmark
+#
+# RESULTS (default bench/results/gpu) receives logs and the table.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+RESULTS=${RESULTS:-bench/results/gpu}
+RUNS=${RUNS:-3}
+mkdir -p "$RESULTS"
+
+"$PYTHON" -m pip install --quiet --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
+  || echo "editable install failed: CLI tests will not find the materialize command"
+nvidia-smi -L
+"$PYTHON" -c 'import torch, safetensors, accelerate; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "safetensors", safetensors.__version__, "accelerate", accelerate.__version__)'
+
+case "${1:-test}" in
+  test)
+    # The benchmark's fixtures are written meanwhile, ready for a `bench` call.
+    "$PYTHON" -c 'from bench.fixtures import ensure; from pathlib import Path; ensure("configs/bench-llama-1b.toml", Path("data/bench"))' \
+      >"$RESULTS/fixtures.log" 2>&1 &
+    "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_device_map.py tests/test_staging.py 2>&1 | tee "$RESULTS/test-cuda.log"
+    "$PYTHON" -m pytest -q -p no:cacheprovider -n 8 -x 2>&1 | tail -40 | tee "$RESULTS/test-all.log"
+    wait
+    ;;
+  bench)
+    "$PYTHON" -m bench.run --runs "$RUNS" --out "$RESULTS" \
+      --only ours-cuda,ours-direct-cuda,safetensors-cuda,torch-cuda,accelerate-cuda,transformers-cuda 2>&1 | tee "$RESULTS/bench-cuda.log"
+    ;;
+  cpu)
+    "$PYTHON" -m bench.run --runs "$RUNS" --out "$RESULTS/cpu" \
+      --only ours,ours-cast,ours-mmap,safetensors-pread,limit,transformers-cast,transformers 2>&1 | tee "$RESULTS/bench-cpu.log"
+    ;;
+esac

@@ -1,7 +1,8 @@
 """``make bench``: every method on the same files, same machine, one run.
 
 Each measurement is a fresh interpreter (``bench.methods``); the page cache
-is warmed by a first, discarded run, then the median of ``--runs`` is kept.
+is warmed by a first, discarded run, then the median of ``--runs`` is kept,
+the methods of a group taking turns run by run.
 Cold rows evict the method's files from the page cache first
 (``posix_fadvise(DONTNEED)``, no root needed). Writes a markdown table, a
 JSON file and a PNG chart under ``bench/results/``.
@@ -163,9 +164,25 @@ def cuda_startup_seconds(runs: int) -> Optional[float]:
     return statistics.median(times)
 
 
-def measure(case: Case, fixture: Path, paths: dict[str, Path], runs: int) -> dict:
-    run_once(case, fixture, paths)  # warm-up: page cache, import caches
-    results = [run_once(case, fixture, paths) for _ in range(runs)]
+def measure_group(cases: list[Case], fixture: Path, paths: dict[str, Path], runs: int) -> dict[str, dict]:
+    """Every case of one group: a warm-up each, then ``runs`` rounds taking each case in turn.
+
+    Rounds, not one case's runs back to back: what a fresh process pays for
+    its memory drifts with the machine (on a VM whose freed pages are handed
+    back to the host, memory freed seconds ago is several times cheaper to
+    touch than memory freed long ago), and taking turns spreads that drift
+    over every method alike.
+    """
+    for case in cases:
+        run_once(case, fixture, paths)  # warm-up: page cache, import caches
+    results: dict[str, list[dict]] = {case.key: [] for case in cases}
+    for _ in range(runs):
+        for case in cases:
+            results[case.key].append(run_once(case, fixture, paths))
+    return {case.key: {"case": case.__dict__, **summarize(results[case.key])} for case in cases}
+
+
+def summarize(results: list[dict]) -> dict:
     errors = [r["error"] for r in results if "error" in r]
     if errors:
         return {"error": errors[0]}
@@ -209,9 +226,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     startup = startup_seconds(args.runs)
     cuda_startup = cuda_startup_seconds(args.runs) if any(c.group.startswith("cuda") for c in cases) else None
     results = {}
-    for case in cases:
-        results[case.key] = {"case": case.__dict__, **measure(case, fixture, paths, args.runs)}
-        print(f"{case.key:<48} {_short(results[case.key])}", flush=True)
+    for group in dict.fromkeys(case.group for case in cases):
+        measured = measure_group([c for c in cases if c.group == group], fixture, paths, args.runs)
+        for key, result in measured.items():
+            results[key] = result
+            print(f"{key:<48} {_short(result)}", flush=True)
     report = {"machine": machine(), "config": args.config, "runs": args.runs, "nbytes": expected["nbytes"], "startup_s": startup,
               "cuda_startup_s": cuda_startup, "results": results}
     out = Path(args.out)
@@ -245,7 +264,7 @@ def markdown(report: dict) -> str:
     lines = [
         f"{gb:.2f} GB of bf16 weights ({report['config']}); {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GiB, "
         f"Linux {m['kernel']}, torch {m['torch']}{', ' + m['gpu'] if m.get('gpu') else ''}. "
-        f"Median of {report.get('runs', 3)} runs after a warm-up (fastest and slowest beside it); each run a fresh process. "
+        f"Median of {report.get('runs', 3)} runs after a warm-up, the methods of a group taking turns (fastest and slowest beside it); each run a fresh process. "
         f"Interpreter + import start-up, not counted in load: {report['startup_s']:.2f} s."
         + (f" CUDA context creation, counted in every cuda row's load: {report['cuda_startup_s']:.2f} s."
            if report.get("cuda_startup_s") else ""),

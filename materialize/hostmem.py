@@ -7,11 +7,20 @@ is ``madvise`` or ``always``) makes that one fault per 2 MiB. Only the
 2 MiB-aligned interior of the tensor's own allocation is advised; anything
 unsupported is silently skipped, since this is a hint and never a
 requirement.
+
+Not on a virtual machine that hands free memory back to its host (a virtio
+balloon with free page reporting): there the large free blocks huge pages are
+carved from have been given back, and each must be faulted in again from the
+host. Measured on such a VM, touching 1.9 GB of fresh huge pages took 0.12 s
+if the memory had been freed under 2 s before and 0.9 s otherwise (the usual
+case for a one-off load), against a steady 0.52 s for 4 KiB pages; loads
+followed (copy 0.92 s with the hint against 0.63 s without, casts even).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import sys
 from pathlib import Path
@@ -26,6 +35,8 @@ from .sizes import format_bytes
 HUGE_PAGE_BYTES = 2 * 1024 * 1024
 MIN_ADVISED_BYTES = 2 * HUGE_PAGE_BYTES
 _MADV_HUGEPAGE = 14
+_BALLOON_DEVICES = Path("/sys/bus/virtio/drivers/virtio_balloon")
+_VIRTIO_BALLOON_F_REPORTING = 5
 
 
 def _load_libc() -> Optional[ctypes.CDLL]:
@@ -43,9 +54,26 @@ def _load_libc() -> Optional[ctypes.CDLL]:
 _libc = _load_libc()
 
 
+def reports_free_memory_to_host(devices: Path = _BALLOON_DEVICES) -> bool:
+    """Whether a virtio balloon here reports free pages to the host (and the host discards them)."""
+    try:
+        for features in devices.glob("virtio*/features"):
+            bits = features.read_text().strip()  # one '0'/'1' per feature bit, bit 0 first
+            if len(bits) > _VIRTIO_BALLOON_F_REPORTING and bits[_VIRTIO_BALLOON_F_REPORTING] == "1":
+                return True
+    except OSError:
+        pass
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _huge_pages_pay() -> bool:
+    return not reports_free_memory_to_host()
+
+
 def advise_huge_pages(tensor: torch.Tensor) -> None:
-    """Hint that a fresh CPU tensor's memory should use huge pages."""
-    if _libc is None or tensor.device.type != "cpu":
+    """Hint that a fresh CPU tensor's memory should use huge pages, where that is faster."""
+    if _libc is None or tensor.device.type != "cpu" or not _huge_pages_pay():
         return
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes < MIN_ADVISED_BYTES:

@@ -90,7 +90,17 @@ class CudaStaging(Staging):
     def copy(self, dest: torch.Tensor, src: torch.Tensor) -> Completion:
         event = torch.cuda.Event()
         with torch.cuda.stream(self.stream):
-            dest.copy_(src, non_blocking=True)
+            if dest.dtype == src.dtype:
+                dest.copy_(src, non_blocking=True)
+            else:
+                # A CPU-to-GPU copy_ that also casts converts on the CPU, on this
+                # (the main) thread, into pageable memory, then copies at pageable
+                # speed; moving the slot's bytes as they are and casting on the GPU
+                # avoids both. The temporary belongs to this stream, so the
+                # caching allocator reuses it only after the cast has run.
+                raw = torch.empty(src.shape, dtype=src.dtype, device=dest.device)
+                raw.copy_(src, non_blocking=True)
+                dest.copy_(raw)
             event.record(self.stream)
         # Event.wait() orders streams; the ring needs the host to block, hence synchronize().
         return _EventCompletion(event)

@@ -9,6 +9,7 @@ import torch
 
 import materialize as mz
 from materialize import engine
+from materialize import hostmem
 from materialize.hostmem import MIN_ADVISED_BYTES, advise_huge_pages
 
 from conftest import write_safetensors, write_torch
@@ -51,12 +52,39 @@ def test_loading_leaves_the_callers_thread_count_alone(tmp_path):
 @pytest.mark.skipif(
     not THP_MODE.exists() or "[never]" in THP_MODE.read_text(), reason="transparent huge pages unavailable"
 )
-def test_fresh_destinations_are_eligible_for_huge_pages():
+def test_fresh_destinations_are_eligible_for_huge_pages(monkeypatch):
+    monkeypatch.setattr(hostmem, "_huge_pages_pay", lambda: True)
     tensor = torch.empty(4 * MIN_ADVISED_BYTES, dtype=torch.uint8)
 
     advise_huge_pages(tensor)
 
     assert _vma_flag(tensor.data_ptr() + MIN_ADVISED_BYTES, "THPeligible") == "1"
+
+
+@pytest.mark.skipif(not THP_MODE.exists() or "[madvise]" not in THP_MODE.read_text(), reason="needs THP mode madvise")
+def test_no_huge_page_hint_where_free_memory_goes_back_to_the_host(monkeypatch):
+    monkeypatch.setattr(hostmem, "_huge_pages_pay", lambda: False)
+    tensor = torch.empty(4 * MIN_ADVISED_BYTES, dtype=torch.uint8)
+
+    advise_huge_pages(tensor)
+
+    assert _vma_flag(tensor.data_ptr() + MIN_ADVISED_BYTES, "THPeligible") == "0"
+
+
+@pytest.mark.parametrize("bits, reports", [
+    ("0110010100000000000000000000000010", True),  # a Firecracker balloon: free page reporting is bit 5
+    ("0110000100000000000000000000000010", False),
+    ("01101", False),
+])
+def test_free_page_reporting_is_read_from_the_balloons_feature_bits(bits, reports, tmp_path):
+    (tmp_path / "virtio3").mkdir()
+    (tmp_path / "virtio3" / "features").write_text(bits + "\n")
+
+    assert hostmem.reports_free_memory_to_host(tmp_path) is reports
+
+
+def test_no_balloon_means_no_free_page_reporting(tmp_path):
+    assert hostmem.reports_free_memory_to_host(tmp_path / "absent") is False
 
 
 def _vma_flag(address: int, flag: str) -> str:

@@ -5,7 +5,6 @@
 #
 #   bench/gpu_host.sh test    CUDA-facing tests, then the whole suite
 #   bench/gpu_host.sh bench   the cuda groups of the benchmark (and fixtures)
-#   bench/gpu_host.sh cpu     the CPU groups of the benchmark
 #
 # RESULTS (default bench/results/gpu) receives logs and the table.
 set -uo pipefail
@@ -32,9 +31,5 @@ case "${1:-test}" in
   bench)
     "$PYTHON" -m bench.run --runs "$RUNS" --out "$RESULTS" \
       --only ours-cuda,ours-direct-cuda,safetensors-cuda,torch-cuda,accelerate-cuda,transformers-cuda 2>&1 | tee "$RESULTS/bench-cuda.log"
-    ;;
-  cpu)
-    "$PYTHON" -m bench.run --runs "$RUNS" --out "$RESULTS/cpu" \
-      --only ours,ours-cast,ours-mmap,safetensors-pread,limit,transformers-cast,transformers 2>&1 | tee "$RESULTS/bench-cpu.log"
     ;;
 esac

@@ -96,6 +96,12 @@ def meminfo_bytes(*fields: str) -> Optional[int]:
     return sum(values.get(field, 0) for field in fields)
 
 
+@functools.lru_cache(maxsize=None)
+def ram_and_swap_bytes() -> Optional[int]:
+    """All the memory this machine could ever give one allocation; read once, not per tensor."""
+    return meminfo_bytes("MemTotal", "SwapTotal")
+
+
 def _out_of_memory(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                    name: Optional[str], path: Optional[Path], reason: str = "out of memory") -> AllocationError:
     nbytes = math.prod(shape) * dtype.itemsize
@@ -116,7 +122,7 @@ def empty_destination(
     destination larger than all RAM and swap together is refused up front.
     """
     if device.type == "cpu":
-        limit = meminfo_bytes("MemTotal", "SwapTotal")
+        limit = ram_and_swap_bytes()
         if limit and math.prod(shape) * dtype.itemsize > limit:
             reason = f"out of memory: more than this machine's RAM and swap together, {format_bytes(limit)}"
             raise _out_of_memory(shape, dtype, device, name, path, reason)

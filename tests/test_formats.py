@@ -263,7 +263,7 @@ def test_converting_an_expansion_too_large_to_allocate_is_an_allocation_error(tm
 def test_a_destination_beyond_ram_and_swap_is_refused_before_allocating(tmp_path, monkeypatch):
     # Where the kernel overcommits, torch.empty would succeed and the process die while filling it.
     path = write_safetensors({"small": torch.ones(4), "big": torch.arange(2**20, dtype=torch.float32)}, tmp_path / "m.safetensors")
-    monkeypatch.setattr(hostmem, "meminfo_bytes", lambda *fields: 2**20)
+    monkeypatch.setattr(hostmem, "ram_and_swap_bytes", lambda: 2**20)
     allocated = []
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **k: allocated.append(a) or real_empty(*a, **k))

@@ -112,9 +112,12 @@ def _prepare(method: str) -> tuple[Setup, Load]:
         return (lambda args: args), (lambda path, _: LlamaForCausalLM.from_pretrained(str(path), dtype=dtype, **placement))
     if method == "limit-mapped":
         return (lambda args: args), (lambda path, _: copy_from_mapping(path))
+    if method == "limit-fresh-fp32":
+        return (lambda args: args), (lambda path, _: fresh_memory(path, scale=2, threads=os.cpu_count() or 1))
     if method.startswith("limit"):
         threads = 1 if method == "limit-1t" else os.cpu_count() or 1
-        return (lambda args: args), (lambda path, _: read_everything(path, threads=threads))
+        prefaulted = method == "limit-prefault"
+        return (lambda args: args), (lambda path, _: read_everything(path, threads=threads, prefaulted=prefaulted))
     raise SystemExit(f"unknown method {method}")
 
 
@@ -131,9 +134,8 @@ def copy_from_mapping(path: Path) -> dict[str, torch.Tensor]:
     """Another bar for cold reads: one thread copying out of a mapping, so kernel read-ahead does the I/O."""
     import mmap
 
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
     buffers = {}
-    for file in files:
+    for file in _checkpoint_files(path):
         with open(file, "rb") as handle:
             mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
         mapping.madvise(mmap.MADV_SEQUENTIAL)
@@ -146,9 +148,33 @@ def copy_from_mapping(path: Path) -> dict[str, torch.Tensor]:
     return buffers
 
 
-def read_everything(path: Path, *, threads: int) -> dict[str, torch.Tensor]:
-    """The physical bar: every byte of the files read into fresh process memory."""
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+def fresh_memory(path: Path, *, scale: int, threads: int) -> dict[str, torch.Tensor]:
+    """The floor of a widening cast to CPU: ``scale`` times the files' bytes of fresh memory, faulted in by every core.
+
+    No reading, no converting: what any method pays for its destination alone.
+    """
+    from materialize.hostmem import prefault
+
+    nbytes = scale * sum(file.stat().st_size for file in _checkpoint_files(path))
+    memory = torch.empty(nbytes, dtype=torch.uint8)
+    chunk = 16 * 1024 * 1024
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda start: prefault(memory.data_ptr() + start, min(chunk, nbytes - start)), range(0, nbytes, chunk)))
+    return {"memory": memory}
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    return sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+
+
+def read_everything(path: Path, *, threads: int, prefaulted: bool = False) -> dict[str, torch.Tensor]:
+    """The physical bar: every byte of the files read into fresh process memory.
+
+    ``prefaulted``: each chunk's pages are faulted in by one ``madvise``
+    before its read, as the engine does (a lower bar than plain reads).
+    """
+    from materialize.hostmem import prefault
+    files = _checkpoint_files(path)
     chunk = 64 * 1024 * 1024 if threads == 1 else 16 * 1024 * 1024
     buffers = {}
     tasks = []
@@ -163,6 +189,8 @@ def read_everything(path: Path, *, threads: int) -> dict[str, torch.Tensor]:
         with lock:
             fd = fds.setdefault(file, os.open(file, os.O_RDONLY))
         view = memoryview(buffers[str(file)].numpy())[start:stop]
+        if prefaulted:
+            prefault(buffers[str(file)].data_ptr() + start, stop - start)
         done = 0
         while done < stop - start:
             done += os.preadv(fd, [view[done:]], start + done)

@@ -47,6 +47,7 @@ CASES = [
     Case("safetensors pread backend", "safetensors-pread", "single"),
     Case("naive: build on CPU + torch.load", "naive", "torch"),
     Case("limit: all cores, fresh memory", "limit", "single"),
+    Case("limit: all cores, chunks prefaulted", "limit-prefault", "single"),
     Case("limit: one thread, large reads", "limit-1t", "single"),
     Case("ours --mmap", "ours-mmap", "sharded", group="zero-copy"),
     Case("transformers from_pretrained", "transformers", "sharded", group="zero-copy"),
@@ -56,6 +57,7 @@ CASES = [
     Case("ours, bf16 -> fp32", "ours-cast", "sharded", group="cast"),
     Case("accelerate, bf16 -> fp32", "accelerate-cast", "sharded", group="cast"),
     Case("transformers, bf16 -> fp32", "transformers-cast", "sharded", group="cast"),
+    Case("limit: fresh fp32 memory alone, all cores", "limit-fresh-fp32", "sharded", group="cast"),
     Case("ours, one safetensors", "ours", "single", cold=True, group="cold"),
     Case("ours, sharded safetensors", "ours", "sharded", cold=True, group="cold"),
     Case("safetensors pread backend", "safetensors-pread", "single", cold=True, group="cold"),
@@ -64,6 +66,7 @@ CASES = [
     Case("ours --direct-io, one safetensors", "ours-direct", "single", cold=True, group="cold"),
     Case("ours --direct-io, sharded safetensors", "ours-direct", "sharded", cold=True, group="cold"),
     Case("limit: all cores, fresh memory", "limit", "single", cold=True, group="cold"),
+    Case("limit: all cores, fresh memory, sharded", "limit", "sharded", cold=True, group="cold"),
     Case("limit: one thread, large reads", "limit-1t", "single", cold=True, group="cold"),
     Case("limit: copy out of a mapping (read-ahead)", "limit-mapped", "single", cold=True, group="cold"),
     # To a GPU: only where one is present.

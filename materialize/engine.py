@@ -3,7 +3,8 @@
 Three paths, chosen per tensor:
 
 * direct: a CPU destination of the file's dtype is filled by ``preadv`` into
-  its own memory, in chunks spread over reader threads (no staging, no copy);
+  its own memory, in chunks spread over reader threads (no staging, no copy),
+  each chunk's pages faulted in by one call just before (:func:`prefault`);
 * cast: a CPU destination of another dtype is filled chunk by chunk, each
   reader thread reading into its own small reused buffer and casting from it
   into the destination, so a cast never makes a full-size temporary;
@@ -28,6 +29,7 @@ import torch
 from .checkpoint import TensorInfo
 from .errors import CastOverflowError
 from .fileio import DirectReads, FileSet, byte_view
+from .hostmem import prefault
 from .transfer import Completion, Staging
 
 DIRECT_CHUNK_BYTES = 16 * 1024 * 1024
@@ -123,6 +125,7 @@ def stream(
 
 def _run_direct(jobs: list[Job], files: FileSet, tracker: _Progress, threads: int) -> None:
     def read_chunk(job: Job, start: int, stop: int) -> None:
+        prefault(job.dest.data_ptr() + start, stop - start)
         files.read_into(job.info.path, job.info.offset + start, byte_view(job.dest)[start:stop], tensor=job.info.name)
         tracker.add(stop - start)
 
@@ -167,6 +170,8 @@ def _run_cpu_cast(jobs: list[Job], files: FileSet, tracker: _Progress, threads: 
         files.read_into(job.info.path, job.info.offset + first * itemsize, byte_view(raw), tensor=job.info.name)
         if check_range is not None:
             check_range(raw.view(job.info.dtype), job.dest.dtype, job.info)
+        dest_itemsize = job.dest.element_size()
+        prefault(job.dest.data_ptr() + first * dest_itemsize, (last - first) * dest_itemsize)
         job.dest.view(-1)[first:last].copy_(raw.view(job.info.dtype))
         tracker.add((last - first) * itemsize)
 

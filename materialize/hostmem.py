@@ -15,6 +15,12 @@ host. Measured on such a VM, touching 1.9 GB of fresh huge pages took 0.12 s
 if the memory had been freed under 2 s before and 0.9 s otherwise (the usual
 case for a one-off load), against a steady 0.52 s for 4 KiB pages; loads
 followed (copy 0.92 s with the hint against 0.63 s without, casts even).
+
+Each chunk's destination is also faulted in just before it is filled
+(:func:`prefault`, ``MADV_POPULATE_WRITE``): one system call maps the whole
+chunk, instead of one trap per page in the middle of ``preadv`` or a cast's
+copy. Measured here on a 1.9 GB copy with two reader threads: 0.50 s against
+0.57 s.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import mmap
 import sys
 from pathlib import Path
 from typing import Optional
@@ -32,9 +39,12 @@ from .dtypes import dtype_name
 from .errors import AllocationError
 from .sizes import format_bytes
 
+PAGE_BYTES = mmap.PAGESIZE
 HUGE_PAGE_BYTES = 2 * 1024 * 1024
 MIN_ADVISED_BYTES = 2 * HUGE_PAGE_BYTES
 _MADV_HUGEPAGE = 14
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+; EINVAL before
+_EINVAL = 22
 _BALLOON_DEVICES = Path("/sys/bus/virtio/drivers/virtio_balloon")
 _VIRTIO_BALLOON_F_REPORTING = 5
 
@@ -82,6 +92,24 @@ def advise_huge_pages(tensor: torch.Tensor) -> None:
     end = (tensor.data_ptr() + nbytes) & ~(HUGE_PAGE_BYTES - 1)
     if end > start:
         _libc.madvise(start, end - start, _MADV_HUGEPAGE)
+
+
+class _Populate:
+    supported = True  # until the kernel says otherwise, once
+
+
+def prefault(address: int, nbytes: int) -> None:
+    """Fault in, writable, the pages of ``[address, address + nbytes)`` of this process.
+
+    Only for memory about to be overwritten: contents are kept, but each page
+    becomes resident. A hint: failures (an old kernel, an address range that
+    is not all mapped) are ignored and the writes fault the pages themselves.
+    """
+    if _libc is None or not _Populate.supported or nbytes <= 0:
+        return
+    start = address & ~(PAGE_BYTES - 1)
+    if _libc.madvise(start, address + nbytes - start, _MADV_POPULATE_WRITE) != 0 and ctypes.get_errno() == _EINVAL:
+        _Populate.supported = False
 
 
 def meminfo_bytes(*fields: str) -> Optional[int]:

@@ -33,7 +33,7 @@ def test_bench_measures_and_verifies_every_selected_method(tmp_path):
 
     subprocess.run(
         [sys.executable, "-m", "bench.run", "--config", str(config), "--data", str(tmp_path / "data"),
-         "--runs", "1", "--only", "ours,ours-mmap,ours-cast,ours-direct,limit,limit-mapped", "--out", str(out)],
+         "--runs", "1", "--only", "ours,ours-mmap,ours-cast,ours-direct,limit,limit-mapped,limit-prefault,limit-fresh-fp32", "--out", str(out)],
         cwd=ROOT, check=True, capture_output=True, text=True,
     )
 
@@ -42,6 +42,8 @@ def test_bench_measures_and_verifies_every_selected_method(tmp_path):
     assert {
         "ours, sharded safetensors", "ours, torch zip", "ours --mmap", "ours, bf16 -> fp32",
         "ours --direct-io, one safetensors (cold)", "limit: copy out of a mapping (read-ahead) (cold)",
+        "limit: all cores, chunks prefaulted", "limit: fresh fp32 memory alone, all cores",
+        "limit: all cores, fresh memory, sharded (cold)",
     } <= set(rows)
     for key, row in rows.items():
         assert "error" not in row, (key, row)

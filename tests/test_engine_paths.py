@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from pathlib import Path
 
 import pytest
@@ -97,3 +99,61 @@ def _vma_flag(address: int, flag: str) -> str:
         elif inside and line.startswith(flag + ":"):
             return line.split()[1]
     return ""
+
+
+def test_prefault_makes_pages_resident_and_keeps_their_contents():
+    pages = 64
+    region = mmap.mmap(-1, pages * mmap.PAGESIZE)  # its own mapping: nothing resident until touched
+    region[5 * mmap.PAGESIZE: 5 * mmap.PAGESIZE + 5] = b"kept!"
+    address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+
+    hostmem.prefault(address + 3 * mmap.PAGESIZE + 100, 20 * mmap.PAGESIZE)  # unaligned start
+
+    assert region[5 * mmap.PAGESIZE: 5 * mmap.PAGESIZE + 5] == b"kept!"
+    resident = _resident_pages(address, pages)
+    assert resident[3:24] == [True] * 21
+    assert not any(resident[30:])
+
+
+def test_prefault_stops_asking_a_kernel_that_does_not_know_it(monkeypatch):
+    calls = []
+
+    class OldKernel:
+        def madvise(self, address, length, advice):
+            calls.append(advice)
+            return -1
+
+    monkeypatch.setattr(hostmem, "_libc", OldKernel())
+    monkeypatch.setattr(hostmem._Populate, "supported", True)
+    monkeypatch.setattr(hostmem.ctypes, "get_errno", lambda: 22)  # EINVAL: advice unknown before Linux 5.14
+
+    hostmem.prefault(4096, 4096)
+    hostmem.prefault(8192, 4096)
+
+    assert calls == [23]
+
+
+@pytest.mark.parametrize("dtype", [None, "fp32"])
+def test_every_destination_byte_is_prefaulted_once_before_it_is_filled(tmp_path, monkeypatch, dtype):
+    monkeypatch.setattr(engine, "DIRECT_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(engine, "CAST_CHUNK_BYTES", 1000)
+    state = {f"w{i}": torch.randn(3000 + 7 * i, dtype=torch.bfloat16) for i in range(4)}
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+    ranges = []
+    monkeypatch.setattr(engine, "prefault", lambda address, nbytes: ranges.append((address, address + nbytes)))
+
+    tensors, _ = mz.load_tensors(path, dtype=dtype)
+
+    for name, tensor in tensors.items():
+        start, stop = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+        inside = sorted(r for r in ranges if start <= r[0] < stop)
+        assert inside[0][0] == start and inside[-1][1] == stop, name
+        assert all(a[1] == b[0] for a, b in zip(inside, inside[1:])), name  # contiguous, no overlap
+        assert torch.equal(tensor, state[name].to(tensor.dtype)), name
+
+
+def _resident_pages(address: int, pages: int) -> list[bool]:
+    libc = ctypes.CDLL(None, use_errno=True)
+    vector = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(pages * mmap.PAGESIZE), vector) == 0
+    return [bool(v & 1) for v in vector]

@@ -9,15 +9,17 @@ Everything else (allocation, reading, ties, buffers) is the ordinary load.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from torch import nn
 
 from .errors import CheckpointError, ModelSpecError
 from .meta import meta_init
+from .stacking import StackSlot
 
 CONFIG_NAME = "config.json"
 HF_SPEC_PREFIX = "hf:"
@@ -74,28 +76,21 @@ def is_hf_model(model: nn.Module) -> bool:
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
-def hf_key_map(model: nn.Module) -> Callable[[str], str]:
+def hf_key_map(model: nn.Module) -> Callable[[str], Union[str, StackSlot]]:
     """Checkpoint name -> model name, with transformers' own renames and base-model prefix.
 
-    A name that needs one of transformers' tensor conversions (fusing or
-    splitting tensors) cannot be read directly; it is reported as such.
+    Per-expert tensors that transformers stacks into one (its
+    ``MergeModulelist(dim=0)``, optionally followed by ``Concatenate(dim=1)``:
+    Mixtral, Qwen-MoE, DeepSeek, OLMoE and the others sharing their layout)
+    map to a :class:`StackSlot` of the stacked tensor, each read straight into
+    its block. A name that needs any other of transformers' tensor conversions
+    cannot be read directly; it is reported as such.
     """
     model_names = set(model.state_dict(keep_vars=True))
     prefix = getattr(model, "base_model_prefix", "") or ""
     renamings, converters = _conversions(model)
 
-    def rename(name: str) -> str:
-        renamed = name
-        for renaming in renamings:
-            renamed, _ = renaming.rename_source_key(renamed)
-        for converter in converters:
-            _, pattern = converter.rename_source_key(renamed)
-            if pattern is not None:
-                raise CheckpointError(
-                    f"needs transformers' weight conversion {type(converter).__name__} ({pattern}), which this loader "
-                    "does not apply; load this model with transformers' from_pretrained",
-                    tensor=name,
-                )
+    def with_prefix(renamed: str) -> str:
         if renamed in model_names or not prefix:
             return renamed
         if renamed.startswith(prefix + ".") and renamed[len(prefix) + 1:] in model_names:
@@ -104,7 +99,39 @@ def hf_key_map(model: nn.Module) -> Callable[[str], str]:
             return f"{prefix}.{renamed}"  # a base model's checkpoint into a head model
         return renamed
 
+    def rename(name: str) -> Union[str, StackSlot]:
+        renamed = name
+        for renaming in renamings:
+            renamed, _ = renaming.rename_source_key(renamed)
+        for converter in converters:
+            target, pattern = converter.rename_source_key(renamed)
+            if pattern is None:
+                continue
+            slot = _stack_slot(converter, pattern, renamed, with_prefix(target))
+            if slot is None:
+                raise CheckpointError(
+                    f"needs transformers' weight conversion {type(converter).__name__} ({pattern}: "
+                    f"{', '.join(map(repr, converter.operations))}), which this loader does not apply; "
+                    "load this model with transformers' from_pretrained",
+                    tensor=name,
+                )
+            return slot
+        return with_prefix(renamed)
+
     return rename
+
+
+def _stack_slot(converter: Any, pattern: str, renamed: str, target: str) -> Optional[StackSlot]:
+    """The slot of one expert's tensor in a stacked tensor, or None for conversions other than stacking."""
+    kinds = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+    if kinds not in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]):
+        return None
+    if pattern.count("*") != 1:
+        return None
+    found = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), renamed)
+    if found is None:
+        return None
+    return StackSlot(target=target, index=int(found.group(1)), group=converter.source_patterns.index(pattern), pattern=pattern)
 
 
 def _conversions(model: nn.Module) -> tuple[list, list]:

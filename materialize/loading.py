@@ -25,6 +25,7 @@ from .memory import PeakMemory
 from .planning import Entry, InitFn, Plan, make_plan
 from .report import Report
 from .sanitizer import CountingFiles, audit, nonfinite, poison
+from .stacking import pieces_of
 from .transfer import resolve_device, staging_for
 from .validate import check_bools
 
@@ -278,7 +279,11 @@ def _materialize_entry(
     if entry.action != "load" or view is not None:
         return []
     assert entry.source is not None
-    return [Job(tensor.detach(), entry.source)]
+    flat = tensor.detach().view(-1)
+    return [
+        Job(flat[piece.start: piece.start + piece.info.numel].view(piece.info.shape), piece.info)
+        for piece in pieces_of(entry.source)
+    ]
 
 
 def _registered(entry: Entry) -> torch.Tensor:

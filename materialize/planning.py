@@ -26,6 +26,7 @@ from .errors import (
     ShapeMismatchError,
 )
 from .keymap import KeyMapLike, as_key_map, auto_strip_wrapper_prefix
+from .stacking import Source, Stacked, StackSlot, pieces_of, stack
 
 Action = Literal["load", "init", "keep"]
 InitFn = Callable[[nn.Module], None]
@@ -52,7 +53,7 @@ class Entry:
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
-    source: Optional[TensorInfo] = None
+    source: Optional[Source] = None
     on_disk: bool = False  # left in the checkpoint file, mapped copy-on-write
 
     @property
@@ -142,23 +143,35 @@ def _collect_groups(model: nn.Module) -> list[tuple[torch.Tensor, list[tuple[str
     return list(groups.values())
 
 
-def _map_checkpoint_names(ckpt: Checkpoint, model_names: set[str], key_map: KeyMapLike) -> dict[str, str]:
-    """Model name -> checkpoint name."""
+def _map_checkpoint_names(ckpt: Checkpoint, model_names: set[str], key_map: KeyMapLike) -> dict[str, Source]:
+    """Model name -> its source: one checkpoint tensor, or several stacked (see :mod:`materialize.stacking`)."""
     rename = as_key_map(key_map) if key_map is not None else auto_strip_wrapper_prefix(ckpt, model_names)
-    mapped: dict[str, str] = {}
+    mapped: dict[str, Source] = {}
+    slots: dict[str, list[tuple[StackSlot, TensorInfo]]] = {}
     for ckpt_name in ckpt:
         try:
             model_name = rename(ckpt_name)
         except MaterializeError as error:
             error.path = error.path or str(ckpt.path)  # a key map knows names, not files
             raise
+        if isinstance(model_name, StackSlot):
+            slots.setdefault(model_name.target, []).append((model_name, ckpt[ckpt_name]))
+            continue
         if model_name in mapped:
             raise KeyMismatchError(
-                f"checkpoint tensors '{mapped[model_name]}' and '{ckpt_name}' both map to model name "
+                f"checkpoint tensors '{mapped[model_name].name}' and '{ckpt_name}' both map to model name "
                 f"'{model_name}'; fix the key_map",
                 path=ckpt.path,
             )
-        mapped[model_name] = ckpt_name
+        mapped[model_name] = ckpt[ckpt_name]
+    for target, gathered in slots.items():
+        if target in mapped:
+            raise KeyMismatchError(
+                f"checkpoint tensor '{mapped[target].name}' maps to model name '{target}', which '{gathered[0][1].name}' "
+                "is stacked into too; fix the key_map",
+                path=ckpt.path,
+            )
+        mapped[target] = stack(target, gathered)
     return mapped
 
 
@@ -195,13 +208,12 @@ def make_plan(
     for tensor, named in groups:
         names = tuple(name for name, _ in named)
         owners = [owner for _, owner in named]
-        source_name = next((to_ckpt[n] for n in names if n in to_ckpt), None)
+        info = next((to_ckpt[n] for n in names if n in to_ckpt), None)
         place = placement(names[0]) if placement is not None else device
         on_disk = place == "disk"
         entry = Entry(names, owners, tensor, "keep", tuple(tensor.shape), tensor.dtype,
                       torch.device("cpu") if on_disk else place, on_disk=on_disk)
-        if source_name is not None:
-            info = ckpt[source_name]
+        if info is not None:
             entry.action, entry.source = "load", info
             if info.shape != entry.shape:
                 plan.mismatched.append((names[0], entry.shape, info.shape))
@@ -214,7 +226,7 @@ def make_plan(
                 plan.missing.append(names[0])
         plan.entries.append(entry)
 
-    plan.unexpected = [c for m, c in to_ckpt.items() if m not in model_names]
+    plan.unexpected = [piece.info.name for m, source in to_ckpt.items() if m not in model_names for piece in pieces_of(source)]
     _raise_for_mismatch(plan, ckpt, strict)
     _raise_for_unmappable_disk(plan, ckpt)
 
@@ -256,12 +268,20 @@ def _raise_for_mismatch(plan: Plan, ckpt: Checkpoint, strict: bool) -> None:
 
 
 def _raise_for_unmappable_disk(plan: Plan, ckpt: Checkpoint) -> None:
-    """Disk tensors stay in the file: they cannot be cast, and must be there to map."""
-    cast = [e.name for e in plan.entries if e.on_disk and e.action == "load" and e.source and e.source.dtype != e.dtype]
+    """Disk tensors stay in the file: they cannot be cast or stacked, and must be there to map."""
+    loads = [e for e in plan.entries if e.on_disk and e.action == "load" and e.source is not None]
+    cast = [e.name for e in loads if e.source.dtype != e.dtype]
     if cast:
         raise DeviceError(
             f"tensors placed on disk stay mapped from the file and cannot be cast: {', '.join(cast)}; "
             "drop the dtype or place those modules on cpu",
+            path=ckpt.path,
+        )
+    stacked = [e.name for e in loads if isinstance(e.source, Stacked)]
+    if stacked:
+        raise DeviceError(
+            f"tensors placed on disk stay mapped from the file, and these are stacked from several checkpoint "
+            f"tensors: {', '.join(stacked)}; place those modules on cpu or a GPU",
             path=ckpt.path,
         )
 

@@ -22,6 +22,7 @@ import torch
 
 from .fileio import FileSet
 from .planning import Entry, Plan
+from .stacking import pieces_of
 from .validate import distinct_elements
 
 _FLOAT_POISON_BITS = {
@@ -110,7 +111,7 @@ def audit(plan: Plan, registered: Iterable[tuple[Entry, torch.Tensor]], counts: 
         if tensor.dtype != entry.dtype and entry.action != "keep":
             problems.append(f"{name}: {tensor.dtype}, planned {entry.dtype}")
         if entry.action == "load" and entry.source is not None and name not in mapped:
-            read = counts.bytes_by_tensor.get(entry.source.name, 0)
+            read = sum(counts.bytes_by_tensor.get(piece.info.name, 0) for piece in pieces_of(entry.source))
             if read != entry.source.read_nbytes:
                 problems.append(f"{name}: {read} bytes written from the file, {entry.source.read_nbytes} expected")
         if entry.action != "keep" and is_poisoned(tensor):

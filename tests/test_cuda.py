@@ -68,3 +68,23 @@ def test_unavailable_cuda_index_is_a_device_error(tmp_path):
 
     with pytest.raises(mz.DeviceError, match="does not exist"):
         mz.load_tensors(path, device=f"cuda:{torch.cuda.device_count()}")
+
+
+@pytest.mark.parametrize("dtype", [None, "fp32"], ids=["keep", "fp32"])
+def test_stacked_experts_load_to_cuda_into_their_blocks(dtype, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                                        num_key_value_heads=2, vocab_size=99, num_local_experts=4, num_experts_per_tok=2)
+    source = transformers.MixtralForCausalLM(config).to(torch.bfloat16)
+    source.save_pretrained(tmp_path / "moe")
+
+    model, _ = mz.load_model(tmp_path / "moe", device="cuda", dtype=dtype)
+
+    want = source.model.layers[0].mlp.experts
+    got = model.model.layers[0].mlp.experts
+    for name in ("gate_up_proj", "down_proj"):
+        value = getattr(got, name)
+        assert value.device.type == "cuda"
+        expected = getattr(want, name).detach()
+        assert torch.equal(value.cpu(), expected.float() if dtype else expected), name

@@ -39,6 +39,15 @@ def _tiny(kind: str):
                                        decoder_start_token_id=0)
         ids = torch.arange(7)[None] % 99
         return transformers.T5ForConditionalGeneration(config), {"input_ids": ids, "decoder_input_ids": ids[:, :4]}
+    if kind == "mixtral":  # experts saved as block_sparse_moe.experts.N.w1/w2/w3, stacked in the model
+        config = transformers.MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                            num_key_value_heads=2, vocab_size=99, num_local_experts=4, num_experts_per_tok=2)
+        return transformers.MixtralForCausalLM(config), {"input_ids": torch.arange(7)[None] % 99}
+    if kind == "qwen2_moe":  # experts saved as mlp.experts.N.gate_proj/up_proj/down_proj
+        config = transformers.Qwen2MoeConfig(hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+                                             shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                                             num_key_value_heads=2, vocab_size=99, num_experts=3, num_experts_per_tok=2)
+        return transformers.Qwen2MoeForCausalLM(config), {"input_ids": torch.arange(7)[None] % 99}
     if kind == "vit":
         config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                                         image_size=32, patch_size=8, num_labels=3)
@@ -63,7 +72,7 @@ def _save(model, folder: Path, *, as_bin: bool, dtype: torch.dtype) -> Path:
     return folder
 
 
-KINDS = ["gpt2", "llama", "bert", "t5", "vit"]
+KINDS = ["gpt2", "llama", "bert", "t5", "vit", "mixtral", "qwen2_moe"]
 
 
 @pytest.mark.parametrize("as_bin", [False, True], ids=["safetensors", "bin"])
@@ -198,16 +207,105 @@ def test_without_transformers_a_clear_error_names_the_extra(tmp_path):
     assert "torch-materialize[hf]" in done.stdout, done.stderr
 
 
-def test_checkpoints_needing_tensor_conversions_are_refused_by_name(tmp_path):
-    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                                        num_key_value_heads=2, vocab_size=50, num_local_experts=2, num_experts_per_tok=1)
-    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "moe")
+def test_stacked_experts_are_read_into_their_blocks_and_cast(tmp_path):
+    source, _ = _tiny("mixtral")
+    folder = _save(source, tmp_path / "moe", as_bin=False, dtype=torch.bfloat16)
+    saved = {}
+    for shard in folder.glob("*.safetensors"):
+        saved.update(load_file(shard))
+    assert "model.layers.1.block_sparse_moe.experts.3.w3.weight" in saved  # the per-expert layout on disk
+
+    model, report = mz.load_model(folder, dtype="fp32", check=True)
+
+    experts = model.model.layers[1].mlp.experts
+    for expert in range(4):
+        w1, w3 = (saved[f"model.layers.1.block_sparse_moe.experts.{expert}.{w}.weight"] for w in ("w1", "w3"))
+        assert torch.equal(experts.gate_up_proj[expert], torch.cat([w1, w3]).float())
+        assert torch.equal(experts.down_proj[expert], saved[f"model.layers.1.block_sparse_moe.experts.{expert}.w2.weight"].float())
+    assert report.bytes_read == sum(t.numel() * t.element_size() for t in saved.values())
+    assert report.unexpected == [] and report.missing == []
+
+
+def test_stacked_experts_are_copied_even_with_mmap(tmp_path):
+    source, inputs = _tiny("qwen2_moe")
+    folder = _save(source, tmp_path / "moe", as_bin=False, dtype=torch.float32)
+
+    model, report = mz.load_model(folder, mmap=True)
+    reference = type(source).from_pretrained(folder).eval()
+
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in report.mapped
+    assert "model.layers.0.mlp.shared_expert.up_proj.weight" in report.mapped
+    with torch.no_grad():
+        assert torch.equal(model(**inputs)[0], reference(**inputs)[0])
+
+
+def test_a_missing_expert_is_one_clear_error_naming_a_stacked_tensor(tmp_path):
+    source, _ = _tiny("mixtral")
+    folder = _save(source, tmp_path / "moe", as_bin=False, dtype=torch.float32)
+    _drop_tensor(folder, "model.layers.0.block_sparse_moe.experts.2.w3.weight")
 
     with pytest.raises(mz.CheckpointError) as caught:
-        mz.load_model(tmp_path / "moe")
+        mz.load_model(folder)
+    done = subprocess.run([CLI, str(folder)], capture_output=True, text=True)
 
     message = str(caught.value)
-    assert str(tmp_path / "moe") in message and "experts.0" in message and "from_pretrained" in message
+    assert "model.layers.0.block_sparse_moe.experts.2.w1.weight" in message and "model.layers.0.mlp.experts.gate_up_proj" in message
+    assert str(folder) in message
+    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1
+    assert "experts.2.w1.weight" in done.stderr
+
+
+def test_stacked_experts_cannot_stay_on_disk(tmp_path):
+    source, _ = _tiny("mixtral")
+    folder = _save(source, tmp_path / "moe", as_bin=False, dtype=torch.float32)
+
+    with pytest.raises(mz.DeviceError) as caught:
+        mz.load_model(folder, device_map={"model.layers.1": "disk", "": "cpu"})
+
+    assert "model.layers.1.mlp.experts.gate_up_proj" in str(caught.value) and "stacked" in str(caught.value)
+
+
+def test_the_cli_loads_a_mixture_of_experts_folder(tmp_path):
+    source, _ = _tiny("qwen2_moe")
+    folder = _save(source, tmp_path / "moe", as_bin=True, dtype=torch.bfloat16)
+
+    done = subprocess.run([CLI, str(folder), "--json"], capture_output=True, text=True)
+
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert "model.layers.1.mlp.experts.down_proj" in report["loaded"]
+    assert report["missing"] == [] and report["unexpected"] == []
+
+
+def test_conversions_other_than_stacking_are_refused_by_name(tmp_path, monkeypatch):
+    from transformers.core_model_loading import Transpose, WeightConverter
+
+    from materialize import hf
+
+    source, _ = _tiny("llama")
+    folder = _save(source, tmp_path / "llama", as_bin=False, dtype=torch.float32)
+    transposed = WeightConverter(source_patterns="mlp.down_proj.weight", target_patterns="mlp.down_proj.weight",
+                                 operations=[Transpose(0, 1)])
+    monkeypatch.setattr(hf, "_conversions", lambda model: ([], [transposed]))
+
+    with pytest.raises(mz.CheckpointError) as caught:
+        mz.load_model(folder)
+
+    message = str(caught.value)
+    assert str(folder) in message and "mlp.down_proj.weight" in message and "Transpose" in message
+    assert "from_pretrained" in message
+
+
+def _drop_tensor(folder: Path, name: str) -> None:
+    from safetensors.torch import save_file
+
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = folder / index["weight_map"].pop(name)
+    tensors = load_file(shard)
+    del tensors[name]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index))
 
 
 def test_device_map_with_disk_offload_matches_from_pretrained(tmp_path):

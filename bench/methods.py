@@ -174,6 +174,7 @@ def read_everything(path: Path, *, threads: int, prefaulted: bool = False) -> di
     before its read, as the engine does (a lower bar than plain reads).
     """
     from materialize.hostmem import prefault
+
     files = _checkpoint_files(path)
     chunk = 64 * 1024 * 1024 if threads == 1 else 16 * 1024 * 1024
     buffers = {}

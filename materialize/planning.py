@@ -26,7 +26,7 @@ from .errors import (
     ShapeMismatchError,
 )
 from .keymap import KeyMapLike, as_key_map, auto_strip_wrapper_prefix
-from .stacking import Source, Stacked, StackSlot, pieces_of, stack
+from .stacking import Stacked, StackSlot, pieces_of, stack
 
 Action = Literal["load", "init", "keep"]
 InitFn = Callable[[nn.Module], None]
@@ -53,7 +53,7 @@ class Entry:
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
-    source: Optional[Source] = None
+    source: Optional[TensorInfo] = None
     on_disk: bool = False  # left in the checkpoint file, mapped copy-on-write
 
     @property
@@ -143,10 +143,10 @@ def _collect_groups(model: nn.Module) -> list[tuple[torch.Tensor, list[tuple[str
     return list(groups.values())
 
 
-def _map_checkpoint_names(ckpt: Checkpoint, model_names: set[str], key_map: KeyMapLike) -> dict[str, Source]:
+def _map_checkpoint_names(ckpt: Checkpoint, model_names: set[str], key_map: KeyMapLike) -> dict[str, TensorInfo]:
     """Model name -> its source: one checkpoint tensor, or several stacked (see :mod:`materialize.stacking`)."""
     rename = as_key_map(key_map) if key_map is not None else auto_strip_wrapper_prefix(ckpt, model_names)
-    mapped: dict[str, Source] = {}
+    mapped: dict[str, TensorInfo] = {}
     slots: dict[str, list[tuple[StackSlot, TensorInfo]]] = {}
     for ckpt_name in ckpt:
         try:

@@ -15,16 +15,10 @@ instead of a name; the planner gathers the slots of one target into a
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Union
 
 from .checkpoint import TensorInfo
 from .errors import CheckpointError
-
-if TYPE_CHECKING:
-    import torch
 
 
 @dataclass(frozen=True)
@@ -49,48 +43,25 @@ class Piece:
 
 
 @dataclass(frozen=True)
-class Stacked:
-    """A model tensor assembled from checkpoint tensors; quacks like a :class:`TensorInfo` where planning needs one."""
+class Stacked(TensorInfo):
+    """A model tensor assembled from checkpoint tensors, described as one.
 
-    target: str
-    pieces: tuple[Piece, ...]
-    shape: tuple[int, ...]
-    dtype_name: str
-    itemsize: int
+    Its name, path and offset are its first piece's, for messages; it is
+    never one run of one file, so it is never read or mapped as a whole.
+    """
 
-    @property
-    def name(self) -> str:
-        return self.pieces[0].info.name
-
-    @property
-    def path(self) -> Path:
-        return self.pieces[0].info.path
-
-    @property
-    def dtype(self) -> "torch.dtype":
-        return self.pieces[0].info.dtype
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.itemsize
+    pieces: tuple[Piece, ...] = ()
 
     @property
     def contiguous(self) -> bool:
-        return False  # never one run of one file: it cannot stay mapped
+        return False  # cannot stay mapped
 
     @property
     def read_nbytes(self) -> int:
         return sum(piece.info.read_nbytes for piece in self.pieces)
 
 
-Source = Union[TensorInfo, Stacked]
-
-
-def pieces_of(source: Source) -> tuple[Piece, ...]:
+def pieces_of(source: TensorInfo) -> tuple[Piece, ...]:
     return source.pieces if isinstance(source, Stacked) else (Piece(source, 0),)
 
 
@@ -145,10 +116,13 @@ def stack(target: str, slots: list[tuple[StackSlot, TensorInfo]]) -> Stacked:
             info = by_place[index, group]
             pieces.append(Piece(info, start))
             start += info.numel
+    first = pieces[0].info
     return Stacked(
-        target=target,
+        name=first.name,
+        dtype_name=first.dtype_name,
+        itemsize=first.itemsize,
+        shape=(len(indexes), rows, *first.shape[1:]),
+        path=first.path,
+        offset=first.offset,
         pieces=tuple(pieces),
-        shape=(len(indexes), rows, *model_block[0].shape[1:]),
-        dtype_name=model_block[0].dtype_name,
-        itemsize=model_block[0].itemsize,
     )

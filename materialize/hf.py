@@ -19,7 +19,7 @@ from torch import nn
 
 from .errors import CheckpointError, ModelSpecError
 from .meta import meta_init
-from .stacking import StackSlot
+from .stacking import Chunks, StackSlot
 
 CONFIG_NAME = "config.json"
 HF_SPEC_PREFIX = "hf:"
@@ -76,17 +76,22 @@ def is_hf_model(model: nn.Module) -> bool:
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
-def hf_key_map(model: nn.Module) -> Callable[[str], Union[str, StackSlot]]:
+def hf_key_map(model: nn.Module) -> Callable[[str], Union[str, StackSlot, Chunks]]:
     """Checkpoint name -> model name, with transformers' own renames and base-model prefix.
 
-    Per-expert tensors that transformers stacks into one (its
-    ``MergeModulelist(dim=0)``, optionally followed by ``Concatenate(dim=1)``:
-    Mixtral, Qwen-MoE, DeepSeek, OLMoE and the others sharing their layout)
-    map to a :class:`StackSlot` of the stacked tensor, each read straight into
-    its block. A name that needs any other of transformers' tensor conversions
-    cannot be read directly; it is reported as such.
+    transformers' tensor conversions that keep every byte in a contiguous
+    run are followed (see :mod:`materialize.stacking`): per-expert tensors
+    stacked into one (``MergeModulelist(dim=0)``, optionally followed by
+    ``Concatenate(dim=1)``: Mixtral, Qwen-MoE, DeepSeek, OLMoE and the others
+    sharing their layout) and tensors concatenated along their first
+    dimension map to a :class:`StackSlot`; a fused tensor cut along its first
+    dimension (``Chunk(dim=0)`` or ``Split(dim=0)``: GTE's ``qkv_proj``) maps
+    to :class:`Chunks`. A name that needs any other conversion (transposes,
+    interleaves, permutations, or these on other dimensions) cannot be read
+    directly; it is reported as such.
     """
-    model_names = set(model.state_dict(keep_vars=True))
+    model_shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict(keep_vars=True).items()}
+    model_names = set(model_shapes)
     prefix = getattr(model, "base_model_prefix", "") or ""
     renamings, converters = _conversions(model)
 
@@ -99,7 +104,7 @@ def hf_key_map(model: nn.Module) -> Callable[[str], Union[str, StackSlot]]:
             return f"{prefix}.{renamed}"  # a base model's checkpoint into a head model
         return renamed
 
-    def rename(name: str) -> Union[str, StackSlot]:
+    def rename(name: str) -> Union[str, StackSlot, Chunks]:
         renamed = name
         for renaming in renamings:
             renamed, _ = renaming.rename_source_key(renamed)
@@ -107,7 +112,7 @@ def hf_key_map(model: nn.Module) -> Callable[[str], Union[str, StackSlot]]:
             target, pattern = converter.rename_source_key(renamed)
             if pattern is None:
                 continue
-            slot = _stack_slot(converter, pattern, renamed, with_prefix(target))
+            slot = _conversion_slot(converter, pattern, name, renamed, target, with_prefix, model_shapes)
             if slot is None:
                 raise CheckpointError(
                     f"needs transformers' weight conversion {type(converter).__name__} ({pattern}: "
@@ -121,17 +126,41 @@ def hf_key_map(model: nn.Module) -> Callable[[str], Union[str, StackSlot]]:
     return rename
 
 
-def _stack_slot(converter: Any, pattern: str, renamed: str, target: str) -> Optional[StackSlot]:
-    """The slot of one expert's tensor in a stacked tensor, or None for conversions other than stacking."""
-    kinds = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
-    if kinds not in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]):
+def _conversion_slot(
+    converter: Any, pattern: str, name: str, renamed: str, target: str, with_prefix: Callable[[str], str],
+    model_shapes: dict[str, tuple[int, ...]],
+) -> Union[StackSlot, Chunks, None]:
+    """Where one checkpoint tensor goes under ``converter``, or None for a conversion that moves bytes around.
+
+    ``target`` is ``renamed`` with the converter's first target pattern in
+    place of ``pattern``, as transformers renames it.
+    """
+    kinds = [(type(op).__name__, getattr(op, "dim", None), getattr(op, "num_shards_attribute", None))
+             for op in converter.operations]
+    if kinds in ([("MergeModulelist", 0, None)], [("MergeModulelist", 0, None), ("Concatenate", 1, None)]):
+        if pattern.count("*") != 1:
+            return None
+        found = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), renamed)
+        if found is None:
+            return None
+        return StackSlot(target=with_prefix(target), index=int(found.group(1)),
+                         group=converter.source_patterns.index(pattern), pattern=pattern)
+    if kinds == [("Concatenate", 0, None)] and len(converter.target_patterns) == 1 and "*" not in pattern:
+        return StackSlot(target=with_prefix(target), index=0, group=converter.source_patterns.index(pattern),
+                         pattern=pattern, new_dim=False)
+    cuts = kinds in ([("Chunk", 0, None)], [("Split", 0, None)])
+    patterns = converter.target_patterns
+    if not cuts or len(converter.source_patterns) != 1 or any("*" in t or "\\" in t for t in patterns):
         return None
-    if pattern.count("*") != 1:
-        return None
-    found = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), renamed)
-    if found is None:
-        return None
-    return StackSlot(target=target, index=int(found.group(1)), group=converter.source_patterns.index(pattern), pattern=pattern)
+    # transformers names the other parts by the same replacement (its Split does too)
+    targets = tuple(with_prefix(target.replace(patterns[0], other)) for other in patterns)
+    if kinds[0][0] == "Chunk":
+        return Chunks(targets)
+    unknown = [t for t in targets if not model_shapes.get(t)]
+    if unknown:
+        raise CheckpointError(f"is split into {', '.join(map(repr, targets))}, and the model has no "
+                              f"{', '.join(map(repr, unknown))} to size its part", tensor=name)
+    return Chunks(targets, rows=tuple(model_shapes[t][0] for t in targets))
 
 
 def _conversions(model: nn.Module) -> tuple[list, list]:

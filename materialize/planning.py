@@ -26,7 +26,7 @@ from .errors import (
     ShapeMismatchError,
 )
 from .keymap import KeyMapLike, as_key_map, auto_strip_wrapper_prefix
-from .stacking import Stacked, StackSlot, pieces_of, stack
+from .stacking import Chunks, Stacked, StackSlot, cut, pieces_of, stack
 
 Action = Literal["load", "init", "keep"]
 InitFn = Callable[[nn.Module], None]
@@ -144,7 +144,7 @@ def _collect_groups(model: nn.Module) -> list[tuple[torch.Tensor, list[tuple[str
 
 
 def _map_checkpoint_names(ckpt: Checkpoint, model_names: set[str], key_map: KeyMapLike) -> dict[str, TensorInfo]:
-    """Model name -> its source: one checkpoint tensor, or several stacked (see :mod:`materialize.stacking`)."""
+    """Model name -> its source: one checkpoint tensor, several stacked, or a run of one (see :mod:`materialize.stacking`)."""
     rename = as_key_map(key_map) if key_map is not None else auto_strip_wrapper_prefix(ckpt, model_names)
     mapped: dict[str, TensorInfo] = {}
     slots: dict[str, list[tuple[StackSlot, TensorInfo]]] = {}
@@ -157,13 +157,15 @@ def _map_checkpoint_names(ckpt: Checkpoint, model_names: set[str], key_map: KeyM
         if isinstance(model_name, StackSlot):
             slots.setdefault(model_name.target, []).append((model_name, ckpt[ckpt_name]))
             continue
-        if model_name in mapped:
-            raise KeyMismatchError(
-                f"checkpoint tensors '{mapped[model_name].name}' and '{ckpt_name}' both map to model name "
-                f"'{model_name}'; fix the key_map",
-                path=ckpt.path,
-            )
-        mapped[model_name] = ckpt[ckpt_name]
+        parts = cut(ckpt[ckpt_name], model_name) if isinstance(model_name, Chunks) else [(model_name, ckpt[ckpt_name])]
+        for target, info in parts:
+            if target in mapped:
+                raise KeyMismatchError(
+                    f"checkpoint tensors '{mapped[target].name}' and '{info.name}' both map to model name "
+                    f"'{target}'; fix the key_map",
+                    path=ckpt.path,
+                )
+            mapped[target] = info
     for target, gathered in slots.items():
         if target in mapped:
             raise KeyMismatchError(

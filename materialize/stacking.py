@@ -1,21 +1,29 @@
-"""Stacked tensors: one model tensor filled from several checkpoint tensors.
+"""Model tensors and checkpoint tensors that are not one to one, but still contiguous runs of each other.
 
-Mixture-of-experts models in transformers 5 hold each layer's experts as one
-tensor (``experts.gate_up_proj`` of shape ``[experts, 2 * inner, hidden]``),
-while their checkpoints keep one tensor per expert and projection
-(``experts.3.w1.weight``). Stacking along a new first dimension, then
-concatenating along the next one, puts every checkpoint tensor in one
-contiguous block of the model tensor, so each is read straight into its
-block: no temporary, no second copy, as for any other tensor.
-
-A key map marks such a checkpoint tensor by returning a :class:`StackSlot`
-instead of a name; the planner gathers the slots of one target into a
+Stacked: mixture-of-experts models in transformers 5 hold each layer's
+experts as one tensor (``experts.gate_up_proj`` of shape ``[experts, 2 *
+inner, hidden]``), while their checkpoints keep one tensor per expert and
+projection (``experts.3.w1.weight``). Stacking along a new first dimension,
+then concatenating along the next one (or only concatenating along the first,
+as ``q``, ``k`` and ``v`` convolutions fused into one), puts every checkpoint
+tensor in one contiguous block of the model tensor, so each is read straight
+into its block: no temporary, no second copy, as for any other tensor. A key
+map marks such a checkpoint tensor by returning a :class:`StackSlot` instead
+of a name; the planner gathers the slots of one target into a
 :class:`Stacked` source.
+
+Cut: the other way round, a checkpoint may hold one fused tensor (``Wqkv``)
+where the model has several (``q_proj``, ``k_proj``, ``v_proj``). Each part
+along the first dimension is a contiguous run of the file, a tensor in its
+own right, so it is read, cast or mapped like any other. A key map marks such
+a checkpoint tensor by returning :class:`Chunks`; :func:`cut` gives the parts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 from .checkpoint import TensorInfo
 from .errors import CheckpointError
@@ -27,13 +35,28 @@ class StackSlot:
 
     ``index`` is its position along the stacked (first) dimension, the
     expert number; ``group`` orders the tensors concatenated along the next
-    dimension within one position (gate before up).
+    dimension within one position (gate before up). With ``new_dim=False``
+    nothing is stacked: the groups are concatenated along the first
+    dimension, and ``index`` is always 0.
     """
 
     target: str
     index: int
     group: int
     pattern: str = ""  # which checkpoint tensors this group holds, for messages: ".experts.*.w3.weight"
+    new_dim: bool = True
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """A checkpoint tensor cut along its first dimension into the model tensors ``targets``, in order.
+
+    ``rows`` gives each target's share; without it the parts are as
+    ``torch.chunk`` makes them (equal, the last one smaller if need be).
+    """
+
+    targets: tuple[str, ...]
+    rows: Optional[tuple[int, ...]] = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +131,7 @@ def stack(target: str, slots: list[tuple[StackSlot, TensorInfo]]) -> Stacked:
         raise CheckpointError(f"cannot be concatenated into '{target}': {shapes}", path=model_block[0].path,
                               tensor=model_block[0].name)
     rows = sum(info.shape[0] for info in model_block)
+    new_dim = slots[0][0].new_dim
     block_numel = sum(info.numel for info in model_block)
     pieces = []
     for index in indexes:
@@ -121,8 +145,34 @@ def stack(target: str, slots: list[tuple[StackSlot, TensorInfo]]) -> Stacked:
         name=first.name,
         dtype_name=first.dtype_name,
         itemsize=first.itemsize,
-        shape=(len(indexes), rows, *first.shape[1:]),
+        shape=(len(indexes), rows, *first.shape[1:]) if new_dim else (rows, *first.shape[1:]),
         path=first.path,
         offset=first.offset,
         pieces=tuple(pieces),
     )
+
+
+def cut(info: TensorInfo, chunks: Chunks) -> list[tuple[str, TensorInfo]]:
+    """Each target with the run of ``info`` it gets, named ``info.name[first:last]`` (rows); raises naming ``info``."""
+    into = ", ".join(f"'{target}'" for target in chunks.targets)
+    if not info.shape:
+        raise CheckpointError(f"is a scalar and cannot be cut into {into}", path=info.path, tensor=info.name)
+    if not info.contiguous:
+        raise CheckpointError(f"is a strided view and cannot be cut into {into}", path=info.path, tensor=info.name)
+    total = info.shape[0]
+    if chunks.rows is not None:
+        if sum(chunks.rows) != total or len(chunks.rows) != len(chunks.targets):
+            raise CheckpointError(
+                f"has {total} rows, but {into} take {' + '.join(map(str, chunks.rows))}", path=info.path, tensor=info.name)
+        sizes = list(chunks.rows)
+    else:
+        size = -(-total // len(chunks.targets))
+        sizes = [min(size, total - start) for start in range(0, total, size)] if total else [0] * len(chunks.targets)
+    row_bytes = info.nbytes // total if total else 0
+    parts, first = [], 0
+    for target, rows in zip(chunks.targets, sizes):
+        parts.append((target, dataclasses.replace(
+            info, name=f"{info.name}[{first}:{first + rows}]", shape=(rows, *info.shape[1:]),
+            offset=info.offset + first * row_bytes, storage=None)))
+        first += rows
+    return parts

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -48,6 +49,14 @@ def _tiny(kind: str):
                                              shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
                                              num_key_value_heads=2, vocab_size=99, num_experts=3, num_experts_per_tok=2)
         return transformers.Qwen2MoeForCausalLM(config), {"input_ids": torch.arange(7)[None] % 99}
+    if kind == "gte":  # q, k, v saved fused as attention.qkv_proj (weight and bias), cut in equal parts by the model
+        config = transformers.GteConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=48,
+                                        vocab_size=99, max_position_embeddings=64)
+        return transformers.GteModel(config), {"input_ids": torch.arange(7)[None] % 99}
+    if kind == "molmo2":  # att_proj split unevenly into q, k, v (grouped-query); two embeddings concatenated into one
+        config = transformers.Molmo2TextConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               intermediate_size=64, vocab_size=99, additional_vocab_size=5, pad_token_id=0, head_dim=8)
+        return transformers.Molmo2TextModel(config), {"input_ids": torch.arange(7)[None] % 104}
     if kind == "vit":
         config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                                         image_size=32, patch_size=8, num_labels=3)
@@ -72,7 +81,7 @@ def _save(model, folder: Path, *, as_bin: bool, dtype: torch.dtype) -> Path:
     return folder
 
 
-KINDS = ["gpt2", "llama", "bert", "t5", "vit", "mixtral", "qwen2_moe"]
+KINDS = ["gpt2", "llama", "bert", "t5", "vit", "mixtral", "qwen2_moe", "gte", "molmo2"]
 
 
 @pytest.mark.parametrize("as_bin", [False, True], ids=["safetensors", "bin"])
@@ -210,9 +219,7 @@ def test_without_transformers_a_clear_error_names_the_extra(tmp_path):
 def test_stacked_experts_are_read_into_their_blocks_and_cast(tmp_path):
     source, _ = _tiny("mixtral")
     folder = _save(source, tmp_path / "moe", as_bin=False, dtype=torch.bfloat16)
-    saved = {}
-    for shard in folder.glob("*.safetensors"):
-        saved.update(load_file(shard))
+    saved = _saved(folder)
     assert "model.layers.1.block_sparse_moe.experts.3.w3.weight" in saved  # the per-expert layout on disk
 
     model, report = mz.load_model(folder, dtype="fp32", check=True)
@@ -242,7 +249,7 @@ def test_stacked_experts_are_copied_even_with_mmap(tmp_path):
 def test_a_missing_expert_is_one_clear_error_naming_a_stacked_tensor(tmp_path):
     source, _ = _tiny("mixtral")
     folder = _save(source, tmp_path / "moe", as_bin=False, dtype=torch.float32)
-    _drop_tensor(folder, "model.layers.0.block_sparse_moe.experts.2.w3.weight")
+    _rewrite_tensor(folder, "model.layers.0.block_sparse_moe.experts.2.w3.weight", None)
 
     with pytest.raises(mz.CheckpointError) as caught:
         mz.load_model(folder)
@@ -277,6 +284,36 @@ def test_the_cli_loads_a_mixture_of_experts_folder(tmp_path):
     assert report["missing"] == [] and report["unexpected"] == []
 
 
+def test_fused_tensors_are_cut_into_the_models_tensors_and_stay_mapped(tmp_path):
+    source, inputs = _tiny("molmo2")
+    folder = _save(source, tmp_path / "molmo2", as_bin=False, dtype=torch.float32)
+    saved = _saved(folder)
+    fused = saved["layers.1.self_attn.att_proj.weight"]  # q (32 rows), k (16), v (16)
+    assert "layers.1.self_attn.q_proj.weight" not in saved
+
+    model, report = mz.load_model(folder, mmap=True)
+
+    attention = model.layers[1].self_attn
+    assert torch.equal(attention.q_proj.weight, fused[:32])
+    assert torch.equal(attention.k_proj.weight, fused[32:48]) and torch.equal(attention.v_proj.weight, fused[48:])
+    assert {"layers.1.self_attn.q_proj.weight", "layers.1.self_attn.v_proj.weight"} <= set(report.mapped)
+    assert "embed_tokens.weight" not in report.mapped  # concatenated from two tensors: copied
+    assert torch.equal(model.embed_tokens.weight, torch.cat([saved["wte.embedding"], saved["wte.new_embedding"]]))
+
+
+def test_a_fused_tensor_of_the_wrong_size_is_one_clear_error_naming_it(tmp_path):
+    source, _ = _tiny("molmo2")
+    folder = _save(source, tmp_path / "molmo2", as_bin=False, dtype=torch.float32)
+    name = "layers.0.self_attn.att_proj.weight"
+    _rewrite_tensor(folder, name, _saved(folder)[name][:60].clone())
+
+    done = subprocess.run([CLI, str(folder)], capture_output=True, text=True)
+
+    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "layers.0.self_attn.att_proj.weight" in done.stderr and "has 60 rows" in done.stderr
+    assert str(folder) in done.stderr and done.stdout == ""
+
+
 def test_conversions_other_than_stacking_are_refused_by_name(tmp_path, monkeypatch):
     from transformers.core_model_loading import Transpose, WeightConverter
 
@@ -296,14 +333,25 @@ def test_conversions_other_than_stacking_are_refused_by_name(tmp_path, monkeypat
     assert "from_pretrained" in message
 
 
-def _drop_tensor(folder: Path, name: str) -> None:
+def _saved(folder: Path) -> dict[str, torch.Tensor]:
+    saved = {}
+    for shard in folder.glob("*.safetensors"):
+        saved.update(load_file(shard))
+    return saved
+
+
+def _rewrite_tensor(folder: Path, name: str, value: Optional[torch.Tensor]) -> None:
+    """Replace one tensor of a sharded save (None: drop it), index included."""
     from safetensors.torch import save_file
 
     index_path = folder / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
-    shard = folder / index["weight_map"].pop(name)
+    shard = folder / index["weight_map"][name]
     tensors = load_file(shard)
-    del tensors[name]
+    if value is None:
+        del tensors[name], index["weight_map"][name]
+    else:
+        tensors[name] = value
     save_file(tensors, shard, metadata={"format": "pt"})
     index_path.write_text(json.dumps(index))
 

@@ -1,4 +1,4 @@
-"""Stacked sources: several checkpoint tensors, each one block of one model tensor."""
+"""Stacked and cut sources: checkpoint tensors that are blocks of a model tensor, or model tensors that are runs of one."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import materialize as mz
 from materialize.checkpoint import TensorInfo
 from materialize.loading import execute
 from materialize.planning import make_plan
-from materialize.stacking import StackSlot, stack
+from materialize.stacking import Chunks, StackSlot, cut, stack
 
 from conftest import write_safetensors
 
@@ -67,3 +67,83 @@ def test_a_key_map_can_stack_tensors_of_a_real_file_into_a_plain_model(tmp_path)
     for e in range(3):
         assert torch.equal(model.gate_up[e], torch.cat([experts[f"experts.{e}.gate"], experts[f"experts.{e}.up"]]))
     assert report.bytes_read == 3 * 2 * 3 * 4 * 4
+
+
+def test_concatenated_without_a_new_dimension_the_groups_follow_each_other():
+    slots = [(StackSlot("conv", 0, group, new_dim=False), _info(f"g{group}", (2 + group, 3))) for group in (2, 0, 1)]
+
+    stacked = stack("conv", slots)
+
+    assert stacked.shape == (9, 3)
+    assert [(p.info.name, p.start) for p in stacked.pieces] == [("g0", 0), ("g1", 6), ("g2", 15)]
+
+
+@pytest.mark.parametrize("total, parts", [(7, 3), (6, 3), (2, 3), (0, 2), (5, 1)])
+def test_chunks_are_cut_as_torch_chunk_cuts(total, parts):
+    info = _info("qkv", (total, 4), offset=100)
+    targets = tuple(f"t{i}" for i in range(parts))
+    expected = torch.arange(total * 4).view(total, 4).chunk(parts) if total else [torch.empty(0, 4)] * parts
+
+    pieces = cut(info, Chunks(targets))
+
+    assert [target for target, _ in pieces] == list(targets[: len(expected)])
+    first = 0
+    for (_, piece), reference in zip(pieces, expected):
+        assert piece.shape == tuple(reference.shape)
+        assert piece.offset == 100 + first * 4 * 4
+        assert piece.name == f"qkv[{first}:{first + len(reference)}]"
+        first += len(reference)
+
+
+def test_rows_given_per_target_cut_unevenly():
+    pieces = cut(_info("qkv", (8, 2)), Chunks(("q", "k", "v"), rows=(4, 2, 2)))
+
+    assert [(t, p.name, p.shape, p.offset) for t, p in pieces] == [
+        ("q", "qkv[0:4]", (4, 2), 0), ("k", "qkv[4:6]", (2, 2), 32), ("v", "qkv[6:8]", (2, 2), 48)]
+
+
+@pytest.mark.parametrize("info, chunks, words", [
+    (_info("qkv", (8, 2)), Chunks(("q", "k"), rows=(4, 2)), "has 8 rows, but 'q', 'k' take 4 + 2"),
+    (_info("scale", ()), Chunks(("a", "b")), "is a scalar and cannot be cut into 'a', 'b'"),
+    (TensorInfo(name="qkv", dtype_name="float32", itemsize=4, shape=(4, 4), path=FILE, offset=0, stride=(1, 4),
+                span_nbytes=64), Chunks(("a", "b")), "is a strided view"),
+])
+def test_what_cannot_be_cut_is_refused_naming_the_tensor(info, chunks, words):
+    with pytest.raises(mz.CheckpointError) as caught:
+        cut(info, chunks)
+
+    assert words in str(caught.value) and info.name in str(caught.value) and str(FILE) in str(caught.value)
+
+
+def _fused_model() -> torch.nn.Module:
+    model = torch.nn.Module()
+    for name, rows in (("q", 4), ("k", 2), ("v", 2)):
+        model.register_parameter(name, torch.nn.Parameter(torch.empty(rows, 3, device="meta")))
+    return model
+
+
+@pytest.mark.parametrize("how", [{}, {"mmap": True}, {"dtype": torch.float64}])
+def test_a_key_map_can_cut_a_fused_tensor_of_a_real_file_into_a_plain_model(tmp_path, how):
+    fused = torch.randn(8, 3)
+    path = write_safetensors({"qkv": fused, "extra": torch.randn(5)}, tmp_path / "fused.safetensors")
+    model = _fused_model()
+
+    def key_map(name: str):
+        return Chunks(("q", "k", "v"), rows=(4, 2, 2)) if name == "qkv" else name
+
+    report = mz.load(model, path, key_map=key_map, strict=False, check=not how.get("mmap"), **how)
+
+    for name, rows in (("q", slice(0, 4)), ("k", slice(4, 6)), ("v", slice(6, 8))):
+        assert torch.equal(getattr(model, name), fused[rows].to(getattr(model, name).dtype)), name
+    assert report.unexpected == ["extra"]
+    assert sorted(report.mapped) == (["k", "q", "v"] if how.get("mmap") else [])
+
+
+def test_a_fused_tensor_that_is_too_short_is_one_error_naming_it(tmp_path):
+    path = write_safetensors({"qkv": torch.randn(6, 3)}, tmp_path / "fused.safetensors")
+
+    with pytest.raises(mz.CheckpointError) as caught:
+        mz.load(_fused_model(), path, key_map=lambda name: Chunks(("q", "k", "v"), rows=(4, 2, 2)))
+
+    assert "qkv" in str(caught.value)
+    assert "has 6 rows, but 'q', 'k', 'v' take 4 + 2 + 2" in str(caught.value) and str(path) in str(caught.value)

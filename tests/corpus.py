@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import runpy
 import sys
 import warnings
 import zipfile
@@ -184,10 +185,14 @@ def build(root: Path) -> list[Case]:
     pickled_call(folder / pt, eval, f"open({str(folder / 'pwned-eval')!r}, 'w')")
     folder = case("pt-exec-via-builtins", pt, "UnsafeCheckpointError", ["exec"], marker="pwned-exec")
     pickled_call(folder / pt, exec, f"open({str(folder / 'pwned-exec')!r}, 'w')")
-    folder = case("pt-non-allowlisted-global", pt, "UnsafeCheckpointError", ["argparse.Namespace", "add_safe_globals"])
-    torch.save({"weight": torch.ones(2), "args": __import__("argparse").Namespace(lr=0.1)}, folder / pt)
-    folder = case("pt-pickled-module", pt, "UnsafeCheckpointError", ["trust_pickle"])
-    torch.save(nn.Linear(2, 2), folder / pt)
+    folder = case("pt-runpy-run-path", pt, "UnsafeCheckpointError", ["runpy.run_path", "trust_pickle"], marker="pwned-runpy")
+    (folder / "payload.py").write_text(f"open({str(folder / 'pwned-runpy')!r}, 'w')")
+    pickled_call(folder / pt, runpy.run_path, str(folder / "payload.py"))
+    folder = case("pt-pickled-module-with-a-call", pt, "UnsafeCheckpointError", ["runpy.run_path"], marker="pwned-in-module")
+    (folder / "payload.py").write_text(f"open({str(folder / 'pwned-in-module')!r}, 'w')")
+    module = nn.Linear(2, 2)
+    module.hook = Gadget(runpy.run_path, str(folder / "payload.py"))
+    torch.save(module, folder / pt)
     folder = case("pt-torchscript", pt, "UnsupportedFormatError", ["TorchScript"])
     torch.jit.save(torch.jit.script(nn.Linear(2, 2)), folder / pt)
     folder = case("pt-malformed-opcodes", pt, "CheckpointError", ["data.pkl"])

@@ -502,18 +502,6 @@ def test_code_executing_pickle_is_refused_by_every_loading_entry_point(tmp_path,
     assert not marker.exists()
 
 
-def test_pickled_module_is_refused_without_trust_pickle(tmp_path):
-    path = tmp_path / "whole_model.pt"
-    torch.save(TinyNet(), path)
-
-    with pytest.raises(mz.UnsafeCheckpointError) as caught:
-        mz.open_checkpoint(path)
-
-    assert str(path) in str(caught.value)
-    assert "trust_pickle" in str(caught.value)
-    assert "TinyNet" in str(caught.value)
-
-
 def test_pickled_module_opens_and_loads_with_trust_pickle(tmp_path):
     torch.manual_seed(0)
     source = TinyNet()

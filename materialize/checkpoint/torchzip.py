@@ -1,7 +1,8 @@
 """torch zip checkpoints (``.pt``/``.pth``/``.bin``) read without loading tensors.
 
-``data.pkl`` is unpickled with torch's weights-only unpickler (or, only with
-``trust_pickle``, the full pickler to rebuild a pickled module), with every
+``data.pkl`` is unpickled with torch's weights-only unpickler, classes it does
+not allow replaced by inert stand-ins (see :mod:`.standins`), or, only with
+``trust_pickle``, the full pickler to rebuild a pickled module, with every
 storage created on ``meta``. Each tensor then maps to its storage record in
 the zip, whose bytes are stored uncompressed at a known offset: the same
 direct path as safetensors, with no ``torch.load`` of the data.
@@ -26,6 +27,7 @@ from torch import _weights_only_unpickler, nn
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError
 from .base import TensorInfo
 from .pickle_scan import negative_layouts
+from .standins import CalledStandIn, StandIn, is_module_state, module_state, stand_in_class
 
 STATE_DICT_KEYS = ("state_dict", "model", "module")
 _LOCAL_HEADER = struct.Struct("<4s4xH16xHH")
@@ -61,27 +63,75 @@ class _TrustedUnpickler(pickle.Unpickler):
     pass
 
 
+class _WeightsOnlyUnpickler(_weights_only_unpickler.Unpickler):
+    def _check_set_item_target(self, opcode: str) -> None:
+        if not isinstance(self.stack[-1], StandIn):  # a stand-in for a dict subclass takes its items inertly
+            super()._check_set_item_target(opcode)
+
+
+_MAX_STAND_INS = 256
+_STAND_IN_SCOPE = getattr(torch.serialization, "safe_globals", None)  # torch 2.5+; before it, no stand-ins
+
+
 def _unpickle(path: Path, data: bytes, refs: dict[int, _StorageRef], *, trust_pickle: bool) -> Any:
-    loader = _persistent_loader(path, refs)
+    """The object ``torch.save`` was given, its tensors on meta; classes torch does not allow become stand-ins.
+
+    Each class the weights-only unpickler refuses is given a stand-in (see
+    :mod:`.standins`) and the pickle is read again, up to a bound; a call of
+    anything it names is refused.
+    """
     if trust_pickle:
         unpickler: Any = _TrustedUnpickler(io.BytesIO(data), encoding="utf-8")
-    else:
-        unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8")
-    unpickler.persistent_load = loader
+        unpickler.persistent_load = _persistent_loader(path, refs)
+        return _load(path, unpickler, trust_pickle=True)
+    stand_ins: dict[str, type] = {}
+    while True:
+        refs.clear()
+        unpickler = _WeightsOnlyUnpickler(io.BytesIO(data), encoding="utf-8")
+        unpickler.persistent_load = _persistent_loader(path, refs)
+        try:
+            if not stand_ins:
+                return _load(path, unpickler, trust_pickle=False)
+            with _STAND_IN_SCOPE(list(stand_ins.values())):
+                return _load(path, unpickler, trust_pickle=False)
+        except _RefusedGlobal as refused:
+            if (_STAND_IN_SCOPE is None or "." not in refused.name or refused.name in stand_ins
+                    or len(stand_ins) >= _MAX_STAND_INS):
+                raise refused.error from None
+            stand_ins[refused.name] = stand_in_class(refused.name)
+
+
+class _RefusedGlobal(Exception):
+    def __init__(self, name: str, error: UnsafeCheckpointError) -> None:
+        super().__init__(name)
+        self.name = name
+        self.error = error
+
+
+def _load(path: Path, unpickler: Any, *, trust_pickle: bool) -> Any:
     try:
         return unpickler.load()
     except CheckpointError:
         raise
+    except CalledStandIn as call:
+        raise UnsafeCheckpointError(
+            f"refused to unpickle a call of '{call.name}': calling it could run code from the file. If you trust "
+            "the file, pass trust_pickle=True (CLI: --trust-pickle)",
+            path=path,
+        ) from None
     except pickle.UnpicklingError as exc:
         found = re.search(r"GLOBAL ([\w.]+)", str(exc))
         if found and not trust_pickle:
-            raise UnsafeCheckpointError(
+            error = UnsafeCheckpointError(
                 f"refused to unpickle global '{found.group(1)}': it is not plain tensor data and loading it "
                 "could run code from the file. To allow this one class, if you know it is safe, register it with "
                 "torch.serialization.add_safe_globals; if the file is a pickled model (torch.save(model)) that you "
                 "trust, pass trust_pickle=True (CLI: --trust-pickle) to build the model from it",
                 path=path,
-            ) from None
+            )
+            if str(exc).startswith("Unsupported global:"):
+                raise _RefusedGlobal(found.group(1), error) from None
+            raise error from None
         raise CheckpointError(f"data.pkl is malformed: {_first_line(exc)}", path=path) from None
     except Exception as exc:  # a hostile pickle can raise anything the unpickler touches
         raise CheckpointError(f"cannot unpickle data.pkl: {type(exc).__name__}: {_first_line(exc)}", path=path) from None
@@ -93,14 +143,22 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _find_payload(obj: Any) -> tuple[dict[str, torch.Tensor], Optional[nn.Module]]:
-    """The state dict (or module) inside what ``torch.save`` was given."""
+    """The state dict (or module) inside what ``torch.save`` was given.
+
+    A module pickled whole but read without ``trust_pickle`` is made of
+    stand-ins: its state-dict entries are taken from them, no module is built.
+    """
     if isinstance(obj, nn.Module):
         return _module_tensors(obj), obj
+    if is_module_state(obj):
+        return dict(module_state(obj)), None
     if isinstance(obj, dict):
         for key in STATE_DICT_KEYS:
             nested = obj.get(key)
             if isinstance(nested, nn.Module):
                 return _module_tensors(nested), nested
+            if is_module_state(nested):
+                return dict(module_state(nested)), None
             if isinstance(nested, dict) and any(isinstance(v, torch.Tensor) for v in nested.values()):
                 return _tensor_entries(nested), None
         return _tensor_entries(obj), None

@@ -1,0 +1,153 @@
+"""torch files carrying more than weights: classes torch refuses are read as inert stand-ins, calls stay refused."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import materialize as mz
+
+CLI = str(Path(sys.executable).parent / "materialize")
+MARKER_ENV = "MATERIALIZE_TEST_MARKER"
+
+
+class HyperParameters(dict):
+    """A dict subclass, as trainers keep their hyper-parameters."""
+
+
+@dataclasses.dataclass
+class RunConfig:
+    lr: float
+    layers: list
+
+
+class Loud:
+    """Restoring it would leave a marker file: it must never be restored for real."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __setstate__(self, state: dict) -> None:
+        Path(state["marker"]).touch()
+        self.__dict__.update(state)
+
+
+class LoudNet(nn.Module):
+    def __init__(self, marker: Path) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.norm = nn.LayerNorm(3)
+        self.register_buffer("scale", torch.arange(3.0))
+        self.register_buffer("cache", torch.ones(2), persistent=False)
+        self.loud = Loud(marker)
+
+    def __setstate__(self, state: dict) -> None:
+        Path(state["loud"].marker).with_suffix(".module").touch()
+        super().__setstate__(state)
+
+
+class Color(enum.Enum):
+    RED = 1
+
+
+def _weights() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {"fc.weight": torch.randn(3, 4), "fc.bias": torch.randn(3)}
+
+
+def test_a_namespace_beside_the_state_dict_is_read_as_a_stand_in(tmp_path):
+    weights = _weights()
+    path = tmp_path / "research.pt"
+    torch.save({"args": argparse.Namespace(lr=0.1, data=str(tmp_path)), "state_dict": weights, "epoch": 7}, path)
+
+    allowed_before = set(map(repr, torch.serialization.get_safe_globals()))
+    tensors, report = mz.load_tensors(path)
+
+    assert tensors.keys() == weights.keys()
+    for name, value in weights.items():
+        assert torch.equal(tensors[name], value), name
+    assert set(map(repr, torch.serialization.get_safe_globals())) == allowed_before  # nothing left allowed for the caller's torch.load
+
+
+def test_trainer_hyper_parameters_dataclasses_and_restorers_never_run(tmp_path):
+    weights = _weights()
+    marker = tmp_path / "restored"
+    path = tmp_path / "trainer.ckpt"
+    hyper = HyperParameters(lr=0.1, nested=HyperParameters(depth=2), config=RunConfig(0.1, [1, 2]))
+    torch.save({"state_dict": weights, "hyper_parameters": hyper, "callbacks": {"loud": Loud(marker)}}, path)
+    model = nn.Module()
+    model.fc = nn.Linear(4, 3, device="meta")
+
+    report = mz.load(model, path)
+
+    assert torch.equal(model.fc.weight, weights["fc.weight"]) and torch.equal(model.fc.bias, weights["fc.bias"])
+    assert sorted(report.loaded) == ["fc.bias", "fc.weight"]
+    assert not marker.exists()
+
+
+def test_a_pickled_module_opens_without_trust_as_its_state_dict_and_its_code_never_runs(tmp_path):
+    marker = tmp_path / "restored"
+    source = LoudNet(marker)
+    path = tmp_path / "whole.pt"
+    torch.save(source, path)
+
+    with mz.open_checkpoint(path) as ckpt:
+        assert ckpt.module is None
+        names = list(ckpt)
+    with mz.meta_init():
+        model = LoudNet(marker)
+    mz.load(model, path)
+
+    assert names == list(source.state_dict())  # "cache" is not persistent: not in the state dict
+    for name, value in source.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    assert not marker.exists() and not marker.with_suffix(".module").exists()
+
+
+def test_a_module_nested_under_model_is_found(tmp_path):
+    source = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3))
+    path = tmp_path / "nested.pt"
+    torch.save({"model": source, "optimizer": {"state": {}}, "step": 3}, path)
+
+    tensors, _ = mz.load_tensors(path)
+
+    assert tensors.keys() == source.state_dict().keys()
+    for name, value in source.state_dict().items():
+        assert torch.equal(tensors[name], value), name
+
+
+def test_a_call_in_the_pickle_is_still_refused_naming_it_and_loads_with_trust(tmp_path):
+    weights = _weights()
+    path = tmp_path / "enum.pt"
+    torch.save({"state_dict": weights, "color": Color.RED}, path)
+
+    allowed_before = set(map(repr, torch.serialization.get_safe_globals()))
+    with pytest.raises(mz.UnsafeCheckpointError) as caught:
+        mz.open_checkpoint(path)
+    allowed_after = set(map(repr, torch.serialization.get_safe_globals()))
+    tensors, _ = mz.load_tensors(path, trust_pickle=True)
+
+    message = str(caught.value)
+    assert str(path) in message and "test_standins.Color" in message and "trust_pickle" in message
+    assert torch.equal(tensors["fc.weight"], weights["fc.weight"])
+    assert allowed_after == allowed_before
+
+
+def test_the_cli_loads_a_checkpoint_with_a_namespace(tmp_path):
+    weights = _weights()
+    path = tmp_path / "research.pt"
+    torch.save({"args": argparse.Namespace(lr=0.1), "model": weights}, path)
+
+    done = subprocess.run([CLI, str(path), "--json"], capture_output=True, text=True)
+
+    assert done.returncode == 0, done.stderr
+    assert sorted(json.loads(done.stdout)["loaded"]) == ["fc.bias", "fc.weight"]

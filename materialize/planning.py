@@ -24,6 +24,7 @@ from .errors import (
     KeyMismatchError,
     MaterializeError,
     ShapeMismatchError,
+    summarize_names,
 )
 from .keymap import KeyMapLike, as_key_map, auto_strip_wrapper_prefix
 from .stacking import Chunks, Stacked, StackSlot, cut, pieces_of, stack
@@ -246,11 +247,11 @@ def _raise_for_mismatch(plan: Plan, ckpt: Checkpoint, strict: bool) -> None:
     shapes = [f"{n} (model {list(m)}, checkpoint {list(c)})" for n, m, c in plan.mismatched]
     problems = []
     if strict and plan.missing:
-        problems.append(f"{len(plan.missing)} missing from the checkpoint: {', '.join(plan.missing)}")
+        problems.append(f"{len(plan.missing)} missing from the checkpoint: {summarize_names(plan.missing)}")
     if strict and plan.unexpected:
-        problems.append(f"{len(plan.unexpected)} unexpected in the checkpoint: {', '.join(plan.unexpected)}")
+        problems.append(f"{len(plan.unexpected)} unexpected in the checkpoint: {summarize_names(plan.unexpected)}")
     if shapes:
-        problems.append(f"{len(shapes)} with a different shape: {', '.join(shapes)}")
+        problems.append(f"{len(shapes)} with a different shape: {summarize_names(shapes)}")
     if not problems:
         return
     prefix_hint = _prefix_hint(plan.missing, plan.unexpected) if strict else ""
@@ -275,7 +276,7 @@ def _raise_for_unmappable_disk(plan: Plan, ckpt: Checkpoint) -> None:
     cast = [e.name for e in loads if e.source.dtype != e.dtype]
     if cast:
         raise DeviceError(
-            f"tensors placed on disk stay mapped from the file and cannot be cast: {', '.join(cast)}; "
+            f"tensors placed on disk stay mapped from the file and cannot be cast: {summarize_names(cast)}; "
             "drop the dtype or place those modules on cpu",
             path=ckpt.path,
         )
@@ -283,7 +284,7 @@ def _raise_for_unmappable_disk(plan: Plan, ckpt: Checkpoint) -> None:
     if stacked:
         raise DeviceError(
             f"tensors placed on disk stay mapped from the file, and these are stacked from several checkpoint "
-            f"tensors: {', '.join(stacked)}; place those modules on cpu or a GPU",
+            f"tensors: {summarize_names(stacked)}; place those modules on cpu or a GPU",
             path=ckpt.path,
         )
 
@@ -317,7 +318,7 @@ def _init_modules(model: nn.Module, plan: Plan, init: Optional[InitFn], ckpt: Ch
         wanted[id(owner)] = owner
     if uninitializable:
         raise InitError(
-            f"no initializer for {', '.join(uninitializable)}: the checkpoint lacks them and their modules "
+            f"no initializer for {summarize_names(uninitializable)}: the checkpoint lacks them and their modules "
             "have no reset_parameters(); pass init=fn(module) or a checkpoint that holds them",
             path=ckpt.path,
         )

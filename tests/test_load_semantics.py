@@ -151,6 +151,20 @@ def test_strict_mismatch_names_every_tensor_and_leaves_model_untouched(tmp_path)
     assert all(p.device.type == "meta" for p in model.parameters())
 
 
+def test_a_mismatch_of_many_tensors_names_a_few_and_counts_the_rest(tmp_path):
+    path = write_safetensors({f"other.{i}": torch.ones(1) for i in range(30)}, tmp_path / "m.safetensors")
+    model = nn.Sequential(*(nn.Linear(2, 2, device="meta") for _ in range(20)))
+
+    with pytest.raises(mz.KeyMismatchError) as caught:
+        mz.load(model, path)
+
+    message = str(caught.value)
+    assert "40 missing from the checkpoint: 0.weight, 0.bias," in message and "(and 32 more)" in message
+    assert "30 unexpected in the checkpoint: other.0," in message and "(and 22 more)" in message
+    assert "19.bias" not in message and len(message) < 1000
+    assert len(caught.value.missing) == 40 and len(caught.value.unexpected) == 30
+
+
 def test_shape_mismatch_is_an_error_even_when_not_strict(tmp_path):
     path = write_safetensors({"first.weight": torch.randn(4, 5)}, tmp_path / "m.safetensors")
     model = _meta(Pair)

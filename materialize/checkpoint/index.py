@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from ..errors import CheckpointError, CheckpointNotFoundError
+from ..errors import CheckpointError, CheckpointNotFoundError, summarize_names
 from .base import TensorInfo
 
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
@@ -76,7 +76,7 @@ def resolve_shards(index_path: Path, weight_map: dict[str, str]) -> dict[str, Pa
         shards[shard_name] = path
     if missing:
         raise CheckpointNotFoundError(
-            f"index names {len(missing)} missing shard(s): {', '.join(missing)}", path=index_path
+            f"index names {len(missing)} missing shard(s): {summarize_names(missing)}", path=index_path
         )
     return shards
 
@@ -94,7 +94,7 @@ def read_sharded(index_path: Path, read_shard: ShardReader) -> tuple[dict[str, T
         absent = sorted(expected - found.keys())
         if absent:
             raise CheckpointError(
-                f"index maps {', '.join(absent)} to {shard_name}, which does not hold it", path=index_path
+                f"index maps {summarize_names(absent)} to {shard_name}, which does not hold it", path=index_path
             )
         for name in sorted(found.keys() - expected):
             owner = weight_map.get(name)

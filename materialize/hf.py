@@ -51,6 +51,7 @@ def build_hf(folder: Path, *, model_class: Optional[str] = None) -> nn.Module:
         config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelSpecError(f"cannot read its config.json: {_first_line(exc)}", path=folder / CONFIG_NAME) from None
+    _refuse_quantized(config, folder)
     name = model_class or next(iter(getattr(config, "architectures", None) or []), "AutoModel")
     cls = getattr(transformers, name, None)
     if cls is None:
@@ -64,6 +65,20 @@ def build_hf(folder: Path, *, model_class: Optional[str] = None) -> nn.Module:
         except (ValueError, TypeError, KeyError) as exc:
             raise ModelSpecError(f"{name} cannot be built from this config: {_first_line(exc)}", path=folder / CONFIG_NAME) from None
     return model.eval()
+
+
+def _refuse_quantized(config: Any, folder: Path) -> None:
+    """A quantized checkpoint holds packed integers and scales that only its quantizer's layers understand."""
+    quantization = getattr(config, "quantization_config", None)
+    if not quantization:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
+    raise ModelSpecError(
+        f"the model is quantized (quantization_config, quant_method {str(method or 'unknown')!r}); its checkpoint "
+        "holds packed weights and scales for the quantizer's own layers, which this loader does not build; "
+        "load it with transformers' from_pretrained, or pass --model with a matching skeleton",
+        path=folder / CONFIG_NAME,
+    )
 
 
 def _first_line(exc: BaseException) -> str:

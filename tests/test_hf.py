@@ -314,6 +314,21 @@ def test_a_fused_tensor_of_the_wrong_size_is_one_clear_error_naming_it(tmp_path)
     assert str(folder) in done.stderr and done.stdout == ""
 
 
+def test_a_quantized_model_is_one_clear_error_naming_its_method(tmp_path):
+    source, _ = _tiny("llama")
+    folder = _save(source, tmp_path / "llama", as_bin=False, dtype=torch.bfloat16)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(config))
+
+    with pytest.raises(mz.ModelSpecError) as caught:
+        mz.load_model(folder)
+    done = subprocess.run([CLI, str(folder)], capture_output=True, text=True)
+
+    assert "'fp8'" in str(caught.value) and str(folder / "config.json") in str(caught.value)
+    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1 and "quantized" in done.stderr
+
+
 def test_conversions_other_than_stacking_are_refused_by_name(tmp_path, monkeypatch):
     from transformers.core_model_loading import Transpose, WeightConverter
 

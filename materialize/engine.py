@@ -28,12 +28,14 @@ import torch
 
 from .checkpoint import TensorInfo
 from .errors import CastOverflowError
-from .fileio import DirectReads, FileSet, byte_view
+from .fileio import MAX_IOVECS, DirectReads, FileSet, byte_view
 from .hostmem import prefault
 from .transfer import Completion, Staging
 
 DIRECT_CHUNK_BYTES = 16 * 1024 * 1024
 CAST_CHUNK_BYTES = 2 * 1024 * 1024  # per reader thread: stays in cache between read and cast
+TASK_BYTES = 16 * 1024 * 1024  # work handed to a reader thread at once (see _run_in_tasks)
+PREFAULT_MIN_BYTES = 256 * 1024  # smaller: the faults taken inside the read cost less than the call sparing them
 ProgressFn = Callable[[int, int], None]
 
 
@@ -124,18 +126,16 @@ def stream(
 
 
 def _run_direct(jobs: list[Job], files: FileSet, tracker: _Progress, threads: int) -> None:
-    def read_chunk(job: Job, start: int, stop: int) -> None:
-        prefault(job.dest.data_ptr() + start, stop - start)
-        files.read_into(job.info.path, job.info.offset + start, byte_view(job.dest)[start:stop], tensor=job.info.name)
-        tracker.add(stop - start)
+    def read_run(run: list[Piece]) -> None:
+        for job, start, stop in run:
+            if stop - start >= PREFAULT_MIN_BYTES:
+                prefault(job.dest.data_ptr() + start, stop - start)
+        first, start, _ = run[0]
+        files.read_run(first.info.path, first.info.offset + start,
+                       [(byte_view(job.dest)[start:stop], job.info.name) for job, start, stop in run])
+        tracker.add(sum(stop - start for _, start, stop in run))
 
-    # Files in order, large reads: the page cache and storage both prefer it.
-    tasks = [
-        (job, start, min(start + DIRECT_CHUNK_BYTES, job.info.nbytes))
-        for job in sorted(jobs, key=lambda j: (str(j.info.path), j.info.offset))
-        for start in range(0, job.info.nbytes, DIRECT_CHUNK_BYTES)
-    ]
-    _run_parallel(read_chunk, tasks, threads)
+    _run_in_tasks(read_run, _pieces(jobs, DIRECT_CHUNK_BYTES), threads, run_bytes=TASK_BYTES)
 
 
 RangeCheck = Callable[[torch.Tensor, torch.dtype, TensorInfo], None]
@@ -162,24 +162,58 @@ def check_cast_range(values: torch.Tensor, target: torch.dtype, info: TensorInfo
 def _run_cpu_cast(jobs: list[Job], files: FileSet, tracker: _Progress, threads: int, check_range: Optional[RangeCheck]) -> None:
     local = threading.local()
 
-    def cast_chunk(job: Job, first: int, last: int) -> None:
-        itemsize = job.info.dtype.itemsize
+    def cast_run(run: list[Piece]) -> None:
         if not hasattr(local, "buffer"):
             local.buffer = torch.empty(CAST_CHUNK_BYTES, dtype=torch.uint8)
-        raw = local.buffer[: (last - first) * itemsize]
-        files.read_into(job.info.path, job.info.offset + first * itemsize, byte_view(raw), tensor=job.info.name)
-        if check_range is not None:
-            check_range(raw.view(job.info.dtype), job.dest.dtype, job.info)
-        dest_itemsize = job.dest.element_size()
-        prefault(job.dest.data_ptr() + first * dest_itemsize, (last - first) * dest_itemsize)
-        job.dest.view(-1)[first:last].copy_(raw.view(job.info.dtype))
-        tracker.add((last - first) * itemsize)
+        raws, used = [], 0
+        for _, start, stop in run:
+            raws.append(local.buffer[used: used + stop - start])
+            used += stop - start
+        first, start, _ = run[0]
+        files.read_run(first.info.path, first.info.offset + start,
+                       [(byte_view(raw), job.info.name) for raw, (job, _, _) in zip(raws, run)])
+        for raw, (job, start, stop) in zip(raws, run):
+            values = raw.view(job.info.dtype)
+            if check_range is not None:
+                check_range(values, job.dest.dtype, job.info)
+            scale = job.dest.element_size() / job.info.itemsize
+            if (stop - start) * scale >= PREFAULT_MIN_BYTES:
+                prefault(job.dest.data_ptr() + int(start * scale), int((stop - start) * scale))
+            job.dest.view(-1)[start // job.info.itemsize: stop // job.info.itemsize].copy_(values)
+        tracker.add(used)
 
-    tasks = []
+    _run_in_tasks(cast_run, _pieces(jobs, CAST_CHUNK_BYTES), threads, run_bytes=CAST_CHUNK_BYTES)
+
+
+Piece = tuple[Job, int, int]  # a job's source bytes [start, stop), whole elements
+
+
+def _pieces(jobs: list[Job], chunk_bytes: int) -> list[Piece]:
+    """Every job cut into pieces of at most ``chunk_bytes`` (one element at least), files in order."""
+    pieces = []
+    # Files in order, large reads: the page cache and storage both prefer it.
     for job in sorted(jobs, key=lambda j: (str(j.info.path), j.info.offset)):
-        per_chunk = max(1, CAST_CHUNK_BYTES // job.info.dtype.itemsize)
-        tasks += [(job, first, min(first + per_chunk, job.info.numel)) for first in range(0, job.info.numel, per_chunk)]
-    _run_parallel(cast_chunk, tasks, threads)
+        step = max(1, chunk_bytes // job.info.itemsize) * job.info.itemsize
+        pieces += [(job, start, min(start + step, job.info.nbytes)) for start in range(0, job.info.nbytes, step)]
+    return pieces
+
+
+def _file_runs(pieces: list[Piece], run_bytes: int) -> Iterator[list[Piece]]:
+    """Pieces grouped into runs that follow each other in one file, each run within ``run_bytes`` (or one piece)."""
+    run: list[Piece] = []
+    run_size = 0
+    for piece in pieces:
+        job, start, stop = piece
+        if run:
+            last_job, _, last_stop = run[-1]
+            follows = job.info.path == last_job.info.path and job.info.offset + start == last_job.info.offset + last_stop
+            if not follows or run_size + stop - start > run_bytes or len(run) == MAX_IOVECS:
+                yield run
+                run, run_size = [], 0
+        run.append(piece)
+        run_size += stop - start
+    if run:
+        yield run
 
 
 def _single_threaded_kernels() -> None:
@@ -187,6 +221,32 @@ def _single_threaded_kernels() -> None:
     # top of them (per calling thread, so the caller's setting is untouched)
     # oversubscribe the cores and made casts 2-3x slower when measured.
     torch.set_num_threads(1)
+
+
+def _run_in_tasks(work: Callable[[list[Piece]], None], pieces: list[Piece], threads: int, *, run_bytes: int) -> None:
+    """``work(run)`` for every run of ``pieces`` (see :func:`_file_runs`), over the reader threads.
+
+    Pieces are handed to threads in tasks of about :data:`TASK_BYTES`, and
+    read a run at a time: a checkpoint of tens of thousands of small tensors
+    (experts, norms, biases) would otherwise pay a future, two thread
+    hand-offs and a system call per tensor, more than reading it costs.
+    """
+    def run_task(task: list[Piece]) -> None:
+        for run in _file_runs(task, run_bytes):
+            work(run)
+
+    tasks: list[tuple] = []
+    task: list[Piece] = []
+    task_bytes = 0
+    for piece in pieces:
+        task.append(piece)
+        task_bytes += piece[2] - piece[1]
+        if task_bytes >= TASK_BYTES:
+            tasks.append((task,))
+            task, task_bytes = [], 0
+    if task:
+        tasks.append((task,))
+    _run_parallel(run_task, tasks, threads)
 
 
 def _run_parallel(function: Callable[..., None], tasks: list[tuple], threads: int) -> None:

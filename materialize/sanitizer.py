@@ -90,6 +90,12 @@ class CountingFiles(FileSet):
         with self._count_lock:
             self.bytes_by_tensor[tensor] += len(dest)
 
+    def read_run(self, path: Path, offset: int, parts: list[tuple[memoryview, str]]) -> None:
+        self._inner.read_run(path, offset, parts)
+        with self._count_lock:
+            for dest, tensor in parts:
+                self.bytes_by_tensor[tensor] += len(dest)
+
     def close(self) -> None:
         pass  # the checkpoint owns the descriptors
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,7 @@ def test_prefault_stops_asking_a_kernel_that_does_not_know_it(monkeypatch):
 def test_every_destination_byte_is_prefaulted_once_before_it_is_filled(tmp_path, monkeypatch, dtype):
     monkeypatch.setattr(engine, "DIRECT_CHUNK_BYTES", 4096)
     monkeypatch.setattr(engine, "CAST_CHUNK_BYTES", 1000)
+    monkeypatch.setattr(engine, "PREFAULT_MIN_BYTES", 0)
     state = {f"w{i}": torch.randn(3000 + 7 * i, dtype=torch.bfloat16) for i in range(4)}
     path = write_safetensors(state, tmp_path / "m.safetensors")
     ranges = []
@@ -157,3 +159,60 @@ def _resident_pages(address: int, pages: int) -> list[bool]:
     vector = (ctypes.c_ubyte * pages)()
     assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(pages * mmap.PAGESIZE), vector) == 0
     return [bool(v & 1) for v in vector]
+
+
+def _small_tensors(count: int = 300) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {f"layers.{i}.norm": torch.randn(5 + i % 7, dtype=torch.bfloat16) for i in range(count)}
+
+
+@pytest.mark.parametrize("dtype", [None, "fp32"])
+def test_small_tensors_that_follow_each_other_are_read_a_run_at_a_time(tmp_path, monkeypatch, dtype):
+    state = _small_tensors()
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+    real_preadv = os.preadv
+    calls = []
+    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: calls.append(len(buffers)) or real_preadv(fd, buffers, offset))
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(torch.nn.Module() for _ in state)
+    for layer, value in zip(model.layers, state.values()):
+        layer.norm = torch.nn.Parameter(torch.empty(value.shape, dtype=value.dtype, device="meta"))
+
+    mz.load(model, path, dtype=dtype, check=True)  # the audit: every tensor got exactly its bytes, once
+
+    tensors = model.state_dict()
+    for name, value in state.items():
+        assert torch.equal(tensors[name], value.to(tensors[name].dtype)), name
+    assert sum(calls) >= len(state) and len(calls) <= 4  # 300 tensors, a handful of reads
+
+
+@pytest.mark.parametrize("dtype", [None, "fp32"])
+def test_a_run_survives_reads_that_stop_short_anywhere(tmp_path, monkeypatch, dtype):
+    state = _small_tensors()
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+    real_preadv = os.preadv
+
+    def stingy(fd, buffers, offset):  # at most 7 bytes a call: ends mid-element and mid-tensor
+        return real_preadv(fd, [memoryview(buffers[0])[:7]], offset)
+
+    monkeypatch.setattr(os, "preadv", stingy)
+
+    tensors, _ = mz.load_tensors(path, dtype=dtype)
+
+    for name, value in state.items():
+        assert torch.equal(tensors[name], value.to(tensors[name].dtype)), name
+
+
+def test_a_file_that_ends_inside_a_run_names_the_tensor_it_cuts(tmp_path):
+    state = _small_tensors()
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+    with mz.open_checkpoint(path) as ckpt:
+        cut = ckpt["layers.200.norm"]
+        with open(path, "r+b") as handle:
+            handle.truncate(cut.offset + 3)  # shrinks after opening, as a rewrite during a load would
+
+        with pytest.raises(mz.CheckpointError) as caught:
+            mz.load_tensors(ckpt)
+
+    assert "layers.200.norm" in str(caught.value) and str(path) in str(caught.value)

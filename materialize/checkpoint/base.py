@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Iterator, Mapping
@@ -45,8 +46,8 @@ class TensorInfo:
 
         return getattr(torch, self.dtype_name)
 
-    @property
-    def numel(self) -> int:
+    @functools.cached_property
+    def numel(self) -> int:  # cached: planning and reading ask per tensor, many times
         return math.prod(self.shape)
 
     @property

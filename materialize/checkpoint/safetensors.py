@@ -33,11 +33,10 @@ SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
 
 
 def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    result: dict[str, object] = {}
-    for key, value in pairs:
-        if key in result:
-            raise _DuplicateKey(key)
-        result[key] = value
+    result = dict(pairs)  # called for every JSON object of the header: the common case stays at C speed
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(key for key, _ in pairs if key in seen or seen.add(key)))
     return result
 
 

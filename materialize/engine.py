@@ -263,12 +263,23 @@ def _run_parallel(function: Callable[..., None], tasks: list[tuple], threads: in
                 future.cancel()
 
 
-def _chunks(jobs: list[Job], slot_bytes: int) -> Iterator[tuple[Job, int, int]]:
-    """Every job cut into element ranges that fit one slot."""
-    for job in jobs:
-        per_slot = max(1, slot_bytes // job.info.itemsize)
-        for first in range(0, job.info.numel, per_slot):
-            yield job, first, min(job.info.numel, first + per_slot)
+SLOT_ALIGNMENT = 64  # where a piece starts in a slot: any dtype can view it, and copies stay aligned
+Fill = list[tuple[Piece, int]]  # the pieces one slot holds, each with its byte position in the slot
+
+
+def _fills(jobs: list[Job], slot_bytes: int) -> Iterator[Fill]:
+    """Every job cut into slot-sized pieces, and small pieces packed several to a slot."""
+    fill: Fill = []
+    used = 0
+    for piece in _pieces(jobs, slot_bytes):
+        at = -(-used // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+        if fill and (at + piece[2] - piece[1] > slot_bytes or len(fill) == MAX_IOVECS):
+            yield fill
+            fill, at = [], 0
+        fill.append((piece, at))
+        used = at + piece[2] - piece[1]
+    if fill:
+        yield fill
 
 
 def run_staged(
@@ -280,68 +291,84 @@ def run_staged(
     reader_threads: int = 1,
     check_range: Optional[RangeCheck] = None,
 ) -> None:
-    """Read chunks into the ring on reader threads, copying each slot out asynchronously.
+    """Read slot fills into the ring on reader threads, copying each out asynchronously.
 
-    Slot ``i % n`` holds chunk ``i``. A slot is refilled only after the copy
-    out of it has completed; copies are started in chunk order as soon as
-    their reads finish. Whatever happens, every read and every started copy
-    is waited on before returning, so nothing still touches a slot that is
-    released or reused.
+    Slot ``i % n`` holds fill ``i``: one piece of a large tensor, or many small
+    tensors (one read for those that follow each other in the file, then a
+    copy each). A slot is refilled only after every copy out of it has
+    completed; copies are started in fill order as soon as their reads
+    finish. Whatever happens, every read and every started copy is waited
+    on before returning, so nothing still touches a slot that is released or
+    reused.
     """
     slots = staging.slots
-    copies: list[Optional[Completion]] = [None] * len(slots)
-    reads: deque[tuple[Future, Job, int, int, int]] = deque()
+    copies: list[list[Completion]] = [[] for _ in slots]
+    reads: deque[tuple[Future, Fill, int]] = deque()
 
-    def read(job: Job, first: int, last: int, index: int) -> None:
-        size = job.info.itemsize
-        view = byte_view(slots[index][: (last - first) * size])
-        files.read_into(job.info.path, job.info.offset + first * size, view, tensor=job.info.name)
-        if check_range is not None and job.dest.dtype != job.info.dtype:
-            check_range(slots[index][: (last - first) * size].view(job.info.dtype), job.dest.dtype, job.info)
+    def read(fill: Fill, index: int) -> None:
+        slot = slots[index]
+        positions = iter(at for _, at in fill)
+        for run in _file_runs([piece for piece, _ in fill], staging.slot_bytes):
+            parts = []
+            for job, start, stop in run:
+                at = next(positions)
+                parts.append((byte_view(slot[at: at + stop - start]), job.info.name))
+            first, start, _ = run[0]
+            files.read_run(first.info.path, first.info.offset + start, parts)
+        if check_range is not None:
+            for (job, start, stop), at in fill:
+                if job.dest.dtype != job.info.dtype:
+                    check_range(slot[at: at + stop - start].view(job.info.dtype), job.dest.dtype, job.info)
 
-    def start_copy() -> None:
-        future, job, first, last, index = reads.popleft()
+    def start_copies() -> None:
+        future, fill, index = reads.popleft()
         future.result()
-        source = slots[index][: (last - first) * job.info.itemsize].view(job.info.dtype)
-        copies[index] = staging.copy(job.dest.view(-1)[first:last], source)
-        on_bytes((last - first) * job.info.itemsize)
+        for (job, start, stop), at in fill:
+            source = slots[index][at: at + stop - start].view(job.info.dtype)
+            destination = job.dest.view(-1)[start // job.info.itemsize: stop // job.info.itemsize]
+            copies[index].append(staging.copy(destination, source))
+        on_bytes(sum(stop - start for (_, start, stop), _ in fill))
 
     pool = ThreadPoolExecutor(max_workers=reader_threads, thread_name_prefix="materialize-stage")
     staging.begin()
     try:
-        for turn, (job, first, last) in enumerate(_chunks(jobs, staging.slot_bytes)):
+        for turn, fill in enumerate(_fills(jobs, staging.slot_bytes)):
             index = turn % len(slots)
             if len(reads) == len(slots):  # the oldest read still owns this slot
-                start_copy()
-            if copies[index] is not None:
-                copies[index].wait()
-                copies[index] = None
-            reads.append((pool.submit(read, job, first, last, index), job, first, last, index))
+                start_copies()
+            _drain(copies[index], raise_errors=True)
+            reads.append((pool.submit(read, fill, index), fill, index))
             while reads and reads[0][0].done():
-                start_copy()
+                start_copies()
         while reads:
-            start_copy()
+            start_copies()
     except BaseException:
         for future, *_ in reads:
             future.cancel()
         pool.shutdown(wait=True)
-        _drain(copies, raise_errors=False)
+        for pending in copies:
+            _drain(pending, raise_errors=False)
         raise
     pool.shutdown(wait=True)
-    _drain(copies, raise_errors=True)
+    first_error: Optional[BaseException] = None
+    for pending in copies:
+        try:
+            _drain(pending, raise_errors=True)
+        except BaseException as exc:  # keep draining: every slot must be released
+            first_error = first_error or exc
+    if first_error is not None:
+        raise first_error
     staging.finish()
 
 
-def _drain(pending: list[Optional[Completion]], *, raise_errors: bool) -> None:
+def _drain(pending: list[Completion], *, raise_errors: bool) -> None:
+    """Wait for every completion in ``pending`` and empty it; the first error is raised after all are waited on."""
     first_error: Optional[BaseException] = None
-    for index, completion in enumerate(pending):
-        if completion is None:
-            continue
+    while pending:
         try:
-            completion.wait()
+            pending.pop(0).wait()
         except BaseException as exc:  # keep draining: every slot must be released
             first_error = first_error or exc
-        pending[index] = None
     if raise_errors and first_error is not None:
         raise first_error
 

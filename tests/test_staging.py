@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 import materialize as mz
 from materialize.engine import Job, run_staged
+from materialize.fileio import FileSet
 from materialize.transfer import ThreadStaging
 
 from conftest import write_safetensors
@@ -167,3 +169,69 @@ def test_no_slot_is_reused_while_its_copy_is_in_flight(tmp_path):
     assert staging.violations == 0
     for name, value in state.items():
         assert torch.equal(dests[name], value), name
+
+
+class PackedGuardStaging(ThreadStaging):
+    """Counts copies in flight per slot (a slot may hold many small tensors), slowly."""
+
+    def __init__(self, slot_bytes: int, num_slots: int) -> None:
+        super().__init__(slot_bytes=slot_bytes, num_slots=num_slots)
+        self.in_flight = [0] * num_slots
+        self.copies = 0
+
+    def slot_of(self, address: int) -> int:
+        return next(i for i, s in enumerate(self.slots) if s.data_ptr() <= address < s.data_ptr() + s.numel())
+
+    def copy(self, dest, src):
+        index = self.slot_of(src.data_ptr())
+        self.in_flight[index] += 1
+        self.copies += 1
+
+        def slow_copy():
+            import time
+
+            time.sleep(0.001)
+            dest.copy_(src)
+            self.in_flight[index] -= 1
+
+        return _Done(self._worker.submit(slow_copy))
+
+
+class GuardedFiles(FileSet):
+    """Reads through the checkpoint's files, failing if a slot is refilled while copies out of it run."""
+
+    def __init__(self, inner: FileSet, staging: PackedGuardStaging) -> None:
+        super().__init__()
+        self.inner, self.staging = inner, staging
+        self.violations = self.reads = 0
+
+    def fd(self, path):
+        return self.inner.fd(path)
+
+    def read_run(self, path, offset, parts):
+        self.reads += 1
+        for view, _ in parts:
+            address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+            if self.staging.in_flight[self.staging.slot_of(address)]:
+                self.violations += 1
+        self.inner.read_run(path, offset, parts)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float64])
+def test_small_tensors_share_slots_and_no_slot_is_refilled_while_copied_out(tmp_path, dtype):
+    torch.manual_seed(0)
+    state = {f"t{i}": torch.randn(3 + i % 8) for i in range(60)}  # 12 to 40 bytes each
+    state["big"] = torch.randn(200)  # larger than a slot: cut, and packed after the small ones
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+    staging = PackedGuardStaging(slot_bytes=256, num_slots=2)
+
+    with mz.open_checkpoint(path) as ckpt:
+        dests, jobs = _jobs(ckpt, dtype=dtype)
+        files = GuardedFiles(ckpt.files, staging)
+        run_staged(jobs, files, staging, lambda n: None, reader_threads=2)
+    staging.close()
+
+    for name, value in state.items():
+        assert torch.equal(dests[name], value.to(dests[name].dtype)), name
+    assert staging.copies == 60 + 4  # one copy per tensor, the big one in four slot-sized pieces
+    assert files.reads < 25 and files.violations == 0  # 61 tensors in far fewer slot fills

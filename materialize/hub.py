@@ -1,13 +1,19 @@
 """Hub repo ids (``org/name``) resolved to a local folder through huggingface_hub.
 
-Only configs and weights are fetched (safetensors when the repo has them,
-torch files otherwise). huggingface_hub's own settings apply unchanged: the
+Only configs and the weights a load reads are fetched, chosen as a folder
+is read (see :func:`materialize.checkpoint.open_checkpoint`): the shards a
+``model.safetensors.index.json`` names, else ``model.safetensors``, else the
+same for ``pytorch_model.bin``; only a repo with none of these gets all its
+weight files. Many repos hold the weights twice (Mistral's
+``consolidated.safetensors`` beside the shards, ``original/`` folders), and
+a load reads one copy. huggingface_hub's own settings apply unchanged: the
 cache location (``HF_HOME``, ``HF_HUB_CACHE``), offline mode
 (``HF_HUB_OFFLINE``) and tokens. A repo already in the cache needs no network.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -19,6 +25,8 @@ REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
 CONFIG_PATTERNS = ["*.json"]
 SAFETENSORS_PATTERNS = ["*.safetensors"]
 TORCH_PATTERNS = ["*.bin", "*.pt", "*.pth"]
+INDEXED_SAFETENSORS = ("model.safetensors.index.json", "model.safetensors")
+INDEXED_TORCH = ("pytorch_model.bin.index.json", "pytorch_model.bin")
 
 
 def looks_like_repo_id(source: Union[str, os.PathLike]) -> bool:
@@ -31,10 +39,26 @@ def resolve(source: Union[str, os.PathLike], *, revision: Optional[str] = None) 
     if not looks_like_repo_id(source):
         return Path(source)
     repo_id = os.fspath(source)
-    folder = _download(repo_id, revision, CONFIG_PATTERNS + SAFETENSORS_PATTERNS)
+    folder = _download(repo_id, revision, CONFIG_PATTERNS)
+    for index_name, single_name in (INDEXED_SAFETENSORS, INDEXED_TORCH):
+        if (folder / index_name).is_file():
+            return _download(repo_id, revision, _shards_named_by(folder / index_name))
+        folder = _download(repo_id, revision, [single_name])
+        if (folder / single_name).is_file():
+            return folder
+    folder = _download(repo_id, revision, SAFETENSORS_PATTERNS)
     if not any(folder.glob("*.safetensors")):
-        folder = _download(repo_id, revision, CONFIG_PATTERNS + TORCH_PATTERNS)
+        folder = _download(repo_id, revision, TORCH_PATTERNS)
     return folder
+
+
+def _shards_named_by(index: Path) -> list[str]:
+    """The files an index maps tensors to; an unreadable index is left for the checkpoint reader to report."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        return sorted({name for name in weight_map.values() if isinstance(name, str)}) or [index.name]
+    except (OSError, ValueError, AttributeError):
+        return [index.name]
 
 
 def _download(repo_id: str, revision: Optional[str], patterns: list[str]) -> Path:

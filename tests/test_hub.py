@@ -1,0 +1,112 @@
+"""Hub repo ids: only the weights a load reads are fetched (a stand-in hub serves a folder written here)."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import shutil
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import materialize as mz
+from materialize import hub
+
+REPO = "some-org/some-model"
+
+
+@pytest.fixture
+def served(tmp_path, monkeypatch):
+    """A fake hub: snapshot_download copies the remote files its patterns match, and records what it fetched."""
+    remote, local = tmp_path / "remote", tmp_path / "snapshot"
+    remote.mkdir()
+    local.mkdir()
+    fetched: list[str] = []
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=None):
+        assert repo_id == REPO
+        for file in sorted(remote.rglob("*")):
+            name = file.relative_to(remote).as_posix()
+            if file.is_file() and any(fnmatch.fnmatch(name, pattern) for pattern in allow_patterns):
+                (local / name).parent.mkdir(parents=True, exist_ok=True)
+                if not (local / name).exists():
+                    shutil.copy(file, local / name)
+                    fetched.append(name)
+        return str(local)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    return remote, fetched
+
+
+def _state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {"a.weight": torch.randn(4, 3), "b.weight": torch.randn(5), "c.bias": torch.randn(2)}
+
+
+def _write_sharded(remote: Path, state: dict[str, torch.Tensor]) -> None:
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[:2], "model-00002-of-00002.safetensors": names[2:]}
+    for shard, members in shards.items():
+        save_file({n: state[n] for n in members}, remote / shard)
+    weight_map = {n: shard for shard, members in shards.items() for n in members}
+    (remote / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (remote / "config.json").write_text("{}")
+
+
+def test_only_the_shards_an_index_names_are_fetched(served):
+    remote, fetched = served
+    state = _state()
+    _write_sharded(remote, state)
+    save_file(state, remote / "consolidated.safetensors")  # the same weights again, as Mistral's repos hold them
+    (remote / "original").mkdir()
+    torch.save(state, remote / "original" / "consolidated.00.pth")
+
+    tensors, report = mz.load_tensors(hub.resolve(REPO))
+
+    assert sorted(fetched) == ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                               "model.safetensors.index.json"]
+    for name, value in state.items():
+        assert torch.equal(tensors[name], value), name
+
+
+def test_one_file_repos_fetch_that_file_and_torch_files_come_last(served):
+    remote, fetched = served
+    state = _state()
+    save_file(state, remote / "model.safetensors")
+    torch.save(state, remote / "pytorch_model.bin")
+
+    tensors, _ = mz.load_tensors(hub.resolve(REPO))
+
+    assert sorted(fetched) == ["model.safetensors"]
+    assert torch.equal(tensors["a.weight"], state["a.weight"])
+
+
+def test_a_torch_only_repo_fetches_its_index_and_shards(served):
+    remote, fetched = served
+    state = _state()
+    torch.save({"a.weight": state["a.weight"]}, remote / "pytorch_model-00001-of-00002.bin")
+    torch.save({n: state[n] for n in ("b.weight", "c.bias")}, remote / "pytorch_model-00002-of-00002.bin")
+    weight_map = {"a.weight": "pytorch_model-00001-of-00002.bin", "b.weight": "pytorch_model-00002-of-00002.bin",
+                  "c.bias": "pytorch_model-00002-of-00002.bin"}
+    (remote / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    torch.save(state, remote / "training_args.bin")
+
+    tensors, _ = mz.load_tensors(hub.resolve(REPO))
+
+    assert "training_args.bin" not in fetched
+    for name, value in state.items():
+        assert torch.equal(tensors[name], value), name
+
+
+def test_a_repo_in_no_known_layout_fetches_all_its_safetensors(served):
+    remote, fetched = served
+    state = _state()
+    save_file(state, remote / "weights.safetensors")
+    torch.save(state, remote / "weights.pt")
+
+    folder = hub.resolve(REPO)
+
+    assert fetched == ["weights.safetensors"] and (folder / "weights.safetensors").is_file()

@@ -176,10 +176,11 @@ def _run_cpu_cast(jobs: list[Job], files: FileSet, tracker: _Progress, threads: 
             values = raw.view(job.info.dtype)
             if check_range is not None:
                 check_range(values, job.dest.dtype, job.info)
-            scale = job.dest.element_size() / job.info.itemsize
-            if (stop - start) * scale >= PREFAULT_MIN_BYTES:
-                prefault(job.dest.data_ptr() + int(start * scale), int((stop - start) * scale))
-            job.dest.view(-1)[start // job.info.itemsize: stop // job.info.itemsize].copy_(values)
+            first, last = start // job.info.itemsize, stop // job.info.itemsize
+            dest_itemsize = job.dest.element_size()
+            if (last - first) * dest_itemsize >= PREFAULT_MIN_BYTES:
+                prefault(job.dest.data_ptr() + first * dest_itemsize, (last - first) * dest_itemsize)
+            job.dest.view(-1)[first:last].copy_(values)
         tracker.add(used)
 
     _run_in_tasks(cast_run, _pieces(jobs, CAST_CHUNK_BYTES), threads, run_bytes=CAST_CHUNK_BYTES)
@@ -346,18 +347,10 @@ def run_staged(
         for future, *_ in reads:
             future.cancel()
         pool.shutdown(wait=True)
-        for pending in copies:
-            _drain(pending, raise_errors=False)
+        _drain([done for pending in copies for done in pending], raise_errors=False)
         raise
     pool.shutdown(wait=True)
-    first_error: Optional[BaseException] = None
-    for pending in copies:
-        try:
-            _drain(pending, raise_errors=True)
-        except BaseException as exc:  # keep draining: every slot must be released
-            first_error = first_error or exc
-    if first_error is not None:
-        raise first_error
+    _drain([done for pending in copies for done in pending], raise_errors=True)
     staging.finish()
 
 

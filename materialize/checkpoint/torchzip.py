@@ -78,7 +78,9 @@ def _unpickle(path: Path, data: bytes, refs: dict[int, _StorageRef], *, trust_pi
 
     Each class the weights-only unpickler refuses is given a stand-in (see
     :mod:`.standins`) and the pickle is read again, up to a bound; a call of
-    anything it names is refused.
+    anything it names is refused. While a read runs, torch's allowlist (one
+    per process) holds its stand-ins: inert, so another thread's
+    ``torch.load`` that meets them is no less safe.
     """
     if trust_pickle:
         unpickler: Any = _TrustedUnpickler(io.BytesIO(data), encoding="utf-8")

@@ -151,3 +151,19 @@ def test_the_cli_loads_a_checkpoint_with_a_namespace(tmp_path):
 
     assert done.returncode == 0, done.stderr
     assert sorted(json.loads(done.stdout)["loaded"]) == ["fc.bias", "fc.weight"]
+
+
+def test_numpy_numbers_beside_the_weights_load_and_numpy_weights_are_named(tmp_path):
+    numpy = pytest.importorskip("numpy")
+    weights = _weights()
+    path = tmp_path / "metrics.pt"
+    torch.save({"state_dict": weights, "best_acc1": numpy.float64(0.71), "epoch": numpy.int64(90)}, path)
+    arrays = tmp_path / "arrays.pt"
+    torch.save({"fc.weight": weights["fc.weight"], "fc.bias": weights["fc.bias"].numpy()}, arrays)
+
+    tensors, _ = mz.load_tensors(path)
+    with pytest.raises(mz.CheckpointError) as caught:
+        mz.open_checkpoint(arrays)
+
+    assert torch.equal(tensors["fc.weight"], weights["fc.weight"])
+    assert "numpy arrays" in str(caught.value) and "fc.bias" in str(caught.value) and str(arrays) in str(caught.value)

@@ -13,6 +13,10 @@ from the file. Calling a stand-in (``REDUCE``: how a pickle calls a function
 such as ``os.system`` or ``eval``, or a class with arguments) raises
 :class:`CalledStandIn` instead, so such files are still refused. Modules
 named by ``sys``, ``os``, ``posix`` and ``nt`` stay refused by torch itself.
+The one exception is numpy: a training script's metrics (``best_acc`` as a
+``numpy.float64``) pickle as calls of numpy's constructors, so calls of a
+numpy stand-in are inert too (they build a stand-in; numpy is never
+imported). A numpy array where a tensor is expected is an error, not skipped.
 """
 
 from __future__ import annotations
@@ -31,8 +35,14 @@ class CalledStandIn(Exception):
         self.name = name
 
 
+INERT_CALL_MODULES = frozenset({"numpy"})
+NUMPY_ARRAY_BUILDERS = frozenset({"numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct"})
+
+
 class _NoCalls(type):
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls.inert_calls:
+            return cls.__new__(cls, *args)
         raise CalledStandIn(cls.stands_in_for)
 
 
@@ -40,6 +50,7 @@ class StandIn(metaclass=_NoCalls):
     """An object of a class that was never imported; it holds what the pickle gave it, and does nothing."""
 
     stands_in_for = ""
+    inert_calls = False
 
     def __new__(cls, *args: Any) -> "StandIn":
         instance = object.__new__(cls)
@@ -59,7 +70,14 @@ class StandIn(metaclass=_NoCalls):
 def stand_in_class(full_name: str) -> type:
     """A stand-in class that torch's allowlist files under ``full_name`` (its module and name joined)."""
     module, _, name = full_name.rpartition(".")
-    return _NoCalls(name, (StandIn,), {"__module__": module, "__qualname__": name, "stands_in_for": full_name})
+    inert = full_name.split(".", 1)[0] in INERT_CALL_MODULES
+    return _NoCalls(name, (StandIn,), {"__module__": module, "__qualname__": name, "stands_in_for": full_name,
+                                       "inert_calls": inert})
+
+
+def is_numpy_array(candidate: Any) -> bool:
+    """Whether a stand-in is what pickled numpy arrays rebuild into."""
+    return isinstance(candidate, StandIn) and type(candidate).stands_in_for in NUMPY_ARRAY_BUILDERS
 
 
 def module_state(candidate: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:

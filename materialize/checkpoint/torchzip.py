@@ -24,10 +24,10 @@ from typing import Any, BinaryIO, Optional
 import torch
 from torch import _weights_only_unpickler, nn
 
-from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError
+from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError, summarize_names
 from .base import TensorInfo
 from .pickle_scan import negative_layouts
-from .standins import CalledStandIn, StandIn, is_module_state, module_state, stand_in_class
+from .standins import CalledStandIn, StandIn, is_module_state, is_numpy_array, module_state, stand_in_class
 
 STATE_DICT_KEYS = ("state_dict", "model", "module")
 _LOCAL_HEADER = struct.Struct("<4s4xH16xHH")
@@ -168,6 +168,11 @@ def _find_payload(obj: Any) -> tuple[dict[str, torch.Tensor], Optional[nn.Module
 
 
 def _tensor_entries(mapping: dict) -> dict[str, torch.Tensor]:
+    arrays = [str(k) for k, v in mapping.items() if is_numpy_array(v)]
+    if arrays:
+        raise CheckpointError(
+            f"holds numpy arrays where tensors are expected ({summarize_names(arrays)}); this loader reads tensors "
+            "only: re-save them as tensors (torch.from_numpy), or load the file with torch.load if you trust it")
     return {str(k): v for k, v in mapping.items() if isinstance(v, torch.Tensor)}
 
 
@@ -326,7 +331,12 @@ def read_torch_zip(path: Path, *, trust_pickle: bool) -> tuple[dict[str, TensorI
             raise UnsupportedFormatError("was saved on a big-endian machine; re-save it on a little-endian one", path=path)
         refs: dict[int, _StorageRef] = {}
         data = _read(path, archive, f"{prefix}/data.pkl")
-        payload, module = _find_payload(_unpickle(path, data, refs, trust_pickle=trust_pickle))
+        unpickled = _unpickle(path, data, refs, trust_pickle=trust_pickle)
+        try:
+            payload, module = _find_payload(unpickled)
+        except CheckpointError as error:
+            error.path = error.path or str(path)
+            raise
         hostile = negative_layouts(data)
         if hostile:
             offset, size, stride = hostile[0]

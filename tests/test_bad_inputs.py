@@ -523,20 +523,6 @@ def test_pickled_module_opens_and_loads_with_trust_pickle(tmp_path):
         assert torch.equal(actual, expected), name
 
 
-def test_legacy_non_zip_torch_file_is_unsupported_and_tells_how_to_convert(tmp_path):
-    path = tmp_path / "legacy.pt"
-    torch.save({"weight": torch.ones(2)}, path, _use_new_zipfile_serialization=False)
-
-    with pytest.raises(mz.UnsupportedFormatError) as caught:
-        mz.open_checkpoint(path)
-
-    message = str(caught.value)
-    assert str(path) in message
-    assert "legacy" in message
-    assert "convert" in message
-    assert "torch.save(torch.load(" in message
-
-
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_torchscript_archive_is_unsupported(tmp_path):
     path = tmp_path / "scripted.pt"

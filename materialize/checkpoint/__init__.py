@@ -1,7 +1,7 @@
 """Open any supported checkpoint lazily: headers and indexes, never tensor data.
 
-The format is recognised from the file's first bytes, not its name: a zip is
-a torch checkpoint, a JSON document is a shard index, anything whose first 8
+The format is recognised from the file's first bytes, not its name: a zip or a
+pickle stream (torch's legacy format) is a torch checkpoint, a JSON document is a shard index, anything whose first 8
 bytes are a plausible header length followed by ``{`` is safetensors.
 """
 
@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from ..errors import CheckpointError, CheckpointNotFoundError, UnsupportedFormatError
 from ..fileio import open_for_reading
 from .base import Checkpoint, TensorInfo
 from .index import SAFETENSORS_INDEX_NAME, read_sharded
 from .safetensors import read_header
+
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = ["Checkpoint", "TensorInfo", "open_checkpoint"]
 
@@ -49,11 +52,7 @@ def open_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Checkpoint
     if kind == "safetensors":
         tensors, metadata = read_header(target)
         return Checkpoint(path=target, format="safetensors", tensors=tensors, shards=[target], metadata=metadata)
-    from .torchzip import (
-        read_torch_zip,  # imports torch, which safetensors headers do not need
-    )
-
-    tensors, module = read_torch_zip(target, trust_pickle=trust_pickle)
+    tensors, module = _read_torch(target, trust_pickle=trust_pickle)
     return Checkpoint(
         path=target,
         format="torch-module" if module is not None else "torch",
@@ -67,9 +66,7 @@ def _open_index(index_path: Path, *, trust_pickle: bool) -> Checkpoint:
     def read_shard(shard: Path) -> dict[str, TensorInfo]:
         if _sniff(shard) == "safetensors":
             return read_header(shard)[0]
-        from .torchzip import read_torch_zip
-
-        tensors, module = read_torch_zip(shard, trust_pickle=trust_pickle)
+        tensors, module = _read_torch(shard, trust_pickle=trust_pickle)
         if module is not None:
             raise CheckpointError("a shard holds a pickled module, not a state dict", path=shard)
         return tensors
@@ -78,6 +75,20 @@ def _open_index(index_path: Path, *, trust_pickle: bool) -> Checkpoint:
     kinds = {"safetensors" if _sniff(s) == "safetensors" else "torch" for s in shards}
     fmt = f"{kinds.pop()}-sharded" if len(kinds) == 1 else "mixed-sharded"
     return Checkpoint(path=index_path, format=fmt, tensors=tensors, shards=shards, metadata=metadata)
+
+
+def _read_torch(path: Path, *, trust_pickle: bool) -> tuple[dict[str, TensorInfo], Optional["nn.Module"]]:
+    # imports torch, which safetensors headers do not need
+    from .torchlegacy import is_legacy, read_torch_legacy
+    from .torchzip import read_torch_zip
+
+    fd = open_for_reading(path)
+    try:
+        head = os.pread(fd, 2, 0)
+    finally:
+        os.close(fd)
+    read = read_torch_legacy if is_legacy(head) else read_torch_zip
+    return read(path, trust_pickle=trust_pickle)
 
 
 def _sniff(path: Path) -> str:
@@ -89,7 +100,7 @@ def _sniff(path: Path) -> str:
     if (len(head) == 9 and head[8:9] == b"{") or head.startswith(b"version "):
         return "safetensors"  # "version " starts a Git LFS pointer, which that reader explains
     if head.startswith((b"PK\x03\x04", b"PK\x05\x06", b"\x80")) or path.suffix in TORCH_SUFFIXES:
-        return "torch"  # for a legacy pickle, the torch reader explains how to convert it
+        return "torch"  # a zip, or a legacy (pre-1.6) pickle stream
     if head.lstrip()[:1] == b"{":
         return "index"
     if len(head) < 9 or path.suffix == ".safetensors":

@@ -19,7 +19,7 @@ import struct
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Any, BinaryIO, Optional
+from typing import Any, BinaryIO, Callable, Optional
 
 import torch
 from torch import _weights_only_unpickler, nn
@@ -73,7 +73,10 @@ _MAX_STAND_INS = 256
 _STAND_IN_SCOPE = getattr(torch.serialization, "safe_globals", None)  # torch 2.5+; before it, no stand-ins
 
 
-def _unpickle(path: Path, data: bytes, refs: dict[int, _StorageRef], *, trust_pickle: bool) -> Any:
+def _unpickle(
+    path: Path, data: bytes, refs: dict[int, _StorageRef], *, trust_pickle: bool,
+    persistent: Callable[[Path, dict[int, _StorageRef]], Any] = _persistent_loader, what: str = "data.pkl",
+) -> Any:
     """The object ``torch.save`` was given, its tensors on meta; classes torch does not allow become stand-ins.
 
     Each class the weights-only unpickler refuses is given a stand-in (see
@@ -84,18 +87,18 @@ def _unpickle(path: Path, data: bytes, refs: dict[int, _StorageRef], *, trust_pi
     """
     if trust_pickle:
         unpickler: Any = _TrustedUnpickler(io.BytesIO(data), encoding="utf-8")
-        unpickler.persistent_load = _persistent_loader(path, refs)
-        return _load(path, unpickler, trust_pickle=True)
+        unpickler.persistent_load = persistent(path, refs)
+        return _load(path, unpickler, trust_pickle=True, what=what)
     stand_ins: dict[str, type] = {}
     while True:
         refs.clear()
         unpickler = _WeightsOnlyUnpickler(io.BytesIO(data), encoding="utf-8")
-        unpickler.persistent_load = _persistent_loader(path, refs)
+        unpickler.persistent_load = persistent(path, refs)
         try:
             if not stand_ins:
-                return _load(path, unpickler, trust_pickle=False)
+                return _load(path, unpickler, trust_pickle=False, what=what)
             with _STAND_IN_SCOPE(list(stand_ins.values())):
-                return _load(path, unpickler, trust_pickle=False)
+                return _load(path, unpickler, trust_pickle=False, what=what)
         except _RefusedGlobal as refused:
             if (_STAND_IN_SCOPE is None or "." not in refused.name or refused.name in stand_ins
                     or len(stand_ins) >= _MAX_STAND_INS):
@@ -110,7 +113,7 @@ class _RefusedGlobal(Exception):
         self.error = error
 
 
-def _load(path: Path, unpickler: Any, *, trust_pickle: bool) -> Any:
+def _load(path: Path, unpickler: Any, *, trust_pickle: bool, what: str) -> Any:
     try:
         return unpickler.load()
     except CheckpointError:
@@ -134,9 +137,9 @@ def _load(path: Path, unpickler: Any, *, trust_pickle: bool) -> Any:
             if str(exc).startswith("Unsupported global:"):
                 raise _RefusedGlobal(found.group(1), error) from None
             raise error from None
-        raise CheckpointError(f"data.pkl is malformed: {_first_line(exc)}", path=path) from None
+        raise CheckpointError(f"{what} is malformed: {_first_line(exc)}", path=path) from None
     except Exception as exc:  # a hostile pickle can raise anything the unpickler touches
-        raise CheckpointError(f"cannot unpickle data.pkl: {type(exc).__name__}: {_first_line(exc)}", path=path) from None
+        raise CheckpointError(f"cannot unpickle {what}: {type(exc).__name__}: {_first_line(exc)}", path=path) from None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -296,14 +299,6 @@ def _open_archive(path: Path) -> zipfile.ZipFile:
     except (NotImplementedError, UnicodeDecodeError, ValueError, EOFError) as exc:
         raise CheckpointError(f"is not a readable zip: {_first_line(exc)}", path=path) from None
     except zipfile.BadZipFile:
-        with open(path, "rb") as handle:
-            head = handle.read(2)
-        if head[:1] == b"\x80":
-            raise UnsupportedFormatError(
-                "is in torch's legacy (pre-1.6, non-zip) format, which cannot be read lazily; convert it once with "
-                f"python -c \"import torch; torch.save(torch.load('{path}', weights_only=True), 'converted.pt')\"",
-                path=path,
-            ) from None
         raise CheckpointError("is not a valid torch zip checkpoint (bad or truncated zip)", path=path) from None
 
 

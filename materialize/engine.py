@@ -10,8 +10,9 @@ Three paths, chosen per tensor:
   into the destination, so a cast never makes a full-size temporary;
 * staged: a GPU destination goes through the ring of a
   :class:`~materialize.transfer.Staging`, one slot-sized chunk at a time;
-* strided: a non-contiguous view saved in a torch file is read as its span
-  and copied; the only path whose temporary is one tensor's size.
+* strided: a non-contiguous view (saved so in a torch file, or a transposed
+  checkpoint tensor) is read in blocks along its outermost dimension, each
+  copied into place; the temporary is one block.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .transfer import Completion, Staging
 DIRECT_CHUNK_BYTES = 16 * 1024 * 1024
 CAST_CHUNK_BYTES = 2 * 1024 * 1024  # per reader thread: stays in cache between read and cast
 TASK_BYTES = 16 * 1024 * 1024  # work handed to a reader thread at once (see _run_in_tasks)
+STRIDED_BLOCK_BYTES = 32 * 1024 * 1024  # the temporary of a strided read (see _run_strided)
 PREFAULT_MIN_BYTES = 256 * 1024  # smaller: the faults taken inside the read cost less than the call sparing them
 ProgressFn = Callable[[int, int], None]
 
@@ -367,11 +369,28 @@ def _drain(pending: list[Completion], *, raise_errors: bool) -> None:
 
 
 def _run_strided(job: Job, files: FileSet, check_range: Optional[RangeCheck]) -> None:
+    """A strided view of the file's bytes, read in blocks along its outermost dimension and copied into place.
+
+    The outermost dimension (largest stride) cuts the view into slabs that
+    are each one run of the file: a transposed expert stack is read an expert
+    at a time, a transposed matrix a few of its source rows at a time. The
+    temporary is one block (up to :data:`STRIDED_BLOCK_BYTES`), not the span.
+    """
     info = job.info
-    assert info.stride is not None and info.span_nbytes is not None
-    span = torch.empty(info.span_nbytes, dtype=torch.uint8)
-    files.read_into(info.path, info.offset, byte_view(span), tensor=info.name)
-    view = torch.as_strided(span.view(info.dtype), info.shape, info.stride)
-    if check_range is not None and job.dest.dtype != info.dtype:
-        check_range(view, job.dest.dtype, info)
-    job.dest.copy_(view)
+    assert info.stride is not None
+    outer = max(range(len(info.shape)), key=lambda d: info.stride[d])
+    step = info.stride[outer]
+    inner_span = sum((size - 1) * stride for d, (size, stride) in enumerate(zip(info.shape, info.stride)) if d != outer) + 1
+    count = info.shape[outer]
+    per_block = count if step == 0 else max(1, STRIDED_BLOCK_BYTES // (step * info.itemsize))
+    buffer = torch.empty(((min(per_block, count) - 1) * step + inner_span) * info.itemsize, dtype=torch.uint8)
+    for first in range(0, count, per_block):
+        last = min(first + per_block, count)
+        raw = buffer[: ((last - first - 1) * step + inner_span) * info.itemsize]
+        files.read_into(info.path, info.offset + first * step * info.itemsize, byte_view(raw), tensor=info.name)
+        shape = list(info.shape)
+        shape[outer] = last - first
+        view = torch.as_strided(raw.view(info.dtype), shape, info.stride)
+        if check_range is not None and job.dest.dtype != info.dtype:
+            check_range(view, job.dest.dtype, info)
+        job.dest.narrow(outer, first, last - first).copy_(view)

@@ -19,7 +19,7 @@ from torch import nn
 
 from .errors import CheckpointError, ModelSpecError
 from .meta import meta_init
-from .stacking import Chunks, StackSlot
+from .stacking import Chunks, StackSlot, Transposed
 
 CONFIG_NAME = "config.json"
 HF_SPEC_PREFIX = "hf:"
@@ -91,7 +91,7 @@ def is_hf_model(model: nn.Module) -> bool:
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
-def hf_key_map(model: nn.Module) -> Callable[[str], Union[str, StackSlot, Chunks]]:
+def hf_key_map(model: nn.Module) -> Callable[[str], Union[str, StackSlot, Chunks, Transposed]]:
     """Checkpoint name -> model name, with transformers' own renames and base-model prefix.
 
     transformers' tensor conversions that keep every byte in a contiguous
@@ -101,8 +101,10 @@ def hf_key_map(model: nn.Module) -> Callable[[str], Union[str, StackSlot, Chunks
     sharing their layout) and tensors concatenated along their first
     dimension map to a :class:`StackSlot`; a fused tensor cut along its first
     dimension (``Chunk(dim=0)`` or ``Split(dim=0)``: GTE's ``qkv_proj``) maps
-    to :class:`Chunks`. A name that needs any other conversion (transposes,
-    interleaves, permutations, or these on other dimensions) cannot be read
+    to :class:`Chunks`; a tensor saved with two dimensions swapped
+    (``Transpose``: Qwen3-VL-MoE's stacked experts) maps to
+    :class:`Transposed`. A name that needs any other conversion (interleaves,
+    permutations, cuts along other dimensions, chains of these) cannot be read
     directly; it is reported as such.
     """
     model_shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict(keep_vars=True).items()}
@@ -119,7 +121,7 @@ def hf_key_map(model: nn.Module) -> Callable[[str], Union[str, StackSlot, Chunks
             return f"{prefix}.{renamed}"  # a base model's checkpoint into a head model
         return renamed
 
-    def rename(name: str) -> Union[str, StackSlot, Chunks]:
+    def rename(name: str) -> Union[str, StackSlot, Chunks, Transposed]:
         renamed = name
         for renaming in renamings:
             renamed, _ = renaming.rename_source_key(renamed)
@@ -144,14 +146,20 @@ def hf_key_map(model: nn.Module) -> Callable[[str], Union[str, StackSlot, Chunks
 def _conversion_slot(
     converter: Any, pattern: str, name: str, renamed: str, target: str, with_prefix: Callable[[str], str],
     model_shapes: dict[str, tuple[int, ...]],
-) -> Union[StackSlot, Chunks, None]:
+) -> Union[StackSlot, Chunks, Transposed, None]:
     """Where one checkpoint tensor goes under ``converter``, or None for a conversion that moves bytes around.
 
     ``target`` is ``renamed`` with the converter's first target pattern in
     place of ``pattern``, as transformers renames it.
     """
+    operations = converter.operations
+    if len(operations) == 1 and type(operations[0]).__name__ == "Transpose" and len(converter.target_patterns) == 1:
+        swap = operations[0]
+        target = with_prefix(target)
+        unless = model_shapes.get(target) if getattr(swap, "check_dims", False) else None
+        return Transposed(target, swap.dim0, swap.dim1, unless_shape=unless)
     kinds = [(type(op).__name__, getattr(op, "dim", None), getattr(op, "num_shards_attribute", None))
-             for op in converter.operations]
+             for op in operations]
     if kinds in ([("MergeModulelist", 0, None)], [("MergeModulelist", 0, None), ("Concatenate", 1, None)]):
         if pattern.count("*") != 1:
             return None

@@ -27,7 +27,7 @@ from .errors import (
     summarize_names,
 )
 from .keymap import KeyMapLike, as_key_map, auto_strip_wrapper_prefix
-from .stacking import Chunks, Stacked, StackSlot, cut, pieces_of, stack
+from .stacking import Chunks, Stacked, StackSlot, Transposed, cut, pieces_of, stack, transpose
 
 Action = Literal["load", "init", "keep"]
 InitFn = Callable[[nn.Module], None]
@@ -158,7 +158,12 @@ def _map_checkpoint_names(ckpt: Checkpoint, model_names: set[str], key_map: KeyM
         if isinstance(model_name, StackSlot):
             slots.setdefault(model_name.target, []).append((model_name, ckpt[ckpt_name]))
             continue
-        parts = cut(ckpt[ckpt_name], model_name) if isinstance(model_name, Chunks) else [(model_name, ckpt[ckpt_name])]
+        if isinstance(model_name, Chunks):
+            parts = cut(ckpt[ckpt_name], model_name)
+        elif isinstance(model_name, Transposed):
+            parts = [(model_name.target, transpose(ckpt[ckpt_name], model_name))]
+        else:
+            parts = [(model_name, ckpt[ckpt_name])]
         for target, info in parts:
             if target in mapped:
                 raise KeyMismatchError(

@@ -12,6 +12,11 @@ map marks such a checkpoint tensor by returning a :class:`StackSlot` instead
 of a name; the planner gathers the slots of one target into a
 :class:`Stacked` source.
 
+Transposed: a checkpoint tensor saved with two dimensions swapped (Qwen3-VL-MoE
+keeps its stacked experts as ``[experts, hidden, 2 * inner]``) is a strided
+view of its bytes: the engine reads it a block along the first dimension at
+a time and copies each block into place.
+
 Cut: the other way round, a checkpoint may hold one fused tensor (``Wqkv``)
 where the model has several (``q_proj``, ``k_proj``, ``v_proj``). Each part
 along the first dimension is a contiguous run of the file, a tensor in its
@@ -22,6 +27,7 @@ a checkpoint tensor by returning :class:`Chunks`; :func:`cut` gives the parts.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -176,3 +182,37 @@ def cut(info: TensorInfo, chunks: Chunks) -> list[tuple[str, TensorInfo]]:
             offset=info.offset + first * row_bytes, storage=None)))
         first += rows
     return parts
+
+
+@dataclass(frozen=True)
+class Transposed:
+    """A checkpoint tensor that goes to ``target`` with dimensions ``dim0`` and ``dim1`` swapped.
+
+    With ``unless_shape``, a tensor already of that shape goes as it is
+    (transformers' ``Transpose(check_dims=True)``: checkpoints of both layouts exist).
+    """
+
+    target: str
+    dim0: int
+    dim1: int
+    unless_shape: Optional[tuple[int, ...]] = None
+
+
+def transpose(info: TensorInfo, swap: Transposed) -> TensorInfo:
+    """``info`` seen with two dimensions swapped: a strided view of the same bytes; raises naming ``info``."""
+    if swap.unless_shape is not None and info.shape == swap.unless_shape:
+        return info
+    rank = len(info.shape)
+    if not info.contiguous:
+        raise CheckpointError("is a strided view and cannot be transposed", path=info.path, tensor=info.name)
+    if not (-rank <= swap.dim0 < rank and -rank <= swap.dim1 < rank):
+        raise CheckpointError(f"has {rank} dimensions and cannot have {swap.dim0} and {swap.dim1} swapped",
+                              path=info.path, tensor=info.name)
+    first, second = swap.dim0 % rank, swap.dim1 % rank
+    strides = [math.prod(info.shape[i + 1:]) for i in range(rank)]
+    shape = list(info.shape)
+    shape[first], shape[second] = shape[second], shape[first]
+    strides[first], strides[second] = strides[second], strides[first]
+    if first == second or info.numel <= 1:
+        return dataclasses.replace(info, shape=tuple(shape))
+    return dataclasses.replace(info, shape=tuple(shape), stride=tuple(strides), span_nbytes=info.nbytes)

@@ -329,23 +329,50 @@ def test_a_quantized_model_is_one_clear_error_naming_its_method(tmp_path):
     assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1 and "quantized" in done.stderr
 
 
-def test_conversions_other_than_stacking_are_refused_by_name(tmp_path, monkeypatch):
-    from transformers.core_model_loading import Transpose, WeightConverter
+def test_conversions_that_move_bytes_around_are_refused_by_name(tmp_path, monkeypatch):
+    from transformers.core_model_loading import Interleave, WeightConverter
 
     from materialize import hf
 
     source, _ = _tiny("llama")
     folder = _save(source, tmp_path / "llama", as_bin=False, dtype=torch.float32)
-    transposed = WeightConverter(source_patterns="mlp.down_proj.weight", target_patterns="mlp.down_proj.weight",
-                                 operations=[Transpose(0, 1)])
-    monkeypatch.setattr(hf, "_conversions", lambda model: ([], [transposed]))
+    interleaved = WeightConverter(source_patterns="mlp.down_proj.weight", target_patterns="mlp.down_proj.weight",
+                                  operations=[Interleave(dim=1)])
+    monkeypatch.setattr(hf, "_conversions", lambda model: ([], [interleaved]))
 
     with pytest.raises(mz.CheckpointError) as caught:
         mz.load_model(folder)
 
     message = str(caught.value)
-    assert str(folder) in message and "mlp.down_proj.weight" in message and "Transpose" in message
+    assert str(folder) in message and "mlp.down_proj.weight" in message and "Interleave" in message
     assert "from_pretrained" in message
+
+
+@pytest.mark.parametrize("check_dims", [False, True])
+def test_tensors_saved_transposed_are_read_block_by_block_into_place(tmp_path, monkeypatch, check_dims):
+    from transformers.core_model_loading import Transpose, WeightConverter
+
+    from materialize import engine, hf
+
+    source, inputs = _tiny("llama")
+    folder = _save(source, tmp_path / "llama", as_bin=False, dtype=torch.float32)
+    name = "model.layers.1.mlp.down_proj.weight"  # [32, 64] in the model
+    _rewrite_tensor(folder, name, _saved(folder)[name].t().contiguous())  # [64, 32] on disk
+    swap = WeightConverter(source_patterns="mlp.down_proj.weight", target_patterns="mlp.down_proj.weight",
+                           operations=[Transpose(0, 1, check_dims=check_dims)])
+    monkeypatch.setattr(hf, "_conversions", lambda model: ([], [swap]))
+    monkeypatch.setattr(engine, "STRIDED_BLOCK_BYTES", 1000)  # several blocks per tensor
+
+    if not check_dims:  # every down_proj is transposed: layer 0's, saved the model's way, then has the wrong shape
+        with pytest.raises(mz.ShapeMismatchError, match="model.layers.0.mlp.down_proj.weight"):
+            mz.load_model(folder)
+        return
+    model, report = mz.load_model(folder, dtype="fp64", check=True)
+
+    for key, value in source.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value.double()), key
+    with torch.no_grad():
+        assert torch.allclose(model(**inputs)[0], source.double()(**inputs)[0])
 
 
 def _saved(folder: Path) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ import materialize as mz
 from materialize.checkpoint import TensorInfo
 from materialize.loading import execute
 from materialize.planning import make_plan
-from materialize.stacking import Chunks, StackSlot, cut, stack
+from materialize.stacking import Chunks, StackSlot, Transposed, cut, stack, transpose
 
 from conftest import write_safetensors
 
@@ -147,3 +147,41 @@ def test_a_fused_tensor_that_is_too_short_is_one_error_naming_it(tmp_path):
 
     assert "qkv" in str(caught.value)
     assert "has 6 rows, but 'q', 'k', 'v' take 4 + 2 + 2" in str(caught.value) and str(path) in str(caught.value)
+
+
+def test_a_transposed_source_is_a_strided_view_of_the_same_bytes():
+    info = _info("experts", (4, 3, 5), offset=64)
+
+    swapped = transpose(info, Transposed("t", 1, 2))
+
+    reference = torch.empty(4, 3, 5).transpose(1, 2)
+    assert swapped.shape == tuple(reference.shape) and swapped.stride == reference.stride()
+    assert swapped.offset == 64 and swapped.span_nbytes == info.nbytes and not swapped.contiguous
+    assert transpose(info, Transposed("t", 1, 2, unless_shape=(4, 3, 5))) is info  # already the model's layout
+
+
+@pytest.mark.parametrize("info, swap, words", [
+    (_info("w", (3, 5)), Transposed("t", 0, 2), "has 2 dimensions and cannot have 0 and 2 swapped"),
+    (TensorInfo(name="w", dtype_name="float32", itemsize=4, shape=(4, 4), path=FILE, offset=0, stride=(1, 4),
+                span_nbytes=64), Transposed("t", 0, 1), "is a strided view"),
+])
+def test_what_cannot_be_transposed_is_refused_naming_it(info, swap, words):
+    with pytest.raises(mz.CheckpointError) as caught:
+        transpose(info, swap)
+
+    assert words in str(caught.value) and "'w'" in str(caught.value)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float64])
+def test_a_key_map_can_transpose_a_real_files_tensor_block_by_block(tmp_path, monkeypatch, dtype):
+    from materialize import engine
+
+    saved = torch.randn(5, 7, 3)
+    path = write_safetensors({"experts": saved}, tmp_path / "t.safetensors")
+    model = torch.nn.Module()
+    model.register_parameter("experts", torch.nn.Parameter(torch.empty(5, 3, 7, device="meta")))
+    monkeypatch.setattr(engine, "STRIDED_BLOCK_BYTES", 100)  # one expert (84 bytes) per block
+
+    mz.load(model, path, key_map=lambda name: Transposed(name, 1, 2), dtype=dtype, check=True)
+
+    assert torch.equal(model.experts, saved.transpose(1, 2).to(model.experts.dtype))

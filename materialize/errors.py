@@ -51,7 +51,7 @@ class CheckpointAccessError(CheckpointError, PermissionError):
 
 
 class UnsupportedFormatError(CheckpointError):
-    """A file in a format this library does not read (legacy torch, TorchScript)."""
+    """A file in a format this library does not read (TorchScript, a big-endian torch file)."""
 
 
 class UnsafeCheckpointError(CheckpointError):

@@ -30,8 +30,9 @@ def open_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Checkpoint
     """Open a checkpoint file, shard index or Hugging Face-style folder.
 
     Args:
-        path: a ``.safetensors`` file, a torch zip (``.pt``/``.pth``/``.bin``),
-            a ``*.index.json`` shard index, or a folder holding one of these.
+        path: a ``.safetensors`` file, a torch file (``.pt``/``.pth``/``.bin``,
+            zip or legacy), a ``*.index.json`` shard index, or a folder holding
+            one of these.
         trust_pickle: allow a torch file holding a pickled ``nn.Module``
             (``torch.save(model)``); its classes are imported and its code may
             run. The module is rebuilt on ``meta`` as ``Checkpoint.module``.

@@ -26,7 +26,7 @@ from torch import _weights_only_unpickler, nn
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError
 from .base import TensorInfo
 from .pickle_scan import negative_layouts
-from .torchzip import _find_payload, _first_line, _StorageRef, _tensor_info, _unpickle
+from .torchpickle import StorageRef, find_payload, first_line, tensor_info, unpickle
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001
@@ -52,17 +52,17 @@ def read_torch_legacy(path: Path, *, trust_pickle: bool) -> tuple[dict[str, Tens
         if not isinstance(system, dict) or system.get("little_endian") is not True:
             raise UnsupportedFormatError("was saved on a big-endian machine; re-save it on a little-endian one", path=path)
         data = _pickle_bytes(path, handle, "saved object", limit=None)
-        refs: dict[int, _StorageRef] = {}
+        refs: dict[int, StorageRef] = {}
         views: dict[int, tuple[str, int]] = {}
         itemsizes: dict[str, int] = {}
 
-        def loader(path: Path, refs: dict[int, _StorageRef]) -> Any:  # a fresh one for each reading of the pickle
+        def loader(path: Path, refs: dict[int, StorageRef]) -> Any:  # a fresh one for each reading of the pickle
             views.clear()
             itemsizes.clear()
             return _legacy_loader(path, refs, views, itemsizes)
 
         try:
-            unpickled = _unpickle(path, data, refs, trust_pickle=trust_pickle, persistent=loader, what="the saved object")
+            unpickled = unpickle(path, data, refs, trust_pickle=trust_pickle, persistent=loader, what="the saved object")
         except CheckpointError as error:
             if "persistent_load of storage" not in str(error):
                 raise
@@ -70,7 +70,7 @@ def read_torch_legacy(path: Path, *, trust_pickle: bool) -> tuple[dict[str, Tens
                 "holds a module pickled whole in torch's legacy format, which is read only by rebuilding it: "
                 "pass trust_pickle=True (CLI: --trust-pickle) if you trust the file", path=path) from None
         try:
-            payload, module = _find_payload(unpickled)
+            payload, module = find_payload(unpickled)
         except CheckpointError as error:
             error.path = error.path or str(path)
             raise
@@ -94,11 +94,11 @@ def read_torch_legacy(path: Path, *, trust_pickle: bool) -> tuple[dict[str, Tens
             raise CheckpointError(f"a storage views storage {root!r}, which the file does not hold", path=path)
         base, size = records[root]
         records[refs[cdata].key] = (base + offset, size - offset)
-    tensors = {name: _tensor_info(path, name, t, refs, records, file_size) for name, t in payload.items()}
+    tensors = {name: tensor_info(path, name, t, refs, records, file_size) for name, t in payload.items()}
     return tensors, module
 
 
-def _legacy_loader(path: Path, refs: dict[int, _StorageRef], views: dict[int, tuple[str, int]], itemsizes: dict[str, int]):
+def _legacy_loader(path: Path, refs: dict[int, StorageRef], views: dict[int, tuple[str, int]], itemsizes: dict[str, int]):
     storages: dict[str, torch.storage.TypedStorage] = {}
 
     def persistent_load(saved_id: Any) -> Any:
@@ -112,7 +112,7 @@ def _legacy_loader(path: Path, refs: dict[int, _StorageRef], views: dict[int, tu
             raise CheckpointError(f"malformed storage record {_short(key)} in the saved object", path=path)
         if key not in storages:
             storage = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
-            refs[storage._cdata] = _StorageRef(key, numel * dtype.itemsize)
+            refs[storage._cdata] = StorageRef(key, numel * dtype.itemsize)
             itemsizes[key] = dtype.itemsize
             storages[key] = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
         if view is None:
@@ -123,7 +123,7 @@ def _legacy_loader(path: Path, refs: dict[int, _StorageRef], views: dict[int, tu
         view_key, offset, size = view
         if view_key not in storages:
             storage = torch.UntypedStorage(size * dtype.itemsize, device="meta")
-            refs[storage._cdata] = _StorageRef(view_key, size * dtype.itemsize)
+            refs[storage._cdata] = StorageRef(view_key, size * dtype.itemsize)
             views[storage._cdata] = (key, offset * dtype.itemsize)
             storages[view_key] = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
         return storages[view_key]
@@ -132,7 +132,7 @@ def _legacy_loader(path: Path, refs: dict[int, _StorageRef], views: dict[int, tu
 
 
 def _storage_records(
-    path: Path, handle: BinaryIO, keys: list[str], refs: dict[int, _StorageRef], itemsizes: dict[str, int],
+    path: Path, handle: BinaryIO, keys: list[str], refs: dict[int, StorageRef], itemsizes: dict[str, int],
     owners: dict[str, str], file_size: int,
 ) -> dict[str, tuple[int, int]]:
     """Each storage key's (offset, byte size) in the file, found by walking the element counts."""
@@ -164,7 +164,7 @@ def _small_pickle(path: Path, handle: BinaryIO, what: str) -> Any:
     try:
         return _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8").load()
     except Exception as exc:  # plain data only: anything else is damage or a trap
-        raise UnsafeCheckpointError(f"its {what} is not plain data: {_first_line(exc)}", path=path) from None
+        raise UnsafeCheckpointError(f"its {what} is not plain data: {first_line(exc)}", path=path) from None
 
 
 def _pickle_bytes(path: Path, handle: BinaryIO, what: str, *, limit: Optional[int]) -> bytes:
@@ -179,7 +179,7 @@ def _pickle_bytes(path: Path, handle: BinaryIO, what: str, *, limit: Optional[in
     except CheckpointError:
         raise
     except Exception as exc:  # genops raises ValueError and others on damaged opcodes
-        raise CheckpointError(f"its {what} is not a valid pickle: {_first_line(exc)}", path=path) from None
+        raise CheckpointError(f"its {what} is not a valid pickle: {first_line(exc)}", path=path) from None
     end = handle.tell()
     handle.seek(start)
     data = handle.read(end - start)

@@ -1,0 +1,228 @@
+"""torch's pickled objects read onto ``meta``: what zip and legacy torch files share.
+
+The object ``torch.save`` was given is unpickled with torch's weights-only
+unpickler, classes it does not allow replaced by inert stand-ins (see
+:mod:`.standins`), or, only with ``trust_pickle``, the full pickler to
+rebuild a pickled module. Every storage is created on ``meta`` and noted
+(:class:`StorageRef`), so each tensor can then be located in the file by its
+format's reader (:func:`tensor_info`).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+import re
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch import _weights_only_unpickler, nn
+
+from ..errors import CheckpointError, UnsafeCheckpointError, summarize_names
+from .base import TensorInfo
+from .standins import CalledStandIn, StandIn, is_module_state, is_numpy_array, module_state, stand_in_class
+
+STATE_DICT_KEYS = ("state_dict", "model", "module")
+
+
+class StorageRef:
+    def __init__(self, key: str, nbytes: int) -> None:
+        self.key = key
+        self.nbytes = nbytes
+
+
+def persistent_loader(path: Path, refs: dict[int, StorageRef]):
+    def persistent_load(saved_id: Any) -> Any:
+        if not (isinstance(saved_id, tuple) and len(saved_id) == 5):
+            raise CheckpointError(f"unexpected persistent id {saved_id!r} in data.pkl", path=path)
+        _, storage_type, key, _location, numel = saved_id
+        if storage_type is torch.UntypedStorage:
+            dtype = torch.uint8
+        else:
+            dtype = getattr(storage_type, "_dtype", None) or getattr(storage_type, "dtype", None)
+        if not isinstance(dtype, torch.dtype) or type(numel) is not int or numel < 0:
+            raise CheckpointError(f"malformed storage record {key!r} in data.pkl", path=path)
+        storage = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
+        refs[storage._cdata] = StorageRef(str(key), numel * dtype.itemsize)
+        return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+
+    return persistent_load
+
+
+class _TrustedUnpickler(pickle.Unpickler):
+    pass
+
+
+class _WeightsOnlyUnpickler(_weights_only_unpickler.Unpickler):
+    def _check_set_item_target(self, opcode: str) -> None:
+        if not isinstance(self.stack[-1], StandIn):  # a stand-in for a dict subclass takes its items inertly
+            super()._check_set_item_target(opcode)
+
+
+_MAX_STAND_INS = 256
+_STAND_IN_SCOPE = getattr(torch.serialization, "safe_globals", None)  # torch 2.5+; before it, no stand-ins
+
+
+def unpickle(
+    path: Path, data: bytes, refs: dict[int, StorageRef], *, trust_pickle: bool,
+    persistent: Callable[[Path, dict[int, StorageRef]], Any] = persistent_loader, what: str = "data.pkl",
+) -> Any:
+    """The object ``torch.save`` was given, its tensors on meta; classes torch does not allow become stand-ins.
+
+    Each class the weights-only unpickler refuses is given a stand-in (see
+    :mod:`.standins`) and the pickle is read again, up to a bound; a call of
+    anything it names is refused. While a read runs, torch's allowlist (one
+    per process) holds its stand-ins: inert, so another thread's
+    ``torch.load`` that meets them is no less safe.
+    """
+    if trust_pickle:
+        unpickler: Any = _TrustedUnpickler(io.BytesIO(data), encoding="utf-8")
+        unpickler.persistent_load = persistent(path, refs)
+        return _load(path, unpickler, trust_pickle=True, what=what)
+    stand_ins: dict[str, type] = {}
+    while True:
+        refs.clear()
+        unpickler = _WeightsOnlyUnpickler(io.BytesIO(data), encoding="utf-8")
+        unpickler.persistent_load = persistent(path, refs)
+        try:
+            if not stand_ins:
+                return _load(path, unpickler, trust_pickle=False, what=what)
+            with _STAND_IN_SCOPE(list(stand_ins.values())):
+                return _load(path, unpickler, trust_pickle=False, what=what)
+        except _RefusedGlobal as refused:
+            if (_STAND_IN_SCOPE is None or "." not in refused.name or refused.name in stand_ins
+                    or len(stand_ins) >= _MAX_STAND_INS):
+                raise refused.error from None
+            stand_ins[refused.name] = stand_in_class(refused.name)
+
+
+class _RefusedGlobal(Exception):
+    def __init__(self, name: str, error: UnsafeCheckpointError) -> None:
+        super().__init__(name)
+        self.name = name
+        self.error = error
+
+
+def _load(path: Path, unpickler: Any, *, trust_pickle: bool, what: str) -> Any:
+    try:
+        return unpickler.load()
+    except CheckpointError:
+        raise
+    except CalledStandIn as call:
+        raise UnsafeCheckpointError(
+            f"refused to unpickle a call of '{call.name}': calling it could run code from the file. If you trust "
+            "the file, pass trust_pickle=True (CLI: --trust-pickle)",
+            path=path,
+        ) from None
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        if found and not trust_pickle:
+            error = UnsafeCheckpointError(
+                f"refused to unpickle global '{found.group(1)}': it is not plain tensor data and loading it "
+                "could run code from the file. To allow this one class, if you know it is safe, register it with "
+                "torch.serialization.add_safe_globals; if the file is a pickled model (torch.save(model)) that you "
+                "trust, pass trust_pickle=True (CLI: --trust-pickle) to build the model from it",
+                path=path,
+            )
+            if str(exc).startswith("Unsupported global:"):
+                raise _RefusedGlobal(found.group(1), error) from None
+            raise error from None
+        raise CheckpointError(f"{what} is malformed: {first_line(exc)}", path=path) from None
+    except Exception as exc:  # a hostile pickle can raise anything the unpickler touches
+        raise CheckpointError(f"cannot unpickle {what}: {type(exc).__name__}: {first_line(exc)}", path=path) from None
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def find_payload(obj: Any) -> tuple[dict[str, torch.Tensor], Optional[nn.Module]]:
+    """The state dict (or module) inside what ``torch.save`` was given.
+
+    A module pickled whole but read without ``trust_pickle`` is made of
+    stand-ins: its state-dict entries are taken from them, no module is built.
+    """
+    if isinstance(obj, nn.Module):
+        return _module_tensors(obj), obj
+    if is_module_state(obj):
+        return dict(module_state(obj)), None
+    if isinstance(obj, dict):
+        for key in STATE_DICT_KEYS:
+            nested = obj.get(key)
+            if isinstance(nested, nn.Module):
+                return _module_tensors(nested), nested
+            if is_module_state(nested):
+                return dict(module_state(nested)), None
+            if isinstance(nested, dict) and any(isinstance(v, torch.Tensor) for v in nested.values()):
+                return _tensor_entries(nested), None
+        return _tensor_entries(obj), None
+    return {}, None
+
+
+def _tensor_entries(mapping: dict) -> dict[str, torch.Tensor]:
+    arrays = [str(k) for k, v in mapping.items() if is_numpy_array(v)]
+    if arrays:
+        raise CheckpointError(
+            f"holds numpy arrays where tensors are expected ({summarize_names(arrays)}); this loader reads tensors "
+            "only: re-save them as tensors (torch.from_numpy), or load the file with torch.load if you trust it")
+    return {str(k): v for k, v in mapping.items() if isinstance(v, torch.Tensor)}
+
+
+def _module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    named = dict(module.named_parameters(remove_duplicate=False))
+    named.update(module.named_buffers(remove_duplicate=False))
+    return {name: tensor for name, tensor in named.items() if tensor is not None}
+
+
+def tensor_info(
+    path: Path,
+    name: str,
+    tensor: torch.Tensor,
+    refs: dict[int, StorageRef],
+    records: dict[str, tuple[int, int]],
+    file_size: int,
+) -> TensorInfo:
+    def fail(reason: str) -> CheckpointError:
+        return CheckpointError(reason, path=path, tensor=name)
+
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        raise fail(f"has layout {tensor.layout}; only dense tensors are supported")
+    ref = refs.get(tensor.untyped_storage()._cdata)
+    if ref is None:
+        raise fail("its storage is not a record of this file")
+    if ref.key not in records:
+        raise fail(f"storage record data/{ref.key} is missing from the zip")
+    record_offset, record_size = records[ref.key]
+    if record_size < ref.nbytes:
+        raise fail(f"storage record data/{ref.key} holds {record_size} bytes, {ref.nbytes} expected")
+    if record_offset + ref.nbytes > file_size:
+        raise fail(f"storage record data/{ref.key} runs past the end of the file (truncated?)")
+    itemsize = tensor.element_size()
+    shape = tuple(tensor.shape)
+    if any(d < 0 for d in shape) or any(st < 0 for st in tensor.stride()) or tensor.storage_offset() < 0:
+        raise fail(f"has a negative size, stride or offset ({list(shape)}, {list(tensor.stride())}, {tensor.storage_offset()})")
+    start = tensor.storage_offset() * itemsize
+    contiguous = tensor.is_contiguous()
+    numel = math.prod(shape)
+    if numel == 0:
+        span = 0
+    elif contiguous:
+        span = numel * itemsize
+    else:
+        span = (sum((size - 1) * stride for size, stride in zip(shape, tensor.stride())) + 1) * itemsize
+    if start + span > ref.nbytes:
+        raise fail(f"view of bytes [{start}, {start + span}) lies outside its {ref.nbytes}-byte storage")
+    return TensorInfo(
+        name=name,
+        dtype_name=str(tensor.dtype).removeprefix("torch."),
+        itemsize=itemsize,
+        shape=shape,
+        path=path,
+        offset=record_offset + start,
+        stride=None if contiguous else tuple(tensor.stride()),
+        span_nbytes=None if contiguous else span,
+        storage=record_offset,
+    )

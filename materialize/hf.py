@@ -186,12 +186,36 @@ def _conversion_slot(
     return Chunks(targets, rows=tuple(model_shapes[t][0] for t in targets))
 
 
+class _RenamingOf4x:
+    """transformers 4.x's key renames, in the interface of 5.x's ``WeightRenaming``.
+
+    A class's ``_checkpoint_conversion_mapping`` (the older layout of VLMs
+    such as Llava: first matching pattern wins), then the model's
+    ``_fix_state_dict_key_on_load`` (``LayerNorm.gamma`` to ``.weight``,
+    weight-norm parametrizations), as its ``from_pretrained`` applies them.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._patterns = dict(getattr(model, "_checkpoint_conversion_mapping", None) or {})
+        self._fix = getattr(model, "_fix_state_dict_key_on_load", None)
+
+    def rename_source_key(self, key: str) -> tuple[str, None]:
+        for pattern, replacement in self._patterns.items():
+            key, replaced = re.subn(pattern, replacement, key)
+            if replaced:
+                break
+        if self._fix is not None:
+            fixed = self._fix(key)
+            key = fixed[0] if isinstance(fixed, tuple) else fixed
+        return key, None
+
+
 def _conversions(model: nn.Module) -> tuple[list, list]:
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming
-    except ImportError:  # older transformers: prefixes only
-        return [], []
+    except ImportError:  # transformers 4.x: its own renames, and no tensor conversions
+        return [_RenamingOf4x(model)], []
     transforms = get_model_conversion_mapping(model)
     return (
         [t for t in transforms if isinstance(t, WeightRenaming)],

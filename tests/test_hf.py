@@ -329,6 +329,50 @@ def test_a_quantized_model_is_one_clear_error_naming_its_method(tmp_path):
     assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1 and "quantized" in done.stderr
 
 
+def test_with_transformers_4_its_own_key_renames_apply(tmp_path, monkeypatch):
+    """transformers 4.x has no conversion API: a class's old-layout mapping and its key fixes rename instead.
+
+    4.x is not installed here: its two hooks are given to the class as 4.57 defines them (checked by hand
+    against a real 4.57 on BERT's gamma/beta and Llava's old layout).
+    """
+    def fix_key(key: str) -> tuple[str, bool]:
+        if key.endswith("LayerNorm.gamma"):
+            return key.replace("LayerNorm.gamma", "LayerNorm.weight"), True
+        if key.endswith("LayerNorm.beta"):
+            return key.replace("LayerNorm.beta", "LayerNorm.bias"), True
+        return key, False
+
+    source, _ = _tiny("bert")
+    folder = _save(source, tmp_path / "bert", as_bin=False, dtype=torch.float32)
+    monkeypatch.setitem(sys.modules, "transformers.conversion_mapping", None)  # the 5.x API is absent
+    monkeypatch.setattr(transformers.BertForMaskedLM, "_fix_state_dict_key_on_load", staticmethod(fix_key), raising=False)
+    monkeypatch.setattr(transformers.BertForMaskedLM, "_checkpoint_conversion_mapping", {r"^encoder_v1\.": "bert.encoder."},
+                        raising=False)
+    for name, value in _saved(folder).items():
+        old = name.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta")
+        old = old.replace("bert.encoder.", "encoder_v1.")
+        if old != name:
+            _rewrite_tensor(folder, name, None)
+            _add_tensor(folder, old, value)
+
+    model, report = mz.load_model(folder)
+
+    assert report.missing == [] and report.unexpected == []
+    for name, value in source.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def _add_tensor(folder: Path, name: str, value: torch.Tensor) -> None:
+    from safetensors.torch import save_file
+
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = f"extra-{name}.safetensors"
+    save_file({name: value.contiguous()}, folder / shard, metadata={"format": "pt"})
+    index["weight_map"][name] = shard
+    index_path.write_text(json.dumps(index))
+
+
 def test_conversions_that_move_bytes_around_are_refused_by_name(tmp_path, monkeypatch):
     from transformers.core_model_loading import Interleave, WeightConverter
 

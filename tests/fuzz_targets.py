@@ -30,7 +30,7 @@ import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from hypothesis import strategies as st
@@ -81,6 +81,36 @@ def _load_both_ways(path: Path) -> list[dict[str, torch.Tensor]]:
 
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def sweep_flipped_bytes(base: bytes, positions: Iterable[int], path: Path) -> None:
+    """Flip each byte of a torch file in turn: we refuse it (naming the file) or read what torch.load reads.
+
+    Never a file torch.load refuses (locations aside: both read to the CPU);
+    the sweep must see both outcomes.
+    """
+    accepted = refused = 0
+    for position in positions:
+        damaged = bytearray(base)
+        damaged[position] ^= 0x01
+        path.write_bytes(bytes(damaged))
+        try:
+            ours = mz.load_tensors(path)[0]
+        except mz.MaterializeError as error:
+            assert str(path) in str(error), (position, error)
+            refused += 1
+            continue
+        try:
+            theirs = torch.load(path, weights_only=True, map_location="cpu")
+        except Exception:
+            theirs = None
+        accepted += 1
+        assert theirs is not None, f"byte {position}: we loaded a file torch.load refuses"
+        for name, tensor in ours.items():
+            want = theirs[name]
+            assert (tensor.dtype, tensor.shape) == (want.dtype, want.shape), (position, name)
+            assert raw_bytes(tensor) == raw_bytes(want), (position, name)
+    assert accepted and refused  # the sweep exercised both outcomes
 
 
 def raw_bytes(tensor: torch.Tensor) -> bytes:

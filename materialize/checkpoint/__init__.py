@@ -53,7 +53,7 @@ def open_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Checkpoint
     if kind == "safetensors":
         tensors, metadata = read_header(target)
         return Checkpoint(path=target, format="safetensors", tensors=tensors, shards=[target], metadata=metadata)
-    tensors, module = _read_torch(target, trust_pickle=trust_pickle)
+    tensors, module = _read_torch(target, legacy=kind == "torch-legacy", trust_pickle=trust_pickle)
     return Checkpoint(
         path=target,
         format="torch-module" if module is not None else "torch",
@@ -65,9 +65,10 @@ def open_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Checkpoint
 
 def _open_index(index_path: Path, *, trust_pickle: bool) -> Checkpoint:
     def read_shard(shard: Path) -> dict[str, TensorInfo]:
-        if _sniff(shard) == "safetensors":
+        kind = _sniff(shard)
+        if kind == "safetensors":
             return read_header(shard)[0]
-        tensors, module = _read_torch(shard, trust_pickle=trust_pickle)
+        tensors, module = _read_torch(shard, legacy=kind == "torch-legacy", trust_pickle=trust_pickle)
         if module is not None:
             raise CheckpointError("a shard holds a pickled module, not a state dict", path=shard)
         return tensors
@@ -78,18 +79,12 @@ def _open_index(index_path: Path, *, trust_pickle: bool) -> Checkpoint:
     return Checkpoint(path=index_path, format=fmt, tensors=tensors, shards=shards, metadata=metadata)
 
 
-def _read_torch(path: Path, *, trust_pickle: bool) -> tuple[dict[str, TensorInfo], Optional["nn.Module"]]:
+def _read_torch(path: Path, *, legacy: bool, trust_pickle: bool) -> tuple[dict[str, TensorInfo], Optional["nn.Module"]]:
     # imports torch, which safetensors headers do not need
-    from .torchlegacy import is_legacy, read_torch_legacy
+    from .torchlegacy import read_torch_legacy
     from .torchzip import read_torch_zip
 
-    fd = open_for_reading(path)
-    try:
-        head = os.pread(fd, 2, 0)
-    finally:
-        os.close(fd)
-    read = read_torch_legacy if is_legacy(head) else read_torch_zip
-    return read(path, trust_pickle=trust_pickle)
+    return (read_torch_legacy if legacy else read_torch_zip)(path, trust_pickle=trust_pickle)
 
 
 def _sniff(path: Path) -> str:
@@ -100,8 +95,10 @@ def _sniff(path: Path) -> str:
         os.close(fd)
     if (len(head) == 9 and head[8:9] == b"{") or head.startswith(b"version "):
         return "safetensors"  # "version " starts a Git LFS pointer, which that reader explains
-    if head.startswith((b"PK\x03\x04", b"PK\x05\x06", b"\x80")) or path.suffix in TORCH_SUFFIXES:
-        return "torch"  # a zip, or a legacy (pre-1.6) pickle stream
+    if head.startswith(b"\x80"):
+        return "torch-legacy"  # a pickle stream: torch's pre-1.6 format
+    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")) or path.suffix in TORCH_SUFFIXES:
+        return "torch"
     if head.lstrip()[:1] == b"{":
         return "index"
     if len(head) < 9 or path.suffix == ".safetensors":

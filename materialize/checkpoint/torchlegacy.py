@@ -25,18 +25,12 @@ from torch import _weights_only_unpickler, nn
 
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError
 from .base import TensorInfo
-from .pickle_scan import negative_layouts
-from .torchpickle import StorageRef, find_payload, first_line, tensor_info, unpickle
+from .torchpickle import StorageRef, first_line, read_payload, tensor_info
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001
 _MAX_SMALL_PICKLE = 1 << 20  # the header pickles and the key list; the saved object may be larger
 _COUNT = struct.Struct("<q")
-
-
-def is_legacy(head: bytes) -> bool:
-    """Whether a file starting with ``head`` is a pickle stream (a legacy torch file) rather than a zip."""
-    return head[:1] == b"\x80"
 
 
 def read_torch_legacy(path: Path, *, trust_pickle: bool) -> tuple[dict[str, TensorInfo], Optional[nn.Module]]:
@@ -62,24 +56,14 @@ def read_torch_legacy(path: Path, *, trust_pickle: bool) -> tuple[dict[str, Tens
             return _legacy_loader(path, refs, views, itemsizes)
 
         try:
-            unpickled = unpickle(path, data, refs, trust_pickle=trust_pickle, persistent=loader, what="the saved object")
+            payload, module = read_payload(path, data, refs, trust_pickle=trust_pickle, persistent=loader,
+                                           what="the saved object")
         except CheckpointError as error:
             if "persistent_load of storage" not in str(error):
                 raise
             raise UnsafeCheckpointError(  # torch's weights-only unpickler takes storages only, not a module's source
                 "holds a module pickled whole in torch's legacy format, which is read only by rebuilding it: "
                 "pass trust_pickle=True (CLI: --trust-pickle) if you trust the file", path=path) from None
-        try:
-            payload, module = find_payload(unpickled)
-        except CheckpointError as error:
-            error.path = error.path or str(path)
-            raise
-        hostile = negative_layouts(data)
-        if hostile:
-            offset, size, stride = hostile[0]
-            raise CheckpointError(
-                f"a tensor has a negative size, stride or offset ({list(size)}, {list(stride)}, {offset})", path=path
-            )
         keys = _small_pickle(path, handle, "storage key list")
         if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys) or len(set(keys)) != len(keys):
             raise CheckpointError("its storage key list is malformed", path=path)

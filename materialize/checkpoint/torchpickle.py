@@ -22,6 +22,7 @@ from torch import _weights_only_unpickler, nn
 
 from ..errors import CheckpointError, UnsafeCheckpointError, summarize_names
 from .base import TensorInfo
+from .pickle_scan import negative_layouts
 from .standins import CalledStandIn, StandIn, is_module_state, is_numpy_array, module_state, stand_in_class
 
 STATE_DICT_KEYS = ("state_dict", "model", "module")
@@ -137,6 +138,26 @@ def _load(path: Path, unpickler: Any, *, trust_pickle: bool, what: str) -> Any:
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def read_payload(
+    path: Path, data: bytes, refs: dict[int, StorageRef], *, trust_pickle: bool,
+    persistent: Callable[[Path, dict[int, StorageRef]], Any] = persistent_loader, what: str = "data.pkl",
+) -> tuple[dict[str, torch.Tensor], Optional[nn.Module]]:
+    """The tensors (on meta) of the pickled object ``data`` and its module, if it is one; hostile layouts refused."""
+    unpickled = unpickle(path, data, refs, trust_pickle=trust_pickle, persistent=persistent, what=what)
+    try:
+        payload, module = find_payload(unpickled)
+    except CheckpointError as error:
+        error.path = error.path or str(path)
+        raise
+    hostile = negative_layouts(data)
+    if hostile:
+        offset, size, stride = hostile[0]
+        raise CheckpointError(
+            f"a tensor has a negative size, stride or offset ({list(size)}, {list(stride)}, {offset})", path=path
+        )
+    return payload, module
 
 
 def find_payload(obj: Any) -> tuple[dict[str, torch.Tensor], Optional[nn.Module]]:

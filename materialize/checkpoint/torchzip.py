@@ -19,8 +19,7 @@ from torch import nn
 
 from ..errors import CheckpointError, UnsupportedFormatError
 from .base import TensorInfo
-from .pickle_scan import negative_layouts
-from .torchpickle import StorageRef, find_payload, first_line, tensor_info, unpickle
+from .torchpickle import StorageRef, first_line, read_payload, tensor_info
 
 _LOCAL_HEADER = struct.Struct("<4s4xH16xHH")
 _SMALL_RECORD = 1 << 20
@@ -168,18 +167,7 @@ def read_torch_zip(path: Path, *, trust_pickle: bool) -> tuple[dict[str, TensorI
             raise UnsupportedFormatError("was saved on a big-endian machine; re-save it on a little-endian one", path=path)
         refs: dict[int, StorageRef] = {}
         data = _read(path, archive, f"{prefix}/data.pkl")
-        unpickled = unpickle(path, data, refs, trust_pickle=trust_pickle)
-        try:
-            payload, module = find_payload(unpickled)
-        except CheckpointError as error:
-            error.path = error.path or str(path)
-            raise
-        hostile = negative_layouts(data)
-        if hostile:
-            offset, size, stride = hostile[0]
-            raise CheckpointError(
-                f"a tensor has a negative size, stride or offset ({list(size)}, {list(stride)}, {offset})", path=path
-            )
+        payload, module = read_payload(path, data, refs, trust_pickle=trust_pickle)
         try:
             records = _record_offsets(path, archive, prefix)
         except CheckpointError:

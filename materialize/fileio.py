@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 def _memory_view_maker():
-    try:  # one C call; a ctypes array type per size costs 6 us, which tens of thousands of small tensors feel
+    try:  # one C call, where a ctypes array type made per size is slow enough for many small tensors to feel
         make = ctypes.pythonapi.PyMemoryView_FromMemory
     except AttributeError:  # not CPython
         return None

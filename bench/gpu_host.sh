@@ -4,7 +4,10 @@
 # `make test` cannot build its own venv there. Uses that machine's python3.
 #
 #   bench/gpu_host.sh test    CUDA-facing tests, then the whole suite
-#   bench/gpu_host.sh bench   the cuda groups of the benchmark (and fixtures)
+#   bench/gpu_host.sh bench [GROUPS]
+#                             groups of the benchmark (default: cuda, cuda cast,
+#                             cuda cold), merged into the report already in RESULTS,
+#                             so a run too long for one call can be split
 #
 # RESULTS (default bench/results/gpu) receives logs and the table.
 set -uo pipefail
@@ -25,11 +28,11 @@ case "${1:-test}" in
     "$PYTHON" -c 'from bench.fixtures import ensure; from pathlib import Path; ensure("configs/bench-llama-1b.toml", Path("data/bench"))' \
       >"$RESULTS/fixtures.log" 2>&1 &
     "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_device_map.py tests/test_staging.py 2>&1 | tee "$RESULTS/test-cuda.log"
-    "$PYTHON" -m pytest -q -p no:cacheprovider -n 8 -x 2>&1 | tail -40 | tee "$RESULTS/test-all.log"
+    "$PYTHON" -m pytest -q -p no:cacheprovider -n 8 --maxfail=25 2>&1 | tail -60 | tee "$RESULTS/test-all.log"
     wait
     ;;
   bench)
-    "$PYTHON" -m bench.run --runs "$RUNS" --out "$RESULTS" \
-      --only ours-cuda,ours-direct-cuda,safetensors-cuda,torch-cuda,accelerate-cuda,transformers-cuda 2>&1 | tee "$RESULTS/bench-cuda.log"
+    "$PYTHON" -m bench.run --runs "$RUNS" --out "$RESULTS" --merge \
+      --groups "${2:-cuda,cuda cast,cuda cold}" 2>&1 | tee -a "$RESULTS/bench-cuda.log"
     ;;
 esac

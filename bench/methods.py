@@ -63,7 +63,7 @@ def _prepare(method: str) -> tuple[Setup, Load]:
     if method.startswith("ours"):
         from materialize import load
 
-        dtype = torch.float32 if method == "ours-cast" else None
+        dtype = torch.float32 if "-cast" in method else None
         options = dict(dtype=dtype, mmap=method == "ours-mmap", direct_io="-direct" in method, device=_device(method))
         return (lambda args: _skeleton(args, "ours")), (
             lambda path, model: _with(model, lambda m: load(m, path, **options))
@@ -99,16 +99,16 @@ def _prepare(method: str) -> tuple[Setup, Load]:
     if method.startswith("accelerate"):
         from accelerate import load_checkpoint_and_dispatch
 
-        dtype = torch.float32 if method == "accelerate-cast" else torch.bfloat16
-        placement = {"": 0} if method == "accelerate-cuda" else {"": "cpu"}
+        dtype = torch.float32 if "-cast" in method else torch.bfloat16
+        placement = {"": 0} if method.endswith("-cuda") else {"": "cpu"}
         return (lambda args: _skeleton(args, "accelerate")), (
             lambda path, model: load_checkpoint_and_dispatch(model, str(path), device_map=placement, dtype=dtype)
         )
     if method.startswith("transformers"):
         from transformers import LlamaForCausalLM
 
-        dtype = torch.float32 if method == "transformers-cast" else torch.bfloat16
-        placement = {"device_map": "cuda"} if method == "transformers-cuda" else {}
+        dtype = torch.float32 if "-cast" in method else torch.bfloat16
+        placement = {"device_map": "cuda"} if method.endswith("-cuda") else {}
         return (lambda args: args), (lambda path, _: LlamaForCausalLM.from_pretrained(str(path), dtype=dtype, **placement))
     if method == "limit-mapped":
         return (lambda args: args), (lambda path, _: copy_from_mapping(path))
@@ -214,7 +214,7 @@ def _tensors(result) -> dict[str, torch.Tensor]:
 def _verify(tensors: dict[str, torch.Tensor], expected: dict, method: str) -> bool:
     if method.startswith("limit"):
         return True  # raw bytes, not tensors: nothing to compare by name
-    wanted = expected["float32" if method.endswith("-cast") else "same"]
+    wanted = expected["float32" if "-cast" in method else "same"]
     return all(name in tensors and crc(tensors[name].cpu()) == value for name, value in wanted.items())
 
 

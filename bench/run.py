@@ -77,9 +77,17 @@ CASES = [
     Case("torch.load(mmap, map_location=cuda) + assign", "torch-cuda", "torch", group="cuda"),
     Case("accelerate, device_map cuda", "accelerate-cuda", "sharded", group="cuda"),
     Case("transformers, device_map cuda", "transformers-cuda", "sharded", group="cuda"),
+    Case("ours to cuda, bf16 -> fp32", "ours-cast-cuda", "sharded", group="cuda cast"),
+    Case("accelerate to cuda, bf16 -> fp32", "accelerate-cast-cuda", "sharded", group="cuda cast"),
+    Case("transformers to cuda, bf16 -> fp32", "transformers-cast-cuda", "sharded", group="cuda cast"),
     Case("ours to cuda, one safetensors", "ours-cuda", "single", cold=True, group="cuda cold"),
+    Case("ours to cuda, sharded safetensors", "ours-cuda", "sharded", cold=True, group="cuda cold"),
     Case("ours to cuda --direct-io, one safetensors", "ours-direct-cuda", "single", cold=True, group="cuda cold"),
     Case("safetensors load_file(device=cuda) + assign", "safetensors-cuda", "single", cold=True, group="cuda cold"),
+    Case("transformers, device_map cuda", "transformers-cuda", "sharded", cold=True, group="cuda cold"),
+    Case("limit: one thread, large reads", "limit-1t", "single", cold=True, group="cuda cold"),
+    Case("limit: all cores, fresh memory", "limit", "single", cold=True, group="cuda cold"),
+    Case("limit: copy out of a mapping (read-ahead)", "limit-mapped", "single", cold=True, group="cuda cold"),
 ]
 
 
@@ -217,6 +225,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--data", default="data/bench")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--only", help="comma-separated method names to run")
+    parser.add_argument("--groups", help="comma-separated groups to run (copy, zero-copy, cast, cold, cuda, cuda cast, cuda cold)")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other rows of an earlier report in --out (a run split over several calls)")
     parser.add_argument("--out", default=str(RESULTS), help="folder for the .json, .md and .png results")
     args = parser.parse_args(argv)
 
@@ -224,27 +235,43 @@ def main(argv: Optional[list[str]] = None) -> None:
     fixture = paths["expected"].parent
     expected = json.loads(paths["expected"].read_text())
     wanted = set(args.only.split(",")) if args.only else None
-    cases = [c for c in CASES if available(c.method) and (wanted is None or c.method in wanted)]
+    groups = set(args.groups.split(",")) if args.groups else None
+    cases = [c for c in CASES if available(c.method) and (wanted is None or c.method in wanted)
+             and (groups is None or c.group in groups)]
+    out = Path(args.out)
+    stem = Path(args.config).stem
+    earlier = out / f"{stem}.json"
+    report = json.loads(earlier.read_text()) if args.merge and earlier.exists() else {"results": {}}
+    ours = {(c.group, c.key) for c in cases}
+    report["results"] = {k: r for k, r in report["results"].items() if (r["case"]["group"], k) not in ours}
     recache(paths)
-    startup = startup_seconds(args.runs)
-    cuda_startup = cuda_startup_seconds(args.runs) if any(c.group.startswith("cuda") for c in cases) else None
-    results = {}
+    report.update(machine=machine(), config=args.config, runs=args.runs, nbytes=expected["nbytes"],
+                  startup_s=startup_seconds(args.runs))
+    if any(c.group.startswith("cuda") for c in cases):
+        report["cuda_startup_s"] = cuda_startup_seconds(args.runs)
     for group in dict.fromkeys(case.group for case in cases):
         measured = measure_group([c for c in cases if c.group == group], fixture, paths, args.runs)
         for key, result in measured.items():
-            results[key] = result
+            report["results"][_row(group, key)] = result
             print(f"{key:<48} {_short(result)}", flush=True)
-    report = {"machine": machine(), "config": args.config, "runs": args.runs, "nbytes": expected["nbytes"], "startup_s": startup,
-              "cuda_startup_s": cuda_startup, "results": results}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = Path(args.config).stem
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
-    table = markdown(report)
-    (out / f"{stem}.md").write_text(table)
-    chart(report, out / f"{stem}.png")
+        write_report(report, out, stem)  # after each group: a run cut short still leaves what it measured
     print()
-    print(table)
+    print(markdown(report))
+
+
+def _row(group: str, key: str) -> str:
+    """The report's key: a case's label, qualified by its group where the label alone repeats across groups."""
+    groups = {c.group for c in CASES if c.key == key}
+    return key if len(groups) == 1 or group == min(groups, key=len) else f"{key} [{group}]"
+
+
+def write_report(report: dict, out: Path, stem: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    order = {group: i for i, group in enumerate(dict.fromkeys(c.group for c in CASES))}
+    report["results"] = dict(sorted(report["results"].items(), key=lambda kv: order.get(kv[1]["case"]["group"], len(order))))
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    (out / f"{stem}.md").write_text(markdown(report))
+    chart(report, out / f"{stem}.png")
 
 
 def _short(result: dict) -> str:
@@ -310,7 +337,7 @@ def chart(report: dict, path: Path) -> None:
         return
     rows = [(k, r) for k, r in report["results"].items() if "error" not in r]
     colors = {"copy": "#4c72b0", "zero-copy": "#55a868", "cast": "#c44e52", "cold": "#8172b2", "cuda": "#937860",
-              "cuda cold": "#da8bc3"}
+              "cuda cast": "#8c613c", "cuda cold": "#da8bc3"}
     fig, ax = plt.subplots(figsize=(10, 0.38 * len(rows) + 1.5))
     labels = [f"[{r['case']['group']}] {k}" for k, r in rows]
     values = [r["load_s"] + r["touch_s"] for _, r in rows]

@@ -302,8 +302,8 @@ def markdown(report: dict) -> str:
         "| group | method | load s | min-max s | x ours | GB/s | wall s | build s | touch s | anon growth GB | peak RSS growth GB | RSS x ours | verified | forward |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
-    for key, result in report["results"].items():
-        group = result["case"]["group"]
+    for result in report["results"].values():
+        group, key = result["case"]["group"], _label(result)
         if "error" in result:
             lines.append(f"| {group} | {key} | error: {result['error'][:80]} | | | | | | | | | | | |")
             continue
@@ -317,6 +317,10 @@ def markdown(report: dict) -> str:
             f"{'yes' if result['forward_ok'] else 'no'} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _label(result: dict) -> str:
+    return f"{result['case']['label']}{' (cold)' if result['case']['cold'] else ''}"
 
 
 def _memory_ratio(result: dict, base: Optional[dict]) -> str:
@@ -339,7 +343,7 @@ def chart(report: dict, path: Path) -> None:
     colors = {"copy": "#4c72b0", "zero-copy": "#55a868", "cast": "#c44e52", "cold": "#8172b2", "cuda": "#937860",
               "cuda cast": "#8c613c", "cuda cold": "#da8bc3"}
     fig, ax = plt.subplots(figsize=(10, 0.38 * len(rows) + 1.5))
-    labels = [f"[{r['case']['group']}] {k}" for k, r in rows]
+    labels = [f"[{r['case']['group']}] {_label(r)}" for _, r in rows]
     values = [r["load_s"] + r["touch_s"] for _, r in rows]
     bars = ax.barh(range(len(rows)), values, color=[colors[r["case"]["group"]] for _, r in rows])
     for bar, (key, result) in zip(bars, rows):

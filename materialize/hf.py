@@ -9,6 +9,7 @@ Everything else (allocation, reading, ties, buffers) is the ordinary load.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections.abc import Callable
@@ -29,6 +30,25 @@ def is_hf_folder(path: Path) -> bool:
     return path.is_dir() and (path / CONFIG_NAME).is_file()
 
 
+def is_transformers_folder(path: Path) -> bool:
+    """A folder whose ``config.json`` describes a transformers model.
+
+    Other libraries write a ``config.json`` of their own beside the weights
+    (timm: ``architecture``; diffusers: ``_class_name``), which transformers
+    cannot build; without a model spec, those folders load as plain
+    checkpoints. transformers' own configs name a ``model_type`` (older ones
+    at least their ``architectures``); an unreadable one counts as
+    transformers', so that building it reports what is wrong with it.
+    """
+    if not is_hf_folder(path):
+        return False
+    try:
+        config = json.loads((path / CONFIG_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return True
+    return not isinstance(config, dict) or "model_type" in config or "architectures" in config
+
+
 def _transformers() -> Any:
     try:
         import transformers
@@ -46,6 +66,12 @@ def build_hf(folder: Path, *, model_class: Optional[str] = None) -> nn.Module:
     ``"BertModel"``); by default the config's first ``architectures`` entry,
     else ``AutoModel``. Remote code is never run.
     """
+    if not is_transformers_folder(folder):
+        raise ModelSpecError(
+            "names no model_type or architectures: not a transformers model's config "
+            "(timm and diffusers write their own); pass a model (--model SPEC), or load without one for its tensors",
+            path=folder / CONFIG_NAME,
+        )
     transformers = _transformers()
     try:
         config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)

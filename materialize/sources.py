@@ -17,7 +17,7 @@ from .devicemap import DeviceMapLike
 from .dtypes import parse_dtype
 from .engine import Job, ProgressFn, stream
 from .errors import ModelRequiredError, ModelSpecError
-from .hf import HF_SPEC_PREFIX, build_hf, is_hf_folder
+from .hf import HF_SPEC_PREFIX, build_hf, is_hf_folder, is_transformers_folder
 from .hostmem import empty_destination
 from .hub import resolve as resolve_source
 from .keymap import KeyMapLike
@@ -200,6 +200,6 @@ def _skeleton(
         return build_hf(folder, model_class=model[len(HF_SPEC_PREFIX):] or None)
     if model is not None:
         return build(model, **dict(model_args or {}))
-    if folder is not None and is_hf_folder(folder):
+    if folder is not None and is_transformers_folder(folder):
         return build_hf(folder)
     return ckpt.module

@@ -120,3 +120,23 @@ def test_the_demo_writer_rebuilds_only_when_its_config_changes(tmp_path, capsys)
     lines = capsys.readouterr().out.splitlines()
     assert "wrote" in lines[0] and "already built" in lines[1] and "wrote" in lines[2]
     assert len(mz.load_model(out, model=config)[0].model.layers) == 1
+
+
+@pytest.mark.parametrize("config, weights", [
+    ({"architecture": "resnet50", "num_classes": 10, "pretrained_cfg": {"input_size": [3, 224, 224]}}, "model.safetensors"),
+    ({"_class_name": "UNet2DConditionModel", "_diffusers_version": "0.30.0"}, "diffusion_pytorch_model.safetensors"),
+], ids=["timm", "diffusers"])
+def test_a_folder_whose_config_json_is_not_transformers_loads_as_its_tensors(config, weights, tmp_path):
+    state = saved_state(reference_model(tie=False))
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    write_safetensors(state, folder / weights)
+
+    tensors, report = mz.load_model(folder)
+
+    assert set(tensors) == set(state) and sorted(report.loaded) == sorted(state)
+    for name, value in state.items():
+        assert torch.equal(tensors[name], value), name
+    with pytest.raises(mz.ModelSpecError, match=r"config.json.*names no model_type or architectures.*--model SPEC"):
+        mz.load_model(folder, model="hf:AutoModel")

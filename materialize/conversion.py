@@ -39,6 +39,7 @@ from .dtypes import parse_dtype
 from .engine import Job, ProgressFn, stream
 from .errors import MaterializeError, OutputError
 from .fileio import byte_view
+from .gcpause import gc_paused
 from .hostmem import empty_destination
 from .loading import DtypeLike, _opened
 from .hub import resolve as resolve_source
@@ -88,6 +89,7 @@ class _Item:
         return self.info.numel * self.dtype.itemsize
 
 
+@gc_paused
 def convert(
     src: Union[str, os.PathLike, Checkpoint],
     dst: Union[str, os.PathLike],

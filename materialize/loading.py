@@ -17,6 +17,7 @@ from .devicemap import DeviceMapLike, Placement, compute_device_map
 from .dtypes import dtype_name, parse_dtype
 from .engine import Job, ProgressFn, stream
 from .errors import SanitizerError
+from .gcpause import gc_paused
 from .hf import hf_init, hf_key_map, is_hf_model
 from .hostmem import empty_destination
 from .keymap import KeyMapLike
@@ -50,6 +51,7 @@ def _model_defaults(model: nn.Module, key_map: KeyMapLike, init: Optional[InitFn
     return (key_map if key_map is not None else hf_key_map(model)), (init if init is not None else hf_init(model))
 
 
+@gc_paused
 def load(
     model: nn.Module,
     checkpoint: CheckpointLike,

@@ -17,6 +17,7 @@ from .devicemap import DeviceMapLike
 from .dtypes import parse_dtype
 from .engine import Job, ProgressFn, stream
 from .errors import ModelRequiredError, ModelSpecError
+from .gcpause import gc_paused
 from .hf import HF_SPEC_PREFIX, build_hf, is_hf_folder, is_transformers_folder
 from .hostmem import empty_destination
 from .hub import resolve as resolve_source
@@ -42,6 +43,7 @@ from .shared import shared_spans
 from .validate import check_bools
 
 
+@gc_paused
 def plan(
     model: Union[nn.Module, ModelSpec, None],
     checkpoint: CheckpointLike,
@@ -81,6 +83,7 @@ def plan(
     return the_plan
 
 
+@gc_paused
 def load_tensors(
     checkpoint: CheckpointLike,
     *,
@@ -140,6 +143,7 @@ def load_tensors(
     return tensors, report
 
 
+@gc_paused
 def load_model(
     source: CheckpointLike,
     *,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -296,3 +297,25 @@ def test_a_prefix_mismatch_error_says_which_prefix_to_strip(tmp_path):
 
     with pytest.raises(mz.KeyMismatchError, match=r"prefix 'model\.'.*strip_prefix\('model\.'\)"):
         mz.load(tiny_skeleton(), path)
+
+
+def test_the_cyclic_collector_is_paused_while_loading_and_left_as_found(tmp_path):
+    state = saved_state(reference_model())
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+    collecting_during_load: list[bool] = []
+
+    model = tiny_skeleton()
+    mz.load(model, path, progress=lambda done, total: collecting_during_load.append(gc.isenabled()))
+
+    assert collecting_during_load and not any(collecting_during_load)
+    assert gc.isenabled()
+    assert_state_equal(model, state)
+    with pytest.raises(mz.CheckpointError):
+        mz.load_tensors(tmp_path / "missing.safetensors")
+    assert gc.isenabled()  # a failed load restores it too
+    gc.disable()
+    try:
+        mz.load_tensors(path)
+        assert not gc.isenabled()  # the caller's choice stands
+    finally:
+        gc.enable()

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from ..errors import CheckpointError, CheckpointNotFoundError, UnsupportedFormatError
 from ..fileio import open_for_reading
+from ..gcpause import gc_paused
 from .base import Checkpoint, TensorInfo
 from .index import SAFETENSORS_INDEX_NAME, read_sharded
 from .safetensors import read_header
@@ -26,6 +27,7 @@ TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 PathLike = Union[str, os.PathLike]
 
 
+@gc_paused
 def open_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Checkpoint:
     """Open a checkpoint file, shard index or Hugging Face-style folder.
 

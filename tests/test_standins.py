@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import enum
+import typing
 import json
 import subprocess
 import sys
@@ -57,6 +59,34 @@ class LoudNet(nn.Module):
 
 class Color(enum.Enum):
     RED = 1
+
+
+@dataclasses.dataclass
+class NodeMetadata:
+    """What OmegaConf keeps per config node: types as values, and a defaultdict cache."""
+
+    ref_type: object
+    object_type: object
+    key_type: object
+    cache: collections.defaultdict
+
+
+class ConfigNode:
+    """Pickles as OmegaConf's DictConfig does: NEWOBJ, then a state naming types; restoring it leaves a marker."""
+
+    def __init__(self, content: dict, marker: Path) -> None:
+        cache = collections.defaultdict(dict)
+        cache["resolver"]["now"] = 1
+        self.__dict__.update(_metadata=NodeMetadata(typing.Any, dict, int, cache), _content=content, marker=str(marker))
+
+    def __setstate__(self, state: dict) -> None:
+        Path(state["marker"]).touch()
+        self.__dict__.update(state)
+
+
+class Getter:
+    def __reduce__(self):
+        return getattr, (Path("."), "cwd")
 
 
 def _weights() -> dict[str, torch.Tensor]:
@@ -123,6 +153,29 @@ def test_a_module_nested_under_model_is_found(tmp_path):
     assert tensors.keys() == source.state_dict().keys()
     for name, value in source.state_dict().items():
         assert torch.equal(tensors[name], value), name
+
+
+def test_a_config_object_naming_builtin_types_and_a_defaultdict_is_read_without_running_it(tmp_path):
+    weights = _weights()
+    marker = tmp_path / "restored"
+    path = tmp_path / "hydra.ckpt"
+    config = ConfigNode({"layers": [64, 128], "act": "relu", "float_types": [float, str, bool, list, tuple]}, marker)
+    torch.save({"state_dict": weights, "hyper_parameters": {"cfg": config}, "epoch": 3}, path)
+
+    tensors, report = mz.load_tensors(path)
+
+    assert sorted(report.loaded) == ["fc.bias", "fc.weight"]
+    for name, value in weights.items():
+        assert torch.equal(tensors[name], value), name
+    assert not marker.exists()
+
+
+def test_a_builtin_other_than_a_plain_type_is_refused_naming_it(tmp_path):
+    path = tmp_path / "getattr.pt"
+    torch.save({"state_dict": _weights(), "extra": Getter()}, path)
+
+    with pytest.raises(mz.UnsafeCheckpointError, match=r"getattr.pt.*global 'getattr'"):
+        mz.open_checkpoint(path)
 
 
 def test_a_call_in_the_pickle_is_still_refused_naming_it_and_loads_with_trust(tmp_path):

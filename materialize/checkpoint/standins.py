@@ -13,6 +13,11 @@ from the file. Calling a stand-in (``REDUCE``: how a pickle calls a function
 such as ``os.system`` or ``eval``, or a class with arguments) raises
 :class:`CalledStandIn` instead, so such files are still refused. Modules
 named by ``sys``, ``os``, ``posix`` and ``nt`` stay refused by torch itself.
+Types that hyper-parameter containers name as values (OmegaConf's
+``DictConfig`` records ``object_type=dict``, ``ref_type=typing.Any`` and a
+``defaultdict(dict)`` cache) are let through as themselves
+(:data:`INERT_GLOBALS`): building containers of already unpickled values,
+or a scalar from one, runs no code from the file.
 The one exception is numpy: a training script's metrics (``best_acc`` as a
 ``numpy.float64``) pickle as calls of numpy's constructors, so calls of a
 numpy stand-in are inert too (they build a stand-in; numpy is never
@@ -21,6 +26,8 @@ imported). A numpy array where a tensor is expected is an error, not skipped.
 
 from __future__ import annotations
 
+import collections
+import typing
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,6 +43,12 @@ class CalledStandIn(Exception):
 
 
 INERT_CALL_MODULES = frozenset({"numpy"})
+# As torch's unpickler names them in its refusals (builtins without their module).
+INERT_GLOBALS: dict[str, Any] = {
+    **{kind.__name__: kind for kind in (dict, list, tuple, set, frozenset, int, float, complex, bool, str)},
+    "typing.Any": typing.Any,
+    "collections.defaultdict": collections.defaultdict,
+}
 NUMPY_ARRAY_BUILDERS = frozenset({"numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct"})
 
 

@@ -10,6 +10,7 @@ format's reader (:func:`tensor_info`).
 
 from __future__ import annotations
 
+import collections
 import io
 import math
 import pickle
@@ -23,7 +24,9 @@ from torch import _weights_only_unpickler, nn
 from ..errors import CheckpointError, UnsafeCheckpointError, summarize_names
 from .base import TensorInfo
 from .pickle_scan import negative_layouts
-from .standins import CalledStandIn, StandIn, is_module_state, is_numpy_array, module_state, stand_in_class
+from .standins import (
+    INERT_GLOBALS, CalledStandIn, StandIn, is_module_state, is_numpy_array, module_state, stand_in_class,
+)
 
 STATE_DICT_KEYS = ("state_dict", "model", "module")
 
@@ -58,7 +61,8 @@ class _TrustedUnpickler(pickle.Unpickler):
 
 class _WeightsOnlyUnpickler(_weights_only_unpickler.Unpickler):
     def _check_set_item_target(self, opcode: str) -> None:
-        if not isinstance(self.stack[-1], StandIn):  # a stand-in for a dict subclass takes its items inertly
+        # A stand-in for a dict subclass takes its items inertly; a defaultdict is let through as one.
+        if not isinstance(self.stack[-1], (StandIn, collections.defaultdict)):
             super()._check_set_item_target(opcode)
 
 
@@ -82,7 +86,7 @@ def unpickle(
         unpickler: Any = _TrustedUnpickler(io.BytesIO(data), encoding="utf-8")
         unpickler.persistent_load = persistent(path, refs)
         return _load(path, unpickler, trust_pickle=True, what=what)
-    stand_ins: dict[str, type] = {}
+    stand_ins: dict[str, Any] = {}  # stand-in classes, and the inert globals let through as themselves
     while True:
         refs.clear()
         unpickler = _WeightsOnlyUnpickler(io.BytesIO(data), encoding="utf-8")
@@ -93,10 +97,14 @@ def unpickle(
             with _STAND_IN_SCOPE(list(stand_ins.values())):
                 return _load(path, unpickler, trust_pickle=False, what=what)
         except _RefusedGlobal as refused:
-            if (_STAND_IN_SCOPE is None or "." not in refused.name or refused.name in stand_ins
-                    or len(stand_ins) >= _MAX_STAND_INS):
+            if _STAND_IN_SCOPE is None or refused.name in stand_ins or len(stand_ins) >= _MAX_STAND_INS:
                 raise refused.error from None
-            stand_ins[refused.name] = stand_in_class(refused.name)
+            if refused.name in INERT_GLOBALS:
+                stand_ins[refused.name] = INERT_GLOBALS[refused.name]
+            elif "." in refused.name:
+                stand_ins[refused.name] = stand_in_class(refused.name)
+            else:  # another builtin (getattr, eval, ...): never
+                raise refused.error from None
 
 
 class _RefusedGlobal(Exception):

@@ -10,7 +10,7 @@ import typing
 import json
 import subprocess
 import sys
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 
 import pytest
 import torch
@@ -155,12 +155,13 @@ def test_a_module_nested_under_model_is_found(tmp_path):
         assert torch.equal(tensors[name], value), name
 
 
-def test_a_config_object_naming_builtin_types_and_a_defaultdict_is_read_without_running_it(tmp_path):
+def test_a_config_object_naming_builtin_types_a_defaultdict_and_paths_is_read_without_running_it(tmp_path):
     weights = _weights()
     marker = tmp_path / "restored"
     path = tmp_path / "hydra.ckpt"
     config = ConfigNode({"layers": [64, 128], "act": "relu", "float_types": [float, str, bool, list, tuple]}, marker)
-    torch.save({"state_dict": weights, "hyper_parameters": {"cfg": config}, "epoch": 3}, path)
+    hyper = {"cfg": config, "out_dir": Path("/tmp/runs/7"), "data": PureWindowsPath("C:/data")}
+    torch.save({"state_dict": weights, "hyper_parameters": hyper, "epoch": 3}, path)
 
     tensors, report = mz.load_tensors(path)
 

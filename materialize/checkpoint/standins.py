@@ -18,10 +18,12 @@ Types that hyper-parameter containers name as values (OmegaConf's
 ``defaultdict(dict)`` cache) are let through as themselves
 (:data:`INERT_GLOBALS`): building containers of already unpickled values,
 or a scalar from one, runs no code from the file.
-The one exception is numpy: a training script's metrics (``best_acc`` as a
-``numpy.float64``) pickle as calls of numpy's constructors, so calls of a
-numpy stand-in are inert too (they build a stand-in; numpy is never
-imported). A numpy array where a tensor is expected is an error, not skipped.
+The exceptions are numpy and pathlib: a training script's metrics
+(``best_acc`` as a ``numpy.float64``) pickle as calls of numpy's
+constructors, and a path among its arguments as a call of ``PosixPath`` with
+the path's parts, so calls of their stand-ins are inert too (they build a
+stand-in holding the arguments; neither module is used). A numpy array where
+a tensor is expected is an error, not skipped.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class CalledStandIn(Exception):
         self.name = name
 
 
-INERT_CALL_MODULES = frozenset({"numpy"})
+INERT_CALL_MODULES = frozenset({"numpy", "pathlib"})
 # As torch's unpickler names them in its refusals (builtins without their module).
 INERT_GLOBALS: dict[str, Any] = {
     **{kind.__name__: kind for kind in (dict, list, tuple, set, frozenset, int, float, complex, bool, str)},

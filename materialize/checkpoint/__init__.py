@@ -89,7 +89,15 @@ def _read_torch(path: Path, *, legacy: bool, trust_pickle: bool) -> tuple[dict[s
     return (read_torch_legacy if legacy else read_torch_zip)(path, trust_pickle=trust_pickle)
 
 
+_DCP_ADVICE = (
+    "torch.distributed.checkpoint (DCP) save, which is not read directly; turn its folder into one torch file "
+    "first: python -m torch.distributed.checkpoint.format_utils dcp_to_torch FOLDER FILE.pt"
+)
+
+
 def _sniff(path: Path) -> str:
+    if path.suffix == ".distcp":
+        raise UnsupportedFormatError(f"is one file of a {_DCP_ADVICE}", path=path)
     fd = open_for_reading(path)
     try:
         head = os.pread(fd, 9, 0)
@@ -136,4 +144,6 @@ def _pick_from_folder(folder: Path) -> Path:
                 f"holds several candidate checkpoints ({', '.join(p.name for p in group)}); pass one of them",
                 path=folder,
             )
+    if (folder / ".metadata").is_file() and any(p.suffix == ".distcp" for p in folder.iterdir()):
+        raise UnsupportedFormatError(f"is a {_DCP_ADVICE}", path=folder)
     raise CheckpointNotFoundError("holds no safetensors, torch checkpoint or shard index", path=folder)

@@ -91,8 +91,9 @@ CASES = [
 ]
 
 
-def available(method: str) -> bool:
-    if method.endswith("-cuda"):
+def available(case: Case) -> bool:
+    method = case.method
+    if method.endswith("-cuda") or case.group.startswith("cuda"):  # the cuda groups' raw reads too
         import torch
 
         if not torch.cuda.is_available():
@@ -236,14 +237,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     expected = json.loads(paths["expected"].read_text())
     wanted = set(args.only.split(",")) if args.only else None
     groups = set(args.groups.split(",")) if args.groups else None
-    cases = [c for c in CASES if available(c.method) and (wanted is None or c.method in wanted)
+    cases = [c for c in CASES if available(c) and (wanted is None or c.method in wanted)
              and (groups is None or c.group in groups)]
     out = Path(args.out)
     stem = Path(args.config).stem
     earlier = out / f"{stem}.json"
     report = json.loads(earlier.read_text()) if args.merge and earlier.exists() else {"results": {}}
-    ours = {(c.group, c.key) for c in cases}
-    report["results"] = {k: r for k, r in report["results"].items() if (r["case"]["group"], k) not in ours}
+    rerun = {_row(c.group, c.key) for c in cases}
+    report["results"] = {k: r for k, r in report["results"].items() if k not in rerun}
     recache(paths)
     report.update(machine=machine(), config=args.config, runs=args.runs, nbytes=expected["nbytes"],
                   startup_s=startup_seconds(args.runs))

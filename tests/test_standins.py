@@ -221,3 +221,28 @@ def test_numpy_numbers_beside_the_weights_load_and_numpy_weights_are_named(tmp_p
 
     assert torch.equal(tensors["fc.weight"], weights["fc.weight"])
     assert "numpy arrays" in str(caught.value) and "fc.bias" in str(caught.value) and str(arrays) in str(caught.value)
+
+
+def test_plain_state_dicts_skip_torchs_python_unpickler_and_anything_else_takes_it(tmp_path, monkeypatch):
+    from torch import _weights_only_unpickler
+
+    torch.manual_seed(0)
+    base = torch.randn(6, 4)
+    plain = collections.OrderedDict(
+        w=nn.Parameter(torch.randn(3, 4)), view=base[1:4, ::2], base=base,
+        f8=torch.randn(5).to(torch.float8_e4m3fn), u16=torch.arange(7).to(torch.uint16), bf=torch.randn(2, dtype=torch.bfloat16),
+    )
+    torch.save({"state_dict": plain, "epoch": 3, "best": 0.5, "name": "run"}, tmp_path / "plain.pt")
+    torch.save({"state_dict": _weights(), "args": argparse.Namespace(lr=0.1)}, tmp_path / "namespace.pt")
+    slow_reads = []
+    original = _weights_only_unpickler.Unpickler.load
+    monkeypatch.setattr(_weights_only_unpickler.Unpickler, "load", lambda self: slow_reads.append(1) or original(self))
+
+    tensors, _ = mz.load_tensors(tmp_path / "plain.pt")
+
+    assert slow_reads == []
+    for name, value in plain.items():
+        assert tensors[name].dtype == value.dtype and torch.equal(tensors[name].double(), value.detach().double()), name
+    assert tensors["view"].untyped_storage().data_ptr() == tensors["base"].untyped_storage().data_ptr()  # still one storage
+    tensors, _ = mz.load_tensors(tmp_path / "namespace.pt")
+    assert slow_reads and torch.equal(tensors["fc.weight"], _weights()["fc.weight"])

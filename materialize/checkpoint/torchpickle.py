@@ -59,6 +59,71 @@ class _TrustedUnpickler(pickle.Unpickler):
     pass
 
 
+class _StorageKind:
+    """What a storage class stands for in a persistent id: its dtype. Unlike the class, it cannot be called."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+
+def _plain_globals() -> dict[str, Any]:
+    untyped = _StorageKind(torch.uint8)
+    named: dict[str, Any] = {"torch.UntypedStorage": untyped, "torch.storage.UntypedStorage": untyped}
+    for name in dir(torch):
+        candidate = getattr(torch, name)
+        if isinstance(candidate, torch.dtype):  # dtypes without a storage class of their own (float8, uint16)
+            named[f"torch.{name}"] = candidate
+        elif (name.endswith("Storage") and isinstance(candidate, type)
+                and issubclass(candidate, torch.storage._LegacyStorage)):
+            named[f"torch.{name}"] = _StorageKind(getattr(candidate, "_dtype", None) or candidate.dtype)
+    rebuilds = ("_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter")
+    return {
+        **{f"torch._utils.{name}": getattr(torch._utils, name) for name in rebuilds if hasattr(torch._utils, name)},
+        "collections.OrderedDict": collections.OrderedDict,
+        **named,
+    }
+
+
+_PLAIN_GLOBALS = _plain_globals()
+
+
+class _NotPlain(Exception):
+    pass
+
+
+class _PlainStateUnpickler(pickle.Unpickler):
+    """Python's own (C) unpickler, for what nearly every checkpoint holds: tensors in (ordered) dicts.
+
+    torch's weights-only unpickler is written in Python and costs about 100 us
+    per tensor (2 s for 18,000); this one is ten times faster. It knows only
+    the globals a plain state dict names: tensor and parameter rebuilds,
+    ``OrderedDict``, dtypes, and storage kinds that cannot be called. Anything else,
+    and any error at all, sends the file to the weights-only path, which
+    decides what is refused and how it is reported.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _PLAIN_GLOBALS.get(f"{module}.{name}")
+        if found is None:
+            raise _NotPlain(f"{module}.{name}")
+        return found
+
+
+def _unpickle_plain(
+    path: Path, data: bytes, refs: dict[int, StorageRef], persistent: Callable[[Path, dict[int, StorageRef]], Any],
+) -> Any:
+    unpickler = _PlainStateUnpickler(io.BytesIO(data), encoding="utf-8")
+    unpickler.persistent_load = persistent(path, refs)
+    try:
+        return unpickler.load()
+    except Exception:  # not plain, or not well-formed: the weights-only path says which
+        refs.clear()
+        return _NOT_PLAIN
+
+
+_NOT_PLAIN = object()
+
+
 class _WeightsOnlyUnpickler(_weights_only_unpickler.Unpickler):
     def _check_set_item_target(self, opcode: str) -> None:
         # A stand-in for a dict subclass takes its items inertly; a defaultdict is let through as one.
@@ -76,6 +141,8 @@ def unpickle(
 ) -> Any:
     """The object ``torch.save`` was given, its tensors on meta; classes torch does not allow become stand-ins.
 
+    A plain state dict is read at C speed (:class:`_PlainStateUnpickler`);
+    anything else goes through torch's weights-only unpickler.
     Each class the weights-only unpickler refuses is given a stand-in (see
     :mod:`.standins`) and the pickle is read again, up to a bound; a call of
     anything it names is refused. While a read runs, torch's allowlist (one
@@ -86,6 +153,9 @@ def unpickle(
         unpickler: Any = _TrustedUnpickler(io.BytesIO(data), encoding="utf-8")
         unpickler.persistent_load = persistent(path, refs)
         return _load(path, unpickler, trust_pickle=True, what=what)
+    plain = _unpickle_plain(path, data, refs, persistent)
+    if plain is not _NOT_PLAIN:
+        return plain
     stand_ins: dict[str, Any] = {}  # stand-in classes, and the inert globals let through as themselves
     while True:
         refs.clear()

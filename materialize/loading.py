@@ -281,10 +281,13 @@ def _materialize_entry(
     if entry.action != "load" or view is not None:
         return []
     assert entry.source is not None
+    pieces = pieces_of(entry.source)
+    if len(pieces) == 1 and pieces[0].info.shape == entry.shape:
+        return [Job(tensor.detach(), pieces[0].info)]  # the common case: one tensor filled whole, no views to make
     flat = tensor.detach().view(-1)
     return [
         Job(flat[piece.start: piece.start + piece.info.numel].view(piece.info.shape), piece.info)
-        for piece in pieces_of(entry.source)
+        for piece in pieces
     ]
 
 

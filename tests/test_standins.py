@@ -6,7 +6,9 @@ import argparse
 import collections
 import dataclasses
 import enum
+import struct
 import typing
+import zipfile
 import json
 import subprocess
 import sys
@@ -246,3 +248,20 @@ def test_plain_state_dicts_skip_torchs_python_unpickler_and_anything_else_takes_
     assert tensors["view"].untyped_storage().data_ptr() == tensors["base"].untyped_storage().data_ptr()  # still one storage
     tensors, _ = mz.load_tensors(tmp_path / "namespace.pt")
     assert slow_reads and torch.equal(tensors["fc.weight"], _weights()["fc.weight"])
+
+
+def test_a_negative_stride_in_a_plain_state_dict_is_still_refused_naming_the_layout(tmp_path):
+    path = tmp_path / "negative.pt"
+    torch.save({"w": torch.arange(12.0).reshape(3, 4)}, path)
+    with zipfile.ZipFile(path) as archive:
+        records = {info.filename: archive.read(info) for info in archive.infolist()}
+    pickled = next(name for name in records if name.endswith("data.pkl"))
+    stride = b"K\x04K\x01\x86"  # (4, 1): two BININT1, TUPLE2
+    assert records[pickled].count(stride) == 1
+    records[pickled] = records[pickled].replace(stride, b"J" + struct.pack("<i", -4) + b"K\x01\x86")
+    with zipfile.ZipFile(path, "w") as archive:  # stored, as torch writes it
+        for name, data in records.items():
+            archive.writestr(name, data)
+
+    with pytest.raises(mz.CheckpointError, match=r"negative.pt.*negative size, stride or offset \(\[3, 4\], \[-4, 1\]"):
+        mz.open_checkpoint(path)

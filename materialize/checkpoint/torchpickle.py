@@ -59,6 +59,10 @@ class _TrustedUnpickler(pickle.Unpickler):
     pass
 
 
+class _NotPlain(Exception):
+    pass
+
+
 class _StorageKind:
     """What a storage class stands for in a persistent id: its dtype. Unlike the class, it cannot be called."""
 
@@ -76,19 +80,33 @@ def _plain_globals() -> dict[str, Any]:
         elif (name.endswith("Storage") and isinstance(candidate, type)
                 and issubclass(candidate, torch.storage._LegacyStorage)):
             named[f"torch.{name}"] = _StorageKind(getattr(candidate, "_dtype", None) or candidate.dtype)
-    rebuilds = ("_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter")
+    rebuilds = {
+        f"torch._utils.{name}": _refusing_negative_layouts(getattr(torch._utils, name))
+        for name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3") if hasattr(torch._utils, name)
+    }
     return {
-        **{f"torch._utils.{name}": getattr(torch._utils, name) for name in rebuilds if hasattr(torch._utils, name)},
+        **rebuilds,
+        "torch._utils._rebuild_parameter": torch._utils._rebuild_parameter,
         "collections.OrderedDict": collections.OrderedDict,
         **named,
     }
 
 
+def _refusing_negative_layouts(rebuild: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The rebuild, seeing its layout as written: meta storages would quietly make a negative stride positive.
+
+    A negative one sends the file to the weights-only path, whose opcode scan
+    (:func:`.pickle_scan.negative_layouts`) refuses it with the layout named.
+    """
+    def rebuild_checked(storage: Any, storage_offset: int, size: tuple, stride: tuple, *rest: Any) -> torch.Tensor:
+        if storage_offset < 0 or any(d < 0 for d in size) or any(s < 0 for s in stride):
+            raise _NotPlain("negative layout")
+        return rebuild(storage, storage_offset, size, stride, *rest)
+
+    return rebuild_checked
+
+
 _PLAIN_GLOBALS = _plain_globals()
-
-
-class _NotPlain(Exception):
-    pass
 
 
 class _PlainStateUnpickler(pickle.Unpickler):
@@ -138,10 +156,12 @@ _STAND_IN_SCOPE = getattr(torch.serialization, "safe_globals", None)  # torch 2.
 def unpickle(
     path: Path, data: bytes, refs: dict[int, StorageRef], *, trust_pickle: bool,
     persistent: Callable[[Path, dict[int, StorageRef]], Any] = persistent_loader, what: str = "data.pkl",
-) -> Any:
+) -> tuple[Any, bool]:
     """The object ``torch.save`` was given, its tensors on meta; classes torch does not allow become stand-ins.
 
-    A plain state dict is read at C speed (:class:`_PlainStateUnpickler`);
+    Also says whether the tensors' layouts were checked on the way (see
+    :func:`read_payload`). A plain state dict is read at C speed
+    (:class:`_PlainStateUnpickler`), checking layouts as it rebuilds;
     anything else goes through torch's weights-only unpickler.
     Each class the weights-only unpickler refuses is given a stand-in (see
     :mod:`.standins`) and the pickle is read again, up to a bound; a call of
@@ -152,10 +172,10 @@ def unpickle(
     if trust_pickle:
         unpickler: Any = _TrustedUnpickler(io.BytesIO(data), encoding="utf-8")
         unpickler.persistent_load = persistent(path, refs)
-        return _load(path, unpickler, trust_pickle=True, what=what)
+        return _load(path, unpickler, trust_pickle=True, what=what), False
     plain = _unpickle_plain(path, data, refs, persistent)
     if plain is not _NOT_PLAIN:
-        return plain
+        return plain, True
     stand_ins: dict[str, Any] = {}  # stand-in classes, and the inert globals let through as themselves
     while True:
         refs.clear()
@@ -163,9 +183,9 @@ def unpickle(
         unpickler.persistent_load = persistent(path, refs)
         try:
             if not stand_ins:
-                return _load(path, unpickler, trust_pickle=False, what=what)
+                return _load(path, unpickler, trust_pickle=False, what=what), False
             with _STAND_IN_SCOPE(list(stand_ins.values())):
-                return _load(path, unpickler, trust_pickle=False, what=what)
+                return _load(path, unpickler, trust_pickle=False, what=what), False
         except _RefusedGlobal as refused:
             if _STAND_IN_SCOPE is None or refused.name in stand_ins or len(stand_ins) >= _MAX_STAND_INS:
                 raise refused.error from None
@@ -223,13 +243,13 @@ def read_payload(
     persistent: Callable[[Path, dict[int, StorageRef]], Any] = persistent_loader, what: str = "data.pkl",
 ) -> tuple[dict[str, torch.Tensor], Optional[nn.Module]]:
     """The tensors (on meta) of the pickled object ``data`` and its module, if it is one; hostile layouts refused."""
-    unpickled = unpickle(path, data, refs, trust_pickle=trust_pickle, persistent=persistent, what=what)
+    unpickled, layouts_checked = unpickle(path, data, refs, trust_pickle=trust_pickle, persistent=persistent, what=what)
     try:
         payload, module = find_payload(unpickled)
     except CheckpointError as error:
         error.path = error.path or str(path)
         raise
-    hostile = negative_layouts(data)
+    hostile = [] if layouts_checked else negative_layouts(data)
     if hostile:
         offset, size, stride = hostile[0]
         raise CheckpointError(

@@ -73,12 +73,13 @@ class _StorageKind:
 def _plain_globals() -> dict[str, Any]:
     untyped = _StorageKind(torch.uint8)
     named: dict[str, Any] = {"torch.UntypedStorage": untyped, "torch.storage.UntypedStorage": untyped}
+    legacy = getattr(torch.storage, "_LegacyStorage", None)  # without it, such files take the weights-only path
     for name in dir(torch):
         candidate = getattr(torch, name)
         if isinstance(candidate, torch.dtype):  # dtypes without a storage class of their own (float8, uint16)
             named[f"torch.{name}"] = candidate
-        elif (name.endswith("Storage") and isinstance(candidate, type)
-                and issubclass(candidate, torch.storage._LegacyStorage)):
+        elif (legacy is not None and name.endswith("Storage") and isinstance(candidate, type)
+                and issubclass(candidate, legacy)):
             named[f"torch.{name}"] = _StorageKind(getattr(candidate, "_dtype", None) or candidate.dtype)
     rebuilds = {
         f"torch._utils.{name}": _refusing_negative_layouts(getattr(torch._utils, name))

@@ -359,11 +359,12 @@ def run_staged(
 def _drain(pending: list[Completion], *, raise_errors: bool) -> None:
     """Wait for every completion in ``pending`` and empty it; the first error is raised after all are waited on."""
     first_error: Optional[BaseException] = None
-    while pending:
+    for completion in pending:
         try:
-            pending.pop(0).wait()
+            completion.wait()
         except BaseException as exc:  # keep draining: every slot must be released
             first_error = first_error or exc
+    pending.clear()
     if raise_errors and first_error is not None:
         raise first_error
 

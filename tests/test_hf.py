@@ -148,13 +148,18 @@ def test_cli_loads_a_hugging_face_folder_without_a_model_spec(tmp_path):
     source, _ = _tiny("gpt2")
     folder = _save(source, tmp_path / "gpt2", as_bin=False, dtype=torch.float16)
 
-    done = subprocess.run([CLI, str(folder), "--json"], capture_output=True, text=True)
+    report = _cli_json_report(folder)
 
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
     assert report["format"] == "safetensors-sharded"
     assert report["dtypes"].get("float16") == len(report["loaded"])
     assert report["missing"] == [] and report["unexpected"] == []
+
+
+def _cli_json_report(folder: Path) -> dict:
+    """The CLI's --json report for a load of ``folder``, which must succeed."""
+    done = subprocess.run([CLI, str(folder), "--json"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
 
 
 def _hub_cache(tmp_path: Path, folder: Path, repo_id: str) -> Path:
@@ -284,10 +289,8 @@ def test_the_cli_loads_a_mixture_of_experts_folder(tmp_path):
     source, _ = _tiny("qwen2_moe")
     folder = _save(source, tmp_path / "moe", as_bin=True, dtype=torch.bfloat16)
 
-    done = subprocess.run([CLI, str(folder), "--json"], capture_output=True, text=True)
+    report = _cli_json_report(folder)
 
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
     assert "model.layers.1.mlp.experts.down_proj" in report["loaded"]
     assert report["missing"] == [] and report["unexpected"] == []
 

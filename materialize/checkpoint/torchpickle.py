@@ -135,8 +135,7 @@ def _unpickle_plain(
     unpickler.persistent_load = persistent(path, refs)
     try:
         return unpickler.load()
-    except Exception:  # not plain, or not well-formed: the weights-only path says which
-        refs.clear()
+    except Exception:  # not plain, or not well-formed: the weights-only path (which starts from clear refs) says which
         return _NOT_PLAIN
 
 

@@ -29,7 +29,7 @@ import torch
 
 from .checkpoint import TensorInfo
 from .errors import CastOverflowError
-from .fileio import MAX_IOVECS, DirectReads, FileSet, byte_view
+from .fileio import MAX_IOVECS, DirectReads, FileSet, Part, byte_view
 from .hostmem import prefault
 from .transfer import Completion, Staging
 
@@ -37,6 +37,7 @@ DIRECT_CHUNK_BYTES = 16 * 1024 * 1024
 CAST_CHUNK_BYTES = 2 * 1024 * 1024  # per reader thread: stays in cache between read and cast
 TASK_BYTES = 16 * 1024 * 1024  # work handed to a reader thread at once (see _run_in_tasks)
 STRIDED_BLOCK_BYTES = 32 * 1024 * 1024  # the temporary of a strided read (see _run_strided)
+GAP_BYTES = 4096  # bytes between two pieces that one read passes over rather than making two (see _file_runs)
 PREFAULT_MIN_BYTES = 256 * 1024  # smaller: the faults taken inside the read cost less than the call sparing them
 ProgressFn = Callable[[int, int], None]
 
@@ -134,7 +135,7 @@ def _run_direct(jobs: list[Job], files: FileSet, tracker: _Progress, threads: in
                 prefault(job.dest.data_ptr() + start, stop - start)
         first, start, _ = run[0]
         files.read_run(first.info.path, first.info.offset + start,
-                       [(byte_view(job.dest)[start:stop], job.info.name) for job, start, stop in run])
+                       _with_gaps(run, [byte_view(job.dest)[start:stop] for job, start, stop in run]))
         tracker.add(sum(stop - start for _, start, stop in run))
 
     _run_in_tasks(read_run, _pieces(jobs, DIRECT_CHUNK_BYTES), threads, run_bytes=TASK_BYTES)
@@ -172,8 +173,7 @@ def _run_cpu_cast(jobs: list[Job], files: FileSet, tracker: _Progress, threads: 
             raws.append(local.buffer[used: used + stop - start])
             used += stop - start
         first, start, _ = run[0]
-        files.read_run(first.info.path, first.info.offset + start,
-                       [(byte_view(raw), job.info.name) for raw, (job, _, _) in zip(raws, run)])
+        files.read_run(first.info.path, first.info.offset + start, _with_gaps(run, [byte_view(raw) for raw in raws]))
         for raw, (job, start, stop) in zip(raws, run):
             values = raw.view(job.info.dtype)
             if check_range is not None:
@@ -202,14 +202,20 @@ def _pieces(jobs: list[Job], chunk_bytes: int) -> list[Piece]:
 
 
 def _file_runs(pieces: list[Piece], run_bytes: int) -> Iterator[list[Piece]]:
-    """Pieces grouped into runs that follow each other in one file, each run within ``run_bytes`` (or one piece)."""
+    """Pieces grouped into runs that follow each other in one file, each run within ``run_bytes`` (or one piece).
+
+    Pieces at most :data:`GAP_BYTES` apart still make one run: a torch zip
+    puts a record header between every two tensors, and a few bytes read
+    for nothing cost less than a system call per tensor.
+    """
     run: list[Piece] = []
     run_size = 0
     for piece in pieces:
         job, start, stop = piece
         if run:
             last_job, _, last_stop = run[-1]
-            follows = job.info.path == last_job.info.path and job.info.offset + start == last_job.info.offset + last_stop
+            gap = job.info.offset + start - (last_job.info.offset + last_stop)
+            follows = job.info.path == last_job.info.path and 0 <= gap <= GAP_BYTES
             if not follows or run_size + stop - start > run_bytes or len(run) == MAX_IOVECS:
                 yield run
                 run, run_size = [], 0
@@ -217,6 +223,19 @@ def _file_runs(pieces: list[Piece], run_bytes: int) -> Iterator[list[Piece]]:
         run_size += stop - start
     if run:
         yield run
+
+
+def _with_gaps(run: list[Piece], views: list[memoryview]) -> list[Part]:
+    """The parts of one read of ``run`` into ``views``, the bytes between pieces passed over."""
+    parts: list[Part] = []
+    end = None
+    for (job, start, stop), view in zip(run, views):
+        at = job.info.offset + start
+        if end is not None and at > end:
+            parts.append((at - end, job.info.name))  # a short file here is this tensor's to report
+        parts.append((view, job.info.name))
+        end = job.info.offset + stop
+    return parts
 
 
 def _single_threaded_kernels() -> None:
@@ -312,12 +331,12 @@ def run_staged(
         slot = slots[index]
         positions = iter(at for _, at in fill)
         for run in _file_runs([piece for piece, _ in fill], staging.slot_bytes):
-            parts = []
+            views = []
             for job, start, stop in run:
                 at = next(positions)
-                parts.append((byte_view(slot[at: at + stop - start]), job.info.name))
+                views.append(byte_view(slot[at: at + stop - start]))
             first, start, _ = run[0]
-            files.read_run(first.info.path, first.info.offset + start, parts)
+            files.read_run(first.info.path, first.info.offset + start, _with_gaps(run, views))
         if check_range is not None:
             for (job, start, stop), at in fill:
                 if job.dest.dtype != job.info.dtype:

@@ -12,7 +12,7 @@ import errno
 import os
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Union
 
 from .errors import CheckpointAccessError, CheckpointError, CheckpointNotFoundError
 
@@ -96,26 +96,32 @@ class FileSet:
                 raise _file_ends(path, offset + done, offset + total, tensor)
             done += got
 
-    def read_run(self, path: Path, offset: int, parts: list[tuple[memoryview, str]]) -> None:
+    def read_run(self, path: Path, offset: int, parts: list[Part]) -> None:
         """Fill each ``(dest, tensor)`` in turn with the bytes from ``offset`` on, in as few reads as it takes.
 
         For tensors that follow each other in the file: one ``preadv`` fills
         hundreds of small ones, where a read each would cost more in calls
-        than in copying.
+        than in copying. A part whose ``dest`` is a number of bytes passes
+        over them (read, kept nowhere): tensors a few bytes of headers apart,
+        as in a torch zip, still share one read.
         """
-        if len(parts) == 1:
+        if len(parts) == 1 and not isinstance(parts[0][0], int):
             self.read_into(path, offset, parts[0][0], tensor=parts[0][1])
             return
         fd = self.fd(path)
-        views = [view for view, _ in parts]
+        views, names = [], []
+        for dest, tensor in parts:
+            for view in _sink_views(dest) if isinstance(dest, int) else (dest,):
+                views.append(view)
+                names.append(tensor)
         index, position = 0, offset
         while index < len(views):
             try:
                 got = os.preadv(fd, views[index:index + MAX_IOVECS], position)
             except OSError as exc:
-                raise _read_failed(exc, path, position, parts[index][1]) from None
+                raise _read_failed(exc, path, position, names[index]) from None
             if got == 0:
-                raise _file_ends(path, position, position + len(views[index]), parts[index][1])
+                raise _file_ends(path, position, position + len(views[index]), names[index])
             position += got
             while got and index < len(views):
                 if got >= len(views[index]):
@@ -133,6 +139,12 @@ class FileSet:
 
 
 MAX_IOVECS = 512  # buffers per preadv; Linux takes up to 1024
+Part = tuple[Union[memoryview, int], str]  # a destination and its tensor's name, or a number of bytes to pass over
+_SINK = memoryview(bytearray(64 * 1024))  # where passed-over bytes go; threads may share it, nothing reads it
+
+
+def _sink_views(nbytes: int) -> list[memoryview]:
+    return [_SINK[: min(len(_SINK), nbytes - at)] for at in range(0, nbytes, len(_SINK))]
 
 DIRECT_ALIGNMENT = 4096  # covers 512-byte and 4 KiB logical blocks
 DIRECT_BOUNCE_BYTES = 8 * 1024 * 1024
@@ -180,10 +192,11 @@ class DirectReads(FileSet):
             self._bounce.view = memoryview(self._bounce.map)
         return self._bounce.view
 
-    def read_run(self, path: Path, offset: int, parts: list[tuple[memoryview, str]]) -> None:
+    def read_run(self, path: Path, offset: int, parts: list[Part]) -> None:
         for dest, tensor in parts:  # each goes through the bounce buffer anyway
-            self.read_into(path, offset, dest, tensor=tensor)
-            offset += len(dest)
+            if not isinstance(dest, int):
+                self.read_into(path, offset, dest, tensor=tensor)
+            offset += dest if isinstance(dest, int) else len(dest)
 
     def read_into(self, path: Path, offset: int, dest: memoryview, *, tensor: str) -> None:
         fd = self._direct_fd(path) if hasattr(os, "O_DIRECT") else -1

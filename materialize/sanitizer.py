@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .fileio import FileSet
+from .fileio import FileSet, Part
 from .planning import Entry, Plan
 from .stacking import pieces_of
 from .validate import distinct_elements
@@ -90,11 +90,12 @@ class CountingFiles(FileSet):
         with self._count_lock:
             self.bytes_by_tensor[tensor] += len(dest)
 
-    def read_run(self, path: Path, offset: int, parts: list[tuple[memoryview, str]]) -> None:
+    def read_run(self, path: Path, offset: int, parts: list[Part]) -> None:
         self._inner.read_run(path, offset, parts)
         with self._count_lock:
             for dest, tensor in parts:
-                self.bytes_by_tensor[tensor] += len(dest)
+                if not isinstance(dest, int):  # bytes passed over between tensors are written nowhere
+                    self.bytes_by_tensor[tensor] += len(dest)
 
     def close(self) -> None:
         pass  # the checkpoint owns the descriptors

@@ -37,6 +37,7 @@ DIRECT_CHUNK_BYTES = 16 * 1024 * 1024
 CAST_CHUNK_BYTES = 2 * 1024 * 1024  # per reader thread: stays in cache between read and cast
 TASK_BYTES = 16 * 1024 * 1024  # work handed to a reader thread at once (see _run_in_tasks)
 STRIDED_BLOCK_BYTES = 32 * 1024 * 1024  # the temporary of a strided read (see _run_strided)
+SLOT_ALIGNMENT = 64  # where a piece starts in a buffer or slot: any dtype can view it, and copies stay aligned
 GAP_BYTES = 4096  # bytes between two pieces that one read passes over rather than making two (see _file_runs)
 PREFAULT_MIN_BYTES = 256 * 1024  # smaller: the faults taken inside the read cost less than the call sparing them
 ProgressFn = Callable[[int, int], None]
@@ -167,9 +168,10 @@ def _run_cpu_cast(jobs: list[Job], files: FileSet, tracker: _Progress, threads: 
 
     def cast_run(run: list[Piece]) -> None:
         if not hasattr(local, "buffer"):
-            local.buffer = torch.empty(CAST_CHUNK_BYTES, dtype=torch.uint8)
+            local.buffer = torch.empty(CAST_CHUNK_BYTES + MAX_IOVECS * SLOT_ALIGNMENT, dtype=torch.uint8)
         raws, used = [], 0
         for _, start, stop in run:
+            used = -(-used // SLOT_ALIGNMENT) * SLOT_ALIGNMENT  # each piece viewable as its dtype, whatever came before
             raws.append(local.buffer[used: used + stop - start])
             used += stop - start
         first, start, _ = run[0]
@@ -183,7 +185,7 @@ def _run_cpu_cast(jobs: list[Job], files: FileSet, tracker: _Progress, threads: 
             if (last - first) * dest_itemsize >= PREFAULT_MIN_BYTES:
                 prefault(job.dest.data_ptr() + first * dest_itemsize, (last - first) * dest_itemsize)
             job.dest.view(-1)[first:last].copy_(values)
-        tracker.add(used)
+        tracker.add(sum(raw.numel() for raw in raws))
 
     _run_in_tasks(cast_run, _pieces(jobs, CAST_CHUNK_BYTES), threads, run_bytes=CAST_CHUNK_BYTES)
 
@@ -285,7 +287,6 @@ def _run_parallel(function: Callable[..., None], tasks: list[tuple], threads: in
                 future.cancel()
 
 
-SLOT_ALIGNMENT = 64  # where a piece starts in a slot: any dtype can view it, and copies stay aligned
 Fill = list[tuple[Piece, int]]  # the pieces one slot holds, each with its byte position in the slot
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import mmap
 import os
+import struct
 from pathlib import Path
 
 import pytest
@@ -252,3 +254,33 @@ def test_a_file_that_ends_inside_a_run_names_the_tensor_it_cuts(tmp_path, writer
             mz.load_tensors(ckpt)
 
     assert "layers.200.norm" in str(caught.value) and str(path) in str(caught.value)
+
+
+def _unsorted_safetensors(state: dict[str, torch.Tensor], path: Path) -> Path:
+    """A valid safetensors file with tensors in the given order, not sorted by dtype as safetensors writes them."""
+    header, blobs, at = {}, [], 0
+    names = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.int64: "I64"}
+    for name, value in state.items():
+        blob = value.contiguous().view(torch.uint8).numpy().tobytes()
+        header[name] = {"dtype": names[value.dtype], "shape": list(value.shape), "data_offsets": [at, at + len(blob)]}
+        blobs.append(blob)
+        at += len(blob)
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
+    return path
+
+
+def test_a_cast_of_small_tensors_of_mixed_sizes_packed_in_any_order_is_exact(tmp_path):
+    torch.manual_seed(0)
+    state = {}
+    for i in range(30):  # odd byte lengths: the next tensor starts at any offset in the run
+        state[f"h{i}"] = torch.randn(3 + 2 * i, dtype=torch.bfloat16)
+        state[f"f{i}"] = torch.randn(5 + i, dtype=torch.float32)
+        state[f"i{i}"] = torch.arange(i + 1, dtype=torch.int64)
+    path = _unsorted_safetensors(state, tmp_path / "m.safetensors")
+
+    tensors, _ = mz.load_tensors(path, dtype="fp64")
+
+    for name, value in state.items():
+        expected = value.double() if value.is_floating_point() else value
+        assert torch.equal(tensors[name], expected), name

@@ -42,7 +42,9 @@ def persistent_loader(path: Path, refs: dict[int, StorageRef]):
         if not (isinstance(saved_id, tuple) and len(saved_id) == 5):
             raise CheckpointError(f"unexpected persistent id {saved_id!r} in data.pkl", path=path)
         _, storage_type, key, _location, numel = saved_id
-        if storage_type is torch.UntypedStorage:
+        if isinstance(storage_type, _StorageKind):  # the plain path's (first: asking a class for it is slower)
+            dtype = storage_type.dtype
+        elif storage_type is torch.UntypedStorage:
             dtype = torch.uint8
         else:
             dtype = getattr(storage_type, "_dtype", None) or getattr(storage_type, "dtype", None)
@@ -82,7 +84,7 @@ def _plain_globals() -> dict[str, Any]:
                 and issubclass(candidate, legacy)):
             named[f"torch.{name}"] = _StorageKind(getattr(candidate, "_dtype", None) or candidate.dtype)
     rebuilds = {
-        f"torch._utils.{name}": _refusing_negative_layouts(getattr(torch._utils, name))
+        f"torch._utils.{name}": _plain_rebuild(getattr(torch._utils, name), dtype_given=name.endswith("v3"))
         for name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3") if hasattr(torch._utils, name)
     }
     return {
@@ -93,16 +95,28 @@ def _plain_globals() -> dict[str, Any]:
     }
 
 
-def _refusing_negative_layouts(rebuild: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """The rebuild, seeing its layout as written: meta storages would quietly make a negative stride positive.
+def _plain_rebuild(rebuild: Callable[..., torch.Tensor], *, dtype_given: bool) -> Callable[..., torch.Tensor]:
+    """torch's tensor rebuild, for meta storages, at a third of its cost; layouts checked as written.
 
-    A negative one sends the file to the weights-only path, whose opcode scan
-    (:func:`.pickle_scan.negative_layouts`) refuses it with the layout named.
+    A tensor without hooks or metadata (every tensor of a state dict) is set
+    straight onto its storage: torch's own rebuild also looks for a fake
+    tensor mode on every call, most of its cost. A negative layout, which
+    meta storages would quietly accept, sends the file to the weights-only
+    path, whose opcode scan (:func:`.pickle_scan.negative_layouts`) refuses
+    it with the layout named.
     """
-    def rebuild_checked(storage: Any, storage_offset: int, size: tuple, stride: tuple, *rest: Any) -> torch.Tensor:
+    def rebuild_checked(storage: Any, storage_offset: int, size: tuple, stride: tuple, requires_grad: bool,
+                        backward_hooks: Any, *rest: Any) -> torch.Tensor:
         if storage_offset < 0 or any(d < 0 for d in size) or any(s < 0 for s in stride):
             raise _NotPlain("negative layout")
-        return rebuild(storage, storage_offset, size, stride, *rest)
+        dtype = rest[0] if dtype_given else storage.dtype
+        metadata = rest[1:] if dtype_given else rest
+        if backward_hooks or any(metadata) or not isinstance(storage, torch.storage.TypedStorage):
+            return rebuild(storage, storage_offset, size, stride, requires_grad, backward_hooks, *rest)
+        tensor = torch.empty((0,), dtype=dtype, device="meta").set_(storage._untyped_storage, storage_offset, size, stride)
+        if requires_grad:
+            tensor.requires_grad = True
+        return tensor
 
     return rebuild_checked
 
@@ -296,6 +310,9 @@ def _module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor for name, tensor in named.items() if tensor is not None}
 
 
+_DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in vars(torch).values() if isinstance(dtype, torch.dtype)}
+
+
 def tensor_info(
     path: Path,
     name: str,
@@ -321,9 +338,11 @@ def tensor_info(
         raise fail(f"storage record data/{ref.key} runs past the end of the file (truncated?)")
     itemsize = tensor.element_size()
     shape = tuple(tensor.shape)
-    if any(d < 0 for d in shape) or any(st < 0 for st in tensor.stride()) or tensor.storage_offset() < 0:
-        raise fail(f"has a negative size, stride or offset ({list(shape)}, {list(tensor.stride())}, {tensor.storage_offset()})")
-    start = tensor.storage_offset() * itemsize
+    stride = tensor.stride()
+    storage_offset = tensor.storage_offset()
+    if storage_offset < 0 or any(d < 0 for d in shape) or any(st < 0 for st in stride):
+        raise fail(f"has a negative size, stride or offset ({list(shape)}, {list(stride)}, {storage_offset})")
+    start = storage_offset * itemsize
     contiguous = tensor.is_contiguous()
     numel = math.prod(shape)
     if numel == 0:
@@ -331,17 +350,17 @@ def tensor_info(
     elif contiguous:
         span = numel * itemsize
     else:
-        span = (sum((size - 1) * stride for size, stride in zip(shape, tensor.stride())) + 1) * itemsize
+        span = (sum((size - 1) * step for size, step in zip(shape, stride)) + 1) * itemsize
     if start + span > ref.nbytes:
         raise fail(f"view of bytes [{start}, {start + span}) lies outside its {ref.nbytes}-byte storage")
     return TensorInfo(
         name=name,
-        dtype_name=str(tensor.dtype).removeprefix("torch."),
+        dtype_name=_DTYPE_NAMES.get(tensor.dtype) or str(tensor.dtype).removeprefix("torch."),
         itemsize=itemsize,
         shape=shape,
         path=path,
         offset=record_offset + start,
-        stride=None if contiguous else tuple(tensor.stride()),
+        stride=None if contiguous else stride,
         span_nbytes=None if contiguous else span,
         storage=record_offset,
     )

@@ -52,13 +52,14 @@ def _record_offsets(path: Path, archive: zipfile.ZipFile, prefix: str) -> dict[s
                 raise CheckpointError(f"zip record {name!r} claims to be on another disk (corrupt zip)", path=path)
             if info.compress_type != zipfile.ZIP_STORED and name.startswith(data_dir):
                 raise CheckpointError(f"storage record {name[len(data_dir):]!r} is compressed; torch writes them stored", path=path)
-            handle.seek(info.header_offset)
-            header = handle.read(_LOCAL_HEADER.size)
-            if len(header) != _LOCAL_HEADER.size:
+            raw_name = _raw_name(info)
+            # One positional read of the header and the name it must repeat: no buffer refilled per record.
+            header = os.pread(handle.fileno(), _LOCAL_HEADER.size + len(raw_name), info.header_offset)
+            if len(header) < _LOCAL_HEADER.size:
                 raise CheckpointError(f"zip local header of record {name!r} is truncated", path=path)
-            signature, method, name_len, extra_len = _LOCAL_HEADER.unpack(header)
-            local_name = handle.read(name_len)
-            if signature != b"PK\x03\x04" or method != info.compress_type or local_name != _raw_name(info):
+            signature, method, name_len, extra_len = _LOCAL_HEADER.unpack_from(header)
+            local_name = header[_LOCAL_HEADER.size: _LOCAL_HEADER.size + name_len]
+            if signature != b"PK\x03\x04" or method != info.compress_type or local_name != raw_name:
                 raise CheckpointError(f"zip local header of record {name!r} disagrees with the central directory (corrupt zip)", path=path)
             data_start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
             spans.append((info.header_offset, data_start + info.compress_size, name))

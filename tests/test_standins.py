@@ -194,8 +194,22 @@ def test_a_call_in_the_pickle_is_still_refused_naming_it_and_loads_with_trust(tm
 
     message = str(caught.value)
     assert str(path) in message and "test_standins.Color" in message and "trust_pickle" in message
+    assert "add_safe_globals" in message
     assert torch.equal(tensors["fc.weight"], weights["fc.weight"])
     assert allowed_after == allowed_before
+
+
+def test_a_class_the_caller_allows_is_built_by_its_call_without_trusting_the_file(tmp_path):
+    weights = _weights()
+    path = tmp_path / "enum.pt"
+    torch.save({"state_dict": weights, "color": Color.RED}, path)
+
+    with torch.serialization.safe_globals([Color]):
+        tensors, report = mz.load_tensors(path)
+
+    assert sorted(report.loaded) == ["fc.bias", "fc.weight"]
+    for name, value in weights.items():
+        assert torch.equal(tensors[name], value), name
 
 
 def test_the_cli_loads_a_checkpoint_with_a_namespace(tmp_path):

@@ -225,8 +225,9 @@ def _load(path: Path, unpickler: Any, *, trust_pickle: bool, what: str) -> Any:
         raise
     except CalledStandIn as call:
         raise UnsafeCheckpointError(
-            f"refused to unpickle a call of '{call.name}': calling it could run code from the file. If you trust "
-            "the file, pass trust_pickle=True (CLI: --trust-pickle)",
+            f"refused to unpickle a call of '{call.name}': calling it could run code from the file. If it is a "
+            "class you know is safe (an Enum of a config, say), allow just it with "
+            "torch.serialization.add_safe_globals; if you trust the file, pass trust_pickle=True (CLI: --trust-pickle)",
             path=path,
         ) from None
     except pickle.UnpicklingError as exc:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import torch
 from torch import nn
 
 from .errors import CheckpointError, ModelSpecError
@@ -112,6 +113,37 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def hf_dtype_rule(model: nn.Module) -> Optional[Callable[[str, torch.dtype], torch.dtype]]:
+    """transformers' keep-in-fp32 lists, as its ``from_pretrained`` applies them.
+
+    A tensor whose name matches ``_keep_in_fp32_modules_strict`` (a router's
+    ``e_score_correction_bias``, DeepSeek-V4's norms and sinks) is upcast to
+    fp32 where it would be fp16 or bf16; one matching ``_keep_in_fp32_modules``
+    (T5's ``wo``) where it would be fp16. A pattern matches anywhere in the
+    name, ``*`` standing for any run of characters, as in transformers.
+    """
+    strict = _name_patterns(getattr(model, "_keep_in_fp32_modules_strict", None))
+    half_only = _name_patterns(getattr(model, "_keep_in_fp32_modules", None))
+    if strict is None and half_only is None:
+        return None
+
+    def rule(name: str, dtype: torch.dtype) -> torch.dtype:
+        if dtype in (torch.float16, torch.bfloat16) and strict is not None and strict.search(name):
+            return torch.float32
+        if dtype == torch.float16 and half_only is not None and half_only.search(name):
+            return torch.float32
+        return dtype
+
+    return rule
+
+
+def _name_patterns(patterns: Any) -> Optional[re.Pattern]:
+    if not isinstance(patterns, (list, tuple, set, frozenset)) or not patterns:
+        return None
+    names = sorted(p for p in patterns if isinstance(p, str) and p)
+    return re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in names)) if names else None
+
+
 def is_hf_model(model: nn.Module) -> bool:
     transformers = sys.modules.get("transformers")  # never import it just to ask
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
@@ -151,10 +183,13 @@ def hf_key_map(model: nn.Module) -> Callable[[str], Union[str, StackSlot, Chunks
         renamed = name
         for renaming in renamings:
             renamed, _ = renaming.rename_source_key(renamed)
+        as_saved = with_prefix(name)
         for converter in converters:
             target, pattern = converter.rename_source_key(renamed)
             if pattern is None:
                 continue
+            if with_prefix(target) not in model_names and as_saved in model_names:
+                return as_saved  # as transformers does: a rename that misses the model yields to the name as saved
             slot = _conversion_slot(converter, pattern, name, renamed, target, with_prefix, model_shapes)
             if slot is None:
                 raise CheckpointError(
@@ -164,7 +199,9 @@ def hf_key_map(model: nn.Module) -> Callable[[str], Union[str, StackSlot, Chunks
                     tensor=name,
                 )
             return slot
-        return with_prefix(renamed)
+        result = with_prefix(renamed)
+        # A broad rename (DeepSeek-V4's ``.norm.`` to ``.kv_norm.``) may also catch a name the model holds as saved.
+        return as_saved if result not in model_names and as_saved in model_names else result
 
     return rename
 
@@ -187,12 +224,10 @@ def _conversion_slot(
     kinds = [(type(op).__name__, getattr(op, "dim", None), getattr(op, "num_shards_attribute", None))
              for op in operations]
     if kinds in ([("MergeModulelist", 0, None)], [("MergeModulelist", 0, None), ("Concatenate", 1, None)]):
-        if pattern.count("*") != 1:
+        index = _expert_number(pattern, renamed)
+        if index is None:
             return None
-        found = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), renamed)
-        if found is None:
-            return None
-        return StackSlot(target=with_prefix(target), index=int(found.group(1)),
+        return StackSlot(target=with_prefix(target), index=index,
                          group=converter.source_patterns.index(pattern), pattern=pattern)
     if kinds == [("Concatenate", 0, None)] and len(converter.target_patterns) == 1 and "*" not in pattern:
         return StackSlot(target=with_prefix(target), index=0, group=converter.source_patterns.index(pattern),
@@ -210,6 +245,24 @@ def _conversion_slot(
         raise CheckpointError(f"is split into {', '.join(map(repr, targets))}, and the model has no "
                               f"{', '.join(map(repr, unknown))} to size its part", tensor=name)
     return Chunks(targets, rows=tuple(model_shapes[t][0] for t in targets))
+
+
+def _expert_number(pattern: str, renamed: str) -> Optional[int]:
+    """What the one ``*`` of a stacking pattern stands for in ``renamed``: the expert's number.
+
+    transformers reads source patterns as regular expressions whose ``*.``
+    is any run of characters before a dot (``\\.experts.*.w1.weight``), and
+    also writes plain names with a ``*`` (``mlp.experts.*.gate_proj.weight``);
+    both are read here with the ``*`` as a number.
+    """
+    if pattern.count("*") != 1:
+        return None
+    expression = pattern.replace("*.", r"(\d+)\.") if "*." in pattern else re.escape(pattern).replace(r"\*", r"(\d+)")
+    try:
+        found = re.search(expression, renamed)
+    except re.error:
+        return None
+    return int(found.group(1)) if found else None
 
 
 class _RenamingOf4x:

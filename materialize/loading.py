@@ -18,12 +18,12 @@ from .dtypes import dtype_name, parse_dtype
 from .engine import Job, ProgressFn, stream
 from .errors import SanitizerError
 from .gcpause import gc_paused
-from .hf import hf_init, hf_key_map, is_hf_model
+from .hf import hf_dtype_rule, hf_init, hf_key_map, is_hf_model
 from .hostmem import empty_destination
 from .keymap import KeyMapLike
 from .mapping import FileMaps
 from .memory import PeakMemory
-from .planning import Entry, InitFn, Plan, make_plan
+from .planning import DtypeRule, Entry, InitFn, Plan, make_plan
 from .report import Report
 from .sanitizer import CountingFiles, audit, nonfinite, poison
 from .stacking import pieces_of
@@ -44,11 +44,17 @@ def _opened(checkpoint: CheckpointLike, trust_pickle: bool) -> Iterator[Checkpoi
         yield ckpt
 
 
-def _model_defaults(model: nn.Module, key_map: KeyMapLike, init: Optional[InitFn]) -> tuple[KeyMapLike, Optional[InitFn]]:
-    """transformers models bring their own key renames and init, unless the caller gave others."""
+def _model_defaults(
+    model: nn.Module, key_map: KeyMapLike, init: Optional[InitFn]
+) -> tuple[KeyMapLike, Optional[InitFn], Optional[DtypeRule]]:
+    """transformers models bring their own key renames and init (unless the caller gave others), and fp32 lists."""
     if not is_hf_model(model):
-        return key_map, init
-    return (key_map if key_map is not None else hf_key_map(model)), (init if init is not None else hf_init(model))
+        return key_map, init, None
+    return (
+        key_map if key_map is not None else hf_key_map(model),
+        init if init is not None else hf_init(model),
+        hf_dtype_rule(model),
+    )
 
 
 @gc_paused
@@ -125,11 +131,12 @@ def load(
     """
     target = resolve_device(device)
     cast = parse_dtype(dtype)
-    key_map, init = _model_defaults(model, key_map, init)
+    key_map, init, dtype_rule = _model_defaults(model, key_map, init)
     with _opened(checkpoint, trust_pickle) as ckpt:
         placement = _placement(model, ckpt, device_map, max_memory, cast)
         the_plan = make_plan(
-            model, ckpt, device=target, dtype=cast, strict=strict, key_map=key_map, init=init, placement=placement
+            model, ckpt, device=target, dtype=cast, strict=strict, key_map=key_map, init=init, placement=placement,
+            dtype_rule=dtype_rule,
         )
         report = execute(
             the_plan, ckpt, init=init, mmap=mmap, staging_bytes=staging_bytes, allow_overflow=allow_overflow,

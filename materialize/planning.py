@@ -31,6 +31,7 @@ from .stacking import Chunks, Stacked, StackSlot, Transposed, cut, pieces_of, st
 
 Action = Literal["load", "init", "keep"]
 InitFn = Callable[[nn.Module], None]
+DtypeRule = Callable[[str, torch.dtype], torch.dtype]  # a model's own say: (name, the dtype it would get) -> its dtype
 
 
 @dataclass(frozen=True)
@@ -202,11 +203,14 @@ def make_plan(
     key_map: KeyMapLike = None,
     init: Optional[InitFn] = None,
     placement: Optional[Callable[[str], Union[torch.device, str]]] = None,
+    dtype_rule: Optional[DtypeRule] = None,
 ) -> Plan:
     """Match, group and place every tensor of ``model``; raise what a load would hit.
 
     ``placement`` maps a tensor name to its device or ``"disk"`` (see
     :mod:`materialize.devicemap`); without one everything goes to ``device``.
+    ``dtype_rule`` has the last word on each floating tensor's dtype
+    (transformers models keep some tensors in fp32: :func:`~materialize.hf.hf_dtype_rule`).
     """
     groups = _collect_groups(model)
     model_names = {name for _, named in groups for name, _ in named}
@@ -244,6 +248,10 @@ def make_plan(
         computed = not any(owner.persistent for owner in entry.owners)
         if follow is not None and entry.dtype.is_floating_point and not computed:
             entry.dtype = follow
+    if dtype_rule is not None:
+        for entry in plan.entries:
+            if entry.action != "keep" and entry.dtype.is_floating_point:
+                entry.dtype = dtype_rule(entry.name, entry.dtype)
     plan.init_modules = _init_modules(model, plan, init, ckpt)
     return plan
 

@@ -49,6 +49,14 @@ def _tiny(kind: str):
                                              shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
                                              num_key_value_heads=2, vocab_size=99, num_experts=3, num_experts_per_tok=2)
         return transformers.Qwen2MoeForCausalLM(config), {"input_ids": torch.arange(7)[None] % 99}
+    if kind == "deepseek_v4":  # experts matched by regular-expression patterns; a broad ".norm." rename to yield
+        _needs("DeepseekV4Config")
+        config = transformers.DeepseekV4Config(
+            vocab_size=99, hidden_size=32, moe_intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+            head_dim=16, q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2, o_groups=2, o_lora_rank=16,
+            index_n_heads=2, index_head_dim=16, index_topk=8, qk_rope_head_dim=8, sliding_window=8,
+            max_position_embeddings=64, num_nextn_predict_layers=0)
+        return transformers.DeepseekV4ForCausalLM(config), {"input_ids": torch.arange(7)[None] % 99}
     if kind == "gte":  # q, k, v saved fused as attention.qkv_proj (weight and bias), cut in equal parts by the model
         _needs("GteConfig")
         config = transformers.GteConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=48,
@@ -89,7 +97,7 @@ def _save(model, folder: Path, *, as_bin: bool, dtype: torch.dtype) -> Path:
     return folder
 
 
-KINDS = ["gpt2", "llama", "bert", "t5", "vit", "mixtral", "qwen2_moe", "gte", "molmo2"]
+KINDS = ["gpt2", "llama", "bert", "t5", "vit", "mixtral", "qwen2_moe", "deepseek_v4", "gte", "molmo2"]
 
 
 @pytest.mark.parametrize("as_bin", [False, True], ids=["safetensors", "bin"])
@@ -244,6 +252,19 @@ def test_stacked_experts_are_read_into_their_blocks_and_cast(tmp_path):
         assert torch.equal(experts.down_proj[expert], saved[f"model.layers.1.block_sparse_moe.experts.{expert}.w2.weight"].float())
     assert report.bytes_read == sum(t.numel() * t.element_size() for t in saved.values())
     assert report.unexpected == [] and report.missing == []
+
+
+@pytest.mark.parametrize("pattern, name, number", [
+    ("mlp.experts.*.gate_proj.weight", "model.layers.3.mlp.experts.12.gate_proj.weight", 12),  # a plain name
+    (r"\.experts.*.w1.weight", "model.layers.0.ffn.experts.7.w1.weight", 7),  # a regular expression
+    (r"\.experts.*.w1.weight", "model.layers.0.ffn.experts.x.w1.weight", None),
+    ("experts.*", "experts.5", 5),
+    ("experts.*.w.*.weight", "experts.1.w.2.weight", None),  # two numbers: not a stacking this loader reads
+])
+def test_the_expert_number_is_read_from_either_kind_of_pattern(pattern, name, number):
+    from materialize.hf import _expert_number
+
+    assert _expert_number(pattern, name) == number
 
 
 def test_stacked_experts_are_copied_even_with_mmap(tmp_path):
@@ -492,3 +513,25 @@ def test_build_and_load_model_take_a_hub_id_from_the_cache(tmp_path):
 
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[:2] == ["BertForMaskedLM", "BertForMaskedLM"]
+
+
+@pytest.mark.parametrize("kind, saved_as, cast", [
+    ("t5", torch.float16, None),  # _keep_in_fp32_modules: T5's "wo" stays fp32 where the rest is fp16
+    ("t5", torch.float32, "fp16"),  # and where a cast makes the rest fp16
+    ("t5", torch.bfloat16, None),  # but not in bf16: that list is for fp16 only
+    ("deepseek_v4", torch.float32, "bf16"),  # _keep_in_fp32_modules_strict: norms and sinks stay fp32 in bf16 too
+])
+def test_tensors_transformers_keeps_in_fp32_are_kept_so(kind, saved_as, cast, tmp_path):
+    source, inputs = _tiny(kind)
+    folder = _save(source, tmp_path / kind, as_bin=False, dtype=saved_as)
+
+    model, _ = mz.load_model(folder, dtype=cast)
+    reference = type(source).from_pretrained(folder, dtype=getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[cast])
+                                             if cast else "auto").eval()
+
+    ours, theirs = model.state_dict(), reference.state_dict()
+    assert {name: value.dtype for name, value in ours.items()} == {name: value.dtype for name, value in theirs.items()}
+    floating = {value.dtype for value in theirs.values() if value.is_floating_point()}
+    assert len(floating) == (1 if saved_as == torch.bfloat16 and kind == "t5" else 2)  # the case is not vacuous
+    for name, value in theirs.items():
+        assert torch.equal(ours[name], value), name

@@ -146,6 +146,7 @@ _SINK = memoryview(bytearray(64 * 1024))  # where passed-over bytes go; threads 
 def _sink_views(nbytes: int) -> list[memoryview]:
     return [_SINK[: min(len(_SINK), nbytes - at)] for at in range(0, nbytes, len(_SINK))]
 
+
 DIRECT_ALIGNMENT = 4096  # covers 512-byte and 4 KiB logical blocks
 DIRECT_BOUNCE_BYTES = 8 * 1024 * 1024
 

@@ -66,17 +66,20 @@ def open_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Checkpoint
 
 
 def _open_index(index_path: Path, *, trust_pickle: bool) -> Checkpoint:
+    kinds: set[str] = set()  # of the shards read, each sniffed once
+
     def read_shard(shard: Path) -> dict[str, TensorInfo]:
         kind = _sniff(shard)
         if kind == "safetensors":
+            kinds.add("safetensors")
             return read_header(shard)[0]
+        kinds.add("torch")
         tensors, module = _read_torch(shard, legacy=kind == "torch-legacy", trust_pickle=trust_pickle)
         if module is not None:
             raise CheckpointError("a shard holds a pickled module, not a state dict", path=shard)
         return tensors
 
     tensors, shards, metadata = read_sharded(index_path, read_shard)
-    kinds = {"safetensors" if _sniff(s) == "safetensors" else "torch" for s in shards}
     fmt = f"{kinds.pop()}-sharded" if len(kinds) == 1 else "mixed-sharded"
     return Checkpoint(path=index_path, format=fmt, tensors=tensors, shards=shards, metadata=metadata)
 

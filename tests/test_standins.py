@@ -264,6 +264,30 @@ def test_plain_state_dicts_skip_torchs_python_unpickler_and_anything_else_takes_
     assert slow_reads and torch.equal(tensors["fc.weight"], _weights()["fc.weight"])
 
 
+def test_shapes_devices_bytes_and_parameters_with_attributes_keep_the_fast_path(tmp_path, monkeypatch):
+    from torch import _weights_only_unpickler
+
+    torch.manual_seed(0)
+    sharded = nn.Parameter(torch.randn(4, 3))
+    sharded.tensor_model_parallel = True  # Megatron marks its parameters so: saved with their state
+    state = {"layer.weight": sharded, "layer.bias": torch.randn(4)}
+    extras = {"shape": torch.Size([4, 3]), "device": torch.device("cpu"), "blob": b"\x00\xffraw", "seen": {1, 2},
+              "z": 1 + 2j, "buffer": bytearray(b"ab"), "counts": collections.Counter("aab")}
+    for protocol in (2, 4):  # protocol 2 pickles bytes and sets as calls
+        torch.save({"state_dict": state, **extras}, tmp_path / f"p{protocol}.pt", pickle_protocol=protocol)
+    slow_reads = []
+    original = _weights_only_unpickler.Unpickler.load
+    monkeypatch.setattr(_weights_only_unpickler.Unpickler, "load", lambda self: slow_reads.append(1) or original(self))
+
+    for protocol in (2, 4):
+        tensors, _ = mz.load_tensors(tmp_path / f"p{protocol}.pt")
+
+        assert slow_reads == [], protocol
+        assert set(tensors) == set(state)
+        for name, value in state.items():
+            assert torch.equal(tensors[name], value.detach()), name
+
+
 def test_a_negative_stride_in_a_plain_state_dict_is_still_refused_naming_the_layout(tmp_path):
     path = tmp_path / "negative.pt"
     torch.save({"w": torch.arange(12.0).reshape(3, 4)}, path)

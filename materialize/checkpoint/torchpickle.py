@@ -10,6 +10,7 @@ format's reader (:func:`tensor_info`).
 
 from __future__ import annotations
 
+import codecs
 import collections
 import io
 import math
@@ -87,10 +88,24 @@ def _plain_globals() -> dict[str, Any]:
         f"torch._utils.{name}": _plain_rebuild(getattr(torch._utils, name), dtype_given=name.endswith("v3"))
         for name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3") if hasattr(torch._utils, name)
     }
+    # Beside a state dict, checkpoints often keep shapes, devices, bytes (protocol 2 pickles them as a call
+    # of _codecs.encode) and parameters with attributes; each is on torch's weights-only allowlist too.
+    beside = {
+        "torch.Size": torch.Size,
+        "torch.device": torch.device,
+        "_codecs.encode": codecs.encode,
+        "builtins.set": set,
+        "builtins.complex": complex,
+        "builtins.bytearray": bytearray,
+        "collections.Counter": collections.Counter,
+        "torch._utils._rebuild_parameter_with_state": torch._utils._rebuild_parameter_with_state,
+    }
+    beside.update({f"__builtin__.{kind.__name__}": kind for kind in (set, complex, bytearray)})  # protocol 2's names
     return {
         **rebuilds,
         "torch._utils._rebuild_parameter": torch._utils._rebuild_parameter,
         "collections.OrderedDict": collections.OrderedDict,
+        **beside,
         **named,
     }
 

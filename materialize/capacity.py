@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from .engine import CAST_CHUNK_BYTES, default_reader_threads
+from .engine import CAST_CHUNK_BYTES, default_cast_threads
 from .hostmem import meminfo_bytes
 from .planning import Plan
 from .transfer import DEFAULT_SLOT_BYTES, DEFAULT_SLOTS
@@ -32,7 +32,7 @@ def expected_peak_host_bytes(plan: Plan, *, mmap: bool = False, staging_bytes: O
     to_gpu = any(e.device.type == "cuda" for e in plan.entries)
     staging = (staging_bytes or DEFAULT_SLOT_BYTES * DEFAULT_SLOTS) if to_gpu else 0
     casts = any(e.device.type == "cpu" and e.source is not None and e.source.dtype != e.dtype for e in plan.entries)
-    return copied + staging + (CAST_CHUNK_BYTES * default_reader_threads() if casts else 0)
+    return copied + staging + (CAST_CHUNK_BYTES * default_cast_threads() if casts else 0)
 
 
 def fit_report(plan: Plan, *, mmap: bool = False, staging_bytes: Optional[int] = None) -> dict:

@@ -54,6 +54,14 @@ def test_loading_leaves_the_callers_thread_count_alone(tmp_path):
     assert torch.get_num_threads() == before
 
 
+@pytest.mark.parametrize("cores, expected", [(1, 4), (2, 4), (6, 6), (64, 8), (None, 4)])
+def test_reader_threads_keep_reads_in_flight_on_small_machines(monkeypatch, cores, expected):
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+
+    assert engine.default_reader_threads() == expected
+    assert engine.default_cast_threads() == min(8, cores or 1)  # casts are bound by the cores, not the disk
+
+
 @pytest.mark.skipif(
     not THP_MODE.exists() or "[never]" in THP_MODE.read_text(), reason="transparent huge pages unavailable"
 )

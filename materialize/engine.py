@@ -419,19 +419,21 @@ def _run_strided(job: Job, files: FileSet, check_range: Optional[RangeCheck]) ->
     """
     info = job.info
     assert info.stride is not None
-    outer = max(range(len(info.shape)), key=lambda d: info.stride[d])
+    shape = info.view_shape or info.shape  # a rearranged tensor: the destination is filled under the view's shape
+    dest = job.dest.view(shape)
+    outer = max((d for d in range(len(shape)) if shape[d] > 1), key=lambda d: info.stride[d], default=0)
     step = info.stride[outer]
-    inner_span = sum((size - 1) * stride for d, (size, stride) in enumerate(zip(info.shape, info.stride)) if d != outer) + 1
-    count = info.shape[outer]
+    inner_span = sum((size - 1) * stride for d, (size, stride) in enumerate(zip(shape, info.stride)) if d != outer) + 1
+    count = shape[outer]
     per_block = count if step == 0 else max(1, STRIDED_BLOCK_BYTES // (step * info.itemsize))
     buffer = torch.empty(((min(per_block, count) - 1) * step + inner_span) * info.itemsize, dtype=torch.uint8)
     for first in range(0, count, per_block):
         last = min(first + per_block, count)
         raw = buffer[: ((last - first - 1) * step + inner_span) * info.itemsize]
         files.read_into(info.path, info.offset + first * step * info.itemsize, byte_view(raw), tensor=info.name)
-        shape = list(info.shape)
-        shape[outer] = last - first
-        view = torch.as_strided(raw.view(info.dtype), shape, info.stride)
+        block = list(shape)
+        block[outer] = last - first
+        view = torch.as_strided(raw.view(info.dtype), block, info.stride)
         if check_range is not None and job.dest.dtype != info.dtype:
             check_range(view, job.dest.dtype, info)
-        job.dest.narrow(outer, first, last - first).copy_(view)
+        dest.narrow(outer, first, last - first).copy_(view)

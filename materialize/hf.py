@@ -21,7 +21,7 @@ from torch import nn
 
 from .errors import CheckpointError, ModelSpecError
 from .meta import meta_init
-from .stacking import Chunks, StackSlot, Transposed
+from .stacking import Chunks, Deinterleave, Rearranged, StackSlot, Transposed
 
 CONFIG_NAME = "config.json"
 HF_SPEC_PREFIX = "hf:"
@@ -149,26 +149,31 @@ def is_hf_model(model: nn.Module) -> bool:
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
-def hf_key_map(model: nn.Module) -> Callable[[str], Union[str, StackSlot, Chunks, Transposed]]:
+def hf_key_map(model: nn.Module) -> Callable[[str], Union[str, StackSlot, Chunks, Transposed, Rearranged]]:
     """Checkpoint name -> model name, with transformers' own renames and base-model prefix.
 
     transformers' tensor conversions that keep every byte in a contiguous
     run are followed (see :mod:`materialize.stacking`): per-expert tensors
     stacked into one (``MergeModulelist(dim=0)``, optionally followed by
     ``Concatenate(dim=1)``: Mixtral, Qwen-MoE, DeepSeek, OLMoE and the others
-    sharing their layout) and tensors concatenated along their first
-    dimension map to a :class:`StackSlot`; a fused tensor cut along its first
+    sharing their layout) and tensors concatenated along their first or
+    second dimension map to a :class:`StackSlot`; a fused tensor cut along its first
     dimension (``Chunk(dim=0)`` or ``Split(dim=0)``: GTE's ``qkv_proj``) maps
     to :class:`Chunks`; a tensor saved with two dimensions swapped
     (``Transpose``: Qwen3-VL-MoE's stacked experts) maps to
-    :class:`Transposed`. A name that needs any other conversion (interleaves,
-    permutations, cuts along other dimensions, chains of these) cannot be read
-    directly; it is reported as such.
+    :class:`Transposed`; pairs interleaved along a dimension (``Interleave``:
+    Inkling's experts) or per attention head (``PermuteForRope``: the vision
+    towers of Kimi-K2.5, Step3.5, Mistral-Large-4, alone or after a
+    ``Chunk(dim=0)``) map to :class:`Rearranged` (or :class:`Chunks` that
+    rearrange their parts): strided views of the file, read in place. A name
+    that needs any other conversion (concatenations along a later dimension,
+    model-specific ops) cannot be read directly; it is reported as such.
     """
     model_shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict(keep_vars=True).items()}
     model_names = set(model_shapes)
     prefix = getattr(model, "base_model_prefix", "") or ""
     renamings, converters = _conversions(model)
+    config = getattr(model, "config", None)
 
     def with_prefix(renamed: str) -> str:
         if renamed in model_names or not prefix:
@@ -179,7 +184,7 @@ def hf_key_map(model: nn.Module) -> Callable[[str], Union[str, StackSlot, Chunks
             return f"{prefix}.{renamed}"  # a base model's checkpoint into a head model
         return renamed
 
-    def rename(name: str) -> Union[str, StackSlot, Chunks, Transposed]:
+    def rename(name: str) -> Union[str, StackSlot, Chunks, Transposed, Rearranged]:
         renamed = name
         for renaming in renamings:
             renamed, _ = renaming.rename_source_key(renamed)
@@ -190,7 +195,7 @@ def hf_key_map(model: nn.Module) -> Callable[[str], Union[str, StackSlot, Chunks
                 continue
             if with_prefix(target) not in model_names and as_saved in model_names:
                 return as_saved  # as transformers does: a rename that misses the model yields to the name as saved
-            slot = _conversion_slot(converter, pattern, name, renamed, target, with_prefix, model_shapes)
+            slot = _conversion_slot(converter, pattern, name, renamed, target, with_prefix, model_shapes, config)
             if slot is None:
                 raise CheckpointError(
                     f"needs transformers' weight conversion {type(converter).__name__} ({pattern}: "
@@ -208,8 +213,8 @@ def hf_key_map(model: nn.Module) -> Callable[[str], Union[str, StackSlot, Chunks
 
 def _conversion_slot(
     converter: Any, pattern: str, name: str, renamed: str, target: str, with_prefix: Callable[[str], str],
-    model_shapes: dict[str, tuple[int, ...]],
-) -> Union[StackSlot, Chunks, Transposed, None]:
+    model_shapes: dict[str, tuple[int, ...]], config: Any = None,
+) -> Union[str, StackSlot, Chunks, Transposed, Rearranged, None]:
     """Where one checkpoint tensor goes under ``converter``, or None for a conversion that moves bytes around.
 
     ``target`` is ``renamed`` with the converter's first target pattern in
@@ -229,15 +234,28 @@ def _conversion_slot(
             return None
         return StackSlot(target=with_prefix(target), index=index,
                          group=converter.source_patterns.index(pattern), pattern=pattern)
-    if kinds == [("Concatenate", 0, None)] and len(converter.target_patterns) == 1 and "*" not in pattern:
+    if kinds in ([("Concatenate", 0, None)], [("Concatenate", 1, None)]) and len(converter.target_patterns) == 1 \
+            and "*" not in pattern:
         return StackSlot(target=with_prefix(target), index=0, group=converter.source_patterns.index(pattern),
-                         pattern=pattern, new_dim=False)
-    cuts = kinds in ([("Chunk", 0, None)], [("Split", 0, None)])
+                         pattern=pattern, new_dim=False, along_rows=kinds[0][1] == 1)
+    names = [kind for kind, _, _ in kinds]
     patterns = converter.target_patterns
-    if not cuts or len(converter.source_patterns) != 1 or any("*" in t or "\\" in t for t in patterns):
+    one_source = len(converter.source_patterns) == 1
+    if one_source and len(patterns) == 1 and names in (["Interleave"], ["PermuteForRope"]):
+        how = _deinterleave(operations[0], converter.source_patterns[0], config)
+        return with_prefix(target) if how is None else Rearranged(with_prefix(target), how)
+    cuts = kinds in ([("Chunk", 0, None)], [("Split", 0, None)])
+    permuted = names == ["Chunk", "PermuteForRope"] and kinds[0] == ("Chunk", 0, None)
+    interleaved = (names == ["Interleave", "Chunk"] and kinds[0][1] == kinds[1][1]
+                   and kinds[1][2] is None and len(patterns) == 2)
+    if not (cuts or permuted or interleaved) or not one_source or any("*" in t or "\\" in t for t in patterns):
         return None
     # transformers names the other parts by the same replacement (its Split does too)
     targets = tuple(with_prefix(target.replace(patterns[0], other)) for other in patterns)
+    if interleaved:
+        return Chunks(targets, interleaved=_deinterleave(operations[0], pattern, config))
+    if permuted:  # each part as the permutation sees it: named by its target pattern
+        return Chunks(targets, rearrange=tuple(_deinterleave(operations[1], part, config) for part in patterns))
     if kinds[0][0] == "Chunk":
         return Chunks(targets)
     unknown = [t for t in targets if not model_shapes.get(t)]
@@ -245,6 +263,26 @@ def _conversion_slot(
         raise CheckpointError(f"is split into {', '.join(map(repr, targets))}, and the model has no "
                               f"{', '.join(map(repr, unknown))} to size its part", tensor=name)
     return Chunks(targets, rows=tuple(model_shapes[t][0] for t in targets))
+
+
+def _deinterleave(operation: Any, pattern: str, config: Any) -> Optional[Deinterleave]:
+    """transformers' ``Interleave`` or ``PermuteForRope`` as a :class:`Deinterleave`; None where it moves nothing.
+
+    ``PermuteForRope`` permutes only tensors whose pattern names one of its
+    ``permute_layer_names``, in blocks of the head count of its (sub)config,
+    and only tensors of one or two dimensions, as transformers applies it.
+    """
+    inverse = bool(getattr(operation, "inverse", False))
+    if type(operation).__name__ == "Interleave":
+        return Deinterleave(dim=operation.dim, inverse=inverse)
+    layers = getattr(operation, "permute_layer_names", None)
+    if layers is not None and not any(layer in pattern for layer in layers):
+        return None
+    subconfig_key = getattr(operation, "subconfig_key", None)
+    if subconfig_key is not None:
+        config = getattr(config, subconfig_key, config)
+    heads = getattr(config, "num_attention_heads", 1)
+    return Deinterleave(dim=0, groups=int(heads), inverse=inverse, ranks=(1, 2))
 
 
 def _expert_number(pattern: str, renamed: str) -> Optional[int]:

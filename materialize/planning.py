@@ -27,7 +27,9 @@ from .errors import (
     summarize_names,
 )
 from .keymap import KeyMapLike, as_key_map, auto_strip_wrapper_prefix
-from .stacking import Chunks, Stacked, StackSlot, Transposed, cut, pieces_of, stack, transpose
+from .stacking import (
+    Chunks, Rearranged, Stacked, StackSlot, Transposed, cut, deinterleave, pieces_of, rows_of, stack, transpose,
+)
 
 Action = Literal["load", "init", "keep"]
 InitFn = Callable[[nn.Module], None]
@@ -157,12 +159,14 @@ def _map_checkpoint_names(ckpt: Checkpoint, model_names: set[str], key_map: KeyM
             error.path = error.path or str(ckpt.path)  # a key map knows names, not files
             raise
         if isinstance(model_name, StackSlot):
-            slots.setdefault(model_name.target, []).append((model_name, ckpt[ckpt_name]))
+            slots.setdefault(model_name.target, []).extend(rows_of(model_name, ckpt[ckpt_name]))
             continue
         if isinstance(model_name, Chunks):
             parts = cut(ckpt[ckpt_name], model_name)
         elif isinstance(model_name, Transposed):
             parts = [(model_name.target, transpose(ckpt[ckpt_name], model_name))]
+        elif isinstance(model_name, Rearranged):
+            parts = [(model_name.target, deinterleave(ckpt[ckpt_name], model_name.how))]
         else:
             parts = [(model_name, ckpt[ckpt_name])]
         for target, info in parts:

@@ -43,7 +43,11 @@ class StackSlot:
     expert number; ``group`` orders the tensors concatenated along the next
     dimension within one position (gate before up). With ``new_dim=False``
     nothing is stacked: the groups are concatenated along the first
-    dimension, and ``index`` is always 0.
+    dimension, and ``index`` is always 0. With ``along_rows``, tensors
+    already stacked (``[experts, inner, hidden]``) are concatenated along
+    their second dimension (Step-3.7's ``gate_proj`` and ``up_proj`` into
+    ``gate_up_proj``): each row along the first is stacked at its own
+    position, as if saved one tensor per expert (see :func:`rows_of`).
     """
 
     target: str
@@ -51,6 +55,7 @@ class StackSlot:
     group: int
     pattern: str = ""  # which checkpoint tensors this group holds, for messages: ".experts.*.w3.weight"
     new_dim: bool = True
+    along_rows: bool = False  # concatenated along the second dimension: each first-dimension row is a position
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,8 @@ class Chunks:
 
     targets: tuple[str, ...]
     rows: Optional[tuple[int, ...]] = None
+    rearrange: tuple[Optional["Deinterleave"], ...] = ()  # per target, applied to its part (a RoPE permutation)
+    interleaved: Optional["Deinterleave"] = None  # the whole tensor first: its two halves along that dim are the parts
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,23 @@ class Stacked(TensorInfo):
     @property
     def read_nbytes(self) -> int:
         return sum(piece.info.read_nbytes for piece in self.pieces)
+
+
+def rows_of(slot: StackSlot, info: TensorInfo) -> list[tuple[StackSlot, TensorInfo]]:
+    """A slot ``along_rows`` as one slot per row of ``info`` along its first dimension, named ``NAME[row]``."""
+    if not slot.along_rows:
+        return [(slot, info)]
+    if len(info.shape) < 2 or not info.contiguous:
+        raise CheckpointError(f"cannot be concatenated into '{slot.target}' along its second dimension: it is "
+                              f"{'a strided view' if len(info.shape) >= 2 else f'of shape {list(info.shape)}'}",
+                              path=info.path, tensor=info.name)
+    row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
+    return [
+        (dataclasses.replace(slot, index=row, new_dim=True, along_rows=False),
+         dataclasses.replace(info, name=f"{info.name}[{row}]", shape=info.shape[1:],
+                             offset=info.offset + row * row_bytes, storage=None))
+        for row in range(info.shape[0])
+    ]
 
 
 def pieces_of(source: TensorInfo) -> tuple[Piece, ...]:
@@ -159,7 +183,18 @@ def stack(target: str, slots: list[tuple[StackSlot, TensorInfo]]) -> Stacked:
 
 
 def cut(info: TensorInfo, chunks: Chunks) -> list[tuple[str, TensorInfo]]:
-    """Each target with the run of ``info`` it gets, named ``info.name[first:last]`` (rows); raises naming ``info``."""
+    """Each target with the part of ``info`` it gets (see :class:`Chunks`); raises naming ``info``."""
+    if chunks.interleaved is not None:
+        return list(zip(chunks.targets, halves(info, chunks.interleaved, len(chunks.targets))))
+    parts = _cut_rows(info, chunks)
+    if not chunks.rearrange:
+        return parts
+    return [(target, part if how is None else deinterleave(part, how))
+            for (target, part), how in zip(parts, chunks.rearrange)]
+
+
+def _cut_rows(info: TensorInfo, chunks: Chunks) -> list[tuple[str, TensorInfo]]:
+    """Each target with the run of ``info`` it gets, named ``info.name[first:last]`` (rows)."""
     into = ", ".join(f"'{target}'" for target in chunks.targets)
     if not info.shape:
         raise CheckpointError(f"is a scalar and cannot be cut into {into}", path=info.path, tensor=info.name)
@@ -216,3 +251,95 @@ def transpose(info: TensorInfo, swap: Transposed) -> TensorInfo:
     if first == second or info.numel <= 1:
         return dataclasses.replace(info, shape=tuple(shape))
     return dataclasses.replace(info, shape=tuple(shape), stride=tuple(strides), span_nbytes=info.nbytes)
+
+
+@dataclass(frozen=True)
+class Deinterleave:
+    """Pairs interleaved along ``dim`` gathered into two halves, within each of ``groups`` equal blocks.
+
+    transformers' ``Interleave(dim)`` (one block) and ``PermuteForRope`` (a
+    block per attention head: rotary pairs to the rotate-half layout); with
+    ``inverse``, halves interleaved into pairs. Tensors of a rank outside
+    ``ranks`` (when given) are left as they are, as ``PermuteForRope`` leaves
+    them. The result is the checkpoint's bytes seen under another shape, a
+    strided view read like a transposed tensor (see :func:`deinterleave`).
+    """
+
+    dim: int = 0
+    groups: int = 1
+    inverse: bool = False
+    ranks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Rearranged:
+    """A checkpoint tensor that goes to ``target`` with its elements moved as ``how`` says."""
+
+    target: str
+    how: Deinterleave
+
+
+def _pairs(info: TensorInfo, how: Deinterleave, verb: str) -> tuple[int, int, int]:
+    """``(dim, first, second)``: the block of ``dim`` read as ``first x second``; raises naming ``info``."""
+    rank = len(info.shape)
+    if not info.contiguous:
+        raise CheckpointError(f"is a strided view and cannot be {verb}", path=info.path, tensor=info.name)
+    if not -rank <= how.dim < rank:
+        raise CheckpointError(f"has {rank} dimensions and cannot be {verb} along dimension {how.dim}",
+                              path=info.path, tensor=info.name)
+    dim = how.dim % rank
+    size = info.shape[dim]
+    if how.groups < 1 or size % (2 * how.groups):
+        blocks = f" in {how.groups} blocks" if how.groups != 1 else ""
+        raise CheckpointError(f"has {size} elements along dimension {dim}, which cannot be {verb} as pairs{blocks}",
+                              path=info.path, tensor=info.name)
+    half = size // how.groups // 2
+    return (dim, 2, half) if how.inverse else (dim, half, 2)
+
+
+def deinterleave(info: TensorInfo, how: Deinterleave) -> TensorInfo:
+    """``info`` rearranged as ``how`` says: same bytes, read as a strided view under ``view_shape``.
+
+    Dimension ``dim`` is read as ``(groups, first, second)`` and written as
+    ``(groups, second, first)``: the destination, viewed under that shape,
+    takes the file's elements with the last two swapped.
+    """
+    if how.ranks and len(info.shape) not in how.ranks:
+        return info
+    dim, first, second = _pairs(info, how, "rearranged")
+    if first == 1 or second == 1:
+        return info  # one pair or one element per half: nothing moves
+    strides = _contiguous_strides(info.shape)
+    inner = strides[dim]
+    return dataclasses.replace(
+        info,
+        stride=(*strides[:dim], first * second * inner, inner, second * inner, *strides[dim + 1:]),
+        view_shape=(*info.shape[:dim], how.groups, second, first, *info.shape[dim + 1:]),
+        span_nbytes=info.nbytes,
+        storage=None,
+    )
+
+
+def halves(info: TensorInfo, how: Deinterleave, count: int) -> list[TensorInfo]:
+    """The two halves of ``info`` deinterleaved along ``how.dim`` (transformers' ``Interleave`` then ``Chunk``).
+
+    Half ``k`` is every other element along that dimension, from the ``k``-th:
+    a strided view of the same rank, no reshaping needed.
+    """
+    if count != 2 or how.groups != 1 or how.inverse:
+        raise CheckpointError(f"cannot be deinterleaved into {count} parts", path=info.path, tensor=info.name)
+    dim, first, _ = _pairs(info, how, "deinterleaved")
+    strides = list(_contiguous_strides(info.shape))
+    inner = strides[dim]
+    strides[dim] = 2 * inner
+    shape = (*info.shape[:dim], first, *info.shape[dim + 1:])
+    span = (sum((size - 1) * step for size, step in zip(shape, strides)) + 1) * info.itemsize
+    return [
+        dataclasses.replace(info, name=f"{info.name}[{part}::2]", shape=shape, stride=tuple(strides),
+                            offset=info.offset + part * inner * info.itemsize, span_nbytes=span, storage=None)
+        for part in range(2)
+    ]
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))

@@ -67,6 +67,22 @@ def _tiny(kind: str):
         config = transformers.Molmo2TextConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                                intermediate_size=64, vocab_size=99, additional_vocab_size=5, pad_token_id=0, head_dim=8)
         return transformers.Molmo2TextModel(config), {"input_ids": torch.arange(7)[None] % 104}
+    if kind == "inkling2":  # experts saved with gate and up rows interleaved (Interleave(dim=1)): read as a strided view
+        _needs("Inkling2TextConfig")
+        config = transformers.Inkling2TextConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, vocab_size=99, swa_head_dim=8,
+            swa_num_attention_heads=4, swa_num_key_value_heads=2, d_rel=16)
+        return transformers.Inkling2ForCausalLM(config), {"input_ids": torch.arange(7)[None] % 99}
+    if kind == "step3p7":  # stacked gate and up concatenated along dim 1; the vision tower's fused in_proj cut into
+        _needs("Step3p7Config")  # q, k, v, then q and k permuted per head for RoPE
+        text = dict(vocab_size=99, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                    share_expert_dim=16, num_sliding_attention_heads=4, query_pre_attn_scalar=8,
+                    mlp_layer_types=["dense", "sparse"], layer_types=["full_attention", "sliding_attention"], sliding_window=8)
+        vision = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_hidden_layers=2, image_size=32, patch_size=8)
+        config = transformers.Step3p7Config(text_config=text, vision_config=vision)
+        return transformers.Step3p7ForConditionalGeneration(config), {"input_ids": torch.arange(7)[None] % 99}
     if kind == "vit":
         config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                                         image_size=32, patch_size=8, num_labels=3)
@@ -97,7 +113,8 @@ def _save(model, folder: Path, *, as_bin: bool, dtype: torch.dtype) -> Path:
     return folder
 
 
-KINDS = ["gpt2", "llama", "bert", "t5", "vit", "mixtral", "qwen2_moe", "deepseek_v4", "gte", "molmo2"]
+KINDS = ["gpt2", "llama", "bert", "t5", "vit", "mixtral", "qwen2_moe", "deepseek_v4", "gte", "molmo2", "inkling2",
+         "step3p7"]
 
 
 @pytest.mark.parametrize("as_bin", [False, True], ids=["safetensors", "bin"])
@@ -406,14 +423,14 @@ def _add_tensor(folder: Path, name: str, value: torch.Tensor) -> None:
 
 
 def test_conversions_that_move_bytes_around_are_refused_by_name(tmp_path, monkeypatch):
-    from transformers.core_model_loading import Interleave, WeightConverter
+    from transformers.core_model_loading import Interleave, Transpose, WeightConverter
 
     from materialize import hf
 
     source, _ = _tiny("llama")
     folder = _save(source, tmp_path / "llama", as_bin=False, dtype=torch.float32)
     interleaved = WeightConverter(source_patterns="mlp.down_proj.weight", target_patterns="mlp.down_proj.weight",
-                                  operations=[Interleave(dim=1)])
+                                  operations=[Interleave(dim=1), Transpose(0, 1)])  # a chain no view follows
     monkeypatch.setattr(hf, "_conversions", lambda model: ([], [interleaved]))
 
     with pytest.raises(mz.CheckpointError) as caught:
@@ -444,6 +461,35 @@ def test_tensors_saved_transposed_are_read_block_by_block_into_place(tmp_path, m
             mz.load_model(folder)
         return
     model, report = mz.load_model(folder, dtype="fp64", check=True)
+
+    for key, value in source.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value.double()), key
+    with torch.no_grad():
+        assert torch.allclose(model(**inputs)[0], source.double()(**inputs)[0])
+
+
+def test_tensors_saved_interleaved_or_rope_permuted_are_read_as_views_into_place(tmp_path, monkeypatch):
+    from transformers.core_model_loading import Interleave, PermuteForRope, WeightConverter
+
+    from materialize import engine, hf
+
+    source, inputs = _tiny("llama")
+    folder = _save(source, tmp_path / "llama", as_bin=False, dtype=torch.float32)
+    heads = source.config.num_attention_heads
+    interleave = WeightConverter(source_patterns="mlp.down_proj.weight", target_patterns="mlp.down_proj.weight",
+                                 operations=[Interleave(dim=1)])
+    permute = WeightConverter(source_patterns="self_attn.q_proj.weight", target_patterns="self_attn.q_proj.weight",
+                              operations=[PermuteForRope()])
+    saved = _saved(folder)
+    for layer in range(source.config.num_hidden_layers):  # written as a checkpoint of the other layout would be
+        down, q = f"model.layers.{layer}.mlp.down_proj.weight", f"model.layers.{layer}.self_attn.q_proj.weight"
+        _rewrite_tensor(folder, down, Interleave(dim=1, inverse=True).convert({down: saved[down]}, [down], [down])[down])
+        _rewrite_tensor(folder, q, PermuteForRope(inverse=True).convert({q: [saved[q]]}, [q], [q], config=source.config)[q])
+    assert not torch.equal(_saved(folder)[down], saved[down]) and heads > 1
+    monkeypatch.setattr(hf, "_conversions", lambda model: ([], [interleave, permute]))
+    monkeypatch.setattr(engine, "STRIDED_BLOCK_BYTES", 1000)  # several blocks per tensor
+
+    model, _ = mz.load_model(folder, dtype="fp64", check=True)
 
     for key, value in source.state_dict().items():
         assert torch.equal(model.state_dict()[key], value.double()), key

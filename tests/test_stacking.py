@@ -11,7 +11,9 @@ import materialize as mz
 from materialize.checkpoint import TensorInfo
 from materialize.loading import execute
 from materialize.planning import make_plan
-from materialize.stacking import Chunks, StackSlot, Transposed, cut, stack, transpose
+from materialize.stacking import (
+    Chunks, Deinterleave, Rearranged, StackSlot, Transposed, cut, deinterleave, stack, transpose,
+)
 
 from conftest import write_safetensors
 
@@ -185,3 +187,132 @@ def test_a_key_map_can_transpose_a_real_files_tensor_block_by_block(tmp_path, mo
     mz.load(model, path, key_map=lambda name: Transposed(name, 1, 2), dtype=dtype, check=True)
 
     assert torch.equal(model.experts, saved.transpose(1, 2).to(model.experts.dtype))
+
+
+def _interleaved(tensor: torch.Tensor, dim: int, inverse: bool) -> torch.Tensor:
+    """transformers' Interleave, written out: split ``dim`` in two, swap, reshape back."""
+    shape = list(tensor.shape)
+    size = shape[dim]
+    shape[dim:dim + 1] = [2, size // 2] if inverse else [size // 2, 2]
+    return tensor.reshape(shape).transpose(dim, dim + 1).reshape(tensor.shape)
+
+
+def _rope_permuted(tensor: torch.Tensor, heads: int, inverse: bool) -> torch.Tensor:
+    """transformers' PermuteForRope, written out: per head, interleaved rotary pairs to halves."""
+    rows = tensor.shape[0]
+    head = (2, rows // heads // 2) if inverse else (rows // heads // 2, 2)
+    return tensor.reshape(heads, *head, *tensor.shape[1:]).transpose(1, 2).reshape(tensor.shape)
+
+
+def _one_parameter_model(shape: tuple[int, ...]) -> torch.nn.Module:
+    model = torch.nn.Module()
+    model.register_parameter("w", torch.nn.Parameter(torch.empty(shape, device="meta")))
+    return model
+
+
+@pytest.mark.parametrize("how", [{}, {"dtype": torch.float64}, {"mmap": True}])
+@pytest.mark.parametrize("shape, rearrange", [
+    ((6, 8, 5), Deinterleave(dim=1)),  # Inkling's experts: gate and up rows interleaved
+    ((6, 8, 5), Deinterleave(dim=1, inverse=True)),
+    ((12, 5), Deinterleave(dim=0)),
+    ((3, 4, 10), Deinterleave(dim=-1)),
+    ((24, 7), Deinterleave(dim=0, groups=3, ranks=(1, 2))),  # RoPE pairs of 3 heads
+    ((24, 7), Deinterleave(dim=0, groups=3, inverse=True, ranks=(1, 2))),
+    ((24,), Deinterleave(dim=0, groups=3, ranks=(1, 2))),  # a bias
+    ((2, 24, 7), Deinterleave(dim=0, groups=2, ranks=(1, 2))),  # a rank it leaves alone
+])
+def test_a_rearranged_tensor_of_a_real_file_equals_the_conversion(tmp_path, monkeypatch, shape, rearrange, how):
+    from materialize import engine
+
+    saved = torch.randn(shape)
+    if rearrange.groups > 1:
+        expected = saved if saved.dim() not in rearrange.ranks else _rope_permuted(saved, rearrange.groups, rearrange.inverse)
+    else:
+        expected = _interleaved(saved, rearrange.dim % saved.dim(), rearrange.inverse)
+    path = write_safetensors({"fused": saved}, tmp_path / "r.safetensors")
+    model = _one_parameter_model(shape)
+    monkeypatch.setattr(engine, "STRIDED_BLOCK_BYTES", 64)  # many blocks
+
+    mz.load(model, path, key_map=lambda name: Rearranged("w", rearrange), check=True, **how)
+
+    assert model.w.shape == saved.shape and model.w.is_contiguous()
+    assert torch.equal(model.w, expected.to(model.w.dtype))
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_interleaved_halves_cut_from_a_real_file_equal_interleave_then_chunk(tmp_path, dim):
+    saved = torch.randn(6, 10)
+    gate, up = torch.chunk(_interleaved(saved, dim, inverse=False), 2, dim=dim)
+    path = write_safetensors({"w13": saved}, tmp_path / "h.safetensors")
+    model = torch.nn.Module()
+    for name, part in (("gate", gate), ("up", up)):
+        model.register_parameter(name, torch.nn.Parameter(torch.empty(part.shape, device="meta")))
+
+    mz.load(model, path, key_map=lambda name: Chunks(("gate", "up"), interleaved=Deinterleave(dim=dim)), dtype=torch.float64)
+
+    assert torch.equal(model.gate, gate.double()) and torch.equal(model.up, up.double())
+
+
+def test_parts_of_a_cut_are_each_rearranged_or_not(tmp_path):
+    heads = 2
+    fused = torch.randn(3 * 8, 5)  # q, k and v of 8 rows each
+    q, k, v = torch.chunk(fused, 3)
+    path = write_safetensors({"wqkv": fused}, tmp_path / "qkv.safetensors")
+    model = torch.nn.Module()
+    for name in "qkv":
+        model.register_parameter(name, torch.nn.Parameter(torch.empty(8, 5, device="meta")))
+    rope = Deinterleave(groups=heads, ranks=(1, 2))
+
+    mz.load(model, path, key_map=lambda name: Chunks(("q", "k", "v"), rearrange=(rope, rope, None)))
+
+    assert torch.equal(model.q, _rope_permuted(q, heads, False)) and torch.equal(model.k, _rope_permuted(k, heads, False))
+    assert torch.equal(model.v, v)
+
+
+@pytest.mark.parametrize("info, how, words", [
+    (_info("w", (10, 3)), Deinterleave(dim=0, groups=3), "has 10 elements along dimension 0, which cannot be rearranged as pairs in 3 blocks"),
+    (_info("w", (7, 3)), Deinterleave(dim=0), "has 7 elements along dimension 0"),
+    (_info("w", (4, 3)), Deinterleave(dim=2), "has 2 dimensions and cannot be rearranged along dimension 2"),
+])
+def test_what_cannot_be_rearranged_is_refused_naming_it(info, how, words):
+    with pytest.raises(mz.CheckpointError) as caught:
+        deinterleave(info, how)
+
+    assert words in str(caught.value) and "'w'" in str(caught.value) and str(FILE) in str(caught.value)
+
+
+def test_a_rearranged_source_reads_the_same_bytes_under_another_shape():
+    info = _info("w", (4, 6), offset=128)
+
+    rearranged = deinterleave(info, Deinterleave(dim=1))
+
+    assert rearranged.shape == (4, 6) and rearranged.view_shape == (4, 1, 2, 3)
+    assert rearranged.offset == 128 and rearranged.read_nbytes == info.nbytes and not rearranged.contiguous
+    assert deinterleave(_info("w", (4, 2)), Deinterleave(dim=1)) == _info("w", (4, 2))  # one pair: nothing moves
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 5), (4, 5)])
+def test_tensors_concatenated_along_their_second_dimension_are_read_row_by_row(tmp_path, shape):
+    gate, up = torch.randn(shape), torch.randn(shape)
+    joined = torch.cat([gate, up], dim=1)
+    path = write_safetensors({"gate": gate, "up": up}, tmp_path / "g.safetensors")
+    model = _one_parameter_model(tuple(joined.shape))
+
+    def key_map(name: str) -> StackSlot:
+        return StackSlot("w", 0, ["gate", "up"].index(name), pattern=name, new_dim=False, along_rows=True)
+
+    report = mz.load(model, path, key_map=key_map, dtype=torch.float64, check=True)
+
+    assert torch.equal(model.w, joined.double())
+    assert report.loaded == ["w"]
+
+
+def test_a_vector_cannot_be_concatenated_along_its_second_dimension(tmp_path):
+    path = write_safetensors({"gate": torch.randn(4), "up": torch.randn(4)}, tmp_path / "v.safetensors")
+    slot = StackSlot("w", 0, 0, new_dim=False, along_rows=True)
+
+    with pytest.raises(mz.CheckpointError) as caught:
+        mz.load(_one_parameter_model((8,)), path, key_map=lambda name: slot)
+
+    assert "cannot be concatenated into 'w' along its second dimension: it is of shape [4]" in str(caught.value)
+    assert str(path) in str(caught.value)

@@ -28,6 +28,9 @@ class TensorInfo:
     strided view, whose elements then span ``span_nbytes`` bytes from
     ``offset``. ``storage`` is the file offset of the storage record a torch
     file's tensor views: tensors with the same one shared a storage when saved.
+    ``view_shape``, when set, is the shape ``stride`` describes: the tensor is
+    those elements reshaped to ``shape`` (a rearranged checkpoint tensor, see
+    :func:`materialize.stacking.deinterleave`).
     """
 
     name: str
@@ -39,6 +42,7 @@ class TensorInfo:
     stride: Optional[tuple[int, ...]] = None
     span_nbytes: Optional[int] = None
     storage: Optional[int] = None
+    view_shape: Optional[tuple[int, ...]] = None
 
     @property
     def dtype(self) -> "torch.dtype":

@@ -165,7 +165,9 @@ def hf_key_map(model: nn.Module) -> Callable[[str], Union[str, StackSlot, Chunks
     Inkling's experts) or per attention head (``PermuteForRope``: the vision
     towers of Kimi-K2.5, Step3.5, Mistral-Large-4, alone or after a
     ``Chunk(dim=0)``) map to :class:`Rearranged` (or :class:`Chunks` that
-    rearrange their parts): strided views of the file, read in place. A name
+    rearrange their parts): strided views of the file, read in place.
+    ERNIE-4.5-VL's one list of experts split between a text and a vision
+    stack maps each expert to a :class:`StackSlot` of its stack. A name
     that needs any other conversion (concatenations along a later dimension,
     model-specific ops) cannot be read directly; it is reported as such.
     """
@@ -234,6 +236,8 @@ def _conversion_slot(
             return None
         return StackSlot(target=with_prefix(target), index=index,
                          group=converter.source_patterns.index(pattern), pattern=pattern)
+    if [kind for kind, _, _ in kinds] == ["ErnieFuseAndSplitTextVisionExperts"]:
+        return _split_expert_slot(converter, pattern, renamed, target, with_prefix, model_shapes)
     if kinds in ([("Concatenate", 0, None)], [("Concatenate", 1, None)]) and len(converter.target_patterns) == 1 \
             and "*" not in pattern:
         return StackSlot(target=with_prefix(target), index=0, group=converter.source_patterns.index(pattern),
@@ -263,6 +267,33 @@ def _conversion_slot(
         raise CheckpointError(f"is split into {', '.join(map(repr, targets))}, and the model has no "
                               f"{', '.join(map(repr, unknown))} to size its part", tensor=name)
     return Chunks(targets, rows=tuple(model_shapes[t][0] for t in targets))
+
+
+def _split_expert_slot(
+    converter: Any, pattern: str, renamed: str, target: str, with_prefix: Callable[[str], str],
+    model_shapes: dict[str, tuple[int, ...]],
+) -> Optional[StackSlot]:
+    """ERNIE-4.5-VL: one expert list split in order between the model's stacks (text experts, then vision).
+
+    transformers cuts the list into as many equal runs as there are targets;
+    each run is stacked like Mixtral's experts. An expert's stack is found
+    by counting the experts of the stacks before it in the model.
+    """
+    operation = converter.operations[0]
+    index = _expert_number(pattern, renamed)
+    patterns = converter.target_patterns
+    if index is None or getattr(operation, "stack_dim", 0) != 0 or getattr(operation, "concat_dim", 1) != 1 \
+            or any("*" in t or "\\" in t for t in patterns):
+        return None
+    first = 0
+    for other in patterns:
+        stacked = with_prefix(target.replace(patterns[0], other))
+        experts = (model_shapes.get(stacked) or (0,))[0]
+        if index < first + experts or other == patterns[-1]:
+            return StackSlot(target=stacked, index=index - first, group=converter.source_patterns.index(pattern),
+                             pattern=pattern)
+        first += experts
+    return None
 
 
 def _deinterleave(operation: Any, pattern: str, config: Any) -> Optional[Deinterleave]:

@@ -83,6 +83,14 @@ def _tiny(kind: str):
         vision = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_hidden_layers=2, image_size=32, patch_size=8)
         config = transformers.Step3p7Config(text_config=text, vision_config=vision)
         return transformers.Step3p7ForConditionalGeneration(config), {"input_ids": torch.arange(7)[None] % 99}
+    if kind == "ernie4_5_vl":  # one list of experts, split in order into text and vision stacks of different widths
+        _needs("Ernie4_5_VLMoeConfig")
+        text = dict(vocab_size=99, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, moe_intermediate_size=[24, 16], moe_k=2, moe_num_experts=4, moe_num_shared_experts=1,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
+        vision = dict(depth=2, hidden_size=32, num_heads=4, intermediate_size=48, patch_size=8)
+        config = transformers.Ernie4_5_VLMoeConfig(text_config=text, vision_config=vision)
+        return transformers.Ernie4_5_VLMoeForConditionalGeneration(config), {"input_ids": torch.arange(7)[None] % 99}
     if kind == "vit":
         config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                                         image_size=32, patch_size=8, num_labels=3)
@@ -114,7 +122,7 @@ def _save(model, folder: Path, *, as_bin: bool, dtype: torch.dtype) -> Path:
 
 
 KINDS = ["gpt2", "llama", "bert", "t5", "vit", "mixtral", "qwen2_moe", "deepseek_v4", "gte", "molmo2", "inkling2",
-         "step3p7"]
+         "step3p7", "ernie4_5_vl"]
 
 
 @pytest.mark.parametrize("as_bin", [False, True], ids=["safetensors", "bin"])

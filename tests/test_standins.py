@@ -28,6 +28,10 @@ class HyperParameters(dict):
     """A dict subclass, as trainers keep their hyper-parameters."""
 
 
+class Tags(list):
+    """A list subclass: pickled as a call-free object whose items are appended to it."""
+
+
 @dataclasses.dataclass
 class RunConfig:
     lr: float
@@ -286,6 +290,19 @@ def test_shapes_devices_bytes_and_parameters_with_attributes_keep_the_fast_path(
         assert set(tensors) == set(state)
         for name, value in state.items():
             assert torch.equal(tensors[name], value.detach()), name
+
+
+def test_a_list_subclass_is_refused_naming_its_class_unless_trusted(tmp_path):
+    path = tmp_path / "tagged.pt"
+    torch.save({"state_dict": _weights(), "tags": Tags(["best", "ema"])}, path)
+
+    with pytest.raises(mz.UnsafeCheckpointError) as caught:
+        mz.open_checkpoint(path)
+    tensors, _ = mz.load_tensors(path, trust_pickle=True)
+
+    message = str(caught.value)
+    assert str(path) in message and "Tags', a list subclass" in message and "trust_pickle=True" in message
+    assert torch.equal(tensors["fc.weight"], _weights()["fc.weight"])
 
 
 def test_a_negative_stride_in_a_plain_state_dict_is_still_refused_naming_the_layout(tmp_path):

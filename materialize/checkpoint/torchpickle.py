@@ -258,6 +258,14 @@ def _load(path: Path, unpickler: Any, *, trust_pickle: bool, what: str) -> Any:
             if str(exc).startswith("Unsupported global:"):
                 raise _RefusedGlobal(found.group(1), error) from None
             raise error from None
+        listed = re.search(r"Can only (?:append to|extend) lists, but got <class '([\w.]+)'>", str(exc))
+        if listed and not trust_pickle:  # a list subclass is filled by calling its own append or extend
+            raise UnsafeCheckpointError(
+                f"refused to unpickle an object of class '{listed.group(1)}', a list subclass: filling it calls "
+                "its own methods, which could run code from the file; if you trust the file, pass "
+                "trust_pickle=True (CLI: --trust-pickle)",
+                path=path,
+            ) from None
         raise CheckpointError(f"{what} is malformed: {first_line(exc)}", path=path) from None
     except Exception as exc:  # a hostile pickle can raise anything the unpickler touches
         raise CheckpointError(f"cannot unpickle {what}: {type(exc).__name__}: {first_line(exc)}", path=path) from None

@@ -505,6 +505,33 @@ def test_tensors_saved_interleaved_or_rope_permuted_are_read_as_views_into_place
         assert torch.allclose(model(**inputs)[0], source.double()(**inputs)[0])
 
 
+@pytest.mark.parametrize("dim", [0, 1])
+def test_a_fused_tensor_deinterleaved_into_halves_equals_transformers_ops(tmp_path, monkeypatch, dim):
+    from transformers.core_model_loading import Chunk, Interleave, WeightConverter
+
+    from materialize import hf
+
+    source, _ = _tiny("llama")
+    folder = _save(source, tmp_path / "llama", as_bin=False, dtype=torch.float32)
+    gate, up = "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"
+    shape = list(source.state_dict()[gate].shape)
+    shape[dim] *= 2
+    fused = torch.randn(shape)
+    _rewrite_tensor(folder, up, None)
+    _rewrite_tensor(folder, gate, None)
+    _rewrite_tensor(folder, "model.layers.0.mlp.w13.weight", fused, shard_of="model.layers.0.mlp.down_proj.weight")
+    split = WeightConverter(source_patterns="mlp.w13.weight", target_patterns=["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+                            operations=[Interleave(dim=dim), Chunk(dim=dim)])
+    monkeypatch.setattr(hf, "_conversions", lambda model: ([], [split]))
+    expected = Interleave(dim=dim).convert({"w": fused}, ["w"], ["w"])["w"]
+    expected = Chunk(dim=dim).convert({"w": expected}, ["w"], ["gate", "up"])
+
+    model, report = mz.load_model(folder, check=True)
+
+    assert torch.equal(model.state_dict()[gate], expected["gate"]) and torch.equal(model.state_dict()[up], expected["up"])
+    assert report.missing == [] and report.unexpected == []
+
+
 def _saved(folder: Path) -> dict[str, torch.Tensor]:
     saved = {}
     for shard in folder.glob("*.safetensors"):
@@ -512,18 +539,20 @@ def _saved(folder: Path) -> dict[str, torch.Tensor]:
     return saved
 
 
-def _rewrite_tensor(folder: Path, name: str, value: Optional[torch.Tensor]) -> None:
-    """Replace one tensor of a sharded save (None: drop it), index included."""
+def _rewrite_tensor(folder: Path, name: str, value: Optional[torch.Tensor], shard_of: Optional[str] = None) -> None:
+    """Replace one tensor of a sharded save (None: drop it), index included; a new one goes where ``shard_of`` is."""
     from safetensors.torch import save_file
 
     index_path = folder / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
-    shard = folder / index["weight_map"][name]
+    shard_name = index["weight_map"][shard_of or name]
+    shard = folder / shard_name
     tensors = load_file(shard)
     if value is None:
         del tensors[name], index["weight_map"][name]
     else:
         tensors[name] = value
+        index["weight_map"][name] = shard_name
     save_file(tensors, shard, metadata={"format": "pt"})
     index_path.write_text(json.dumps(index))
 

@@ -184,9 +184,13 @@ def test_a_key_map_can_transpose_a_real_files_tensor_block_by_block(tmp_path, mo
     model.register_parameter("experts", torch.nn.Parameter(torch.empty(5, 3, 7, device="meta")))
     monkeypatch.setattr(engine, "STRIDED_BLOCK_BYTES", 100)  # one expert (84 bytes) per block
 
-    mz.load(model, path, key_map=lambda name: Transposed(name, 1, 2), dtype=dtype, check=True)
+    seen = []
+
+    mz.load(model, path, key_map=lambda name: Transposed(name, 1, 2), dtype=dtype, check=True,
+            progress=lambda done, total: seen.append((done, total)))
 
     assert torch.equal(model.experts, saved.transpose(1, 2).to(model.experts.dtype))
+    assert len(seen) >= 5 and seen[-1] == (saved.numel() * 4, saved.numel() * 4)  # a block at a time, to the end
 
 
 def _interleaved(tensor: torch.Tensor, dim: int, inverse: bool) -> torch.Tensor:

@@ -2,6 +2,7 @@
 #   make demo   build the demo checkpoint once, then materialize it with the CLI
 #   make test   run the test suite
 #   make bench  compare loaders on a 1.9 GB checkpoint (bench/results/)
+#   make bench-strided  experts saved transposed or interleaved, 1 GB
 #   make fuzz   fuzz the header, index and zip readers (FUZZ_SECONDS, default 600)
 PYTHON ?= python3
 VENV := .venv
@@ -14,7 +15,7 @@ CONFIG ?= configs/bench-llama-1b.toml
 
 FUZZ_SECONDS ?= 600
 
-.PHONY: demo test bench fuzz venv clean
+.PHONY: demo test bench bench-strided fuzz venv clean
 
 $(STAMP): pyproject.toml requirements-dev.txt requirements-fuzz.txt
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +37,9 @@ $(BENCH_STAMP): $(STAMP) requirements-bench.txt
 
 bench: $(BENCH_STAMP)
 	$(PY) -m bench.run --config $(CONFIG)
+
+bench-strided: $(BENCH_STAMP)
+	$(PY) -m bench.strided
 
 fuzz: $(STAMP)
 	$(PY) -m fuzz.run --seconds $(FUZZ_SECONDS)

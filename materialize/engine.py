@@ -454,7 +454,12 @@ def _run_strided(jobs: list[Job], files: FileSet, tracker: _Progress, threads: i
         view = torch.as_strided(raw.view(info.dtype), block, info.stride)
         if check_range is not None and job.dest.dtype != info.dtype:
             check_range(view, job.dest.dtype, info)
-        _copy_block(job.dest.view(layout.shape).narrow(layout.outer, first, last - first), view)
+        target = job.dest.view(layout.shape).narrow(layout.outer, first, last - first)
+        if target.device.type == "cpu":
+            span = (sum((size - 1) * step for size, step in zip(target.shape, target.stride())) + 1) * target.element_size()
+            if span >= PREFAULT_MIN_BYTES:
+                prefault(target.data_ptr(), span)  # one call, not a fault per page inside the copy
+        _copy_block(target, view)
         count = layout.shape[layout.outer]
         tracker.add(info.read_nbytes * last // count - info.read_nbytes * first // count)
 

@@ -1,0 +1,166 @@
+"""Checkpoint tensors saved in another layout than the model's: transposed or interleaved experts.
+
+``python -m bench.strided`` writes 1 GB of bf16 expert stacks (8 tensors of
+``[32, 1024, 2048]``; ``--scale`` multiplies the count) once under
+``data/bench/strided/``, then loads them into a model that wants them
+transposed (Qwen3-VL-MoE's ``Transpose``), deinterleaved (Inkling's
+``Interleave(dim=1)``) or as saved, each run a fresh process, page cache
+warm, the methods taking turns, median of ``--runs`` after a warm-up. The
+peer is what a conversion does after loading: every tensor read, then
+rearranged by torch (``transpose(...).contiguous()``, a reshape-transpose-
+reshape for an interleave), as transformers' ops do. Each result is checked
+against samples of the expected tensors. Writes ``bench/results/bench-strided.md``
+and ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+SHAPE = (32, 1024, 2048)
+SAMPLE_STEP = 9973  # every this many elements of each tensor are compared
+METHODS = {
+    "ours, same layout (no rearranging)": "ours-direct",
+    "ours, transposed experts": "ours-transposed",
+    "safetensors load_file + transpose().contiguous()": "peer-transposed",
+    "ours, interleaved experts": "ours-interleaved",
+    "safetensors load_file + interleave by reshapes": "peer-interleaved",
+}
+
+
+def _names(count: int) -> list[str]:
+    return [f"experts.{i}" for i in range(count)]
+
+
+def _interleaved(tensor: torch.Tensor) -> torch.Tensor:
+    """transformers' ``Interleave(dim=1)``: pairs along dim 1 gathered into two halves."""
+    shape = list(tensor.shape)
+    shape[1:2] = [shape[1] // 2, 2]
+    return tensor.reshape(shape).transpose(1, 2).reshape(tensor.shape)
+
+
+def _rearranged(tensor: torch.Tensor, how: str) -> torch.Tensor:
+    if how == "transposed":
+        return tensor.transpose(1, 2).contiguous()
+    if how == "interleaved":
+        return _interleaved(tensor).contiguous()
+    return tensor
+
+
+def ensure(folder: Path, count: int, shape: tuple[int, ...] = SHAPE) -> Path:
+    """The experts file and samples of every expected layout, written once."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "experts.safetensors"
+    samples = folder / "samples.pt"
+    if path.exists() and samples.exists():
+        cached = torch.load(samples, weights_only=True)
+        if cached["shape"] == list(shape) and len(cached["direct"]) == count:
+            return path
+    folder.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(0)
+    save_file({name: torch.randn(shape, generator=generator).to(torch.bfloat16) for name in _names(count)}, path)
+    saved = load_file(path)
+    expected = {how: {name: _rearranged(saved[name], how).flatten()[::_step(shape)].clone() for name in saved}
+                for how in ("direct", "transposed", "interleaved")}
+    torch.save({"shape": list(shape), **expected}, samples)
+    return path
+
+
+def _step(shape: tuple[int, ...]) -> int:
+    return min(SAMPLE_STEP, max(1, int(torch.tensor(shape).prod()) // 101))
+
+
+def _model(how: str, count: int, saved: tuple[int, ...]) -> torch.nn.Module:
+    shape = (saved[0], saved[2], saved[1]) if how == "transposed" else saved
+    model = torch.nn.Module()
+    for index in range(count):
+        model.register_parameter(f"experts_{index}", torch.nn.Parameter(
+            torch.empty(shape, dtype=torch.bfloat16, device="meta"), requires_grad=False))
+    return model
+
+
+def one(method: str, path: Path, count: int, shape: tuple[int, ...]) -> dict:
+    """One timed load in this process: the tensors as the model wants them."""
+    import materialize as mz
+    from materialize.stacking import Deinterleave, Rearranged, Transposed
+
+    who, how = method.split("-")
+    started = time.perf_counter()
+    if who == "ours":
+        model = _model(how, count, shape)
+        rename = {
+            "direct": lambda name: name.replace(".", "_"),
+            "transposed": lambda name: Transposed(name.replace(".", "_"), 1, 2),
+            "interleaved": lambda name: Rearranged(name.replace(".", "_"), Deinterleave(dim=1)),
+        }[how]
+        mz.load(model, path, key_map=rename)
+        tensors = {name: getattr(model, name.replace(".", "_")) for name in _names(count)}
+    else:
+        from safetensors.torch import load_file
+
+        tensors = {name: _rearranged(tensor, how) for name, tensor in load_file(path).items()}
+    seconds = time.perf_counter() - started
+    expected = torch.load(path.parent / "samples.pt", weights_only=True)[how]
+    verified = all(torch.equal(tensors[name].flatten()[::_step(shape)], expected[name]) for name in expected)
+    return {"load_s": seconds, "verified": verified}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default="data/bench/strided")
+    parser.add_argument("--scale", type=int, default=1, help="multiplies the number of expert stacks (8 of 128 MB)")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--shape", default=",".join(map(str, SHAPE)), help="of each expert stack: experts,rows,cols")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    count = 8 * args.scale
+    shape = tuple(int(size) for size in args.shape.split(","))
+    path = ensure(Path(args.data), count, shape)
+    if args.one:
+        print(json.dumps(one(args.one, path, count, shape)))
+        return
+
+    def run(method: str) -> dict:
+        done = subprocess.run([sys.executable, "-m", "bench.strided", "--data", args.data, "--scale", str(args.scale),
+                               "--shape", args.shape, "--one", method], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent.parent)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    for method in METHODS.values():
+        run(method)  # warm-up: page cache, import caches
+    runs: dict[str, list[dict]] = {label: [] for label in METHODS}
+    for _ in range(args.runs):
+        for label, method in METHODS.items():
+            runs[label].append(run(method))
+    gigabytes = path.stat().st_size / 1e9
+    baseline = statistics.median(r["load_s"] for r in runs[next(iter(METHODS))])
+    lines = [f"{gigabytes:.2f} GB of bf16 expert stacks ({count} x {list(shape)}); median of {args.runs} runs after a "
+             "warm-up, methods taking turns, each run a fresh process, page cache warm.", "",
+             "| method | load s | min-max s | x same layout | verified |", "| --- | ---: | ---: | ---: | --- |"]
+    report = {}
+    for label, results in runs.items():
+        times = [r["load_s"] for r in results]
+        median = statistics.median(times)
+        report[label] = {"load_s": median, "runs": times, "verified": all(r["verified"] for r in results)}
+        lines.append(f"| {label} | {median:.3f} | {min(times):.3f}-{max(times):.3f} | {median / baseline:.2f} | "
+                     f"{'yes' if report[label]['verified'] else 'NO'} |")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench-strided.json").write_text(json.dumps({"nbytes": path.stat().st_size, "results": report}, indent=2))
+    (out / "bench-strided.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

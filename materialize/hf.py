@@ -21,6 +21,7 @@ from torch import nn
 
 from .errors import CheckpointError, ModelSpecError
 from .meta import meta_init
+from .planning import Tolerated
 from .stacking import Chunks, Deinterleave, Rearranged, StackSlot, Transposed
 
 CONFIG_NAME = "config.json"
@@ -135,6 +136,35 @@ def hf_dtype_rule(model: nn.Module) -> Optional[Callable[[str, torch.dtype], tor
         return dtype
 
     return rule
+
+
+def hf_tolerated(model: nn.Module) -> Optional[Tolerated]:
+    """The differences transformers lets a model have with its checkpoints without a word.
+
+    Missing tensors matching ``_keys_to_ignore_on_load_missing`` (Marian's
+    sinusoidal positions, computed by the model) and unexpected ones matching
+    ``_keys_to_ignore_on_load_unexpected`` (GPT-2's saved attention masks),
+    plus what older checkpoints hold and models now compute: per-layer
+    ``rotary_emb.inv_freq`` and ``position_ids`` (Llama-2 and BERT-era
+    saves), where the model has such buffers. As ``from_pretrained`` reads
+    these lists, children's included; a regular expression searched anywhere
+    in the name.
+    """
+    buffers = [name for name, _ in model.named_buffers()]
+    unexpected = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    if any(name.endswith("rotary_emb.inv_freq") for name in buffers):
+        unexpected.add(r"rotary_emb\.inv_freq")
+    if any(name.endswith("position_ids") for name in buffers):
+        unexpected.add(r"(^|\.)position_ids$")
+    missing = set(getattr(model, "_keys_to_ignore_on_load_missing", None) or ())
+    if not missing and not unexpected:
+        return None
+    return Tolerated(missing=_any_of(missing), unexpected=_any_of(unexpected))
+
+
+def _any_of(patterns: set[str]) -> Optional[re.Pattern]:
+    usable = sorted(p for p in patterns if isinstance(p, str) and p)
+    return re.compile("|".join(f"(?:{p})" for p in usable)) if usable else None
 
 
 def _name_patterns(patterns: Any) -> Optional[re.Pattern]:

@@ -18,12 +18,12 @@ from .dtypes import dtype_name, parse_dtype
 from .engine import Job, ProgressFn, stream
 from .errors import SanitizerError
 from .gcpause import gc_paused
-from .hf import hf_dtype_rule, hf_init, hf_key_map, is_hf_model
+from .hf import hf_dtype_rule, hf_init, hf_key_map, hf_tolerated, is_hf_model
 from .hostmem import empty_destination
 from .keymap import KeyMapLike
 from .mapping import FileMaps
 from .memory import PeakMemory
-from .planning import DtypeRule, Entry, InitFn, Plan, make_plan
+from .planning import DtypeRule, Entry, InitFn, Plan, Tolerated, make_plan
 from .report import Report
 from .sanitizer import CountingFiles, audit, nonfinite, poison
 from .stacking import pieces_of
@@ -46,14 +46,16 @@ def _opened(checkpoint: CheckpointLike, trust_pickle: bool) -> Iterator[Checkpoi
 
 def _model_defaults(
     model: nn.Module, key_map: KeyMapLike, init: Optional[InitFn]
-) -> tuple[KeyMapLike, Optional[InitFn], Optional[DtypeRule]]:
-    """transformers models bring their own key renames and init (unless the caller gave others), and fp32 lists."""
+) -> tuple[KeyMapLike, Optional[InitFn], Optional[DtypeRule], Optional[Tolerated]]:
+    """transformers models bring their own key renames and init (unless the caller gave others), fp32 lists,
+    and the missing and unexpected names they declare expected."""
     if not is_hf_model(model):
-        return key_map, init, None
+        return key_map, init, None, None
     return (
         key_map if key_map is not None else hf_key_map(model),
         init if init is not None else hf_init(model),
         hf_dtype_rule(model),
+        hf_tolerated(model),
     )
 
 
@@ -131,12 +133,12 @@ def load(
     """
     target = resolve_device(device)
     cast = parse_dtype(dtype)
-    key_map, init, dtype_rule = _model_defaults(model, key_map, init)
+    key_map, init, dtype_rule, tolerated = _model_defaults(model, key_map, init)
     with _opened(checkpoint, trust_pickle) as ckpt:
         placement = _placement(model, ckpt, device_map, max_memory, cast)
         the_plan = make_plan(
             model, ckpt, device=target, dtype=cast, strict=strict, key_map=key_map, init=init, placement=placement,
-            dtype_rule=dtype_rule,
+            dtype_rule=dtype_rule, tolerated=tolerated,
         )
         report = execute(
             the_plan, ckpt, init=init, mmap=mmap, staging_bytes=staging_bytes, allow_overflow=allow_overflow,
@@ -221,6 +223,7 @@ def execute(
         kept=[e.name for e in the_plan.of("keep")],
         missing=list(the_plan.missing),
         unexpected=list(the_plan.unexpected),
+        ignored=list(the_plan.ignored),
         tied=[list(group) for group in the_plan.tied_groups],
         mapped=mapped,
         bytes_by_device=the_plan.bytes_by_device,

@@ -8,6 +8,7 @@ here first.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +35,18 @@ from .stacking import (
 Action = Literal["load", "init", "keep"]
 InitFn = Callable[[nn.Module], None]
 DtypeRule = Callable[[str, torch.dtype], torch.dtype]  # a model's own say: (name, the dtype it would get) -> its dtype
+
+
+@dataclass(frozen=True)
+class Tolerated:
+    """Differences a model declares expected: names it may miss (it initializes them) or may find and drop.
+
+    Regular expressions searched in model names (``missing``) and checkpoint
+    names (``unexpected``), as transformers' ``_keys_to_ignore_on_load_*``.
+    """
+
+    missing: Optional[re.Pattern] = None
+    unexpected: Optional[re.Pattern] = None
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,7 @@ class Plan:
     entries: list[Entry]
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)  # checkpoint tensors the model declares it does not load
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     init_modules: list[tuple[str, nn.Module]] = field(default_factory=list)
     fits: dict[str, dict] = field(default_factory=dict)  # filled by materialize.plan (capacity.fit_report)
@@ -188,6 +202,14 @@ def _map_checkpoint_names(ckpt: Checkpoint, model_names: set[str], key_map: KeyM
     return mapped
 
 
+def _set_aside_tolerated(plan: Plan, tolerated: Tolerated) -> None:
+    if tolerated.missing is not None:
+        plan.missing = [name for name in plan.missing if not tolerated.missing.search(name)]
+    if tolerated.unexpected is not None:
+        plan.ignored = [name for name in plan.unexpected if tolerated.unexpected.search(name)]
+        plan.unexpected = [name for name in plan.unexpected if not tolerated.unexpected.search(name)]
+
+
 def _float_dtype_of_loads(entries: list[Entry]) -> Optional[torch.dtype]:
     """The floating dtype holding most loaded bytes; initialized tensors follow it."""
     weights: Counter[torch.dtype] = Counter()
@@ -208,6 +230,7 @@ def make_plan(
     init: Optional[InitFn] = None,
     placement: Optional[Callable[[str], Union[torch.device, str]]] = None,
     dtype_rule: Optional[DtypeRule] = None,
+    tolerated: Optional[Tolerated] = None,
 ) -> Plan:
     """Match, group and place every tensor of ``model``; raise what a load would hit.
 
@@ -215,6 +238,9 @@ def make_plan(
     :mod:`materialize.devicemap`); without one everything goes to ``device``.
     ``dtype_rule`` has the last word on each floating tensor's dtype
     (transformers models keep some tensors in fp32: :func:`~materialize.hf.hf_dtype_rule`).
+    ``tolerated`` names differences the model expects, neither missing nor
+    unexpected (see :func:`~materialize.hf.hf_tolerated`): such missing
+    tensors are initialized, such unexpected ones listed as ignored.
     """
     groups = _collect_groups(model)
     model_names = {name for _, named in groups for name, _ in named}
@@ -243,6 +269,8 @@ def make_plan(
         plan.entries.append(entry)
 
     plan.unexpected = [piece.info.name for m, source in to_ckpt.items() if m not in model_names for piece in pieces_of(source)]
+    if tolerated is not None:
+        _set_aside_tolerated(plan, tolerated)
     _raise_for_mismatch(plan, ckpt, strict)
     _raise_for_unmappable_disk(plan, ckpt)
 

@@ -22,6 +22,7 @@ class Report:
     nonfinite: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)  # in the checkpoint, and declared by the model as not loaded
     tied: list[list[str]] = field(default_factory=list)
     dtypes: dict[str, int] = field(default_factory=dict)
     bytes_by_device: dict[str, int] = field(default_factory=dict)
@@ -48,6 +49,7 @@ class Report:
             "nonfinite": self.nonfinite,
             "missing": self.missing,
             "unexpected": self.unexpected,
+            "ignored": self.ignored,
             "tied": self.tied,
             "dtypes": self.dtypes,
             "bytes_by_device": self.bytes_by_device,
@@ -70,6 +72,7 @@ class Report:
             ("zero-copy views", str(len(self.mapped))),
             ("tied groups", str(len(self.tied))),
             ("unexpected (skipped)", str(len(self.unexpected))),
+            *((("ignored (as the model declares)", str(len(self.ignored))),) if self.ignored else ()),
             ("dtypes", ", ".join(f"{name} x{count}" for name, count in sorted(self.dtypes.items())) or "-"),
             ("model size", format_bytes(self.model_bytes)),
             *((f"  on {place}", format_bytes(n)) for place, n in self.bytes_by_device.items() if len(self.bytes_by_device) > 1),

@@ -73,11 +73,12 @@ def plan(
     with _opened_with_skeleton(checkpoint, model, model_args, revision, trust_pickle) as (ckpt, skeleton):
         if skeleton is None:
             raise ModelRequiredError("a plan needs a model: pass one (CLI: --model SPEC)", path=ckpt.path)
-        key_map, init, dtype_rule = _model_defaults(skeleton, key_map, init)
+        key_map, init, dtype_rule, tolerated = _model_defaults(skeleton, key_map, init)
         cast = parse_dtype(dtype)
         the_plan = make_plan(
             skeleton, ckpt, device=resolve_device(device), dtype=cast, strict=strict, key_map=key_map, init=init,
             placement=_placement(skeleton, ckpt, device_map, max_memory, cast), dtype_rule=dtype_rule,
+            tolerated=tolerated,
         )
     the_plan.fits = fit_report(the_plan, mmap=mmap, staging_bytes=staging_bytes)
     return the_plan

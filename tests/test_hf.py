@@ -91,6 +91,13 @@ def _tiny(kind: str):
         vision = dict(depth=2, hidden_size=32, num_heads=4, intermediate_size=48, patch_size=8)
         config = transformers.Ernie4_5_VLMoeConfig(text_config=text, vision_config=vision)
         return transformers.Ernie4_5_VLMoeForConditionalGeneration(config), {"input_ids": torch.arange(7)[None] % 99}
+    if kind == "marian":  # sinusoidal positions are not saved: declared missing, computed by the model
+        config = transformers.MarianConfig(vocab_size=99, d_model=32, encoder_layers=2, decoder_layers=2,
+                                           encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
+                                           decoder_ffn_dim=48, max_position_embeddings=64, pad_token_id=0,
+                                           decoder_start_token_id=0)
+        ids = torch.arange(7)[None] % 99
+        return transformers.MarianMTModel(config), {"input_ids": ids, "decoder_input_ids": ids[:, :4]}
     if kind == "vit":
         config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                                         image_size=32, patch_size=8, num_labels=3)
@@ -122,7 +129,7 @@ def _save(model, folder: Path, *, as_bin: bool, dtype: torch.dtype) -> Path:
 
 
 KINDS = ["gpt2", "llama", "bert", "t5", "vit", "mixtral", "qwen2_moe", "deepseek_v4", "gte", "molmo2", "inkling2",
-         "step3p7", "ernie4_5_vl"]
+         "step3p7", "ernie4_5_vl", "marian"]
 
 
 @pytest.mark.parametrize("as_bin", [False, True], ids=["safetensors", "bin"])
@@ -530,6 +537,36 @@ def test_a_fused_tensor_deinterleaved_into_halves_equals_transformers_ops(tmp_pa
 
     assert torch.equal(model.state_dict()[gate], expected["gate"]) and torch.equal(model.state_dict()[up], expected["up"])
     assert report.missing == [] and report.unexpected == []
+
+
+@pytest.mark.parametrize("kind, pattern, value", [
+    ("gpt2", "transformer.h.{}.attn.bias", torch.ones(1, 1, 8, 8).tril()),  # old saves kept the causal mask
+    ("llama", "model.layers.{}.self_attn.rotary_emb.inv_freq", torch.ones(4)),  # Llama-2-era saves, per layer
+])
+def test_tensors_transformers_declares_expected_extras_are_ignored_not_unexpected(tmp_path, kind, pattern, value):
+    source, inputs = _tiny(kind)
+    folder = _save(source, tmp_path / kind, as_bin=False, dtype=torch.float32)
+    anchor = next(iter(_saved(folder)))
+    added = [pattern.format(layer) for layer in range(2)]
+    for name in added:
+        _rewrite_tensor(folder, name, value, shard_of=anchor)
+
+    model, report = mz.load_model(folder)
+
+    assert report.unexpected == [] and sorted(report.ignored) == sorted(added)
+    for key, value in source.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    with torch.no_grad():
+        assert torch.equal(model(**inputs)[0], source.eval()(**inputs)[0])
+
+
+def test_an_extra_tensor_the_model_does_not_declare_is_still_unexpected(tmp_path):
+    source, _ = _tiny("llama")
+    folder = _save(source, tmp_path / "llama", as_bin=False, dtype=torch.float32)
+    _rewrite_tensor(folder, "model.layers.0.mlp.stray.weight", torch.ones(3), shard_of=next(iter(_saved(folder))))
+
+    with pytest.raises(mz.KeyMismatchError, match="model.layers.0.mlp.stray.weight"):
+        mz.load_model(folder)
 
 
 def _saved(folder: Path) -> dict[str, torch.Tensor]:

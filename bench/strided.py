@@ -64,7 +64,7 @@ def ensure(folder: Path, count: int, shape: tuple[int, ...] = SHAPE) -> Path:
     samples = folder / "samples.pt"
     if path.exists() and samples.exists():
         cached = torch.load(samples, weights_only=True)
-        if cached["shape"] == list(shape) and len(cached["direct"]) == count:
+        if cached.get("shape") == list(shape) and len(cached.get("direct", ())) == count:
             return path
     folder.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(0)

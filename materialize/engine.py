@@ -439,10 +439,9 @@ def _run_strided(jobs: list[Job], files: FileSet, tracker: _Progress, threads: i
     own reused temporary of one block (up to :data:`STRIDED_BLOCK_BYTES`).
     """
     local = threading.local()
-    layouts = {id(job): _strided_layout(job.info) for job in jobs}
 
-    def read_block(job: Job, first: int, last: int) -> None:
-        info, layout = job.info, layouts[id(job)]
+    def read_block(job: Job, layout: _StridedLayout, first: int, last: int) -> None:
+        info = job.info
         nbytes = ((last - first - 1) * layout.step + layout.inner_span) * info.itemsize
         if getattr(local, "buffer", None) is None or local.buffer.numel() < nbytes:
             local.buffer = None  # the old one freed before the new one is taken
@@ -465,9 +464,9 @@ def _run_strided(jobs: list[Job], files: FileSet, tracker: _Progress, threads: i
 
     blocks = []
     for job in jobs:
-        layout = layouts[id(job)]
+        layout = _strided_layout(job.info)
         count = layout.shape[layout.outer]
-        blocks += [(job, first, min(first + layout.per_block, count)) for first in range(0, count, layout.per_block)]
+        blocks += [(job, layout, first, min(first + layout.per_block, count)) for first in range(0, count, layout.per_block)]
     _run_parallel(read_block, blocks, threads)
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from .errors import CheckpointError, ModelSpecError
 from .meta import meta_init
-from .planning import Tolerated
+from .planning import DtypeRule, Tolerated
 from .stacking import Chunks, Deinterleave, Rearranged, StackSlot, Transposed
 
 CONFIG_NAME = "config.json"
@@ -114,7 +114,7 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def hf_dtype_rule(model: nn.Module) -> Optional[Callable[[str, torch.dtype], torch.dtype]]:
+def hf_dtype_rule(model: nn.Module) -> Optional[DtypeRule]:
     """transformers' keep-in-fp32 lists, as its ``from_pretrained`` applies them.
 
     A tensor whose name matches ``_keep_in_fp32_modules_strict`` (a router's
@@ -123,8 +123,8 @@ def hf_dtype_rule(model: nn.Module) -> Optional[Callable[[str, torch.dtype], tor
     (T5's ``wo``) where it would be fp16. A pattern matches anywhere in the
     name, ``*`` standing for any run of characters, as in transformers.
     """
-    strict = _name_patterns(getattr(model, "_keep_in_fp32_modules_strict", None))
-    half_only = _name_patterns(getattr(model, "_keep_in_fp32_modules", None))
+    strict = _name_patterns(getattr(model, "_keep_in_fp32_modules_strict", None), wildcards=True)
+    half_only = _name_patterns(getattr(model, "_keep_in_fp32_modules", None), wildcards=True)
     if strict is None and half_only is None:
         return None
 
@@ -159,19 +159,15 @@ def hf_tolerated(model: nn.Module) -> Optional[Tolerated]:
     missing = set(getattr(model, "_keys_to_ignore_on_load_missing", None) or ())
     if not missing and not unexpected:
         return None
-    return Tolerated(missing=_any_of(missing), unexpected=_any_of(unexpected))
+    return Tolerated(missing=_name_patterns(missing), unexpected=_name_patterns(unexpected))
 
 
-def _any_of(patterns: set[str]) -> Optional[re.Pattern]:
-    usable = sorted(p for p in patterns if isinstance(p, str) and p)
-    return re.compile("|".join(f"(?:{p})" for p in usable)) if usable else None
-
-
-def _name_patterns(patterns: Any) -> Optional[re.Pattern]:
+def _name_patterns(patterns: Any, *, wildcards: bool = False) -> Optional[re.Pattern]:
+    """One expression searching for any of ``patterns`` (regular expressions; with ``wildcards``, ``*`` is any run)."""
     if not isinstance(patterns, (list, tuple, set, frozenset)) or not patterns:
         return None
     names = sorted(p for p in patterns if isinstance(p, str) and p)
-    return re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in names)) if names else None
+    return re.compile("|".join(f"(?:{p.replace('*', '.*') if wildcards else p})" for p in names)) if names else None
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -260,19 +256,19 @@ def _conversion_slot(
         return Transposed(target, swap.dim0, swap.dim1, unless_shape=unless)
     kinds = [(type(op).__name__, getattr(op, "dim", None), getattr(op, "num_shards_attribute", None))
              for op in operations]
+    names = [kind for kind, _, _ in kinds]
     if kinds in ([("MergeModulelist", 0, None)], [("MergeModulelist", 0, None), ("Concatenate", 1, None)]):
         index = _expert_number(pattern, renamed)
         if index is None:
             return None
         return StackSlot(target=with_prefix(target), index=index,
                          group=converter.source_patterns.index(pattern), pattern=pattern)
-    if [kind for kind, _, _ in kinds] == ["ErnieFuseAndSplitTextVisionExperts"]:
+    if names == ["ErnieFuseAndSplitTextVisionExperts"]:
         return _split_expert_slot(converter, pattern, renamed, target, with_prefix, model_shapes)
     if kinds in ([("Concatenate", 0, None)], [("Concatenate", 1, None)]) and len(converter.target_patterns) == 1 \
             and "*" not in pattern:
         return StackSlot(target=with_prefix(target), index=0, group=converter.source_patterns.index(pattern),
                          pattern=pattern, new_dim=False, along_rows=kinds[0][1] == 1)
-    names = [kind for kind, _, _ in kinds]
     patterns = converter.target_patterns
     one_source = len(converter.source_patterns) == 1
     if one_source and len(patterns) == 1 and names in (["Interleave"], ["PermuteForRope"]):

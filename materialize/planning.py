@@ -206,8 +206,9 @@ def _set_aside_tolerated(plan: Plan, tolerated: Tolerated) -> None:
     if tolerated.missing is not None:
         plan.missing = [name for name in plan.missing if not tolerated.missing.search(name)]
     if tolerated.unexpected is not None:
-        plan.ignored = [name for name in plan.unexpected if tolerated.unexpected.search(name)]
-        plan.unexpected = [name for name in plan.unexpected if not tolerated.unexpected.search(name)]
+        unexpected, plan.unexpected = plan.unexpected, []
+        for name in unexpected:
+            (plan.ignored if tolerated.unexpected.search(name) else plan.unexpected).append(name)
 
 
 def _float_dtype_of_loads(entries: list[Entry]) -> Optional[torch.dtype]:

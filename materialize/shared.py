@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .checkpoint import TensorInfo
+from .checkpoint.base import contiguous_strides
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class SharedSpan:
     members: list[TensorInfo]
 
     def view(self, base: torch.Tensor, member: TensorInfo) -> torch.Tensor:
-        stride = member.stride if member.stride is not None else _contiguous_strides(member.shape)
+        stride = member.stride if member.stride is not None else contiguous_strides(member.shape)
         return base.as_strided(member.shape, stride, (member.offset - self.span.offset) // member.itemsize)
 
 
@@ -56,11 +57,3 @@ def shared_spans(infos: Iterable[TensorInfo]) -> list[SharedSpan]:
         span = replace(members[0], shape=((end - start) // itemsize,), offset=start, stride=None, span_nbytes=None)
         spans.append(SharedSpan(span, members))
     return spans
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, running = [], 1
-    for size in reversed(shape):
-        strides.append(running)
-        running *= max(size, 1)
-    return tuple(reversed(strides))

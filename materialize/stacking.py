@@ -27,11 +27,11 @@ a checkpoint tensor by returning :class:`Chunks`; :func:`cut` gives the parts.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 from .checkpoint import TensorInfo
+from .checkpoint.base import contiguous_strides
 from .errors import CheckpointError
 
 
@@ -244,7 +244,7 @@ def transpose(info: TensorInfo, swap: Transposed) -> TensorInfo:
         raise CheckpointError(f"has {rank} dimensions and cannot have {swap.dim0} and {swap.dim1} swapped",
                               path=info.path, tensor=info.name)
     first, second = swap.dim0 % rank, swap.dim1 % rank
-    strides = [math.prod(info.shape[i + 1:]) for i in range(rank)]
+    strides = list(contiguous_strides(info.shape))
     shape = list(info.shape)
     shape[first], shape[second] = shape[second], shape[first]
     strides[first], strides[second] = strides[second], strides[first]
@@ -309,7 +309,7 @@ def deinterleave(info: TensorInfo, how: Deinterleave) -> TensorInfo:
     dim, first, second = _pairs(info, how, "rearranged")
     if first == 1 or second == 1:
         return info  # one pair or one element per half: nothing moves
-    strides = _contiguous_strides(info.shape)
+    strides = contiguous_strides(info.shape)
     inner = strides[dim]
     return dataclasses.replace(
         info,
@@ -329,7 +329,7 @@ def halves(info: TensorInfo, how: Deinterleave, count: int) -> list[TensorInfo]:
     if count != 2 or how.groups != 1 or how.inverse:
         raise CheckpointError(f"cannot be deinterleaved into {count} parts", path=info.path, tensor=info.name)
     dim, first, _ = _pairs(info, how, "deinterleaved")
-    strides = list(_contiguous_strides(info.shape))
+    strides = list(contiguous_strides(info.shape))
     inner = strides[dim]
     strides[dim] = 2 * inner
     shape = (*info.shape[:dim], first, *info.shape[dim + 1:])
@@ -339,7 +339,3 @@ def halves(info: TensorInfo, how: Deinterleave, count: int) -> list[TensorInfo]:
                             offset=info.offset + part * inner * info.itemsize, span_nbytes=span, storage=None)
         for part in range(2)
     ]
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))

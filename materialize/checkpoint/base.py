@@ -68,6 +68,15 @@ class TensorInfo:
         return self.nbytes if self.stride is None else (self.span_nbytes or 0)
 
 
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides, in elements, of a contiguous tensor of ``shape`` (what ``stride=None`` stands for)."""
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 @dataclass
 class Checkpoint(Mapping[str, TensorInfo]):
     """A lazy, read-only mapping of tensor name to :class:`TensorInfo`.

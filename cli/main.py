@@ -271,7 +271,7 @@ def _plan_text(summary: dict[str, Any]) -> str:
         available = f" of {format_bytes(memory['available'])} available" if memory["available"] is not None else ""
         lines.append(f"{peak}: {format_bytes(memory['needed'])}{available}: {verdict}")
     lines += [f"tied         {', '.join(group)}" for group in summary["tied_groups"]]
-    for key in ("missing", "unexpected"):
+    for key in ("missing", "unexpected", "ignored"):
         if summary[key]:
             lines.append(f"{key:<12} {', '.join(summary[key])}")
     return "\n".join(lines)

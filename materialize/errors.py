@@ -112,6 +112,10 @@ class DeviceError(MaterializeError, RuntimeError):
     """The requested device does not exist or cannot be used."""
 
 
+class ShardingError(MaterializeError, ValueError):
+    """A sharded (DTensor) tensor cannot be read as this rank's part of the checkpoint tensor."""
+
+
 def summarize_names(names: Sequence[str], limit: int = 8) -> str:
     """A short, one-line rendering of many tensor names."""
     shown = ", ".join(names[:limit])

@@ -10,6 +10,7 @@ Everything else (allocation, reading, ties, buffers) is the ordinary load.
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from .checkpoint import TensorInfo
 from .errors import CheckpointError, ModelSpecError
 from .meta import meta_init
 from .planning import DtypeRule, Tolerated
@@ -138,7 +140,7 @@ def hf_dtype_rule(model: nn.Module) -> Optional[DtypeRule]:
     return rule
 
 
-def hf_tolerated(model: nn.Module) -> Optional[Tolerated]:
+def hf_tolerated(model: nn.Module) -> Tolerated:
     """The differences transformers lets a model have with its checkpoints without a word.
 
     Missing tensors matching ``_keys_to_ignore_on_load_missing`` (Marian's
@@ -157,9 +159,33 @@ def hf_tolerated(model: nn.Module) -> Optional[Tolerated]:
     if any(name.endswith("position_ids") for name in buffers):
         unexpected.add(r"(^|\.)position_ids$")
     missing = set(getattr(model, "_keys_to_ignore_on_load_missing", None) or ())
-    if not missing and not unexpected:
-        return None
-    return Tolerated(missing=_name_patterns(missing), unexpected=_name_patterns(unexpected))
+    modules = {name for name, _ in model.named_modules()}
+    return Tolerated(missing=_name_patterns(missing), unexpected=_name_patterns(unexpected),
+                     unexpected_tensor=lambda name, info: _is_saved_attention_mask(name, info, modules),
+                     computed_buffers_stand=True)
+
+
+# Attention masks that transformers 4.x kept as persistent buffers and so saved
+# (GPT-J's and GPT-Neo's causal `bias` and `masked_bias`, CodeGen's
+# `causal_mask`); today's models compute them, and from_pretrained drops them
+# with a warning. Their hub checkpoints still hold them.
+_SAVED_MASK_LEAVES = ("bias", "causal_mask")
+_SAVED_MASK_FILL_LEAF = "masked_bias"
+
+
+def _is_saved_attention_mask(model_name: str, info: TensorInfo, modules: set[str]) -> bool:
+    """An old save's attention mask: its owner a module of the model, and shaped as a mask, not a weight.
+
+    A causal mask is ``[1, 1, n, n]`` (a real bias is one-dimensional); the
+    fill value is one element. Anything else of these names stays unexpected.
+    """
+    owner, _, leaf = model_name.rpartition(".")
+    if owner not in modules:
+        return False
+    shape = tuple(info.shape)
+    if leaf == _SAVED_MASK_FILL_LEAF:
+        return math.prod(shape) == 1
+    return leaf in _SAVED_MASK_LEAVES and len(shape) == 4 and shape[:2] == (1, 1) and shape[2] == shape[3]
 
 
 def _name_patterns(patterns: Any, *, wildcards: bool = False) -> Optional[re.Pattern]:

@@ -26,6 +26,7 @@ from .memory import PeakMemory
 from .planning import DtypeRule, Entry, InitFn, Plan, Tolerated, make_plan
 from .report import Report
 from .sanitizer import CountingFiles, audit, nonfinite, poison
+from .sharded import is_dtensor, local_of
 from .stacking import pieces_of
 from .transfer import resolve_device, staging_for
 from .validate import check_bools
@@ -86,7 +87,10 @@ def load(
         model: a module whose tensors may be on ``meta`` (built under
             :func:`meta_init` or ``torch.device("meta")``) or real.
         checkpoint: a path (file, shard index, folder) or an open :class:`Checkpoint`.
-        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. DTensor tensors (a
+            model sharded on meta by FSDP2 or tensor parallel) go to their
+            mesh's device instead, each rank reading only its own shard
+            (see :mod:`materialize.sharded`).
         dtype: cast floating tensors to this dtype; ``None`` keeps each
             tensor's checkpoint dtype, and initialized tensors follow the
             dtype of the loaded ones.
@@ -208,7 +212,8 @@ def execute(
                 allow_overflow=allow_overflow, progress=progress, direct_io=direct_io,
             )
             registered = [(entry, _registered(entry)) for entry in the_plan.entries]
-            check_bools((entry.source, tensor) for entry, tensor in registered if entry.action == "load" and entry.source)
+            check_bools((entry.source, local_of(tensor)) for entry, tensor in registered
+                        if entry.action == "load" and entry.source)
             if check:
                 problems = audit(the_plan, registered, files, set(mapped))
                 if problems:
@@ -217,7 +222,7 @@ def execute(
             _undo(undo)
             raise
     return _report(
-        ckpt, the_plan.device, [tensor for _, tensor in registered], bytes_read, started, memory,
+        ckpt, the_plan.device, [local_of(tensor) for _, tensor in registered], bytes_read, started, memory,
         loaded=[e.name for e in the_plan.of("load")],
         initialized=[e.name for e in the_plan.of("init")],
         kept=[e.name for e in the_plan.of("keep")],
@@ -227,7 +232,7 @@ def execute(
         tied=[list(group) for group in the_plan.tied_groups],
         mapped=mapped,
         bytes_by_device=the_plan.bytes_by_device,
-        nonfinite=nonfinite((entry.name, tensor) for entry, tensor in registered) if check_finite else [],
+        nonfinite=nonfinite((entry.name, local_of(tensor)) for entry, tensor in registered) if check_finite else [],
     )
 
 
@@ -277,10 +282,13 @@ def _materialize_entry(
     else:
         source = entry.source
         tensor = empty_destination(
-            entry.shape, dtype=entry.dtype, device=entry.device, name=entry.name, path=source.path if source else None,
+            entry.local_shape, dtype=entry.dtype, device=entry.device, name=entry.name, path=source.path if source else None,
         )
+    local = local_of(tensor)  # what this process fills: a DTensor's shard on this rank
     if check and view is None and entry.action != "keep":
-        poison(tensor)  # whatever is not written later is caught by the audit
+        poison(local)  # whatever is not written later is caught by the audit
+    if entry.shard is not None and not is_dtensor(tensor):
+        tensor = entry.shard.wrap(tensor)
     if tensor is not original and isinstance(original, nn.Parameter):
         grad = original.requires_grad and (tensor.is_floating_point() or tensor.is_complex())
         tensor = nn.Parameter(tensor, requires_grad=grad)
@@ -292,9 +300,9 @@ def _materialize_entry(
         return []
     assert entry.source is not None
     pieces = pieces_of(entry.source)
-    if len(pieces) == 1 and pieces[0].info.shape == entry.shape:
-        return [Job(tensor.detach(), pieces[0].info)]  # the common case: one tensor filled whole, no views to make
-    flat = tensor.detach().view(-1)
+    if len(pieces) == 1 and pieces[0].info.shape == entry.local_shape:
+        return [Job(local.detach(), pieces[0].info)]  # the common case: one tensor filled whole, no views to make
+    flat = local.detach().view(-1)
     return [
         Job(flat[piece.start: piece.start + piece.info.numel].view(piece.info.shape), piece.info)
         for piece in pieces
@@ -308,11 +316,13 @@ def _registered(entry: Entry) -> torch.Tensor:
 
 
 def _reusable(original: torch.Tensor, entry: Entry) -> bool:
+    local = local_of(original)
     return (
-        original.device == entry.device
-        and original.dtype == entry.dtype
-        and tuple(original.shape) == entry.shape
-        and original.is_contiguous()
+        is_dtensor(original) == (entry.shard is not None)
+        and local.device == entry.device
+        and local.dtype == entry.dtype
+        and tuple(local.shape) == entry.local_shape
+        and local.is_contiguous()
     )
 
 

@@ -8,6 +8,7 @@ here first.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from collections.abc import Callable
@@ -25,9 +26,11 @@ from .errors import (
     KeyMismatchError,
     MaterializeError,
     ShapeMismatchError,
+    ShardingError,
     summarize_names,
 )
 from .keymap import KeyMapLike, as_key_map, auto_strip_wrapper_prefix
+from .sharded import ShardSpec, region, shard_spec
 from .stacking import (
     Chunks, Rearranged, Stacked, StackSlot, Transposed, cut, deinterleave, pieces_of, rows_of, stack, transpose,
 )
@@ -42,11 +45,24 @@ class Tolerated:
     """Differences a model declares expected: names it may miss (it initializes them) or may find and drop.
 
     Regular expressions searched in model names (``missing``) and checkpoint
-    names (``unexpected``), as transformers' ``_keys_to_ignore_on_load_*``.
+    names (``unexpected``), as transformers' ``_keys_to_ignore_on_load_*``;
+    ``unexpected_tensor`` may also let an unexpected tensor go by what it is
+    (its model-side name and its shape and dtype), where a name alone would
+    let too much go.
     """
 
     missing: Optional[re.Pattern] = None
     unexpected: Optional[re.Pattern] = None
+    unexpected_tensor: Optional[Callable[[str, TensorInfo], bool]] = None
+    # A checkpoint's value for a buffer the model computes (non-persistent) is
+    # set aside, not loaded: the model's own value stands, as transformers does.
+    computed_buffers_stand: bool = False
+
+    def lets_go(self, model_name: str, info: TensorInfo) -> bool:
+        """Whether the checkpoint tensor ``info``, mapped to ``model_name`` (not in the model), is expected."""
+        if self.unexpected is not None and self.unexpected.search(info.name):
+            return True
+        return self.unexpected_tensor is not None and self.unexpected_tensor(model_name, info)
 
 
 @dataclass(frozen=True)
@@ -70,24 +86,30 @@ class Entry:
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
-    source: Optional[TensorInfo] = None
+    source: Optional[TensorInfo] = None  # for a sharded tensor, this rank's part of the checkpoint tensor
     on_disk: bool = False  # left in the checkpoint file, mapped copy-on-write
+    shard: Optional[ShardSpec] = None  # a DTensor: this rank's box of it (see materialize.sharded)
 
     @property
     def name(self) -> str:
         return self.names[0]
 
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape of the memory this process allocates: this rank's shard of a DTensor, else the tensor's."""
+        return self.shard.local_shape if self.shard is not None else self.shape
+
     def stays_in_file(self, mmap: bool) -> bool:
         """Whether a load leaves this tensor as a view of the file instead of copying it."""
         viewable = (
-            self.action == "load" and self.source is not None
+            self.action == "load" and self.source is not None and self.shard is None
             and self.source.dtype == self.dtype and self.source.contiguous
         )
         return viewable and (self.on_disk or (mmap and self.device.type == "cpu"))
 
     @property
     def nbytes(self) -> int:
-        return self.original.numel() * self.dtype.itemsize
+        return math.prod(self.local_shape) * self.dtype.itemsize
 
 
 @dataclass
@@ -130,6 +152,7 @@ class Plan:
             "tied_groups": [list(group) for group in self.tied_groups],
             "missing": self.missing,
             "unexpected": self.unexpected,
+            "ignored": self.ignored,
             "mismatched": [
                 {"name": n, "model_shape": list(m), "checkpoint_shape": list(c)} for n, m, c in self.mismatched
             ],
@@ -202,13 +225,12 @@ def _map_checkpoint_names(ckpt: Checkpoint, model_names: set[str], key_map: KeyM
     return mapped
 
 
-def _set_aside_tolerated(plan: Plan, tolerated: Tolerated) -> None:
+def _set_aside_tolerated(plan: Plan, strays: list[tuple[str, TensorInfo]], tolerated: Tolerated) -> None:
     if tolerated.missing is not None:
         plan.missing = [name for name in plan.missing if not tolerated.missing.search(name)]
-    if tolerated.unexpected is not None:
-        unexpected, plan.unexpected = plan.unexpected, []
-        for name in unexpected:
-            (plan.ignored if tolerated.unexpected.search(name) else plan.unexpected).append(name)
+    plan.unexpected = []
+    for model_name, info in strays:
+        (plan.ignored if tolerated.lets_go(model_name, info) else plan.unexpected).append(info.name)
 
 
 def _float_dtype_of_loads(entries: list[Entry]) -> Optional[torch.dtype]:
@@ -241,7 +263,10 @@ def make_plan(
     (transformers models keep some tensors in fp32: :func:`~materialize.hf.hf_dtype_rule`).
     ``tolerated`` names differences the model expects, neither missing nor
     unexpected (see :func:`~materialize.hf.hf_tolerated`): such missing
-    tensors are initialized, such unexpected ones listed as ignored.
+    tensors are initialized, such unexpected ones listed as ignored (and,
+    with ``computed_buffers_stand``, so are checkpoint values of buffers the
+    model computes). Without it, a non-persistent buffer the checkpoint holds
+    is loaded: a plain model's checkpoint is taken to know best.
     """
     groups = _collect_groups(model)
     model_names = {name for _, named in groups for name, _ in named}
@@ -252,14 +277,24 @@ def make_plan(
         names = tuple(name for name, _ in named)
         owners = [owner for _, owner in named]
         info = next((to_ckpt[n] for n in names if n in to_ckpt), None)
-        place = placement(names[0]) if placement is not None else device
+        spec = shard_spec(tensor, names[0])
+        if info is not None and tolerated is not None and tolerated.computed_buffers_stand and \
+                not any(owner.persistent for owner in owners):
+            plan.ignored.extend(piece.info.name for piece in pieces_of(info))
+            info = None
+        if spec is not None and placement is not None:
+            raise ShardingError("is a DTensor, placed by its mesh: it cannot be placed by a device_map too",
+                                path=ckpt.path, tensor=names[0])
+        place = spec.device if spec is not None else placement(names[0]) if placement is not None else device
         on_disk = place == "disk"
         entry = Entry(names, owners, tensor, "keep", tuple(tensor.shape), tensor.dtype,
-                      torch.device("cpu") if on_disk else place, on_disk=on_disk)
+                      torch.device("cpu") if on_disk else place, on_disk=on_disk, shard=spec)
         if info is not None:
             entry.action, entry.source = "load", info
             if info.shape != entry.shape:
                 plan.mismatched.append((names[0], entry.shape, info.shape))
+            elif spec is not None:
+                entry.source = region(info, spec.offsets, spec.local_shape)
             wants_cast = dtype is not None and info.dtype.is_floating_point
             entry.dtype = dtype if wants_cast else info.dtype
         else:
@@ -269,9 +304,10 @@ def make_plan(
                 plan.missing.append(names[0])
         plan.entries.append(entry)
 
-    plan.unexpected = [piece.info.name for m, source in to_ckpt.items() if m not in model_names for piece in pieces_of(source)]
+    strays = [(m, piece.info) for m, source in to_ckpt.items() if m not in model_names for piece in pieces_of(source)]
+    plan.unexpected = [info.name for _, info in strays]
     if tolerated is not None:
-        _set_aside_tolerated(plan, tolerated)
+        _set_aside_tolerated(plan, strays, tolerated)
     _raise_for_mismatch(plan, ckpt, strict)
     _raise_for_unmappable_disk(plan, ckpt)
 

@@ -22,6 +22,7 @@ import torch
 
 from .fileio import FileSet, Part
 from .planning import Entry, Plan
+from .sharded import local_of
 from .stacking import Stacked, pieces_of
 from .validate import distinct_elements
 
@@ -110,6 +111,7 @@ def audit(plan: Plan, registered: Iterable[tuple[Entry, torch.Tensor]], counts: 
             registry = owner.module._parameters if owner.is_parameter else owner.module._buffers
             if registry[owner.attr] is not tensor:
                 problems.append(f"{name}: tie broken, {owner.attr} of a {type(owner.module).__name__} is another tensor")
+        tensor = local_of(tensor)  # a DTensor's values are checked where this rank holds them, with no collective
         if tensor.is_meta:
             problems.append(f"{name}: still on meta")
             continue

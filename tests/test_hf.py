@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -98,6 +99,16 @@ def _tiny(kind: str):
                                            decoder_start_token_id=0)
         ids = torch.arange(7)[None] % 99
         return transformers.MarianMTModel(config), {"input_ids": ids, "decoder_input_ids": ids[:, :4]}
+    if kind == "gptj":  # 4.x saves kept each layer's causal mask (attn.bias) and fill value (attn.masked_bias)
+        config = transformers.GPTJConfig(n_embd=32, n_layer=2, n_head=2, rotary_dim=8, vocab_size=99, n_positions=64)
+        return transformers.GPTJForCausalLM(config), {"input_ids": torch.arange(12)[None] % 99}
+    if kind == "gpt_neo":  # attn.attention.bias is still a computed buffer: causal (global) or windowed (local)
+        config = transformers.GPTNeoConfig(hidden_size=32, num_layers=2, num_heads=2, attention_types=[[["global", "local"], 1]],
+                                           vocab_size=99, max_position_embeddings=64, window_size=4)
+        return transformers.GPTNeoForCausalLM(config), {"input_ids": torch.arange(12)[None] % 99}
+    if kind == "codegen":  # 4.x saves kept attn.causal_mask
+        config = transformers.CodeGenConfig(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=99, n_positions=64, n_ctx=64)
+        return transformers.CodeGenForCausalLM(config), {"input_ids": torch.arange(12)[None] % 99}
     if kind == "vit":
         config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                                         image_size=32, patch_size=8, num_labels=3)
@@ -558,6 +569,58 @@ def test_tensors_transformers_declares_expected_extras_are_ignored_not_unexpecte
         assert torch.equal(model.state_dict()[key], value), key
     with torch.no_grad():
         assert torch.equal(model(**inputs)[0], source.eval()(**inputs)[0])
+
+
+_NO_MASK = torch.ones(1, 1, 64, 64, dtype=torch.bool)  # a saved mask that masks nothing: loaded, every forward would change
+
+
+@pytest.mark.parametrize("kind, saved", [
+    ("gptj", {"transformer.h.{}.attn.bias": _NO_MASK, "transformer.h.{}.attn.masked_bias": torch.tensor(-1e9)}),
+    ("gpt_neo", {"transformer.h.{}.attn.attention.bias": _NO_MASK, "transformer.h.{}.attn.attention.masked_bias": torch.tensor(-1e9)}),
+    ("codegen", {"transformer.h.{}.attn.causal_mask": _NO_MASK}),
+])
+def test_attention_masks_older_saves_hold_are_ignored_as_from_pretrained_ignores_them(tmp_path, kind, saved):
+    source, inputs = _tiny(kind)
+    folder = _save(source, tmp_path / kind, as_bin=False, dtype=torch.float32)
+    anchor = next(iter(_saved(folder)))
+    added = [pattern.format(layer) for pattern in saved for layer in range(2)]
+    for pattern, value in saved.items():
+        for layer in range(2):
+            _rewrite_tensor(folder, pattern.format(layer), value, shard_of=anchor)
+
+    model, report = mz.load_model(folder)
+    reference = type(source).from_pretrained(folder).eval()
+
+    assert report.unexpected == [] and sorted(report.ignored) == sorted(added)
+    for key, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    with torch.no_grad():
+        assert torch.equal(model(**inputs)[0], reference(**inputs)[0])
+        assert torch.equal(model(**inputs)[0], source.eval()(**inputs)[0])
+
+
+@pytest.mark.parametrize("name, value", [
+    ("transformer.h.0.attn.bias", torch.ones(32)),  # shaped as a weight's bias, not a mask
+    ("transformer.h.0.attn.masked_bias", torch.ones(2)),
+    ("transformer.h.0.stray.causal_mask", _NO_MASK),  # no such module
+])
+def test_tensors_named_as_old_masks_but_not_shaped_or_placed_as_one_are_still_unexpected(tmp_path, name, value):
+    source, _ = _tiny("gptj")
+    folder = _save(source, tmp_path / "gptj", as_bin=False, dtype=torch.float32)
+    _rewrite_tensor(folder, name, value, shard_of=next(iter(_saved(folder))))
+
+    with pytest.raises(mz.KeyMismatchError, match=re.escape(name)):
+        mz.load_model(folder)
+
+
+def test_plan_lists_what_the_model_ignores(tmp_path):
+    source, _ = _tiny("gptj")
+    folder = _save(source, tmp_path / "gptj", as_bin=False, dtype=torch.float32)
+    _rewrite_tensor(folder, "transformer.h.1.attn.masked_bias", torch.tensor(-1e4), shard_of=next(iter(_saved(folder))))
+
+    summary = mz.plan(None, folder).to_dict()
+
+    assert summary["ignored"] == ["transformer.h.1.attn.masked_bias"] and summary["unexpected"] == []
 
 
 def test_an_extra_tensor_the_model_does_not_declare_is_still_unexpected(tmp_path):

@@ -83,6 +83,21 @@ def test_non_persistent_buffers_survive_meta_init(tmp_path, tokens):
         assert torch.equal(model(tokens), source(tokens))
 
 
+def test_a_plain_models_computed_buffer_the_checkpoint_holds_is_loaded_from_it(tmp_path):
+    source = reference_model()
+    state = saved_state(source)
+    saved_freq = source.model.layers[0].self_attn.rotary.inv_freq * 2
+    state["model.layers.0.self_attn.rotary.inv_freq"] = saved_freq
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+    model = tiny_skeleton()
+
+    report = mz.load(model, path)
+
+    assert torch.equal(model.model.layers[0].self_attn.rotary.inv_freq, saved_freq)  # the file knows best
+    assert torch.equal(model.model.layers[1].self_attn.rotary.inv_freq, source.model.layers[1].self_attn.rotary.inv_freq)
+    assert "model.layers.0.self_attn.rotary.inv_freq" in report.loaded and report.unexpected == []
+
+
 def test_model_built_under_plain_meta_device_gets_its_buffers_recomputed(tmp_path, tokens):
     source = reference_model()
     path = write_safetensors(saved_state(source), tmp_path / "m.safetensors")

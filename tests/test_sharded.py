@@ -1,0 +1,171 @@
+"""DTensor models (FSDP2, tensor parallel): each rank reads exactly its own shard of every tensor."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import materialize as mz
+from materialize.checkpoint import TensorInfo
+from materialize.engine import Job, stream
+from materialize.sharded import region
+from materialize.stacking import Deinterleave, StackSlot, deinterleave, stack
+
+from conftest import reference_model, saved_state, write_safetensors
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
+
+WORKER = Path(__file__).with_name("sharded_worker.py")
+
+
+def _read(ckpt: mz.Checkpoint, info: TensorInfo) -> torch.Tensor:
+    dest = torch.empty(info.shape, dtype=info.dtype)
+    stream([Job(dest, info)], ckpt.files, staging_factory=lambda device: pytest.fail("no staging on CPU"))
+    return dest
+
+
+@pytest.mark.parametrize("shape, offsets, sizes, contiguous", [
+    ((8, 6), (2, 0), (3, 6), True),  # FSDP2's Shard(0): a range of rows is one run of the file
+    ((8, 6), (0, 3), (8, 3), False),  # row-wise parallel Shard(1): every row's right half
+    ((4, 6, 5), (0, 2, 0), (4, 2, 5), False),  # a middle dimension
+    ((4, 6, 5), (1, 3, 2), (2, 2, 3), False),  # two mesh dimensions sharding two dimensions
+    ((1, 6, 5), (0, 2, 0), (1, 3, 5), True),  # a leading dimension of one: still one run
+    ((8, 6), (8, 0), (0, 6), True),  # an empty shard (more ranks than rows)
+])
+def test_a_box_of_a_checkpoint_tensor_reads_those_values(tmp_path, shape, offsets, sizes, contiguous):
+    value = torch.randn(shape)
+    path = write_safetensors({"before": torch.ones(3), "w": value}, tmp_path / "m.safetensors")
+    box = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+
+    with mz.open_checkpoint(path) as ckpt:
+        part = region(ckpt["w"], offsets, sizes)
+        assert part.contiguous == contiguous and part.name == "w" and part.shape == sizes
+        assert part.read_nbytes <= ckpt["w"].nbytes
+        assert torch.equal(_read(ckpt, part), value[box])
+
+
+def test_a_box_of_a_strided_view_in_a_torch_file_reads_those_values(tmp_path):
+    base = torch.randn(6, 8)
+    path = tmp_path / "m.pt"
+    torch.save({"t": base.t(), "base": base}, path)  # one storage, 't' a transposed view of it
+
+    with mz.open_checkpoint(path) as ckpt:
+        assert not ckpt["t"].contiguous
+        part = region(ckpt["t"], (4, 0), (4, 6))
+
+        assert torch.equal(_read(ckpt, part), base.t()[4:8])
+
+
+def test_a_rearranged_source_cannot_be_sharded_and_the_error_names_it(tmp_path):
+    path = write_safetensors({"w": torch.randn(8, 6)}, tmp_path / "m.safetensors")
+    with mz.open_checkpoint(path) as ckpt:
+        rearranged = deinterleave(ckpt["w"], Deinterleave(dim=0))
+
+        with pytest.raises(mz.ShardingError, match="tensor 'w'.*rearranged"):
+            region(rearranged, (0, 0), (4, 6))
+
+
+def _piece_info(name: str, shape: tuple[int, ...]) -> TensorInfo:
+    return TensorInfo(name=name, dtype_name="float32", itemsize=4, shape=shape, path=Path("x.safetensors"), offset=0)
+
+
+def test_rows_of_a_stacked_tensor_keep_the_pieces_within_and_cut_the_one_crossing():
+    parts = [(StackSlot("fused", 0, group, new_dim=False), _piece_info(f"p{group}", (rows, 4)))
+             for group, rows in enumerate((5, 3))]
+    fused = stack("fused", parts)
+
+    first, second = region(fused, (0, 0), (4, 4)), region(fused, (4, 0), (4, 4))
+
+    assert [(p.info.name, p.info.shape, p.info.offset, p.start) for p in first.pieces] == [("p0", (4, 4), 0, 0)]
+    assert [(p.info.name, p.info.shape, p.info.offset, p.start) for p in second.pieces] == [
+        ("p0", (1, 4), 4 * 4 * 4, 0), ("p1", (3, 4), 0, 4)]
+
+
+def test_a_stacked_tensor_sharded_along_another_dimension_is_refused_naming_it():
+    experts = [(StackSlot("gate_up", e, 0), _piece_info(f"e{e}", (3, 4))) for e in range(2)]
+
+    with pytest.raises(mz.ShardingError, match="only along its first dimension"):
+        region(stack("gate_up", experts), (0, 0, 2), (2, 3, 2))
+
+
+def _run_ranks(scenario: str, checkpoint: Path, tmp_path: Path, world: int = 2) -> list[dict]:
+    """Run the scenario on ``world`` real processes (gloo over a file store); each rank's findings."""
+    store = tmp_path / "store"
+    outs = [tmp_path / f"rank{rank}.json" for rank in range(world)]
+    processes = [
+        subprocess.Popen([sys.executable, str(WORKER), scenario, str(checkpoint), str(store), str(rank), str(world),
+                          str(out)], cwd=WORKER.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank, out in enumerate(outs)
+    ]
+    logs = [process.communicate(timeout=300)[0] for process in processes]
+    results = []
+    for out, log in zip(outs, logs):
+        assert out.exists(), log[-3000:]
+        result = json.loads(out.read_text())
+        assert "crash" not in result, result.get("crash")
+        results.append(result)
+    return results
+
+
+def test_fsdp2_model_sharded_on_meta_loads_each_rank_its_rows_and_trains(tmp_path):
+    source = reference_model(tie=True)
+    state = saved_state(source)
+    path = write_safetensors(state, tmp_path / "model.safetensors")
+
+    ranks = _run_ranks("fsdp", path, tmp_path)
+
+    for rank in ranks:
+        assert all(rank["equal"].values()) and rank["equal"].keys() == {n for n, _ in source.named_parameters()}
+        assert all(p == ["Shard(dim=0)"] for p in rank["placements"].values())
+        assert rank["forward_equal"] and rank["tied"] and rank["trained_finite"]
+    # Every byte of the checkpoint was read by exactly one rank: none read a whole tensor.
+    assert sum(rank["bytes_read"] for rank in ranks) == sum(t.numel() * t.element_size() for t in state.values())
+
+
+def test_tensor_parallel_model_reads_column_and_row_shards_with_a_cast(tmp_path):
+    from sharded_worker import reference_mlp
+
+    state = reference_mlp().state_dict()
+    path = tmp_path / "mlp.pt"
+    torch.save(state, path)
+
+    ranks = _run_ranks("tp", path, tmp_path)
+
+    whole = sum(t.numel() * t.element_size() for t in state.values())
+    for rank in ranks:
+        assert all(rank["equal"].values()) and rank["forward_equal"]
+        assert rank["placements"]["down.weight"] == ["Shard(dim=1)"] and rank["placements"]["down.bias"] == ["Replicate()"]
+        assert rank["bytes_read"] < whole
+
+
+def test_stacked_and_concatenated_tensors_shard_by_rows_across_their_pieces(tmp_path):
+    torch.manual_seed(3)
+    tensors = {f"experts.{e}.{w}": torch.randn(3, 4) + 10 * e for e in range(3) for w in ("gate", "up")}
+    tensors.update({"fused.0.part": torch.randn(5, 4), "fused.1.part": torch.randn(3, 4)})
+    path = tmp_path / "stacked.safetensors"
+    save_file(tensors, path)
+
+    ranks = _run_ranks("stacked", path, tmp_path)
+
+    assert all(all(rank["equal"].values()) for rank in ranks)
+    assert [rank["local_rows"] for rank in ranks] == [{"gate_up": 2, "fused": 4}, {"gate_up": 1, "fused": 4}]
+    assert sum(rank["bytes_read"] for rank in ranks) == sum(t.numel() * 4 for t in tensors.values())
+
+
+def test_a_partial_dtensor_is_refused_naming_it_and_the_model_is_left_as_it_was(tmp_path):
+    from sharded_worker import reference_mlp
+
+    path = tmp_path / "mlp.pt"
+    torch.save(reference_mlp().state_dict(), path)
+
+    ranks = _run_ranks("partial", path, tmp_path)
+
+    for rank in ranks:
+        assert rank["error"] == "ShardingError" and rank["left_as_was"]
+        assert "'up.weight'" in rank["message"] and "Partial" in rank["message"]

@@ -32,6 +32,7 @@ from .checkpoint import TensorInfo
 from .errors import CastOverflowError
 from .fileio import MAX_IOVECS, DirectReads, FileSet, Part, byte_view
 from .hostmem import prefault
+from .stacking import Stacked
 from .transfer import Completion, Staging
 
 DIRECT_CHUNK_BYTES = 16 * 1024 * 1024
@@ -115,7 +116,7 @@ def stream(
             bypass.close()
     checked = None if allow_overflow else check_cast_range
     direct, cast, staged, strided = [], [], [], []
-    for job in jobs:
+    for job in _pieces_of_stacks(jobs):
         if job.info.numel == 0:
             continue
         if not job.info.contiguous:
@@ -147,6 +148,17 @@ def stream(
     if strided:
         _run_strided(strided, files, tracker, threads, checked)
     return tracker.done
+
+
+def _pieces_of_stacks(jobs: Iterable[Job]) -> Iterator[Job]:
+    """Each job whose source is assembled from several checkpoint tensors, as one job per piece, in place."""
+    for job in jobs:
+        if not isinstance(job.info, Stacked):
+            yield job
+            continue
+        flat = job.dest.view(-1)
+        for piece in job.info.pieces:
+            yield Job(flat[piece.start: piece.start + piece.info.numel].view(piece.info.shape), piece.info)
 
 
 def _run_direct(jobs: list[Job], files: FileSet, tracker: _Progress, threads: int) -> None:

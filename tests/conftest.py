@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -83,3 +85,26 @@ def assert_state_equal(model: torch.nn.Module, expected: dict[str, torch.Tensor]
 @pytest.fixture
 def tokens() -> torch.Tensor:
     return torch.randint(0, TINY["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(1))
+
+
+SHARDED_WORKER = Path(__file__).with_name("sharded_worker.py")
+
+
+def run_ranks(scenario: str, checkpoint: Path, workdir: Path, world: int = 2) -> list[dict]:
+    """Run a scenario of ``sharded_worker.py`` on ``world`` real processes (gloo over a file store); each rank's findings."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    store = workdir / "store"
+    outs = [workdir / f"rank{rank}.json" for rank in range(world)]
+    processes = [
+        subprocess.Popen([sys.executable, str(SHARDED_WORKER), scenario, str(checkpoint), str(store), str(rank), str(world),
+                          str(out)], cwd=SHARDED_WORKER.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank, out in enumerate(outs)
+    ]
+    logs = [process.communicate(timeout=300)[0] for process in processes]
+    results = []
+    for out, log in zip(outs, logs):
+        assert out.exists(), log[-3000:]
+        result = json.loads(out.read_text())
+        assert "crash" not in result, result.get("crash")
+        results.append(result)
+    return results

@@ -104,6 +104,28 @@ def stacked(checkpoint: str, mesh) -> dict:
             "local_rows": {name: getattr(model, name).to_local().shape[0] for name in expected}}
 
 
+def save_fsdp(folder: str, mesh) -> dict:
+    """A DCP checkpoint as FSDP2 training writes one: each rank its rows of every tensor, beside other state."""
+    import torch.distributed.checkpoint as dcp
+
+    model = reference_model(tie=True)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    dcp.save({"model": model.state_dict(), "step": 7, "optim": {"lr": torch.tensor(0.5)}}, checkpoint_id=folder)
+    return {"saved": True}
+
+
+def save_tp(folder: str, mesh) -> dict:
+    """A DCP checkpoint of a tensor-parallel model: row-wise layers saved in chunks of columns."""
+    import torch.distributed.checkpoint as dcp
+
+    model = reference_mlp()
+    parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    dcp.save(model.state_dict(), checkpoint_id=folder)
+    return {"saved": True}
+
+
 def partial(checkpoint: str, mesh) -> dict:
     with torch.device("meta"):
         model = MLP()
@@ -131,7 +153,8 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=int(rank), world_size=int(world))
     try:
         mesh = init_device_mesh("cpu", (int(world),))
-        result = {"fsdp": fsdp, "tp": tensor_parallel, "stacked": stacked, "partial": partial}[scenario](checkpoint, mesh)
+        result = {"fsdp": fsdp, "tp": tensor_parallel, "stacked": stacked, "partial": partial,
+                  "save_fsdp": save_fsdp, "save_tp": save_tp}[scenario](checkpoint, mesh)
     except BaseException:
         result = {"crash": traceback.format_exc()}
     with open(out, "w") as handle:

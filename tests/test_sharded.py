@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,12 +14,9 @@ from materialize.engine import Job, stream
 from materialize.sharded import region
 from materialize.stacking import Deinterleave, StackSlot, deinterleave, stack
 
-from conftest import reference_model, saved_state, write_safetensors
+from conftest import reference_model, run_ranks, saved_state, write_safetensors
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
-
-WORKER = Path(__file__).with_name("sharded_worker.py")
-
 
 def _read(ckpt: mz.Checkpoint, info: TensorInfo) -> torch.Tensor:
     dest = torch.empty(info.shape, dtype=info.dtype)
@@ -94,31 +88,12 @@ def test_a_stacked_tensor_sharded_along_another_dimension_is_refused_naming_it()
         region(stack("gate_up", experts), (0, 0, 2), (2, 3, 2))
 
 
-def _run_ranks(scenario: str, checkpoint: Path, tmp_path: Path, world: int = 2) -> list[dict]:
-    """Run the scenario on ``world`` real processes (gloo over a file store); each rank's findings."""
-    store = tmp_path / "store"
-    outs = [tmp_path / f"rank{rank}.json" for rank in range(world)]
-    processes = [
-        subprocess.Popen([sys.executable, str(WORKER), scenario, str(checkpoint), str(store), str(rank), str(world),
-                          str(out)], cwd=WORKER.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank, out in enumerate(outs)
-    ]
-    logs = [process.communicate(timeout=300)[0] for process in processes]
-    results = []
-    for out, log in zip(outs, logs):
-        assert out.exists(), log[-3000:]
-        result = json.loads(out.read_text())
-        assert "crash" not in result, result.get("crash")
-        results.append(result)
-    return results
-
-
 def test_fsdp2_model_sharded_on_meta_loads_each_rank_its_rows_and_trains(tmp_path):
     source = reference_model(tie=True)
     state = saved_state(source)
     path = write_safetensors(state, tmp_path / "model.safetensors")
 
-    ranks = _run_ranks("fsdp", path, tmp_path)
+    ranks = run_ranks("fsdp", path, tmp_path)
 
     for rank in ranks:
         assert all(rank["equal"].values()) and rank["equal"].keys() == {n for n, _ in source.named_parameters()}
@@ -135,7 +110,7 @@ def test_tensor_parallel_model_reads_column_and_row_shards_with_a_cast(tmp_path)
     path = tmp_path / "mlp.pt"
     torch.save(state, path)
 
-    ranks = _run_ranks("tp", path, tmp_path)
+    ranks = run_ranks("tp", path, tmp_path)
 
     whole = sum(t.numel() * t.element_size() for t in state.values())
     for rank in ranks:
@@ -151,7 +126,7 @@ def test_stacked_and_concatenated_tensors_shard_by_rows_across_their_pieces(tmp_
     path = tmp_path / "stacked.safetensors"
     save_file(tensors, path)
 
-    ranks = _run_ranks("stacked", path, tmp_path)
+    ranks = run_ranks("stacked", path, tmp_path)
 
     assert all(all(rank["equal"].values()) for rank in ranks)
     assert [rank["local_rows"] for rank in ranks] == [{"gate_up": 2, "fused": 4}, {"gate_up": 1, "fused": 4}]
@@ -164,7 +139,7 @@ def test_a_partial_dtensor_is_refused_naming_it_and_the_model_is_left_as_it_was(
     path = tmp_path / "mlp.pt"
     torch.save(reference_mlp().state_dict(), path)
 
-    ranks = _run_ranks("partial", path, tmp_path)
+    ranks = run_ranks("partial", path, tmp_path)
 
     for rank in ranks:
         assert rank["error"] == "ShardingError" and rank["left_as_was"]

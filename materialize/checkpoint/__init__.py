@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 __all__ = ["Checkpoint", "TensorInfo", "open_checkpoint"]
 
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
+DCP_METADATA_NAME = ".metadata"
+DCP_DATA_SUFFIX = ".distcp"
 PathLike = Union[str, os.PathLike]
 
 
@@ -47,8 +49,12 @@ def open_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Checkpoint
         raise CheckpointError("is not a usable file name (it contains a NUL byte)", path=repr(str(target)))
     if not target.exists():
         raise CheckpointNotFoundError("no such file or directory", path=target)
+    if target.name == DCP_METADATA_NAME and target.is_file():
+        target = target.parent  # a DCP folder's index, as an index.json is a sharded checkpoint's
     if target.is_dir():
         target = _pick_from_folder(target)
+    if target.is_dir():
+        return _open_dcp(target)
     kind = _sniff(target)
     if kind == "index":
         return _open_index(target, trust_pickle=trust_pickle)
@@ -92,15 +98,19 @@ def _read_torch(path: Path, *, legacy: bool, trust_pickle: bool) -> tuple[dict[s
     return (read_torch_legacy if legacy else read_torch_zip)(path, trust_pickle=trust_pickle)
 
 
-_DCP_ADVICE = (
-    "torch.distributed.checkpoint (DCP) save, which is not read directly; turn its folder into one torch file "
-    "first: python -m torch.distributed.checkpoint.format_utils dcp_to_torch FOLDER FILE.pt"
-)
+def _open_dcp(folder: Path) -> Checkpoint:
+    from ..stacking import pieces_of
+    from .dcp import read_dcp  # imports torch.distributed, which other formats do not need
+
+    tensors = read_dcp(folder)
+    shards = sorted({piece.info.path for info in tensors.values() for piece in pieces_of(info)})
+    return Checkpoint(path=folder, format="dcp", tensors=tensors, shards=shards)
 
 
 def _sniff(path: Path) -> str:
-    if path.suffix == ".distcp":
-        raise UnsupportedFormatError(f"is one file of a {_DCP_ADVICE}", path=path)
+    if path.suffix == DCP_DATA_SUFFIX:
+        raise UnsupportedFormatError(f"is one data file of a torch.distributed.checkpoint (DCP) folder; open the folder, "
+                                     f"{path.parent}", path=path)
     fd = open_for_reading(path)
     try:
         head = os.pread(fd, 9, 0)
@@ -147,6 +157,6 @@ def _pick_from_folder(folder: Path) -> Path:
                 f"holds several candidate checkpoints ({', '.join(p.name for p in group)}); pass one of them",
                 path=folder,
             )
-    if (folder / ".metadata").is_file() and any(p.suffix == ".distcp" for p in folder.iterdir()):
-        raise UnsupportedFormatError(f"is a {_DCP_ADVICE}", path=folder)
+    if (folder / DCP_METADATA_NAME).is_file() and any(p.suffix == DCP_DATA_SUFFIX for p in files):
+        return folder  # a torch.distributed.checkpoint folder: read as a whole
     raise CheckpointNotFoundError("holds no safetensors, torch checkpoint or shard index", path=folder)

@@ -296,6 +296,16 @@ def read_payload(
     return payload, module
 
 
+def read_bare_tensor(path: Path, data: bytes, refs: dict[int, StorageRef], *, what: str) -> torch.Tensor:
+    """The one tensor (on meta) a pickle holds, as ``torch.save(tensor)`` writes it; anything else is refused."""
+    unpickled, layouts_checked = unpickle(path, data, refs, trust_pickle=False)
+    if not isinstance(unpickled, torch.Tensor):
+        raise CheckpointError(f"{what} holds a {type(unpickled).__name__}, not a tensor", path=path)
+    if not layouts_checked and negative_layouts(data):
+        raise CheckpointError(f"{what} has a negative size, stride or offset", path=path)
+    return unpickled
+
+
 def find_payload(obj: Any) -> tuple[dict[str, torch.Tensor], Optional[nn.Module]]:
     """The state dict (or module) inside what ``torch.save`` was given.
 

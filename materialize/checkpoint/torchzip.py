@@ -8,26 +8,27 @@ uncompressed at a known offset: the same direct path as safetensors, with no
 
 from __future__ import annotations
 
+import io
 import os
 import struct
 import zipfile
 import zlib
 from pathlib import Path
-from typing import BinaryIO, Optional
+from typing import Any, BinaryIO, Optional
 
 from torch import nn
 
 from ..errors import CheckpointError, UnsupportedFormatError
 from .base import TensorInfo
-from .torchpickle import StorageRef, first_line, read_payload, tensor_info
+from .torchpickle import StorageRef, first_line, read_bare_tensor, read_payload, tensor_info
 
 _LOCAL_HEADER = struct.Struct("<4s4xH16xHH")
 _SMALL_RECORD = 1 << 20
 _DOS_DIRECTORY = 0x10
 
 
-def _record_offsets(path: Path, archive: zipfile.ZipFile, prefix: str) -> dict[str, tuple[int, int]]:
-    """Storage key -> (absolute data offset, size) for every stored record.
+def _record_offsets(path: Path, archive: zipfile.ZipFile, prefix: str, window: Optional["_Window"] = None) -> dict[str, tuple[int, int]]:
+    """Storage key -> (absolute data offset, size) for every stored record (of the zip in ``window`` of the file, if given).
 
     Every record's local header is checked against the central directory
     (signature, name, method) and records must not overlap each other or the
@@ -38,8 +39,9 @@ def _record_offsets(path: Path, archive: zipfile.ZipFile, prefix: str) -> dict[s
     offsets: dict[str, tuple[int, int]] = {}
     data_dir = f"{prefix}/data/"
     spans: list[tuple[int, int, str]] = []
+    base = window.base if window is not None else 0
     with open(path, "rb") as handle:
-        _check_end_record(path, archive, handle)
+        _check_end_record(path, archive, window.copy() if window is not None else handle)
         for info in archive.infolist():
             name = info.filename
             if info.flag_bits & 0x1:
@@ -54,7 +56,7 @@ def _record_offsets(path: Path, archive: zipfile.ZipFile, prefix: str) -> dict[s
                 raise CheckpointError(f"storage record {name[len(data_dir):]!r} is compressed; torch writes them stored", path=path)
             raw_name = _raw_name(info)
             # One positional read of the header and the name it must repeat: no buffer refilled per record.
-            header = os.pread(handle.fileno(), _LOCAL_HEADER.size + len(raw_name), info.header_offset)
+            header = os.pread(handle.fileno(), _LOCAL_HEADER.size + len(raw_name), base + info.header_offset)
             if len(header) < _LOCAL_HEADER.size:
                 raise CheckpointError(f"zip local header of record {name!r} is truncated", path=path)
             signature, method, name_len, extra_len = _LOCAL_HEADER.unpack_from(header)
@@ -64,7 +66,7 @@ def _record_offsets(path: Path, archive: zipfile.ZipFile, prefix: str) -> dict[s
             data_start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
             spans.append((info.header_offset, data_start + info.compress_size, name))
             if name.startswith(data_dir):
-                offsets[name[len(data_dir):]] = (data_start, info.file_size)
+                offsets[name[len(data_dir):]] = (base + data_start, info.file_size)
             elif info.file_size <= _SMALL_RECORD:
                 _read(path, archive, name)  # zipfile checks its CRC: the cheap records are verified in full
     spans.sort()
@@ -135,9 +137,44 @@ def _read(path: Path, archive: zipfile.ZipFile, name: str) -> bytes:
         raise CheckpointError(f"cannot read record {name!r} of the zip: {first_line(exc)}", path=path) from None
 
 
-def _open_archive(path: Path) -> zipfile.ZipFile:
+class _Window(io.RawIOBase):
+    """Bytes ``[base, base + length)`` of an open file, as a file of their own (a zip inside a bigger file)."""
+
+    def __init__(self, fd: int, base: int, length: int) -> None:
+        super().__init__()
+        self._fd, self.base, self.length, self._at = fd, base, length, 0
+
+    def copy(self) -> "_Window":
+        """The same bytes, read from a position of its own."""
+        return _Window(self._fd, self.base, self.length)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        start = {os.SEEK_SET: 0, os.SEEK_CUR: self._at, os.SEEK_END: self.length}[whence]
+        if start + offset < 0:
+            raise ValueError("negative seek position")
+        self._at = start + offset
+        return self._at
+
+    def readinto(self, buffer: Any) -> int:
+        wanted = max(0, min(len(buffer), self.length - self._at))
+        data = os.pread(self._fd, wanted, self.base + self._at) if wanted else b""
+        buffer[:len(data)] = data
+        self._at += len(data)
+        return len(data)
+
+
+def _open_archive(path: Path, source: Optional[BinaryIO] = None) -> zipfile.ZipFile:
     try:
-        return zipfile.ZipFile(path)
+        return zipfile.ZipFile(source if source is not None else path)
     except (NotImplementedError, UnicodeDecodeError, ValueError, EOFError) as exc:
         raise CheckpointError(f"is not a readable zip: {first_line(exc)}", path=path) from None
     except zipfile.BadZipFile:
@@ -157,8 +194,22 @@ def _archive_prefix(path: Path, names: list[str]) -> str:
 
 
 def read_torch_zip(path: Path, *, trust_pickle: bool) -> tuple[dict[str, TensorInfo], Optional[nn.Module]]:
-    file_size = os.path.getsize(path)
-    with _open_archive(path) as archive:
+    return _read_zip(path, trust_pickle=trust_pickle)
+
+
+def read_embedded_tensor(path: Path, base: int, length: int, name: str) -> TensorInfo:
+    """The one tensor ``torch.save`` wrote as a zip at ``[base, base + length)`` of ``path`` (a DCP chunk), named ``name``."""
+    with open(path, "rb") as handle:
+        tensors, _ = _read_zip(path, trust_pickle=False, window=_Window(handle.fileno(), base, length), single=name)
+    return tensors[name]
+
+
+def _read_zip(
+    path: Path, *, trust_pickle: bool, window: Optional[_Window] = None, single: Optional[str] = None,
+) -> tuple[dict[str, TensorInfo], Optional[nn.Module]]:
+    """A torch zip's tensors; in a ``window`` of the file, and with ``single``, the one bare tensor it holds."""
+    file_size = window.base + window.length if window is not None else os.path.getsize(path)
+    with _open_archive(path, window) as archive:
         names = archive.namelist()
         duplicated = sorted({n for n in names if names.count(n) > 1}) if len(set(names)) != len(names) else []
         if duplicated:  # readers disagree on which copy counts: torch's takes the first, zipfile the last
@@ -168,9 +219,12 @@ def read_torch_zip(path: Path, *, trust_pickle: bool) -> tuple[dict[str, TensorI
             raise UnsupportedFormatError("was saved on a big-endian machine; re-save it on a little-endian one", path=path)
         refs: dict[int, StorageRef] = {}
         data = _read(path, archive, f"{prefix}/data.pkl")
-        payload, module = read_payload(path, data, refs, trust_pickle=trust_pickle)
+        if single is None:
+            payload, module = read_payload(path, data, refs, trust_pickle=trust_pickle)
+        else:
+            payload, module = {single: read_bare_tensor(path, data, refs, what=f"tensor '{single}'")}, None
         try:
-            records = _record_offsets(path, archive, prefix)
+            records = _record_offsets(path, archive, prefix, window)
         except CheckpointError:
             raise
         except ZIP_ERRORS as exc:

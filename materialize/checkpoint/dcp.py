@@ -1,0 +1,196 @@
+"""torch.distributed.checkpoint (DCP) folders: ``.metadata`` and ``*.distcp`` files, read in place.
+
+``.metadata`` is a pickle of DCP's own dataclasses. It is read by an
+unpickler that knows those classes and torch's sizes, dtypes and layouts,
+and nothing else: any other name in it is refused, so nothing in the file
+runs. Each tensor was saved as chunks, one per rank that held a part of it,
+each chunk a small ``torch.save`` zip at an offset of a ``.distcp`` file:
+its storage record is located as in any torch file and read in place.
+
+A tensor saved in several chunks of whole rows (FSDP's ``Shard(0)``, the
+usual case) is one stacked tensor: each chunk is read straight into its
+rows, and a sharded model's rank reads only the chunks its rows need.
+Chunks cut along another dimension (tensor parallel) are refused, naming the
+tensor. Entries that are not tensors (a step count, a data loader's state)
+are left out. As in torch files, a state dict nested under ``model``,
+``state_dict`` or ``module`` (``dcp.save({"model": ..., "optim": ...})``) is
+the checkpoint's, under its own names; without one, the training state saved
+beside the model's tensors (torchtitan's top-level ``optimizer.*``) is left out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError
+from . import DCP_METADATA_NAME
+from .base import TensorInfo
+from .torchpickle import STATE_DICT_KEYS, first_line
+from .torchzip import read_embedded_tensor
+
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's metadata classes, torch's sizes, dtypes and layouts, paths; any other global is refused."""
+
+    def __init__(self, file: Any, path: Path) -> None:
+        super().__init__(file)
+        self._path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        allowed = _allowed_globals()
+        if (module, name) in allowed:
+            return allowed[module, name]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(
+            f"DCP metadata names {module}.{name}, which a checkpoint's metadata never needs; refused (nothing was run)",
+            path=self._path,
+        )
+
+
+def _allowed_globals() -> dict[tuple[str, str], Any]:
+    import collections
+    import pathlib
+
+    import torch
+    import torch.serialization
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    found = {("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+             ("collections", "OrderedDict"): collections.OrderedDict,
+             ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo}
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"):
+        if hasattr(metadata, name):
+            found[("torch.distributed.checkpoint.metadata", name)] = getattr(metadata, name)
+    for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
+        found[("pathlib", name)] = getattr(pathlib, name)
+    return found
+
+
+def _read_metadata(path: Path) -> Any:
+    try:
+        import torch.distributed.checkpoint  # noqa: F401  (its classes are what the metadata holds)
+    except ImportError:
+        raise UnsupportedFormatError("is a torch.distributed.checkpoint (DCP) folder, and this torch has no "
+                                     "torch.distributed to describe it", path=path.parent) from None
+    try:
+        with open(path, "rb") as handle:
+            return _MetadataUnpickler(handle, path).load()
+    except (CheckpointError, OSError):
+        raise
+    except Exception as exc:  # a damaged pickle raises anything: it is the file's fault
+        raise CheckpointError(f"DCP metadata cannot be read: {first_line(exc)}", path=path) from None
+
+
+def read_dcp(folder: Path) -> dict[str, TensorInfo]:
+    """Every tensor of the DCP checkpoint in ``folder``, its chunks located and checked; no tensor data read."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+    metadata_path = folder / DCP_METADATA_NAME
+    metadata = _read_metadata(metadata_path)
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict) \
+            or not isinstance(metadata.storage_data, dict):
+        raise CheckpointError("is not DCP metadata (no state_dict_metadata and storage_data)", path=metadata_path)
+    storage = {}
+    for index, where in metadata.storage_data.items():
+        offset = getattr(index, "offset", None)
+        storage[getattr(index, "fqn", None), tuple(offset) if offset is not None else None] = where
+    names = _names(metadata)
+    tensors = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, BytesStorageMetadata) or fqn not in names:
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointError(f"DCP metadata describes '{fqn}' as a {type(entry).__name__}", path=metadata_path)
+        name = names[fqn]
+        chunks = [_chunk(folder, metadata_path, fqn, entry, chunk, storage) for chunk in entry.chunks]
+        tensors[name] = _assemble(name, tuple(entry.size), chunks, metadata_path)
+    return tensors
+
+
+# What training saves beside the model (torchtitan's top-level "optimizer", "lr_scheduler", ...).
+TRAINING_STATE_KEYS = ("optimizer", "optimizers", "optim", "lr_scheduler", "lr_schedulers", "scheduler", "dataloader",
+                       "train_state")
+
+
+def _names(metadata: Any) -> dict[str, str]:
+    """DCP key -> checkpoint name: the nested model state dict's own names where there is one, as in torch files.
+
+    Without one, every entry but the training state saved beside the model
+    (:data:`TRAINING_STATE_KEYS`: optimizer moments are not weights) keeps
+    its DCP key.
+    """
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    nested = {fqn: path for fqn, path in paths.items() if isinstance(path, tuple) and len(path) > 1}
+    for key in STATE_DICT_KEYS:
+        under = {fqn: ".".join(map(str, path[1:])) for fqn, path in nested.items() if path[0] == key}
+        if under:
+            return under
+    return {fqn: fqn for fqn in metadata.state_dict_metadata
+            if not (fqn in nested and nested[fqn][0] in TRAINING_STATE_KEYS)}
+
+
+def _chunk(folder: Path, metadata_path: Path, fqn: str, entry: Any, chunk: Any, storage: dict) -> tuple[tuple, TensorInfo]:
+    offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+    where = storage.get((fqn, offsets))
+    if where is None:
+        raise CheckpointError(f"DCP metadata has no storage for the chunk of '{fqn}' at {list(offsets)}", path=metadata_path)
+    if getattr(where, "transform_descriptors", None):
+        raise UnsupportedFormatError(
+            f"tensor '{fqn}' is stored transformed ({', '.join(map(str, where.transform_descriptors))}); only plain "
+            "torch.save chunks are read", path=metadata_path)
+    relative = str(where.relative_path)
+    data_path = folder / relative
+    if Path(relative).is_absolute() or ".." in Path(relative).parts or not data_path.is_file():
+        raise CheckpointError(f"the chunk of '{fqn}' is in '{relative}', which is not a file of this folder", path=metadata_path)
+    start, length = int(where.offset), int(where.length)
+    if start < 0 or length <= 0 or start + length > os.path.getsize(data_path):
+        raise CheckpointError(f"the chunk of '{fqn}' at bytes [{start}, {start + length}) runs past the end of the file "
+                              "(truncated?)", path=data_path, tensor=fqn)
+    info = read_embedded_tensor(data_path, start, length, fqn)
+    if info.shape != sizes or info.dtype != entry.properties.dtype:
+        raise CheckpointError(f"a chunk holds a {list(info.shape)} {info.dtype_name} tensor; the metadata says "
+                              f"{list(sizes)} {str(entry.properties.dtype).removeprefix('torch.')}", path=data_path, tensor=fqn)
+    return offsets, info
+
+
+def _assemble(name: str, shape: tuple[int, ...], chunks: list[tuple[tuple, TensorInfo]], metadata_path: Path) -> TensorInfo:
+    """One tensor from its chunks: the chunk itself if it is whole, else rows stacked; they must tile it exactly."""
+    from ..stacking import Piece, Stacked
+
+    if not chunks:
+        raise CheckpointError(f"DCP metadata lists no chunk of tensor '{name}'", path=metadata_path)
+    if math.prod(shape) == 0:  # nothing to read; any chunk describes it
+        return dataclasses.replace(chunks[0][1], name=name, shape=shape, stride=None, span_nbytes=None)
+    chunks = [(offsets, info) for offsets, info in chunks if info.numel > 0]
+    if len(chunks) == 1 and chunks[0][1].shape == shape:
+        return dataclasses.replace(chunks[0][1], name=name)
+    if not shape or any(offsets[1:] != (0,) * (len(shape) - 1) or info.shape[1:] != shape[1:] for offsets, info in chunks):
+        raise UnsupportedFormatError(
+            f"tensor '{name}' is saved in {len(chunks)} chunks cut along a dimension other than the first (tensor "
+            "parallel); only chunks of whole rows are read: turn the folder into one torch file first: "
+            "python -m torch.distributed.checkpoint.format_utils dcp_to_torch FOLDER FILE.pt", path=metadata_path)
+    chunks.sort(key=lambda chunk: chunk[0][0])
+    row = math.prod(shape[1:])
+    pieces, next_row = [], 0
+    for offsets, info in chunks:
+        if offsets[0] != next_row:
+            raise CheckpointError(f"the chunks of tensor '{name}' {'overlap' if offsets[0] < next_row else 'leave a gap'} "
+                                  f"at row {min(offsets[0], next_row)}", path=metadata_path)
+        pieces.append(Piece(dataclasses.replace(info, name=f"{name}[{offsets[0]}:{offsets[0] + info.shape[0]}]"),
+                            offsets[0] * row))
+        next_row = offsets[0] + info.shape[0]
+    if next_row != shape[0]:
+        raise CheckpointError(f"the chunks of tensor '{name}' cover {next_row} of its {shape[0]} rows", path=metadata_path)
+    first = pieces[0].info
+    return Stacked(name=name, dtype_name=first.dtype_name, itemsize=first.itemsize, shape=shape, path=first.path,
+                   offset=first.offset, pieces=tuple(pieces))

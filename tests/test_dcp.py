@@ -15,6 +15,7 @@ import torch
 import materialize as mz
 
 from conftest import TINY, reference_model, run_ranks, tiny_skeleton
+from fuzz_targets import raw_bytes
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex  # noqa: E402
@@ -131,6 +132,28 @@ def test_a_metadata_pickle_that_calls_anything_is_refused_and_nothing_runs(tmp_p
     with pytest.raises(mz.UnsafeCheckpointError, match="system"):
         mz.open_checkpoint(folder)
     assert not marker.exists()
+
+
+def test_every_metadata_byte_flipped_is_refused_naming_the_folder_or_reads_saved_values(tmp_path):
+    tensors = {"w": torch.randn(5, 3), "b": torch.arange(4), "s": torch.tensor(2.5, dtype=torch.bfloat16)}
+    folder = _save({"model": dict(tensors)}, tmp_path / "swept")
+    metadata = folder / ".metadata"
+    base = metadata.read_bytes()
+    saved = {raw_bytes(t) for t in tensors.values()}
+    accepted = refused = 0
+    for position in range(len(base)):
+        damaged = bytearray(base)
+        damaged[position] ^= 0x01
+        metadata.write_bytes(bytes(damaged))
+        try:
+            loaded, _ = mz.load_tensors(folder)
+        except mz.MaterializeError as error:
+            assert str(folder) in str(error), (position, error)
+            refused += 1
+            continue
+        accepted += 1
+        assert all(raw_bytes(t) in saved for t in loaded.values()), position
+    assert accepted and refused
 
 
 @pytest.mark.parametrize("damage, error, words", [

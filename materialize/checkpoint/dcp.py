@@ -27,6 +27,8 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError
 from . import DCP_METADATA_NAME
 from .base import TensorInfo
@@ -95,26 +97,43 @@ def read_dcp(folder: Path) -> dict[str, TensorInfo]:
     """Every tensor of the DCP checkpoint in ``folder``, its chunks located and checked; no tensor data read."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-    metadata_path = folder / DCP_METADATA_NAME
-    metadata = _read_metadata(metadata_path)
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict) \
-            or not isinstance(metadata.storage_data, dict):
-        raise CheckpointError("is not DCP metadata (no state_dict_metadata and storage_data)", path=metadata_path)
+    path = folder / DCP_METADATA_NAME
+    metadata = _read_metadata(path)
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"holds a {type(metadata).__name__}, not DCP metadata", path=path)
+    entries = _field(metadata, "state_dict_metadata", dict, "the metadata", path)
     storage = {}
-    for index, where in metadata.storage_data.items():
+    for index, where in _field(metadata, "storage_data", dict, "the metadata", path).items():
+        fqn = _field(index, "fqn", str, "a storage index", path)
         offset = getattr(index, "offset", None)
-        storage[getattr(index, "fqn", None), tuple(offset) if offset is not None else None] = where
+        storage[fqn, None if offset is None else _sizes(offset, f"the storage index of '{fqn}'", path)] = where
     names = _names(metadata)
     tensors = {}
-    for fqn, entry in metadata.state_dict_metadata.items():
+    for fqn, entry in entries.items():
         if isinstance(entry, BytesStorageMetadata) or fqn not in names:
             continue
-        if not isinstance(entry, TensorStorageMetadata):
-            raise CheckpointError(f"DCP metadata describes '{fqn}' as a {type(entry).__name__}", path=metadata_path)
-        name = names[fqn]
-        chunks = [_chunk(folder, metadata_path, fqn, entry, chunk, storage) for chunk in entry.chunks]
-        tensors[name] = _assemble(name, tuple(entry.size), chunks, metadata_path)
+        if not isinstance(fqn, str) or not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointError(f"the metadata describes {fqn!r} as a {type(entry).__name__}", path=path)
+        shape = _sizes(getattr(entry, "size", None), f"tensor '{fqn}'", path)
+        dtype = _field(_field(entry, "properties", object, f"tensor '{fqn}'", path), "dtype", torch.dtype, f"tensor '{fqn}'", path)
+        chunks = [_chunk(folder, path, fqn, shape, dtype, chunk, storage)
+                  for chunk in _field(entry, "chunks", list, f"tensor '{fqn}'", path)]
+        tensors[names[fqn]] = _assemble(names[fqn], shape, chunks, path)
     return tensors
+
+
+def _field(obj: Any, name: str, kind: Any, what: str, path: Path) -> Any:
+    """``obj.name``, which must be a ``kind``: a damaged pickle may have built its objects with anything, or nothing."""
+    value = getattr(obj, name, None)
+    if not isinstance(value, kind) or value is None:
+        raise CheckpointError(f"DCP metadata is malformed: {what} has no valid {name}", path=path)
+    return value
+
+
+def _sizes(value: Any, what: str, path: Path) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not all(type(v) is int and v >= 0 for v in value):
+        raise CheckpointError(f"DCP metadata is malformed: {what} has sizes or offsets {value!r}", path=path)
+    return tuple(value)
 
 
 # What training saves beside the model (torchtitan's top-level "optimizer", "lr_scheduler", ...).
@@ -129,7 +148,8 @@ def _names(metadata: Any) -> dict[str, str]:
     (:data:`TRAINING_STATE_KEYS`: optimizer moments are not weights) keeps
     its DCP key.
     """
-    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    paths = getattr(metadata, "planner_data", None)
+    paths = paths if isinstance(paths, dict) else {}
     nested = {fqn: path for fqn, path in paths.items() if isinstance(path, tuple) and len(path) > 1}
     for key in STATE_DICT_KEYS:
         under = {fqn: ".".join(map(str, path[1:])) for fqn, path in nested.items() if path[0] == key}
@@ -139,27 +159,35 @@ def _names(metadata: Any) -> dict[str, str]:
             if not (fqn in nested and nested[fqn][0] in TRAINING_STATE_KEYS)}
 
 
-def _chunk(folder: Path, metadata_path: Path, fqn: str, entry: Any, chunk: Any, storage: dict) -> tuple[tuple, TensorInfo]:
-    offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+def _chunk(folder: Path, metadata_path: Path, fqn: str, shape: tuple[int, ...], dtype: Any, chunk: Any,
+           storage: dict) -> tuple[tuple, TensorInfo]:
+    what = f"a chunk of tensor '{fqn}'"
+    offsets = _sizes(getattr(chunk, "offsets", None), what, metadata_path)
+    sizes = _sizes(getattr(chunk, "sizes", None), what, metadata_path)
+    if len(offsets) != len(shape) or len(sizes) != len(shape) or any(o + n > d for o, n, d in zip(offsets, sizes, shape)):
+        raise CheckpointError(f"{what} at {list(offsets)} of size {list(sizes)} lies outside its shape {list(shape)}",
+                              path=metadata_path)
     where = storage.get((fqn, offsets))
     if where is None:
         raise CheckpointError(f"DCP metadata has no storage for the chunk of '{fqn}' at {list(offsets)}", path=metadata_path)
-    if getattr(where, "transform_descriptors", None):
+    transforms = getattr(where, "transform_descriptors", None)
+    if transforms:
         raise UnsupportedFormatError(
-            f"tensor '{fqn}' is stored transformed ({', '.join(map(str, where.transform_descriptors))}); only plain "
+            f"tensor '{fqn}' is stored transformed ({', '.join(map(str, transforms))}); only plain "
             "torch.save chunks are read", path=metadata_path)
-    relative = str(where.relative_path)
+    relative = _field(where, "relative_path", str, f"the storage of {what}", metadata_path)
     data_path = folder / relative
     if Path(relative).is_absolute() or ".." in Path(relative).parts or not data_path.is_file():
         raise CheckpointError(f"the chunk of '{fqn}' is in '{relative}', which is not a file of this folder", path=metadata_path)
-    start, length = int(where.offset), int(where.length)
+    start = _field(where, "offset", int, f"the storage of {what}", metadata_path)
+    length = _field(where, "length", int, f"the storage of {what}", metadata_path)
     if start < 0 or length <= 0 or start + length > os.path.getsize(data_path):
         raise CheckpointError(f"the chunk of '{fqn}' at bytes [{start}, {start + length}) runs past the end of the file "
                               "(truncated?)", path=data_path, tensor=fqn)
     info = read_embedded_tensor(data_path, start, length, fqn)
-    if info.shape != sizes or info.dtype != entry.properties.dtype:
+    if info.shape != sizes or info.dtype != dtype:
         raise CheckpointError(f"a chunk holds a {list(info.shape)} {info.dtype_name} tensor; the metadata says "
-                              f"{list(sizes)} {str(entry.properties.dtype).removeprefix('torch.')}", path=data_path, tensor=fqn)
+                              f"{list(sizes)} {str(dtype).removeprefix('torch.')}", path=data_path, tensor=fqn)
     return offsets, info
 
 

@@ -21,6 +21,7 @@ beside the model's tensors (torchtitan's top-level ``optimizer.*``) is left out.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import pickle
@@ -36,7 +37,6 @@ from .torchpickle import STATE_DICT_KEYS, first_line
 from .torchzip import read_embedded_tensor
 
 
-
 class _MetadataUnpickler(pickle.Unpickler):
     """DCP's metadata classes, torch's sizes, dtypes and layouts, paths; any other global is refused."""
 
@@ -45,8 +45,6 @@ class _MetadataUnpickler(pickle.Unpickler):
         self._path = path
 
     def find_class(self, module: str, name: str) -> Any:
-        import torch
-
         allowed = _allowed_globals()
         if (module, name) in allowed:
             return allowed[module, name]
@@ -58,11 +56,11 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
+@functools.lru_cache(maxsize=None)
 def _allowed_globals() -> dict[tuple[str, str], Any]:
     import collections
     import pathlib
 
-    import torch
     import torch.serialization
     from torch.distributed.checkpoint import filesystem, metadata
 

@@ -578,6 +578,7 @@ _NO_MASK = torch.ones(1, 1, 64, 64, dtype=torch.bool)  # a saved mask that masks
     ("gptj", {"transformer.h.{}.attn.bias": _NO_MASK, "transformer.h.{}.attn.masked_bias": torch.tensor(-1e9)}),
     ("gpt_neo", {"transformer.h.{}.attn.attention.bias": _NO_MASK, "transformer.h.{}.attn.attention.masked_bias": torch.tensor(-1e9)}),
     ("codegen", {"transformer.h.{}.attn.causal_mask": _NO_MASK}),
+    ("gpt2", {"transformer.h.{}.attn.masked_bias": torch.tensor(-1e4)}),  # GPT-2 declares only attn.bias
 ])
 def test_attention_masks_older_saves_hold_are_ignored_as_from_pretrained_ignores_them(tmp_path, kind, saved):
     source, inputs = _tiny(kind)

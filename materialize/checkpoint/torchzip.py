@@ -27,8 +27,10 @@ _SMALL_RECORD = 1 << 20
 _DOS_DIRECTORY = 0x10
 
 
-def _record_offsets(path: Path, archive: zipfile.ZipFile, prefix: str, window: Optional["_Window"] = None) -> dict[str, tuple[int, int]]:
-    """Storage key -> (absolute data offset, size) for every stored record (of the zip in ``window`` of the file, if given).
+def _record_offsets(
+    path: Path, archive: zipfile.ZipFile, prefix: str, window: Optional["_Window"] = None,
+) -> dict[str, tuple[int, int]]:
+    """Storage key -> (absolute data offset, size) for every stored record (of the zip in ``window``, if given).
 
     Every record's local header is checked against the central directory
     (signature, name, method) and records must not overlap each other or the

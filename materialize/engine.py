@@ -29,10 +29,11 @@ from typing import Optional
 import torch
 
 from .checkpoint import TensorInfo
+from .checkpoint.base import contiguous_strides
 from .errors import CastOverflowError
 from .fileio import MAX_IOVECS, DirectReads, FileSet, Part, byte_view
 from .hostmem import prefault
-from .stacking import Stacked
+from .stacking import Stacked, piece_destination
 from .transfer import Completion, Staging
 
 DIRECT_CHUNK_BYTES = 16 * 1024 * 1024
@@ -119,8 +120,8 @@ def stream(
     for job in _pieces_of_stacks(jobs):
         if job.info.numel == 0:
             continue
-        if not job.info.contiguous:
-            strided.append(job)
+        if not job.info.contiguous or not job.dest.is_contiguous():
+            strided.append(job)  # a box of the destination (a tensor-parallel chunk) is filled as a strided view is
         elif job.dest.device.type != "cpu":
             staged.append(job)
         elif job.dest.dtype == job.info.dtype:
@@ -156,9 +157,8 @@ def _pieces_of_stacks(jobs: Iterable[Job]) -> Iterator[Job]:
         if not isinstance(job.info, Stacked):
             yield job
             continue
-        flat = job.dest.view(-1)
         for piece in job.info.pieces:
-            yield Job(flat[piece.start: piece.start + piece.info.numel].view(piece.info.shape), piece.info)
+            yield Job(piece_destination(job.dest, piece), piece.info)
 
 
 def _run_direct(jobs: list[Job], files: FileSet, tracker: _Progress, threads: int) -> None:
@@ -424,6 +424,7 @@ def _drain(pending: list[Completion], *, raise_errors: bool) -> None:
 @dataclass(frozen=True)
 class _StridedLayout:
     shape: tuple[int, ...]  # the view's (see TensorInfo.view_shape)
+    strides: tuple[int, ...]  # of the file's elements, in elements
     outer: int  # the dimension blocks are cut along: the largest stride
     step: int  # its stride, in elements
     inner_span: int  # elements one index of it spans in the file
@@ -431,13 +432,13 @@ class _StridedLayout:
 
 
 def _strided_layout(info: TensorInfo) -> _StridedLayout:
-    assert info.stride is not None
     shape = info.view_shape or info.shape  # a rearranged tensor: the destination is filled under the view's shape
-    outer = max((d for d in range(len(shape)) if shape[d] > 1), key=lambda d: info.stride[d], default=0)
-    step = info.stride[outer]
-    inner_span = sum((size - 1) * stride for d, (size, stride) in enumerate(zip(shape, info.stride)) if d != outer) + 1
-    per_block = shape[outer] if step == 0 else max(1, STRIDED_BLOCK_BYTES // (step * info.itemsize))
-    return _StridedLayout(shape, outer, step, inner_span, per_block)
+    strides = info.stride if info.stride is not None else contiguous_strides(shape)  # a box of the destination
+    outer = max((d for d in range(len(shape)) if shape[d] > 1), key=lambda d: strides[d], default=0)
+    step = strides[outer] if shape else 1
+    inner_span = sum((size - 1) * stride for d, (size, stride) in enumerate(zip(shape, strides)) if d != outer) + 1
+    per_block = shape[outer] if step == 0 or not shape else max(1, STRIDED_BLOCK_BYTES // (step * info.itemsize))
+    return _StridedLayout(shape, strides, outer, step, inner_span, per_block)
 
 
 def _run_strided(jobs: list[Job], files: FileSet, tracker: _Progress, threads: int,
@@ -462,7 +463,7 @@ def _run_strided(jobs: list[Job], files: FileSet, tracker: _Progress, threads: i
         files.read_into(info.path, info.offset + first * layout.step * info.itemsize, byte_view(raw), tensor=info.name)
         block = list(layout.shape)
         block[layout.outer] = last - first
-        view = torch.as_strided(raw.view(info.dtype), block, info.stride)
+        view = torch.as_strided(raw.view(info.dtype), block, layout.strides)
         if check_range is not None and job.dest.dtype != info.dtype:
             check_range(view, job.dest.dtype, info)
         target = job.dest.view(layout.shape).narrow(layout.outer, first, last - first)

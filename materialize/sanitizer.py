@@ -20,10 +20,11 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint import TensorInfo
 from .fileio import FileSet, Part
 from .planning import Entry, Plan
 from .sharded import local_of
-from .stacking import Stacked, pieces_of
+from .stacking import pieces_of
 from .validate import distinct_elements
 
 _FLOAT_POISON_BITS = {
@@ -122,16 +123,24 @@ def audit(plan: Plan, registered: Iterable[tuple[Entry, torch.Tensor]], counts: 
         if entry.action == "load" and entry.source is not None and name not in mapped:
             source = entry.source
             read = sum(counts.bytes_by_tensor.get(piece.info.name, 0) for piece in pieces_of(source))
-            if source.contiguous or isinstance(source, Stacked):
-                if read != source.read_nbytes:
-                    problems.append(f"{name}: {read} bytes written from the file, {source.read_nbytes} expected")
-            elif not min(source.nbytes, source.read_nbytes) <= read <= source.read_nbytes:
-                # A strided view is read in blocks: the rows of each, not the gaps between them.
-                problems.append(f"{name}: {read} bytes written from the file, "
-                                f"{min(source.nbytes, source.read_nbytes)} to {source.read_nbytes} expected")
+            least, most = map(sum, zip(*(_bytes_expected(piece.info) for piece in pieces_of(source))))
+            if not least <= read <= most:
+                expected = str(most) if least == most else f"{least} to {most}"
+                problems.append(f"{name}: {read} bytes written from the file, {expected} expected")
         if entry.action != "keep" and is_poisoned(tensor):
             problems.append(f"{name}: still holds poison: never written")
     return problems
+
+
+def _bytes_expected(info: TensorInfo) -> tuple[int, int]:
+    """The least and most bytes a read of ``info`` writes.
+
+    A strided view is read in blocks: the rows of each, not the gaps
+    between them, so between its elements' bytes and its whole span.
+    """
+    if info.contiguous:
+        return info.read_nbytes, info.read_nbytes
+    return min(info.nbytes, info.read_nbytes), info.read_nbytes
 
 
 def nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:

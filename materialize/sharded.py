@@ -100,15 +100,15 @@ def region(info: TensorInfo, offsets: Sequence[int], sizes: Sequence[int]) -> Te
     """The box ``[offsets, offsets + sizes)`` of the checkpoint tensor ``info``, as a view of the same bytes.
 
     A range of whole rows stays one run of the file; any other box is a
-    strided view. Raises naming ``info`` where the box cannot be a view: a
-    tensor read rearranged, or one assembled from several checkpoint
-    tensors, cut anywhere but along its first dimension between them.
+    strided view. A tensor assembled from several checkpoint tensors keeps
+    the part of each piece that lies in the box. Raises naming ``info``
+    where the box cannot be a view (a tensor read rearranged).
     """
     offsets, sizes = tuple(offsets), tuple(sizes)
     if sizes == tuple(info.shape):
         return info
     if isinstance(info, Stacked):
-        return _stacked_rows(info, offsets, sizes)
+        return _stacked_part(info, offsets, sizes)
     if info.view_shape is not None:
         raise ShardingError("is read rearranged from the checkpoint (its layout differs from the model's), "
                             "which cannot be sharded in the same read; load it unsharded", path=info.path, tensor=info.name)
@@ -121,27 +121,54 @@ def region(info: TensorInfo, offsets: Sequence[int], sizes: Sequence[int]) -> Te
     return dataclasses.replace(info, shape=sizes, offset=offset, stride=tuple(strides), span_nbytes=span, storage=None)
 
 
-def _stacked_rows(info: Stacked, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Stacked:
-    """Rows ``[offsets[0], offsets[0] + sizes[0])`` of a stacked tensor: the pieces within them, cut where they cross."""
-    shape = tuple(info.shape)
-    if any(offsets[d] != 0 or sizes[d] != shape[d] for d in range(1, len(shape))):
-        raise ShardingError(f"is assembled from {len(info.pieces)} checkpoint tensors and can be sharded only along "
-                            "its first dimension", path=info.path, tensor=info.name)
-    row = math.prod(shape[1:])
-    low, high = offsets[0] * row, (offsets[0] + sizes[0]) * row
+def _stacked_part(info: Stacked, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Stacked:
+    """The box ``[offsets, offsets + sizes)`` of a stacked tensor: each piece's part within it, placed in the box."""
     pieces = []
     for piece in info.pieces:
-        start, stop = piece.start, piece.start + piece.info.numel
-        if stop <= low or start >= high:
+        place = piece.box or _run_as_box(piece.start, piece.info.numel, tuple(info.shape))
+        if place is None:
+            if piece.info.numel == 0:
+                continue
+            raise ShardingError(f"is assembled from checkpoint tensors, and '{piece.info.name}' is not a block of it",
+                                path=piece.info.path, tensor=info.name)
+        at, extent = place
+        low = tuple(max(a, o) for a, o in zip(at, offsets))
+        high = tuple(min(a + n, o + m) for a, n, o, m in zip(at, extent, offsets, sizes))
+        if any(h <= lo for lo, h in zip(low, high)):
             continue
-        if low <= start and stop <= high:
-            pieces.append(Piece(piece.info, start - low))
-            continue
-        if start % row or piece.info.numel % row or not piece.info.contiguous:
-            raise ShardingError(f"is assembled from checkpoint tensors, and this rank's rows cut '{piece.info.name}' "
-                                "where it is not whole rows", path=piece.info.path, tensor=info.name)
-        as_rows = dataclasses.replace(piece.info, shape=(piece.info.numel // row, *shape[1:]))
-        first, last = max(start, low) // row, min(stop, high) // row
-        part = region(as_rows, (first - start // row,) + (0,) * (len(shape) - 1), (last - first, *shape[1:]))
-        pieces.append(Piece(part, first * row - low))
+        source = piece.info
+        if tuple(source.shape) != extent:
+            if not source.contiguous:
+                raise ShardingError(f"is assembled from checkpoint tensors, and '{source.name}' is a strided view "
+                                    "that cannot be cut", path=source.path, tensor=info.name)
+            source = dataclasses.replace(source, shape=extent)  # a run seen as its block: the same elements in order
+        part = region(source, tuple(lo - a for lo, a in zip(low, at)), tuple(h - lo for lo, h in zip(low, high)))
+        pieces.append(Piece(part, 0, box=(tuple(lo - o for lo, o in zip(low, offsets)), tuple(part.shape))))
     return dataclasses.replace(info, shape=sizes, pieces=tuple(pieces))
+
+
+def _run_as_box(start: int, numel: int, shape: tuple[int, ...]) -> Optional[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The block ``[offsets, offsets + sizes)`` that elements ``[start, start + numel)`` of a tensor make, or None.
+
+    A run is a block when it covers whole trailing dimensions and a range of
+    the dimension before them, within one index of every dimension before
+    that (an expert's gate rows in a stacked gate-and-up tensor, say).
+    """
+    if numel <= 0:
+        return None
+    inner, whole = 1, len(shape)
+    while whole > 0 and start % (inner * shape[whole - 1]) == 0 and numel % (inner * shape[whole - 1]) == 0:
+        inner *= shape[whole - 1]
+        whole -= 1
+    if whole == 0:
+        return (0,) * len(shape), shape
+    count, index = numel // inner, start // inner
+    position = index % shape[whole - 1]
+    if position + count > shape[whole - 1]:
+        return None
+    leading, outer = [], index // shape[whole - 1]
+    for size in reversed(shape[:whole - 1]):
+        leading.append(outer % size)
+        outer //= size
+    offsets = tuple(reversed(leading)) + (position,) + (0,) * (len(shape) - whole)
+    return offsets, (1,) * (whole - 1) + (count,) + shape[whole:]

@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from .checkpoint import TensorInfo
 from .checkpoint.base import contiguous_strides
 from .errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -72,10 +75,24 @@ class Chunks:
     interleaved: Optional["Deinterleave"] = None  # the whole tensor first: its two halves along that dim are the parts
 
 
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets and sizes of a block of a tensor
+
+
 @dataclass(frozen=True)
 class Piece:
+    """One checkpoint tensor's place in an assembled one: a run of its elements, or a box of it."""
+
     info: TensorInfo
-    start: int  # element offset of its block in the stacked tensor
+    start: int  # element offset of its run in the stacked tensor (when box is None)
+    box: Optional[Box] = None  # where it lies otherwise: a block cut along any dimensions (a tensor-parallel chunk)
+
+
+def piece_destination(dest: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The part of ``dest`` (the assembled tensor's memory) that ``piece`` fills: contiguous for a run, maybe not for a box."""
+    if piece.box is None:
+        return dest.view(-1)[piece.start: piece.start + piece.info.numel].view(piece.info.shape)
+    offsets, sizes = piece.box  # sizes are the piece's shape
+    return dest[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
 
 
 @dataclass(frozen=True)

@@ -76,18 +76,38 @@ def test_rows_of_a_stacked_tensor_keep_the_pieces_within_and_cut_the_one_crossin
 
     first, second = region(fused, (0, 0), (4, 4)), region(fused, (4, 0), (4, 4))
 
-    assert [(p.info.name, p.info.shape, p.info.offset, p.start) for p in first.pieces] == [("p0", (4, 4), 0, 0)]
-    assert [(p.info.name, p.info.shape, p.info.offset, p.start) for p in second.pieces] == [
-        ("p0", (1, 4), 4 * 4 * 4, 0), ("p1", (3, 4), 0, 4)]
+    assert [(p.info.name, p.info.shape, p.info.offset, p.box) for p in first.pieces] == [
+        ("p0", (4, 4), 0, ((0, 0), (4, 4)))]
+    assert [(p.info.name, p.info.shape, p.info.offset, p.box) for p in second.pieces] == [
+        ("p0", (1, 4), 4 * 4 * 4, ((0, 0), (1, 4))), ("p1", (3, 4), 0, ((1, 0), (3, 4)))]
 
 
-def test_a_stacked_tensor_sharded_along_another_dimension_is_refused_naming_it():
-    experts = [(StackSlot("gate_up", e, 0), _piece_info(f"e{e}", (3, 4))) for e in range(2)]
+def test_experts_stacked_gate_and_up_sharded_along_any_dimension_read_those_values(tmp_path):
+    experts = {f"e{e}.{w}": torch.randn(3, 4) for e in range(2) for w in ("gate", "up")}
+    path = write_safetensors(experts, tmp_path / "experts.safetensors")
+    whole = torch.stack([torch.cat([experts[f"e{e}.gate"], experts[f"e{e}.up"]]) for e in range(2)])  # [2, 6, 4]
+    with mz.open_checkpoint(path) as ckpt:
+        gate_up = stack("gate_up", [(StackSlot("gate_up", e, g), ckpt[f"e{e}.{w}"])
+                                    for e in range(2) for g, w in enumerate(("gate", "up"))])
+        for offsets, sizes in [((1, 0, 0), (1, 6, 4)), ((0, 2, 0), (2, 3, 4)), ((0, 0, 1), (2, 6, 2))]:
+            part = region(gate_up, offsets, sizes)
+            dest = torch.full(sizes, float("nan"))
+            stream([Job(dest, part)], ckpt.files, staging_factory=lambda device: pytest.fail("no staging on CPU"))
 
-    with pytest.raises(mz.ShardingError, match="only along its first dimension"):
-        region(stack("gate_up", experts), (0, 0, 2), (2, 3, 2))
+            assert torch.equal(dest, whole[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]), offsets
 
 
+@pytest.mark.parametrize("start, numel, shape, box", [
+    (24, 12, (3, 6, 4), ((1, 0, 0), (1, 3, 4))),  # expert 1's gate rows
+    (36, 12, (3, 6, 4), ((1, 3, 0), (1, 3, 4))),  # its up rows
+    (20, 12, (8, 4), ((5, 0), (3, 4))),
+    (0, 96, (4, 6, 4), ((0, 0, 0), (4, 6, 4))),
+    (20, 8, (8, 6), None),  # crosses a row boundary without covering whole rows
+])
+def test_a_run_of_a_stacked_tensor_is_placed_as_its_block(start, numel, shape, box):
+    from materialize.sharded import _run_as_box
+
+    assert _run_as_box(start, numel, shape) == box
 def test_fsdp2_model_sharded_on_meta_loads_each_rank_its_rows_and_trains(tmp_path):
     source = reference_model(tie=True)
     state = saved_state(source)

@@ -9,9 +9,9 @@ its storage record is located as in any torch file and read in place.
 
 A tensor saved in several chunks of whole rows (FSDP's ``Shard(0)``, the
 usual case) is one stacked tensor: each chunk is read straight into its
-rows, and a sharded model's rank reads only the chunks its rows need.
-Chunks cut along another dimension (tensor parallel) are refused, naming the
-tensor. Entries that are not tensors (a step count, a data loader's state)
+rows. Chunks cut along other dimensions (tensor parallel) are blocks of it,
+each read into its place as a strided copy. A sharded model's rank reads
+only the parts of the chunks that hold its own shard. Entries that are not tensors (a step count, a data loader's state)
 are left out. As in torch files, a state dict nested under ``model``,
 ``state_dict`` or ``module`` (``dcp.save({"model": ..., "optim": ...})``) is
 the checkpoint's, under its own names; without one, the training state saved
@@ -190,7 +190,7 @@ def _chunk(folder: Path, metadata_path: Path, fqn: str, shape: tuple[int, ...], 
 
 
 def _assemble(name: str, shape: tuple[int, ...], chunks: list[tuple[tuple, TensorInfo]], metadata_path: Path) -> TensorInfo:
-    """One tensor from its chunks: the chunk itself if it is whole, else rows stacked; they must tile it exactly."""
+    """One tensor from its chunks: the chunk itself if it is whole, else runs of rows or blocks; they must tile it exactly."""
     from ..stacking import Piece, Stacked
 
     if not chunks:
@@ -201,10 +201,7 @@ def _assemble(name: str, shape: tuple[int, ...], chunks: list[tuple[tuple, Tenso
     if len(chunks) == 1 and chunks[0][1].shape == shape:
         return dataclasses.replace(chunks[0][1], name=name)
     if not shape or any(offsets[1:] != (0,) * (len(shape) - 1) or info.shape[1:] != shape[1:] for offsets, info in chunks):
-        raise UnsupportedFormatError(
-            f"tensor '{name}' is saved in {len(chunks)} chunks cut along a dimension other than the first (tensor "
-            "parallel); only chunks of whole rows are read: turn the folder into one torch file first: "
-            "python -m torch.distributed.checkpoint.format_utils dcp_to_torch FOLDER FILE.pt", path=metadata_path)
+        return _blocks(name, shape, chunks, metadata_path)
     chunks.sort(key=lambda chunk: chunk[0][0])
     row = math.prod(shape[1:])
     pieces, next_row = [], 0
@@ -220,3 +217,26 @@ def _assemble(name: str, shape: tuple[int, ...], chunks: list[tuple[tuple, Tenso
     first = pieces[0].info
     return Stacked(name=name, dtype_name=first.dtype_name, itemsize=first.itemsize, shape=shape, path=first.path,
                    offset=first.offset, pieces=tuple(pieces))
+
+
+def _blocks(name: str, shape: tuple[int, ...], chunks: list[tuple[tuple, TensorInfo]], metadata_path: Path) -> TensorInfo:
+    """Chunks cut along any dimensions (tensor parallel): each a block of the tensor, read into its place."""
+    from ..stacking import Piece, Stacked
+
+    def describe(offsets: tuple, info: TensorInfo) -> str:
+        return ", ".join(f"{o}:{o + n}" for o, n in zip(offsets, info.shape))
+
+    for number, (offsets, info) in enumerate(chunks):
+        for other_offsets, other in chunks[number + 1:]:
+            if all(o < p + m and p < o + n for o, n, p, m in zip(offsets, info.shape, other_offsets, other.shape)):
+                raise CheckpointError(f"the chunks of tensor '{name}' overlap: [{describe(offsets, info)}] and "
+                                      f"[{describe(other_offsets, other)}]", path=metadata_path)
+    covered = sum(info.numel for _, info in chunks)
+    if covered != math.prod(shape):
+        raise CheckpointError(f"the chunks of tensor '{name}' cover {covered} of its {math.prod(shape)} elements",
+                              path=metadata_path)
+    pieces = tuple(Piece(dataclasses.replace(info, name=f"{name}[{describe(offsets, info)}]"), 0,
+                         box=(offsets, tuple(info.shape))) for offsets, info in sorted(chunks, key=lambda chunk: chunk[0]))
+    first = pieces[0].info
+    return Stacked(name=name, dtype_name=first.dtype_name, itemsize=first.itemsize, shape=shape, path=first.path,
+                   offset=first.offset, pieces=pieces)

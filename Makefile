@@ -3,6 +3,7 @@
 #   make test   run the test suite
 #   make bench  compare loaders on a 1.9 GB checkpoint (bench/results/)
 #   make bench-strided  experts saved transposed or interleaved, 1 GB
+#   make bench-dcp  the 1.9 GB checkpoint as a dcp.save training save, against dcp.load
 #   make fuzz   fuzz the header, index and zip readers (FUZZ_SECONDS, default 600)
 PYTHON ?= python3
 VENV := .venv
@@ -15,7 +16,7 @@ CONFIG ?= configs/bench-llama-1b.toml
 
 FUZZ_SECONDS ?= 600
 
-.PHONY: demo test bench bench-strided fuzz venv clean
+.PHONY: demo test bench bench-strided bench-dcp fuzz venv clean
 
 $(STAMP): pyproject.toml requirements-dev.txt requirements-fuzz.txt
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +41,9 @@ bench: $(BENCH_STAMP)
 
 bench-strided: $(BENCH_STAMP)
 	$(PY) -m bench.strided
+
+bench-dcp: $(BENCH_STAMP)
+	$(PY) -m bench.dcp --config $(CONFIG)
 
 fuzz: $(STAMP)
 	$(PY) -m fuzz.run --seconds $(FUZZ_SECONDS)

@@ -75,3 +75,20 @@ def test_the_rearranged_layouts_bench_verifies_every_method(tmp_path):
     rows = json.loads((out / "bench-strided.json").read_text())["results"]
     assert len(rows) == 5 and all(row["verified"] for row in rows.values()), rows
     assert "| ours, transposed experts |" in (out / "bench-strided.md").read_text()
+
+
+def test_the_dcp_bench_saves_once_and_verifies_every_method(tmp_path):
+    config = tmp_path / "bench-tiny.toml"
+    config.write_text(TINY_CONFIG)
+    out = tmp_path / "results"
+
+    subprocess.run(
+        [sys.executable, "-m", "bench.dcp", "--config", str(config), "--data", str(tmp_path / "data"), "--runs", "1",
+         "--out", str(out)],
+        cwd=ROOT, check=True, capture_output=True, text=True,
+    )
+
+    rows = json.loads((out / "bench-dcp.json").read_text())["results"]
+    assert len(rows) == 4 and all(row["verified"] for row in rows.values()), rows
+    assert (tmp_path / "data" / "bench-tiny" / "dcp" / ".metadata").is_file()
+    assert "| ours, same dtype |" in (out / "bench-dcp.md").read_text()

@@ -1,9 +1,10 @@
 """torch.distributed.checkpoint (DCP) folders: ``.metadata`` and ``*.distcp`` files, read in place.
 
 ``.metadata`` is a pickle of DCP's own dataclasses. It is read by an
-unpickler that knows those classes and torch's sizes, dtypes and layouts,
-and nothing else: any other name in it is refused, so nothing in the file
-runs. Each tensor was saved as chunks, one per rank that held a part of it,
+unpickler that knows those classes (as plain stand-ins: their fields are
+set, none of their code runs, torch.distributed is not imported) and
+torch's sizes, dtypes and layouts, and nothing else: any other name in it is
+refused, so nothing in the file runs. Each tensor was saved as chunks, one per rank that held a part of it,
 each chunk a small ``torch.save`` zip at an offset of a ``.distcp`` file:
 its storage record is located as in any torch file and read in place.
 
@@ -37,8 +38,50 @@ from .torchpickle import STATE_DICT_KEYS, first_line
 from .torchzip import read_embedded_tensor
 
 
+class _Record:
+    """A plain record standing in for one of DCP's metadata dataclasses: pickle sets its fields, nothing else runs.
+
+    torch.distributed.checkpoint's own classes are not imported to read a
+    folder (that import alone took 0.3-0.7 s, more than opening the folder).
+    """
+
+
+class Metadata(_Record):
+    pass
+
+
+class TensorStorageMetadata(_Record):
+    pass
+
+
+class BytesStorageMetadata(_Record):
+    pass
+
+
+class _TensorProperties(_Record):
+    def __setstate__(self, state: Any) -> None:
+        # Saved as (dtype, layout, requires_grad, memory format code, pin_memory); only the dtype is used.
+        self.dtype = state[0] if isinstance(state, tuple) and state else None
+
+
+def _memory_format_code(value: Any) -> Any:
+    return value  # DCP's _MEM_FORMAT_ENCODING(value): the code is all the metadata needs
+
+
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_STAND_INS = {
+    (_METADATA_MODULE, "Metadata"): Metadata,
+    (_METADATA_MODULE, "TensorStorageMetadata"): TensorStorageMetadata,
+    (_METADATA_MODULE, "BytesStorageMetadata"): BytesStorageMetadata,
+    (_METADATA_MODULE, "TensorProperties"): _TensorProperties,
+    (_METADATA_MODULE, "_MEM_FORMAT_ENCODING"): _memory_format_code,
+    **{(_METADATA_MODULE, name): type(name, (_Record,), {}) for name in ("ChunkStorageMetadata", "MetadataIndex", "StorageMeta")},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): type("_StorageInfo", (_Record,), {}),
+}
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's metadata classes, torch's sizes, dtypes and layouts, paths; any other global is refused."""
+    """DCP's metadata classes (as stand-ins), torch's sizes, dtypes and layouts, paths; any other global is refused."""
 
     def __init__(self, file: Any, path: Path) -> None:
         super().__init__(file)
@@ -62,26 +105,15 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
     import pathlib
 
     import torch.serialization
-    from torch.distributed.checkpoint import filesystem, metadata
 
     found = {("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-             ("collections", "OrderedDict"): collections.OrderedDict,
-             ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo}
-    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"):
-        if hasattr(metadata, name):
-            found[("torch.distributed.checkpoint.metadata", name)] = getattr(metadata, name)
+             ("collections", "OrderedDict"): collections.OrderedDict, **_STAND_INS}
     for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
         found[("pathlib", name)] = getattr(pathlib, name)
     return found
 
 
 def _read_metadata(path: Path) -> Any:
-    try:
-        import torch.distributed.checkpoint  # noqa: F401  (its classes are what the metadata holds)
-    except ImportError:
-        raise UnsupportedFormatError("is a torch.distributed.checkpoint (DCP) folder, and this torch has no "
-                                     "torch.distributed to describe it", path=path.parent) from None
     try:
         with open(path, "rb") as handle:
             return _MetadataUnpickler(handle, path).load()
@@ -93,8 +125,6 @@ def _read_metadata(path: Path) -> Any:
 
 def read_dcp(folder: Path) -> dict[str, TensorInfo]:
     """Every tensor of the DCP checkpoint in ``folder``, its chunks located and checked; no tensor data read."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
-
     path = folder / DCP_METADATA_NAME
     metadata = _read_metadata(path)
     if not isinstance(metadata, Metadata):

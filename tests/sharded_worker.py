@@ -75,6 +75,25 @@ def tensor_parallel(checkpoint: str, mesh) -> dict:
     return {**result, "bytes_read": report.bytes_read, "model_bytes": report.model_bytes}
 
 
+def fsdp_mixed(checkpoint: str, mesh) -> dict:
+    """FSDP2 with a bf16 mixed-precision policy over fp32 parameters, from a bf16 checkpoint."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    with torch.device("meta"):
+        model = MLP()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(model.up, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    mz.load(model, checkpoint, check=True)
+    source = reference_mlp().to(torch.bfloat16).float()  # the values the bf16 file holds
+    result = _compare(model, source)
+    result["dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+    model(torch.randn(3, 16)).float().pow(2).mean().backward()
+    torch.optim.AdamW(model.parameters(), lr=1e-3).step()
+    result["stepped"] = all(str(p.dtype) == "torch.float32" and p.grad is not None for p in model.parameters())
+    return result
+
+
 def stacked(checkpoint: str, mesh) -> dict:
     """Tensors assembled from several checkpoint tensors (experts stacked, parts concatenated), sharded by rows."""
     from safetensors.torch import load_file
@@ -153,7 +172,7 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=int(rank), world_size=int(world))
     try:
         mesh = init_device_mesh("cpu", (int(world),))
-        result = {"fsdp": fsdp, "tp": tensor_parallel, "stacked": stacked, "partial": partial,
+        result = {"fsdp": fsdp, "fsdp_mixed": fsdp_mixed, "tp": tensor_parallel, "stacked": stacked, "partial": partial,
                   "save_fsdp": save_fsdp, "save_tp": save_tp}[scenario](checkpoint, mesh)
     except BaseException:
         result = {"crash": traceback.format_exc()}

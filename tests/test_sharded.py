@@ -123,6 +123,18 @@ def test_fsdp2_model_sharded_on_meta_loads_each_rank_its_rows_and_trains(tmp_pat
     assert sum(rank["bytes_read"] for rank in ranks) == sum(t.numel() * t.element_size() for t in state.values())
 
 
+def test_fsdp2_mixed_precision_keeps_its_fp32_master_weights_from_a_bf16_checkpoint(tmp_path):
+    from sharded_worker import reference_mlp
+
+    path = write_safetensors({k: v.to(torch.bfloat16) for k, v in reference_mlp().state_dict().items()},
+                             tmp_path / "bf16.safetensors")
+
+    ranks = run_ranks("fsdp_mixed", path, tmp_path)
+
+    for rank in ranks:
+        assert rank["dtypes"] == ["torch.float32"] and all(rank["equal"].values()) and rank["stepped"]
+
+
 def test_tensor_parallel_model_reads_column_and_row_shards_with_a_cast(tmp_path):
     from sharded_worker import reference_mlp
 

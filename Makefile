@@ -4,6 +4,7 @@
 #   make bench  compare loaders on a 1.9 GB checkpoint (bench/results/)
 #   make bench-strided  experts saved transposed or interleaved, 1 GB
 #   make bench-dcp  the 1.9 GB checkpoint as a dcp.save training save, against dcp.load
+#   make bench-sharded  the 1.9 GB checkpoint into an FSDP2 model on 2 ranks, against set_model_state_dict
 #   make fuzz   fuzz the header, index and zip readers (FUZZ_SECONDS, default 600)
 PYTHON ?= python3
 VENV := .venv
@@ -16,7 +17,7 @@ CONFIG ?= configs/bench-llama-1b.toml
 
 FUZZ_SECONDS ?= 600
 
-.PHONY: demo test bench bench-strided bench-dcp fuzz venv clean
+.PHONY: demo test bench bench-strided bench-dcp bench-sharded fuzz venv clean
 
 $(STAMP): pyproject.toml requirements-dev.txt requirements-fuzz.txt
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +45,9 @@ bench-strided: $(BENCH_STAMP)
 
 bench-dcp: $(BENCH_STAMP)
 	$(PY) -m bench.dcp --config $(CONFIG)
+
+bench-sharded: $(BENCH_STAMP)
+	$(PY) -m bench.sharded --config $(CONFIG)
 
 fuzz: $(STAMP)
 	$(PY) -m fuzz.run --seconds $(FUZZ_SECONDS)

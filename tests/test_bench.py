@@ -92,3 +92,20 @@ def test_the_dcp_bench_saves_once_and_verifies_every_method(tmp_path):
     assert len(rows) == 4 and all(row["verified"] for row in rows.values()), rows
     assert (tmp_path / "data" / "bench-tiny" / "dcp" / ".metadata").is_file()
     assert "| ours, same dtype |" in (out / "bench-dcp.md").read_text()
+
+
+def test_the_sharded_bench_runs_every_method_on_two_ranks_and_verifies_them(tmp_path):
+    config = tmp_path / "bench-tiny.toml"
+    config.write_text(TINY_CONFIG)
+    out = tmp_path / "results"
+
+    subprocess.run(
+        [sys.executable, "-m", "bench.sharded", "--config", str(config), "--data", str(tmp_path / "data"), "--runs", "1",
+         "--out", str(out)],
+        cwd=ROOT, check=True, capture_output=True, text=True,
+    )
+
+    report = json.loads((out / "bench-sharded.json").read_text())
+    assert report["world"] == 2 and len(report["results"]) == 3
+    assert all(row["verified"] for row in report["results"].values()), report
+    assert "| ours: every rank reads its own rows |" in (out / "bench-sharded.md").read_text()

@@ -1,0 +1,149 @@
+"""An FSDP2 model sharded on meta over several ranks, loaded from the benchmark checkpoint.
+
+``python -m bench.sharded`` runs ``--world`` processes (gloo on CPU; a file
+store, no port) per load, each rank building the benchmark model
+(configs/bench-llama-1b.toml, 1.9 GB of bf16) on meta and sharding every
+layer with ``fully_shard``. Methods, each a fresh set of processes, page
+cache warm, taking turns, median of ``--runs`` after a warm-up:
+
+- ours: ``mz.load`` on every rank (each reads its own rows);
+- torch, rank 0 reads and broadcasts: ``to_empty``, rank 0 ``load_file``,
+  then ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``
+  (how FSDP2 recipes load a Hugging Face checkpoint);
+- torch, every rank reads: ``to_empty``, every rank ``load_file``, then
+  ``set_model_state_dict(full_state_dict=True)``.
+
+Figures: the slowest rank's load seconds, the largest rank's peak RSS
+growth, each result verified (sampled tensors gathered and checksummed).
+Writes ``bench/results/bench-sharded.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench.fixtures import crc, ensure
+
+RESULTS = Path(__file__).parent / "results"
+METHODS = {
+    "ours: every rank reads its own rows": "ours",
+    "torch: rank 0 reads, set_model_state_dict broadcasts": "broadcast",
+    "torch: every rank reads all, set_model_state_dict": "everyone",
+}
+
+
+def rank_main(method: str, path: Path, expected: dict, store: Path, rank: int, world: int, out: Path) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import materialize as mz
+    from materialize.models.transformer import DecoderLM
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    dist.barrier()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    started = time.perf_counter()
+    with mz.meta_init():
+        model = DecoderLM(**expected["model_args"]).to(torch.bfloat16)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if method == "ours":
+        mz.load(model, path)
+    else:
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        model.to_empty(device="cpu")
+        broadcast = method == "broadcast"
+        state = load_file(path) if rank == 0 or not broadcast else {}
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast))
+        del state
+    seconds = time.perf_counter() - started
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    params = dict(model.named_parameters())
+    verified = all(crc(params[name].full_tensor()) == value for name, value in expected["same"].items())
+    out.write_text(json.dumps({"load_s": seconds, "rss_growth": peak - before, "verified": verified}))
+    dist.barrier()
+    os._exit(0)  # gloo's teardown at exit aborts now and then on its own; the result is written
+
+
+def one(method: str, path: Path, world: int, config: str, data: str, scratch: Path) -> dict:
+    """One load on ``world`` fresh processes: the slowest rank's time, the largest rank's memory."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    store = scratch / "store"
+    store.unlink(missing_ok=True)
+    outs = [scratch / f"rank{rank}.json" for rank in range(world)]
+    for out in outs:
+        out.unlink(missing_ok=True)
+    processes = [subprocess.Popen([sys.executable, "-m", "bench.sharded", "--config", config, "--data", data, "--rank",
+                                   f"{method},{rank},{world},{store},{out}"], cwd=Path(__file__).parent.parent,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for rank, out in enumerate(outs)]
+    errors = [process.communicate(timeout=900)[1] for process in processes]
+    if not all(out.exists() for out in outs):
+        raise RuntimeError(f"{method}: a rank wrote no result: {errors[0][-2000:]}")
+    ranks = [json.loads(out.read_text()) for out in outs]
+    return {"load_s": max(r["load_s"] for r in ranks), "rss_growth": max(r["rss_growth"] for r in ranks),
+            "verified": all(r["verified"] for r in ranks)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/bench-llama-1b.toml")
+    parser.add_argument("--data", default="data/bench")
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--rank", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    paths = ensure(args.config, Path(args.data))
+    expected = json.loads(paths["expected"].read_text())
+    if args.rank:
+        method, rank, world, store, out = args.rank.split(",")
+        rank_main(method, paths["single"], expected, Path(store), int(rank), int(world), Path(out))
+        return
+    scratch = Path(args.data).resolve() / "sharded-runs"  # a file:// store wants an absolute path
+    for method in METHODS.values():
+        one(method, paths["single"], args.world, args.config, args.data, scratch)  # warm-up
+    runs: dict[str, list[dict]] = {label: [] for label in METHODS}
+    for _ in range(args.runs):
+        for label, method in METHODS.items():
+            runs[label].append(one(method, paths["single"], args.world, args.config, args.data, scratch))
+    nbytes = expected["nbytes"]
+    lines = [f"{nbytes / 1e9:.2f} GB of bf16 weights ({Path(args.config).stem}, one safetensors file), FSDP2 over "
+             f"{args.world} ranks (gloo, CPU); median of {args.runs} runs after a warm-up, methods taking turns, "
+             "each run fresh processes, page cache warm. Load s: the slowest rank, sharding on meta included; "
+             "RSS growth: the largest rank.", "",
+             "| method | load s | min-max s | x ours | RSS growth GB | verified |", "| --- | ---: | ---: | ---: | ---: | --- |"]
+    report = {}
+    baseline = None
+    for label, results in runs.items():
+        times = [r["load_s"] for r in results]
+        median = statistics.median(times)
+        baseline = baseline or median
+        report[label] = {"load_s": median, "runs": times, "rss_growth": statistics.median(r["rss_growth"] for r in results),
+                         "verified": all(r["verified"] for r in results)}
+        lines.append(f"| {label} | {median:.3f} | {min(times):.3f}-{max(times):.3f} | {median / baseline:.2f} | "
+                     f"{report[label]['rss_growth'] / 1e9:.2f} | {'yes' if report[label]['verified'] else 'NO'} |")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench-sharded.json").write_text(json.dumps({"nbytes": nbytes, "world": args.world, "results": report}, indent=2))
+    (out / "bench-sharded.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 
 from bench.fixtures import crc, ensure
+from bench.turns import take_turns, write_table
 
 RESULTS = Path(__file__).parent / "results"
 METHODS = {
@@ -114,34 +114,15 @@ def main(argv: list[str] | None = None) -> None:
                               cwd=Path(__file__).parent.parent)
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    for method in METHODS.values():
-        run(method)  # warm-up: page cache, import caches
-    runs: dict[str, list[dict]] = {label: [] for label in METHODS}
-    for _ in range(args.runs):
-        for label, method in METHODS.items():
-            runs[label].append(run(method))
-    nbytes = expected["nbytes"]
-    lines = [f"{nbytes / 1e9:.2f} GB of bf16 weights saved with dcp.save ({Path(args.config).stem}); median of "
-             f"{args.runs} runs after a warm-up, methods taking turns, each run a fresh process, page cache warm. "
-             "Load s includes building the skeleton on meta.", "",
-             "| method | load s | min-max s | x ours (same group) | RSS growth GB | verified |",
-             "| --- | ---: | ---: | ---: | ---: | --- |"]
-    report, ours = {}, {}
-    for label, results in runs.items():
-        times = [r["load_s"] for r in results]
-        median = statistics.median(times)
-        group = "cast" if "fp32" in label else "same"
-        ours.setdefault(group, median)  # the first row of each group is ours
-        report[label] = {"load_s": median, "runs": times, "rss_growth": statistics.median(r["rss_growth"] for r in results),
-                         "verified": all(r["verified"] for r in results)}
-        lines.append(f"| {label} | {median:.3f} | {min(times):.3f}-{max(times):.3f} | {median / ours[group]:.2f} | "
-                     f"{report[label]['rss_growth'] / 1e9:.2f} | {'yes' if report[label]['verified'] else 'NO'} |")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench-dcp.json").write_text(json.dumps({"nbytes": nbytes, "results": report}, indent=2))
-    (out / "bench-dcp.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
+    results = take_turns(METHODS, run, args.runs)
+    ours: dict[bool, str] = {}  # the first row of each group (same dtype, cast) is ours
+    for label in METHODS:
+        ours.setdefault("fp32" in label, label)
+    write_table(Path(args.out), "bench-dcp",
+                f"{expected['nbytes'] / 1e9:.2f} GB of bf16 weights saved with dcp.save ({Path(args.config).stem}); "
+                f"median of {args.runs} runs after a warm-up, methods taking turns, each run a fresh process, page "
+                "cache warm. Load s includes building the skeleton on meta.",
+                results, lambda label: ours["fp32" in label], "x ours (same group)", {"nbytes": expected["nbytes"]})
 
 if __name__ == "__main__":
     main()

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 
 from bench.fixtures import crc, ensure
+from bench.turns import take_turns, write_table
 
 RESULTS = Path(__file__).parent / "results"
 METHODS = {
@@ -116,34 +116,15 @@ def main(argv: list[str] | None = None) -> None:
         rank_main(method, paths["single"], expected, Path(store), int(rank), int(world), Path(out))
         return
     scratch = Path(args.data).resolve() / "sharded-runs"  # a file:// store wants an absolute path
-    for method in METHODS.values():
-        one(method, paths["single"], args.world, args.config, args.data, scratch)  # warm-up
-    runs: dict[str, list[dict]] = {label: [] for label in METHODS}
-    for _ in range(args.runs):
-        for label, method in METHODS.items():
-            runs[label].append(one(method, paths["single"], args.world, args.config, args.data, scratch))
-    nbytes = expected["nbytes"]
-    lines = [f"{nbytes / 1e9:.2f} GB of bf16 weights ({Path(args.config).stem}, one safetensors file), FSDP2 over "
-             f"{args.world} ranks (gloo, CPU); median of {args.runs} runs after a warm-up, methods taking turns, "
-             "each run fresh processes, page cache warm. Load s: the slowest rank, sharding on meta included; "
-             "RSS growth: the largest rank.", "",
-             "| method | load s | min-max s | x ours | RSS growth GB | verified |", "| --- | ---: | ---: | ---: | ---: | --- |"]
-    report = {}
-    baseline = None
-    for label, results in runs.items():
-        times = [r["load_s"] for r in results]
-        median = statistics.median(times)
-        baseline = baseline or median
-        report[label] = {"load_s": median, "runs": times, "rss_growth": statistics.median(r["rss_growth"] for r in results),
-                         "verified": all(r["verified"] for r in results)}
-        lines.append(f"| {label} | {median:.3f} | {min(times):.3f}-{max(times):.3f} | {median / baseline:.2f} | "
-                     f"{report[label]['rss_growth'] / 1e9:.2f} | {'yes' if report[label]['verified'] else 'NO'} |")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench-sharded.json").write_text(json.dumps({"nbytes": nbytes, "world": args.world, "results": report}, indent=2))
-    (out / "bench-sharded.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
+    results = take_turns(METHODS, lambda method: one(method, paths["single"], args.world, args.config, args.data,
+                                                     scratch), args.runs)
+    ours = next(iter(METHODS))
+    write_table(Path(args.out), "bench-sharded",
+                f"{expected['nbytes'] / 1e9:.2f} GB of bf16 weights ({Path(args.config).stem}, one safetensors file), "
+                f"FSDP2 over {args.world} ranks (gloo, CPU); median of {args.runs} runs after a warm-up, methods "
+                "taking turns, each run fresh processes, page cache warm. Load s: the slowest rank, sharding on meta "
+                "included; RSS growth: the largest rank.",
+                results, lambda label: ours, "x ours", {"nbytes": expected["nbytes"], "world": args.world})
 
 if __name__ == "__main__":
     main()

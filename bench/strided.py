@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from bench.turns import take_turns, write_table
 
 RESULTS = Path(__file__).parent / "results"
 SHAPE = (32, 1024, 2048)
@@ -137,30 +138,12 @@ def main(argv: list[str] | None = None) -> None:
                               cwd=Path(__file__).parent.parent)
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    for method in METHODS.values():
-        run(method)  # warm-up: page cache, import caches
-    runs: dict[str, list[dict]] = {label: [] for label in METHODS}
-    for _ in range(args.runs):
-        for label, method in METHODS.items():
-            runs[label].append(run(method))
-    gigabytes = path.stat().st_size / 1e9
-    baseline = statistics.median(r["load_s"] for r in runs[next(iter(METHODS))])
-    lines = [f"{gigabytes:.2f} GB of bf16 expert stacks ({count} x {list(shape)}); median of {args.runs} runs after a "
-             "warm-up, methods taking turns, each run a fresh process, page cache warm.", "",
-             "| method | load s | min-max s | x same layout | verified |", "| --- | ---: | ---: | ---: | --- |"]
-    report = {}
-    for label, results in runs.items():
-        times = [r["load_s"] for r in results]
-        median = statistics.median(times)
-        report[label] = {"load_s": median, "runs": times, "verified": all(r["verified"] for r in results)}
-        lines.append(f"| {label} | {median:.3f} | {min(times):.3f}-{max(times):.3f} | {median / baseline:.2f} | "
-                     f"{'yes' if report[label]['verified'] else 'NO'} |")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench-strided.json").write_text(json.dumps({"nbytes": path.stat().st_size, "results": report}, indent=2))
-    (out / "bench-strided.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
+    results = take_turns(METHODS, run, args.runs)
+    same_layout = next(iter(METHODS))
+    write_table(Path(args.out), "bench-strided",
+                f"{path.stat().st_size / 1e9:.2f} GB of bf16 expert stacks ({count} x {list(shape)}); median of "
+                f"{args.runs} runs after a warm-up, methods taking turns, each run a fresh process, page cache warm.",
+                results, lambda label: same_layout, "x same layout", {"nbytes": path.stat().st_size})
 
 if __name__ == "__main__":
     main()

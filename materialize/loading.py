@@ -27,7 +27,6 @@ from .planning import DtypeRule, Entry, InitFn, Plan, Tolerated, make_plan
 from .report import Report
 from .sanitizer import CountingFiles, audit, nonfinite, poison
 from .sharded import is_dtensor, local_of
-from .stacking import piece_destination, pieces_of
 from .transfer import resolve_device, staging_for
 from .validate import check_bools
 
@@ -300,10 +299,7 @@ def _materialize_entry(
     if entry.action != "load" or view is not None:
         return []
     assert entry.source is not None
-    pieces = pieces_of(entry.source)
-    if len(pieces) == 1 and pieces[0].info.shape == entry.local_shape:
-        return [Job(local.detach(), pieces[0].info)]  # the common case: one tensor filled whole, no views to make
-    return [Job(piece_destination(local.detach(), piece), piece.info) for piece in pieces]
+    return [Job(local.detach(), entry.source)]  # a stacked source is placed piece by piece by the engine
 
 
 def _registered(entry: Entry) -> torch.Tensor:

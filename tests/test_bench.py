@@ -77,16 +77,21 @@ def test_the_rearranged_layouts_bench_verifies_every_method(tmp_path):
     assert "| ours, transposed experts |" in (out / "bench-strided.md").read_text()
 
 
-def test_the_dcp_bench_saves_once_and_verifies_every_method(tmp_path):
+def _run_on_the_tiny_config(module: str, tmp_path: Path) -> Path:
+    """Run ``python -m module`` once on the tiny config; the folder its results went to."""
     config = tmp_path / "bench-tiny.toml"
     config.write_text(TINY_CONFIG)
     out = tmp_path / "results"
-
     subprocess.run(
-        [sys.executable, "-m", "bench.dcp", "--config", str(config), "--data", str(tmp_path / "data"), "--runs", "1",
+        [sys.executable, "-m", module, "--config", str(config), "--data", str(tmp_path / "data"), "--runs", "1",
          "--out", str(out)],
         cwd=ROOT, check=True, capture_output=True, text=True,
     )
+    return out
+
+
+def test_the_dcp_bench_saves_once_and_verifies_every_method(tmp_path):
+    out = _run_on_the_tiny_config("bench.dcp", tmp_path)
 
     rows = json.loads((out / "bench-dcp.json").read_text())["results"]
     assert len(rows) == 4 and all(row["verified"] for row in rows.values()), rows
@@ -95,15 +100,7 @@ def test_the_dcp_bench_saves_once_and_verifies_every_method(tmp_path):
 
 
 def test_the_sharded_bench_runs_every_method_on_two_ranks_and_verifies_them(tmp_path):
-    config = tmp_path / "bench-tiny.toml"
-    config.write_text(TINY_CONFIG)
-    out = tmp_path / "results"
-
-    subprocess.run(
-        [sys.executable, "-m", "bench.sharded", "--config", str(config), "--data", str(tmp_path / "data"), "--runs", "1",
-         "--out", str(out)],
-        cwd=ROOT, check=True, capture_output=True, text=True,
-    )
+    out = _run_on_the_tiny_config("bench.sharded", tmp_path)
 
     report = json.loads((out / "bench-sharded.json").read_text())
     assert report["world"] == 2 and len(report["results"]) == 3

@@ -8,6 +8,7 @@ uncompressed at a known offset: the same direct path as safetensors, with no
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import struct
@@ -42,8 +43,11 @@ def _record_offsets(
     data_dir = f"{prefix}/data/"
     spans: list[tuple[int, int, str]] = []
     base = window.base if window is not None else 0
-    with open(path, "rb") as handle:
-        _check_end_record(path, archive, window.copy() if window is not None else handle)
+    with contextlib.ExitStack() as opened:
+        # A zip inside a bigger file is read through its window's descriptor, not a second open.
+        handle = window.copy() if window is not None else opened.enter_context(open(path, "rb"))
+        fd = window.fd if window is not None else handle.fileno()
+        _check_end_record(path, archive, handle)
         for info in archive.infolist():
             name = info.filename
             if info.flag_bits & 0x1:
@@ -58,7 +62,7 @@ def _record_offsets(
                 raise CheckpointError(f"storage record {name[len(data_dir):]!r} is compressed; torch writes them stored", path=path)
             raw_name = _raw_name(info)
             # One positional read of the header and the name it must repeat: no buffer refilled per record.
-            header = os.pread(handle.fileno(), _LOCAL_HEADER.size + len(raw_name), base + info.header_offset)
+            header = os.pread(fd, _LOCAL_HEADER.size + len(raw_name), base + info.header_offset)
             if len(header) < _LOCAL_HEADER.size:
                 raise CheckpointError(f"zip local header of record {name!r} is truncated", path=path)
             signature, method, name_len, extra_len = _LOCAL_HEADER.unpack_from(header)
@@ -144,11 +148,11 @@ class _Window(io.RawIOBase):
 
     def __init__(self, fd: int, base: int, length: int) -> None:
         super().__init__()
-        self._fd, self.base, self.length, self._at = fd, base, length, 0
+        self.fd, self.base, self.length, self._at = fd, base, length, 0
 
     def copy(self) -> "_Window":
         """The same bytes, read from a position of its own."""
-        return _Window(self._fd, self.base, self.length)
+        return _Window(self.fd, self.base, self.length)
 
     def readable(self) -> bool:
         return True
@@ -168,7 +172,7 @@ class _Window(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         wanted = max(0, min(len(buffer), self.length - self._at))
-        data = os.pread(self._fd, wanted, self.base + self._at) if wanted else b""
+        data = os.pread(self.fd, wanted, self.base + self._at) if wanted else b""
         buffer[:len(data)] = data
         self._at += len(data)
         return len(data)

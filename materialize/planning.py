@@ -277,7 +277,7 @@ def make_plan(
         names = tuple(name for name, _ in named)
         owners = [owner for _, owner in named]
         info = next((to_ckpt[n] for n in names if n in to_ckpt), None)
-        spec = shard_spec(tensor, names[0])
+        spec = shard_spec(tensor, names[0], ckpt.path)
         if info is not None and tolerated is not None and tolerated.computed_buffers_stand and \
                 not any(owner.persistent for owner in owners):
             plan.ignored.extend(piece.info.name for piece in pieces_of(info))

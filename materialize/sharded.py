@@ -23,6 +23,7 @@ import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -74,8 +75,11 @@ def local_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
-def shard_spec(tensor: torch.Tensor, name: str) -> Optional[ShardSpec]:
-    """This rank's box of ``tensor`` if it is a DTensor, else None; refuses placements that are not a box."""
+def shard_spec(tensor: torch.Tensor, name: str, path: Optional[Path] = None) -> Optional[ShardSpec]:
+    """This rank's box of ``tensor`` if it is a DTensor, else None; refuses placements that are not a box.
+
+    ``path`` is the checkpoint being loaded, named in the error.
+    """
     module = _dtensor_module()
     if module is None or not isinstance(tensor, module.DTensor):
         return None
@@ -85,11 +89,11 @@ def shard_spec(tensor: torch.Tensor, name: str) -> Optional[ShardSpec]:
             raise ShardingError(
                 f"is a DTensor placed {placement!r} on its mesh; only Shard(dim) and Replicate placements "
                 "can be read from a checkpoint (redistribute it, or load before sharding that way)",
-                tensor=name,
+                path=path, tensor=name,
             )
     mesh = tensor.device_mesh
     if mesh.get_coordinate() is None:
-        raise ShardingError("is a DTensor on a mesh this rank is not part of", tensor=name)
+        raise ShardingError("is a DTensor on a mesh this rank is not part of", path=path, tensor=name)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     local_shape, offsets = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)

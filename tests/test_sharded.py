@@ -175,4 +175,4 @@ def test_a_partial_dtensor_is_refused_naming_it_and_the_model_is_left_as_it_was(
 
     for rank in ranks:
         assert rank["error"] == "ShardingError" and rank["left_as_was"]
-        assert "'up.weight'" in rank["message"] and "Partial" in rank["message"]
+        assert rank["message"].startswith(f"{path}: ") and "'up.weight'" in rank["message"] and "Partial" in rank["message"]

@@ -122,7 +122,7 @@ def stream(
             continue
         if not job.info.contiguous or not job.dest.is_contiguous():
             strided.append(job)  # a box of the destination (a tensor-parallel chunk) is filled as a strided view is
-        elif job.dest.device.type != "cpu":
+        elif not job.dest.is_cpu:
             staged.append(job)
         elif job.dest.dtype == job.info.dtype:
             direct.append(job)
@@ -230,8 +230,12 @@ def _pieces(jobs: list[Job], chunk_bytes: int) -> list[Piece]:
     pieces = []
     # Files in order, large reads: the page cache and storage both prefer it.
     for job in sorted(jobs, key=lambda j: (str(j.info.path), j.info.offset)):
+        nbytes = job.info.nbytes
+        if nbytes <= chunk_bytes:
+            pieces.append((job, 0, nbytes))
+            continue
         step = max(1, chunk_bytes // job.info.itemsize) * job.info.itemsize
-        pieces += [(job, start, min(start + step, job.info.nbytes)) for start in range(0, job.info.nbytes, step)]
+        pieces += [(job, start, min(start + step, nbytes)) for start in range(0, nbytes, step)]
     return pieces
 
 
@@ -249,7 +253,8 @@ def _file_runs(pieces: list[Piece], run_bytes: int) -> Iterator[list[Piece]]:
         if run:
             last_job, _, last_stop = run[-1]
             gap = job.info.offset + start - (last_job.info.offset + last_stop)
-            follows = job.info.path == last_job.info.path and 0 <= gap <= GAP_BYTES
+            same_file = job.info.path is last_job.info.path or job.info.path == last_job.info.path
+            follows = same_file and 0 <= gap <= GAP_BYTES
             if not follows or run_size + stop - start > run_bytes or len(run) == MAX_IOVECS:
                 yield run
                 run, run_size = [], 0

@@ -36,8 +36,8 @@ _memory_view = _memory_view_maker()
 
 def byte_view(tensor: "torch.Tensor") -> memoryview:
     """A writable view of a contiguous CPU tensor's bytes (any dtype); it does not keep the tensor alive."""
-    assert tensor.device.type == "cpu" and tensor.is_contiguous()
-    nbytes = tensor.numel() * tensor.element_size()
+    assert tensor.is_cpu and tensor.is_contiguous()
+    nbytes = tensor.nbytes
     if nbytes == 0:
         return memoryview(bytearray())
     if _memory_view is not None:

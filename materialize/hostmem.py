@@ -149,9 +149,11 @@ def empty_destination(
     allocation succeeds and the process is killed while filling it, so a CPU
     destination larger than all RAM and swap together is refused up front.
     """
-    if device.type == "cpu":
+    nbytes = math.prod(shape) * dtype.itemsize
+    on_cpu = device.type == "cpu"
+    if on_cpu:
         limit = ram_and_swap_bytes()
-        if limit and math.prod(shape) * dtype.itemsize > limit:
+        if limit and nbytes > limit:
             reason = f"out of memory: more than this machine's RAM and swap together, {format_bytes(limit)}"
             raise _out_of_memory(shape, dtype, device, name, path, reason)
     try:
@@ -160,5 +162,6 @@ def empty_destination(
         if not isinstance(exc, MemoryError) and "alloc" not in str(exc).lower():
             raise
         raise _out_of_memory(shape, dtype, device, name, path) from None
-    advise_huge_pages(tensor)
+    if on_cpu and nbytes >= MIN_ADVISED_BYTES:
+        advise_huge_pages(tensor)
     return tensor

@@ -271,7 +271,8 @@ def _materialize_entry(
 ) -> list[Job]:
     """Allocate one tensor (once, whatever its tie group) and register it everywhere."""
     original = entry.original
-    view = maps.view(entry.source) if maps is not None and entry.source and entry.stays_in_file(mmap) else None
+    source = entry.source
+    view = maps.view(source) if maps is not None and source is not None and entry.stays_in_file(mmap) else None
     if view is not None:
         tensor = view
         mapped.append(entry.name)
@@ -280,14 +281,15 @@ def _materialize_entry(
     elif _reusable(original, entry):
         tensor = original  # already real, right place and type: fill it in place
     else:
-        source = entry.source
         tensor = empty_destination(
-            entry.local_shape, dtype=entry.dtype, device=entry.device, name=entry.name, path=source.path if source else None,
+            entry.local_shape, dtype=entry.dtype, device=entry.device, name=entry.name,
+            path=source.path if source is not None else None,
         )
-    local = local_of(tensor)  # what this process fills: a DTensor's shard on this rank
+    sharded = entry.shard is not None
+    local = local_of(tensor) if sharded else tensor  # what this process fills: a DTensor's shard on this rank
     if check and view is None and entry.action != "keep":
         poison(local)  # whatever is not written later is caught by the audit
-    if entry.shard is not None and not is_dtensor(tensor):
+    if sharded and not is_dtensor(tensor):
         tensor = entry.shard.wrap(tensor)
     if tensor is not original and isinstance(original, nn.Parameter):
         grad = original.requires_grad and (tensor.is_floating_point() or tensor.is_complex())
@@ -298,8 +300,9 @@ def _materialize_entry(
         registry[owner.attr] = tensor
     if entry.action != "load" or view is not None:
         return []
-    assert entry.source is not None
-    return [Job(local.detach(), entry.source)]  # a stacked source is placed piece by piece by the engine
+    assert source is not None
+    # Reader threads run with autograd on: a tensor that requires grad is filled through a detached alias.
+    return [Job(local.detach() if local.requires_grad else local, source)]
 
 
 def _registered(entry: Entry) -> torch.Tensor:
@@ -309,6 +312,8 @@ def _registered(entry: Entry) -> torch.Tensor:
 
 
 def _reusable(original: torch.Tensor, entry: Entry) -> bool:
+    if original.is_meta:
+        return False
     local = local_of(original)
     return (
         is_dtensor(original) == (entry.shard is not None)

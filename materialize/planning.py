@@ -13,7 +13,7 @@ import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import Literal, NamedTuple, Optional, Union
 
 import torch
 from torch import nn
@@ -30,6 +30,7 @@ from .errors import (
     summarize_names,
 )
 from .keymap import KeyMapLike, as_key_map, auto_strip_wrapper_prefix
+from .modtree import named_modules
 from .sharded import ShardSpec, region, shard_spec
 from .stacking import (
     Chunks, Rearranged, Stacked, StackSlot, Transposed, cut, deinterleave, pieces_of, rows_of, stack, transpose,
@@ -65,9 +66,8 @@ class Tolerated:
         return self.unexpected_tensor is not None and self.unexpected_tensor(model_name, info)
 
 
-@dataclass(frozen=True)
-class Owner:
-    """One place a tensor is registered: ``module.<attr>``."""
+class Owner(NamedTuple):
+    """One place a tensor is registered: ``module.<attr>`` (a tuple: a load makes one per tensor)."""
 
     module: nn.Module
     attr: str
@@ -165,22 +165,27 @@ class Plan:
 def _collect_groups(model: nn.Module) -> list[tuple[torch.Tensor, list[tuple[str, Owner]]]]:
     """Every unique tensor of the model with all the names it is registered under."""
     groups: dict[int, tuple[torch.Tensor, list[tuple[str, Owner]]]] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
+    shared = False
+    for prefix, module in named_modules(model, remove_duplicate=False):
         dot = f"{prefix}." if prefix else ""
         for attr, param in module._parameters.items():
             if param is not None:
-                owner = Owner(module, attr, is_parameter=True, persistent=True)
-                groups.setdefault(id(param), (param, []))[1].append((dot + attr, owner))
+                named = groups.setdefault(id(param), (param, []))[1]
+                shared = shared or bool(named)
+                named.append((dot + attr, Owner(module, attr, True, True)))
+        non_persistent = module._non_persistent_buffers_set
         for attr, buffer in module._buffers.items():
             if buffer is not None:
-                persistent = attr not in module._non_persistent_buffers_set
-                owner = Owner(module, attr, is_parameter=False, persistent=persistent)
-                groups.setdefault(id(buffer), (buffer, []))[1].append((dot + attr, owner))
-    for _, named in groups.values():
-        unique: dict[str, Owner] = {}
-        for name, owner in named:
-            unique.setdefault(name, owner)
-        named[:] = list(unique.items())
+                named = groups.setdefault(id(buffer), (buffer, []))[1]
+                shared = shared or bool(named)
+                named.append((dot + attr, Owner(module, attr, False, attr not in non_persistent)))
+    if shared:  # a module registered in two places is walked twice: each name once, its first owner
+        for _, named in groups.values():
+            if len(named) > 1:
+                unique: dict[str, Owner] = {}
+                for name, owner in named:
+                    unique.setdefault(name, owner)
+                named[:] = list(unique.items())
     return list(groups.values())
 
 
@@ -274,9 +279,13 @@ def make_plan(
 
     plan = Plan(path=str(ckpt.path), device=device, entries=[])
     for tensor, named in groups:
-        names = tuple(name for name, _ in named)
-        owners = [owner for _, owner in named]
-        info = next((to_ckpt[n] for n in names if n in to_ckpt), None)
+        if len(named) == 1:
+            names, owners = (named[0][0],), [named[0][1]]
+            info = to_ckpt.get(names[0])
+        else:
+            names = tuple(name for name, _ in named)
+            owners = [owner for _, owner in named]
+            info = next((to_ckpt[n] for n in names if n in to_ckpt), None)
         spec = shard_spec(tensor, names[0], ckpt.path)
         if info is not None and tolerated is not None and tolerated.computed_buffers_stand and \
                 not any(owner.persistent for owner in owners):
@@ -408,4 +417,6 @@ def _init_modules(model: nn.Module, plan: Plan, init: Optional[InitFn], ckpt: Ch
             "have no reset_parameters(); pass init=fn(module) or a checkpoint that holds them",
             path=ckpt.path,
         )
-    return [(name, module) for name, module in model.named_modules() if id(module) in wanted]
+    if not wanted:
+        return []
+    return [(name, module) for name, module in named_modules(model) if id(module) in wanted]

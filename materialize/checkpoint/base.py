@@ -17,6 +17,9 @@ if TYPE_CHECKING:  # reading headers must not import torch: `materialize inspect
     from torch import nn
 
 
+_DTYPES: dict[str, "torch.dtype"] = {}  # dtype name -> torch's dtype, filled as met (reading headers imports no torch)
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """Where one tensor's bytes live, and what they mean.
@@ -46,9 +49,12 @@ class TensorInfo:
 
     @property
     def dtype(self) -> "torch.dtype":
-        import torch
+        dtype = _DTYPES.get(self.dtype_name)
+        if dtype is None:
+            import torch
 
-        return getattr(torch, self.dtype_name)
+            dtype = _DTYPES.setdefault(self.dtype_name, getattr(torch, self.dtype_name))
+        return dtype
 
     @functools.cached_property
     def numel(self) -> int:  # cached: planning and reading ask per tensor, many times

@@ -13,7 +13,9 @@ import json
 import math
 import re
 import sys
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -63,12 +65,19 @@ def _transformers() -> Any:
     return transformers
 
 
-def build_hf(folder: Path, *, model_class: Optional[str] = None) -> nn.Module:
+def build_hf(folder: Path, *, model_class: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> nn.Module:
     """A transformers model for ``folder``'s ``config.json``, parameters on meta.
 
     ``model_class`` is a transformers class name (``"AutoModelForCausalLM"``,
     ``"BertModel"``); by default the config's first ``architectures`` entry,
     else ``AutoModel``. Remote code is never run.
+
+    The model is built with ``dtype`` as torch's default dtype (by default
+    the config's ``dtype``), as ``from_pretrained`` builds it: buffers it
+    computes come out in that dtype, and tensors the model creates in a dtype
+    of its own (a DeBERTa ``q_bias``, a HunYuan router made fp32) stand out,
+    so that a load keeps them so (see :func:`hf_dtype_rule`). torch's default
+    dtype is one per process: it is set for the length of the build.
     """
     if not is_transformers_folder(folder):
         raise ModelSpecError(
@@ -89,12 +98,32 @@ def build_hf(folder: Path, *, model_class: Optional[str] = None) -> nn.Module:
             f"transformers has no model class {name!r} (installed: transformers {transformers.__version__})",
             path=folder / CONFIG_NAME,
         )
-    with meta_init():
+    with meta_init(), _default_dtype(dtype or _config_dtype(config)):
         try:
             model = cls.from_config(config) if name.startswith("Auto") else cls(config)
         except (ValueError, TypeError, KeyError) as exc:
             raise ModelSpecError(f"{name} cannot be built from this config: {_first_line(exc)}", path=folder / CONFIG_NAME) from None
     return model.eval()
+
+
+def _config_dtype(config: Any) -> Optional[torch.dtype]:
+    named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)  # 5.x, 4.x
+    dtype = getattr(torch, named, None) if isinstance(named, str) else named
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+@contextmanager
+def _default_dtype(dtype: Optional[torch.dtype]) -> Iterator[None]:
+    """torch's default dtype set to ``dtype`` (a floating one) for the block; anything else leaves it."""
+    if dtype is None or not dtype.is_floating_point or dtype.itemsize < 2 or dtype == torch.get_default_dtype():
+        yield
+        return
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def _refuse_quantized(config: Any, folder: Path) -> None:
@@ -117,17 +146,24 @@ def _first_line(exc: BaseException) -> str:
 
 
 def hf_dtype_rule(model: nn.Module) -> Optional[DtypeRule]:
-    """transformers' keep-in-fp32 lists, as its ``from_pretrained`` applies them.
+    """The dtypes transformers gives tensors whatever their checkpoint's, as its ``from_pretrained`` does.
 
     A tensor whose name matches ``_keep_in_fp32_modules_strict`` (a router's
     ``e_score_correction_bias``, DeepSeek-V4's norms and sinks) is upcast to
     fp32 where it would be fp16 or bf16; one matching ``_keep_in_fp32_modules``
     (T5's ``wo``) where it would be fp16. A pattern matches anywhere in the
     name, ``*`` standing for any run of characters, as in transformers.
+    Otherwise a floating tensor the model creates in a dtype of its own,
+    apart from the dtype it was built in (DeBERTa's ``q_bias``, wav2vec2's
+    ``codevectors``, HunYuan's fp32 router), keeps that dtype. The dtype it
+    was built in is the one most of its parameters have: telling the two
+    apart needs a skeleton built in the load's dtype, as :func:`build_hf`
+    builds it (under torch's fp32 default, an fp32 tensor is like any other).
     """
     strict = _name_patterns(getattr(model, "_keep_in_fp32_modules_strict", None), wildcards=True)
     half_only = _name_patterns(getattr(model, "_keep_in_fp32_modules", None), wildcards=True)
-    if strict is None and half_only is None:
+    own = _own_dtypes(model)
+    if strict is None and half_only is None and not own:
         return None
 
     def rule(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -135,9 +171,23 @@ def hf_dtype_rule(model: nn.Module) -> Optional[DtypeRule]:
             return torch.float32
         if dtype == torch.float16 and half_only is not None and half_only.search(name):
             return torch.float32
-        return dtype
+        return own.get(name, dtype)
 
     return rule
+
+
+def _own_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
+    """Floating tensors of ``model`` in another dtype than the one most of its parameters are in, by name."""
+    tensors = model.state_dict(keep_vars=True)
+    weights: Counter[torch.dtype] = Counter()
+    for parameter in {id(p): p for p in model.parameters()}.values():
+        if parameter.is_floating_point():
+            weights[parameter.dtype] += parameter.numel()
+    if not weights:
+        return {}
+    built_in = weights.most_common(1)[0][0]
+    return {name: tensor.dtype for name, tensor in tensors.items()
+            if tensor is not None and tensor.is_floating_point() and tensor.dtype != built_in}
 
 
 def hf_tolerated(model: nn.Module) -> Tolerated:

@@ -26,6 +26,7 @@ from .loading import (
     CheckpointLike,
     DeviceLike,
     DtypeLike,
+    _dominant_float_dtype,
     _model_defaults,
     _opened,
     _placement,
@@ -70,7 +71,7 @@ def plan(
     ``plan.fits`` compares the memory each device will need (the expected
     peak of host memory for ``"cpu"``) with what is available now.
     """
-    with _opened_with_skeleton(checkpoint, model, model_args, revision, trust_pickle) as (ckpt, skeleton):
+    with _opened_with_skeleton(checkpoint, model, model_args, revision, trust_pickle, dtype) as (ckpt, skeleton):
         if skeleton is None:
             raise ModelRequiredError("a plan needs a model: pass one (CLI: --model SPEC)", path=ckpt.path)
         key_map, init, dtype_rule, tolerated = _model_defaults(skeleton, key_map, init)
@@ -165,7 +166,9 @@ def load_model(
     ``trust_pickle``), and a plain state dict is materialized as a ``dict`` of
     tensors.
     """
-    with _opened_with_skeleton(source, model, model_args, revision, trust_pickle) as (ckpt, skeleton):
+    with _opened_with_skeleton(source, model, model_args, revision, trust_pickle, load_options.get("dtype")) as (
+        ckpt, skeleton,
+    ):
         if skeleton is None:
             if load_options.get("device_map") is not None:
                 raise ModelRequiredError("a device map needs a model to place: pass one (CLI: --model SPEC)", path=ckpt.path)
@@ -182,13 +185,19 @@ def _opened_with_skeleton(
     model_args: Optional[Mapping[str, Any]],
     revision: Optional[str],
     trust_pickle: bool,
+    dtype: DtypeLike = None,
 ) -> Iterator[tuple[Checkpoint, Optional[nn.Module]]]:
-    """Resolve a hub id, open the checkpoint, and build the model the source calls for (None: none)."""
+    """Resolve a hub id, open the checkpoint, and build the model the source calls for (None: none).
+
+    A transformers model is built in the dtype its floating tensors will
+    load in (``dtype``, else the checkpoint's), as ``from_pretrained``
+    builds it (see :func:`~materialize.hf.build_hf`).
+    """
     if not isinstance(source, Checkpoint):
         source = resolve_source(source, revision=revision)
     folder = None if isinstance(source, Checkpoint) else Path(source)
     with _opened(source, trust_pickle) as ckpt:
-        yield ckpt, _skeleton(model, model_args, folder, ckpt)
+        yield ckpt, _skeleton(model, model_args, folder, ckpt, dtype)
 
 
 def _skeleton(
@@ -196,15 +205,16 @@ def _skeleton(
     model_args: Optional[Mapping[str, Any]],
     folder: Optional[Path],
     ckpt: Checkpoint,
+    dtype: DtypeLike = None,
 ) -> Optional[nn.Module]:
     if isinstance(model, nn.Module):
         return model
-    if isinstance(model, str) and model.startswith(HF_SPEC_PREFIX):
-        if folder is None or not is_hf_folder(folder):
-            raise ModelSpecError(f"{model!r} needs a Hugging Face folder or hub id holding config.json as the source")
-        return build_hf(folder, model_class=model[len(HF_SPEC_PREFIX):] or None)
-    if model is not None:
+    builds_hf = isinstance(model, str) and model.startswith(HF_SPEC_PREFIX)
+    if builds_hf and (folder is None or not is_hf_folder(folder)):
+        raise ModelSpecError(f"{model!r} needs a Hugging Face folder or hub id holding config.json as the source")
+    if model is not None and not builds_hf:
         return build(model, **dict(model_args or {}))
-    if folder is not None and is_transformers_folder(folder):
-        return build_hf(folder)
+    if builds_hf or (folder is not None and is_transformers_folder(folder)):
+        class_name = (model[len(HF_SPEC_PREFIX):] or None) if builds_hf else None
+        return build_hf(folder, model_class=class_name, dtype=parse_dtype(dtype) or _dominant_float_dtype(ckpt))
     return ckpt.module

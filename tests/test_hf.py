@@ -113,6 +113,17 @@ def _tiny(kind: str):
         config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                                         image_size=32, patch_size=8, num_labels=3)
         return transformers.ViTForImageClassification(config), {"pixel_values": torch.randn(1, 3, 32, 32)}
+    if kind == "deberta":  # q_bias and v_bias made fp32 by the model, whatever the dtype it is built in
+        config = transformers.DebertaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                            vocab_size=99, max_position_embeddings=64)
+        return transformers.DebertaForMaskedLM(config), {"input_ids": torch.arange(7)[None] % 99}
+    if kind == "hunyuan_moe":  # its router is an nn.Linear made fp32 by the model
+        _needs("HunYuanMoEV1Config")
+        config = transformers.HunYuanMoEV1Config(
+            vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, num_experts=4, moe_topk=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        return transformers.HunYuanMoEV1ForCausalLM(config), {"input_ids": torch.arange(7)[None] % 99}
     raise AssertionError(kind)
 
 
@@ -719,3 +730,26 @@ def test_tensors_transformers_keeps_in_fp32_are_kept_so(kind, saved_as, cast, tm
     assert len(floating) == (1 if saved_as == torch.bfloat16 and kind == "t5" else 2)  # the case is not vacuous
     for name, value in theirs.items():
         assert torch.equal(ours[name], value), name
+
+
+@pytest.mark.parametrize("kind, own, runs", [
+    ("deberta", "attention.self.q_bias", False),  # its forward fails in bf16 in transformers too: fp32 bias, bf16 input
+    ("hunyuan_moe", "mlp.gate.wg.weight", True),  # routing in fp32 changes the logits
+])
+@pytest.mark.parametrize("cast", [None, "fp16"])
+def test_tensors_a_model_makes_in_a_dtype_of_its_own_keep_it_as_from_pretrained_keeps_them(kind, own, runs, cast, tmp_path):
+    source, inputs = _tiny(kind)
+    folder = _save(source, tmp_path / kind, as_bin=False, dtype=torch.bfloat16)
+
+    model, _ = mz.load_model(folder, dtype=cast)
+    reference = type(source).from_pretrained(folder, dtype=torch.float16 if cast else "auto").eval()
+
+    ours, theirs = model.state_dict(), reference.state_dict()
+    assert {name: value.dtype for name, value in ours.items()} == {name: value.dtype for name, value in theirs.items()}
+    own_names = [name for name in theirs if own in name]
+    assert own_names and all(theirs[name].dtype == torch.float32 for name in own_names)  # the case is not vacuous
+    for name, value in theirs.items():
+        assert torch.equal(ours[name], value), name
+    if runs:
+        with torch.no_grad():
+            assert torch.equal(model(**inputs).logits, reference(**inputs).logits)

@@ -334,3 +334,45 @@ def test_the_cyclic_collector_is_paused_while_loading_and_left_as_found(tmp_path
         assert not gc.isenabled()  # the caller's choice stands
     finally:
         gc.enable()
+
+
+class SharedBlock(nn.Module):
+    """One block registered under two names (and an empty slot), as weight-shared layers are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        block = Scaled()
+        self.encoder = nn.ModuleList([block, Scaled()])
+        self.decoder = block
+        self.unused = None
+        self.head = nn.Linear(4, 2)
+
+
+def test_the_module_walk_is_torchs_for_shared_and_empty_children():
+    from materialize.modtree import named_modules
+
+    model = SharedBlock()
+
+    for remove_duplicate in (True, False):
+        ours = [(name, id(module)) for name, module in named_modules(model, remove_duplicate=remove_duplicate)]
+        theirs = [(name, id(module)) for name, module in model.named_modules(remove_duplicate=remove_duplicate)]
+        assert ours == theirs
+    assert len(named_modules(model, remove_duplicate=False)) == len(named_modules(model)) + 1  # the block, twice
+
+
+def test_a_block_registered_twice_loads_once_under_either_name(tmp_path):
+    source = SharedBlock()
+    for kept in ("encoder.0", "decoder"):
+        state = {k: v.clone() for k, v in source.state_dict().items() if not k.startswith(
+            ({"encoder.0", "decoder"} - {kept}).pop() + ".")}
+        path = write_safetensors(state, tmp_path / f"{kept}.safetensors")
+        model = _meta(SharedBlock)
+
+        report = mz.load(model, path)
+
+        assert model.decoder is model.encoder[0]
+        assert model.decoder.weight.device.type == "cpu"
+        assert torch.equal(model.decoder.weight, source.decoder.weight)
+        assert torch.equal(model.head.weight, source.head.weight)
+        assert sorted(map(sorted, report.tied)) == [["decoder.bias", "encoder.0.bias"], ["decoder.weight", "encoder.0.weight"]]
+        assert report.missing == [] and report.unexpected == []

@@ -64,9 +64,42 @@ def as_key_map(key_map: KeyMapLike) -> Callable[[str], str]:
 
 
 def auto_strip_wrapper_prefix(checkpoint_names: Iterable[str], model_names: set[str]) -> Callable[[str], str]:
-    """Strip ``module.`` / ``_orig_mod.`` when every checkpoint name has it and the model's don't."""
+    """The rename that lines the checkpoint's names up with the model's, where one prefix is all they differ by.
+
+    ``module.`` / ``_orig_mod.`` are stripped when every checkpoint name has
+    it and no model name does. Any other prefix (a Lightning module's
+    ``model.`` or ``net.``, an EMA copy's ``ema.``, a wrapper's attribute) is
+    stripped from, or added to, the checkpoint's names only when that makes
+    one side's names a subset of the other's: a rename that explains every
+    name, never a guess. Anything less is left to the caller's key_map (the
+    mismatch error suggests one).
+    """
     names = list(checkpoint_names)
     for prefix in WRAPPER_PREFIXES:
         if names and all(n.startswith(prefix) for n in names) and not any(m.startswith(prefix) for m in model_names):
             return KeyMap.strip_prefix(prefix)
+    if not names or not model_names or not set(names).isdisjoint(model_names):
+        return lambda name: name
+    for prefix in _shared_prefixes(names):
+        if not any(m.startswith(prefix) for m in model_names) and _nested({n[len(prefix):] for n in names}, model_names):
+            return KeyMap.strip_prefix(prefix)
+    for prefix in _shared_prefixes(list(model_names)):
+        if not any(n.startswith(prefix) for n in names) and _nested({prefix + n for n in names}, model_names):
+            return KeyMap.add_prefix(prefix)
     return lambda name: name
+
+
+def _shared_prefixes(names: list[str]) -> list[str]:
+    """The dotted prefixes every name starts with, shortest first (``["model.", "model.backbone."]``)."""
+    first = names[0].split(".")[:-1]
+    depth = len(first)
+    for name in names[1:]:
+        parts = name.split(".", depth)
+        depth = next((i for i in range(min(depth, len(parts) - 1)) if parts[i] != first[i]), min(depth, len(parts) - 1))
+        if depth == 0:
+            return []
+    return [".".join(first[:i]) + "." for i in range(1, depth + 1)]
+
+
+def _nested(renamed: set[str], model_names: set[str]) -> bool:
+    return renamed <= model_names or renamed >= model_names

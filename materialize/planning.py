@@ -385,20 +385,21 @@ def _raise_for_unmappable_disk(plan: Plan, ckpt: Checkpoint) -> None:
 
 
 def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
-    """Spot the commonest cause: the names differ only by a prefix one side carries."""
+    """Spot the commonest cause: the names differ only by a prefix one side carries (for most of them)."""
     if not missing or not unexpected:
         return ""
     for extra, short in ((unexpected, missing), (missing, unexpected)):
-        sample = short[0]
-        for name in extra:
-            if name.endswith("." + sample):
-                prefix = name[: -len(sample)]
-                if all(prefix + n in set(extra) for n in short[:50]):
-                    if extra is unexpected:
-                        return (f"the checkpoint names carry the prefix '{prefix}': pass "
-                                f"key_map=KeyMap.strip_prefix('{prefix}') (CLI: --strip-prefix {prefix})")
-                    return (f"the model names carry the prefix '{prefix}': pass "
-                            f"key_map=KeyMap.add_prefix('{prefix}') (CLI: --add-prefix {prefix})")
+        extras = set(extra)
+        sample = short[:50]
+        for name in sample[:5]:
+            prefix = next((n[: -len(name)] for n in extra if n.endswith("." + name)), None)
+            if prefix is None or sum(prefix + n in extras for n in sample) < 0.9 * len(sample):
+                continue
+            if extra is unexpected:
+                return (f"the checkpoint names carry the prefix '{prefix}': pass "
+                        f"key_map=KeyMap.strip_prefix('{prefix}') (CLI: --strip-prefix {prefix})")
+            return (f"the model names carry the prefix '{prefix}': pass "
+                    f"key_map=KeyMap.add_prefix('{prefix}') (CLI: --add-prefix {prefix})")
     return ""
 
 

@@ -306,6 +306,55 @@ def test_real_tensors_absent_from_the_checkpoint_are_missing_under_strict(tmp_pa
     assert "second.weight" in report.missing and "second.weight" in report.kept
 
 
+def test_a_lightning_checkpoints_module_prefix_is_stripped_when_it_explains_every_name(tmp_path):
+    import argparse
+    from pathlib import PurePosixPath
+
+    source = reference_model()
+    state = saved_state(source)
+    # What a LightningModule holding the model as `self.net` saves, beside its training state.
+    torch.save({
+        "epoch": 3, "global_step": 120, "pytorch-lightning_version": "2.4.0",
+        "state_dict": {f"net.{k}": v for k, v in state.items()},
+        "optimizer_states": [{"state": {0: {"exp_avg": torch.zeros(2)}}, "param_groups": [{"lr": 1e-3}]}],
+        "hyper_parameters": {"args": argparse.Namespace(lr=1e-3), "root": PurePosixPath("/data")},
+    }, tmp_path / "last.ckpt")
+    model = tiny_skeleton()
+
+    report = mz.load(model, tmp_path / "last.ckpt")
+
+    assert_state_equal(model, state)
+    assert report.missing == [] and report.unexpected == []
+    with torch.no_grad():
+        assert torch.equal(model(torch.arange(5)[None]), source(torch.arange(5)[None]))
+
+
+def test_a_wrappers_attribute_prefix_is_added_when_it_explains_every_name(tmp_path):
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = DecoderLM(**TINY)
+
+    state = saved_state(reference_model())
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+    wrapper = _meta(Wrapper)
+
+    mz.load(wrapper, path)
+
+    assert_state_equal(wrapper.inner, state)
+
+
+def test_a_prefix_that_explains_only_some_names_is_not_guessed(tmp_path):
+    state = {f"net.{k}": v for k, v in saved_state(reference_model()).items()}
+    state["net.extra.weight"] = torch.ones(3)  # one name the model lacks, and the model's buffers the file lacks
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+    model = tiny_skeleton()
+    model.register_buffer("step", torch.zeros(()))  # persistent, absent from the file
+
+    with pytest.raises(mz.KeyMismatchError, match=r"prefix 'net\.'"):
+        mz.load(model, path)
+
+
 def test_a_prefix_mismatch_error_says_which_prefix_to_strip(tmp_path):
     state = {f"model.{k}": v for k, v in saved_state(reference_model()).items()}
     path = write_safetensors(state, tmp_path / "m.safetensors")

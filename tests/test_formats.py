@@ -273,3 +273,48 @@ def test_a_destination_beyond_ram_and_swap_is_refused_before_allocating(tmp_path
 
     assert "'big'" in str(caught.value) and "m.safetensors" in str(caught.value) and "4.19 MB" in str(caught.value) and "RAM and swap" in str(caught.value)
     assert ((2**20,),) not in allocated
+
+
+class EncoderDecoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = torch.nn.Linear(4, 3)
+        self.decoder = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.LayerNorm(5))
+
+
+@pytest.mark.parametrize("nested_under", [None, "model"])
+def test_state_dicts_saved_per_submodule_read_as_dotted_names(nested_under, tmp_path):
+    torch.manual_seed(0)
+    source = EncoderDecoder()
+    parts = {"encoder": source.encoder.state_dict(), "decoder": source.decoder.state_dict()}
+    saved = {nested_under: parts} if nested_under else dict(parts)
+    saved.update(epoch=7, optimizer={"state": {0: {"exp_avg": torch.ones(3)}}, "param_groups": [{"lr": 0.1}]})
+    path = write_torch(saved, tmp_path / "parts.pt")
+
+    tensors, _ = mz.load_tensors(path)
+    with mz.meta_init():
+        model = EncoderDecoder()
+    report = mz.load(model, path)
+
+    assert set(tensors) == set(source.state_dict())  # the optimizer's moments are training state, not weights
+    for name, value in source.state_dict().items():
+        assert torch.equal(tensors[name], value), name
+        assert torch.equal(model.state_dict()[name], value), name
+    assert report.missing == [] and report.unexpected == []
+
+
+def test_a_nested_name_that_repeats_a_flat_one_is_refused_naming_it(tmp_path):
+    path = write_torch({"encoder.weight": torch.ones(2), "encoder": {"weight": torch.zeros(2)}}, tmp_path / "twice.pt")
+
+    with pytest.raises(mz.CheckpointError, match=r"twice\.pt.*encoder\.weight.*named twice"):
+        mz.open_checkpoint(path)
+
+
+def test_a_dict_that_holds_itself_is_read_once(tmp_path):
+    looped = {"weight": torch.arange(3.0)}
+    looped["again"] = looped
+    path = write_torch(looped, tmp_path / "loop.pt")
+
+    tensors, _ = mz.load_tensors(path)
+
+    assert list(tensors) == ["weight"] and torch.equal(tensors["weight"], torch.arange(3.0))

@@ -34,7 +34,7 @@ import torch
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError
 from . import DCP_METADATA_NAME
 from .base import TensorInfo
-from .torchpickle import STATE_DICT_KEYS, first_line
+from .torchpickle import STATE_DICT_KEYS, TRAINING_STATE_KEYS, first_line
 from .torchzip import read_embedded_tensor
 
 
@@ -165,8 +165,6 @@ def _sizes(value: Any, what: str, path: Path) -> tuple[int, ...]:
 
 
 # What training saves beside the model (torchtitan's top-level "optimizer", "lr_scheduler", ...).
-TRAINING_STATE_KEYS = ("optimizer", "optimizers", "optim", "lr_scheduler", "lr_schedulers", "scheduler", "dataloader",
-                       "train_state")
 
 
 def _names(metadata: Any) -> dict[str, str]:

@@ -30,6 +30,10 @@ from .standins import (
 )
 
 STATE_DICT_KEYS = ("state_dict", "model", "module")
+# What training checkpoints keep beside the model (PyTorch Lightning, torchtitan, DeepSpeed, plain
+# scripts): optimizer moments and scheduler state are tensors but not weights.
+TRAINING_STATE_KEYS = ("optimizer", "optimizers", "optim", "optimizer_states", "lr_scheduler", "lr_schedulers",
+                       "scheduler", "dataloader", "train_state", "callbacks", "loops", "scaler", "rng_state")
 
 
 class StorageRef:
@@ -311,6 +315,12 @@ def find_payload(obj: Any) -> tuple[dict[str, torch.Tensor], Optional[nn.Module]
 
     A module pickled whole but read without ``trust_pickle`` is made of
     stand-ins: its state-dict entries are taken from them, no module is built.
+    The model state is the value under ``state_dict``, ``model`` or
+    ``module`` where one holds tensors, else the whole object but the
+    training state beside it (:data:`TRAINING_STATE_KEYS`). Dicts nested in
+    it are flattened with dotted names, as ``state_dict()`` names a
+    submodule's tensors: ``{"encoder": enc.state_dict(), "decoder": ...}``
+    reads as ``encoder.weight``, ``decoder.weight``, ...
     """
     if isinstance(obj, nn.Module):
         return _module_tensors(obj), obj
@@ -323,19 +333,51 @@ def find_payload(obj: Any) -> tuple[dict[str, torch.Tensor], Optional[nn.Module]
                 return _module_tensors(nested), nested
             if is_module_state(nested):
                 return dict(module_state(nested)), None
-            if isinstance(nested, dict) and any(isinstance(v, torch.Tensor) for v in nested.values()):
-                return _tensor_entries(nested), None
-        return _tensor_entries(obj), None
+            if isinstance(nested, dict):
+                found = _tensor_entries(nested)
+                if found:
+                    return found, None
+        return _tensor_entries(obj, leave_out=TRAINING_STATE_KEYS), None
     return {}, None
 
 
-def _tensor_entries(mapping: dict) -> dict[str, torch.Tensor]:
-    arrays = [str(k) for k, v in mapping.items() if is_numpy_array(v)]
+def _tensor_entries(mapping: dict, leave_out: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    entries: dict[str, torch.Tensor] = {}
+    arrays: list[str] = []
+    _gather(mapping, "", entries, arrays, leave_out, set())
     if arrays:
         raise CheckpointError(
             f"holds numpy arrays where tensors are expected ({summarize_names(arrays)}); this loader reads tensors "
             "only: re-save them as tensors (torch.from_numpy), or load the file with torch.load if you trust it")
-    return {str(k): v for k, v in mapping.items() if isinstance(v, torch.Tensor)}
+    return entries
+
+
+def _gather(mapping: dict, prefix: str, entries: dict[str, torch.Tensor], arrays: list[str],
+            leave_out: tuple[str, ...], seen: set[int]) -> None:
+    if id(mapping) in seen:  # a pickle can make a dict that holds itself
+        return
+    seen.add(id(mapping))
+    for key, value in mapping.items():
+        name = prefix + str(key)
+        if isinstance(value, torch.Tensor):
+            pairs = [(name, value)]
+        elif is_numpy_array(value):
+            arrays.append(name)
+            continue
+        elif key in leave_out:
+            continue
+        elif is_module_state(value):
+            pairs = list(module_state(value, name + "."))
+        elif isinstance(value, dict):
+            _gather(value, name + ".", entries, arrays, (), seen)
+            continue
+        else:
+            continue
+        for full, tensor in pairs:
+            if full in entries:
+                raise CheckpointError("is named twice, once by a nested dict's keys: which one is meant is unclear",
+                                      tensor=full)
+            entries[full] = tensor
 
 
 def _module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -318,3 +319,26 @@ def test_a_dict_that_holds_itself_is_read_once(tmp_path):
     tensors, _ = mz.load_tensors(path)
 
     assert list(tensors) == ["weight"] and torch.equal(tensors["weight"], torch.arange(3.0))
+
+
+@pytest.mark.parametrize("saved, outline", [
+    ({"epoch": 3, "best_acc": 0.9, "optimizer": {"state": {0: {"exp_avg": torch.ones(2)}}}}, "a dict of 3 entries (epoch, best_acc, optimizer)"),
+    ([1, 2, 3], "a list"),
+])
+def test_a_torch_file_without_model_tensors_is_one_clear_error(saved, outline, tmp_path):
+    import subprocess
+    import sys
+
+    path = write_torch(saved, tmp_path / "no_weights.pt")
+
+    with pytest.raises(mz.UnsupportedFormatError, match="no_weights.pt.*holds no model tensors: its data.pkl is " + re.escape(outline)):
+        mz.load_tensors(path)
+    done = subprocess.run([str(Path(sys.executable).parent / "materialize"), "inspect", str(path)], capture_output=True, text=True)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [f"Error: {path}: holds no model tensors: its data.pkl is {outline}"]
+
+
+def test_an_empty_state_dict_is_an_empty_checkpoint(tmp_path):
+    tensors, report = mz.load_tensors(write_torch({}, tmp_path / "empty.pt"))
+
+    assert tensors == {} and report.loaded == []

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import _weights_only_unpickler, nn
 
-from ..errors import CheckpointError, UnsafeCheckpointError, summarize_names
+from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError, summarize_names
 from .base import TensorInfo
 from .pickle_scan import negative_layouts
 from .standins import (
@@ -297,7 +297,17 @@ def read_payload(
         raise CheckpointError(
             f"a tensor has a negative size, stride or offset ({list(size)}, {list(stride)}, {offset})", path=path
         )
+    if not payload and module is None and not (isinstance(unpickled, dict) and not unpickled):
+        raise UnsupportedFormatError(f"holds no model tensors: its {what} is {_outline(unpickled)}", path=path)
     return payload, module
+
+
+def _outline(obj: Any) -> str:
+    """What an object without weights is, in a few words: a dict by its keys, else by its type."""
+    if isinstance(obj, dict):
+        keys = [str(key) for key in obj]
+        return f"a dict of {len(keys)} entries ({summarize_names(keys, limit=6)})"
+    return f"a {type(obj).__name__}"
 
 
 def read_bare_tensor(path: Path, data: bytes, refs: dict[int, StorageRef], *, what: str) -> torch.Tensor:

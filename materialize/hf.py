@@ -89,7 +89,9 @@ def build_hf(folder: Path, *, model_class: Optional[str] = None, dtype: Optional
     try:
         config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
-        raise ModelSpecError(f"cannot read its config.json: {_first_line(exc)}", path=folder / CONFIG_NAME) from None
+        config = _config_of_class(transformers, folder, model_class)
+        if config is None:
+            raise ModelSpecError(f"cannot read its config.json: {_first_line(exc)}", path=folder / CONFIG_NAME) from None
     _refuse_quantized(config, folder)
     name = model_class or next(iter(getattr(config, "architectures", None) or []), "AutoModel")
     cls = getattr(transformers, name, None)
@@ -104,6 +106,23 @@ def build_hf(folder: Path, *, model_class: Optional[str] = None, dtype: Optional
         except (ValueError, TypeError, KeyError) as exc:
             raise ModelSpecError(f"{name} cannot be built from this config: {_first_line(exc)}", path=folder / CONFIG_NAME) from None
     return model.eval()
+
+
+def _config_of_class(transformers: Any, folder: Path, model_class: Optional[str]) -> Any:
+    """The config as the model class reads it, where AutoConfig does not know its ``model_type``.
+
+    transformers renames model types now and then (LFM2-VL's ``lfm2-vl`` is
+    ``lfm2_vl`` in 5.x); configs saved before still name the class, whose
+    own config class reads them, as its ``from_pretrained`` does. None where
+    that fails too.
+    """
+    try:
+        saved = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
+        name = model_class or next(iter(saved.get("architectures") or []), None)
+        config_class = getattr(getattr(transformers, name, None), "config_class", None) if isinstance(name, str) else None
+        return config_class.from_pretrained(str(folder), local_files_only=True) if config_class is not None else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def _config_dtype(config: Any) -> Optional[torch.dtype]:
@@ -188,6 +207,20 @@ def _own_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
     built_in = weights.most_common(1)[0][0]
     return {name: tensor.dtype for name, tensor in tensors.items()
             if tensor is not None and tensor.is_floating_point() and tensor.dtype != built_in}
+
+
+def forget_ties(model: nn.Module, untied: list[list[str]]) -> None:
+    """Drop from transformers' record of tied names the ties a load left apart, as ``from_pretrained`` does.
+
+    Otherwise ``save_pretrained`` would save one of them and its next load tie them again.
+    """
+    ties = getattr(model, "all_tied_weights_keys", None)
+    if not isinstance(ties, dict):
+        return
+    for group in untied:
+        names = set(group)
+        for target in [target for target, source in ties.items() if target in names and source in names]:
+            ties.pop(target)
 
 
 def hf_tolerated(model: nn.Module) -> Tolerated:

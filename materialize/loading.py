@@ -16,9 +16,9 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .devicemap import DeviceMapLike, Placement, compute_device_map
 from .dtypes import dtype_name, parse_dtype
 from .engine import Job, ProgressFn, stream
-from .errors import SanitizerError
+from .errors import SanitizerError, ShardingError
 from .gcpause import gc_paused
-from .hf import hf_dtype_rule, hf_init, hf_key_map, hf_tolerated, is_hf_model
+from .hf import forget_ties, hf_dtype_rule, hf_init, hf_key_map, hf_tolerated, is_hf_model
 from .hostmem import empty_destination
 from .keymap import KeyMapLike
 from .mapping import FileMaps
@@ -148,6 +148,8 @@ def load(
             the_plan, ckpt, init=init, mmap=mmap, staging_bytes=staging_bytes, allow_overflow=allow_overflow,
             check=check, check_finite=check_finite, progress=progress, direct_io=direct_io,
         )
+    if report.untied and is_hf_model(model):
+        forget_ties(model, report.untied)
     if placement is not None and placement.needs_dispatch:
         from accelerate import dispatch_model
 
@@ -218,6 +220,7 @@ def execute(
                 problems = audit(the_plan, registered, files, set(mapped))
                 if problems:
                     raise SanitizerError(f"check failed for {len(problems)} tensor(s): " + "; ".join(problems), path=ckpt.path)
+            retied, untied = _settle_ties(the_plan)
         except BaseException:
             _undo(undo)
             raise
@@ -229,7 +232,8 @@ def execute(
         missing=list(the_plan.missing),
         unexpected=list(the_plan.unexpected),
         ignored=list(the_plan.ignored),
-        tied=[list(group) for group in the_plan.tied_groups],
+        tied=[list(group) for group in the_plan.tied_groups if not _in_checks(the_plan, group)] + retied,
+        untied=untied,
         mapped=mapped,
         bytes_by_device=the_plan.bytes_by_device,
         nonfinite=nonfinite((entry.name, local_of(tensor)) for entry, tensor in registered) if check_finite else [],
@@ -305,6 +309,51 @@ def _materialize_entry(
     return [Job(local.detach() if local.requires_grad else local, source)]
 
 
+def _settle_ties(the_plan: Plan) -> tuple[list[list[str]], list[list[str]]]:
+    """Tie again the names of a tied tensor read from separate checkpoint tensors where their values are equal.
+
+    Returns the groups tied again, and those left apart (their values
+    differ: the checkpoint holds tensors the model's config ties, as an
+    ``lm_head`` of its own under ``tie_word_embeddings``), as
+    ``from_pretrained`` decides. A tensor dropped here was read and freed.
+    A sharded model's tie (a DCP save writes a tied tensor once per name)
+    is compared on each rank's own shard: ranks cannot leave it apart
+    without each other, so values that differ are an error there.
+    """
+    retied, untied = [], []
+    for check in the_plan.tie_checks:
+        first = the_plan.entries[check[0]]
+        kept = _registered(first)
+        together, apart = list(first.names), []
+        for index in check[1:]:
+            other = the_plan.entries[index]
+            if _same_values(local_of(kept), local_of(_registered(other))):
+                for owner in other.owners:
+                    (owner.module._parameters if owner.is_parameter else owner.module._buffers)[owner.attr] = kept
+                together.extend(other.names)
+            elif first.shard is not None:
+                raise ShardingError(
+                    f"is tied to '{other.name}' in the model, and the checkpoint holds different values for them: a "
+                    "sharded model cannot leave the tie apart on one rank; load it before sharding, or untie it",
+                    path=the_plan.path, tensor=first.name,
+                )
+            else:
+                apart.append(list(other.names))
+        if len(together) > 1:
+            retied.append(together)
+        if apart:
+            untied.append([first.names[0]] + [names[0] for names in apart])
+    return retied, untied
+
+
+def _same_values(first: torch.Tensor, second: torch.Tensor) -> bool:
+    return first.dtype == second.dtype and first.shape == second.shape and bool(torch.equal(first, second))
+
+
+def _in_checks(the_plan: Plan, group: tuple[str, ...]) -> bool:
+    return any(group == the_plan.entries[i].names for check in the_plan.tie_checks for i in check)
+
+
 def _registered(entry: Entry) -> torch.Tensor:
     """The tensor a module holds now: an init may have replaced the one allocated."""
     owner = entry.owners[0]
@@ -312,7 +361,7 @@ def _registered(entry: Entry) -> torch.Tensor:
 
 
 def _reusable(original: torch.Tensor, entry: Entry) -> bool:
-    if original.is_meta:
+    if original.is_meta or entry.split_from_tie:  # a name split off a tie needs memory of its own
         return False
     local = local_of(original)
     return (

@@ -89,6 +89,7 @@ class Entry:
     source: Optional[TensorInfo] = None  # for a sharded tensor, this rank's part of the checkpoint tensor
     on_disk: bool = False  # left in the checkpoint file, mapped copy-on-write
     shard: Optional[ShardSpec] = None  # a DTensor: this rank's box of it (see materialize.sharded)
+    split_from_tie: bool = False  # names of a tied tensor read from a checkpoint tensor of their own (see _tie_units)
 
     @property
     def name(self) -> str:
@@ -123,6 +124,9 @@ class Plan:
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     init_modules: list[tuple[str, nn.Module]] = field(default_factory=list)
     fits: dict[str, dict] = field(default_factory=dict)  # filled by materialize.plan (capacity.fit_report)
+    # Entries (by index) of one tensor the model ties, each read from its own checkpoint tensor: tied
+    # again after the load where their values are equal (see planning._tie_units).
+    tie_checks: list[tuple[int, ...]] = field(default_factory=list)
 
     def of(self, action: Action) -> list[Entry]:
         return [e for e in self.entries if e.action == action]
@@ -150,6 +154,7 @@ class Plan:
             "bytes_by_device": self.bytes_by_device,
             "read_bytes": self.load_nbytes,
             "tied_groups": [list(group) for group in self.tied_groups],
+            "ties_to_compare": [[list(self.entries[i].names) for i in check] for check in self.tie_checks],
             "missing": self.missing,
             "unexpected": self.unexpected,
             "ignored": self.ignored,
@@ -280,42 +285,15 @@ def make_plan(
     plan = Plan(path=str(ckpt.path), device=device, entries=[])
     for tensor, named in groups:
         if len(named) == 1:
-            names, owners = (named[0][0],), [named[0][1]]
-            info = to_ckpt.get(names[0])
+            units = [((named[0][0],), [named[0][1]], to_ckpt.get(named[0][0]))]
         else:
-            names = tuple(name for name, _ in named)
-            owners = [owner for _, owner in named]
-            info = next((to_ckpt[n] for n in names if n in to_ckpt), None)
-        spec = shard_spec(tensor, names[0], ckpt.path)
-        if info is not None and tolerated is not None and tolerated.computed_buffers_stand and \
-                not any(owner.persistent for owner in owners):
-            plan.ignored.extend(piece.info.name for piece in pieces_of(info))
-            info = None
-        if spec is not None and placement is not None:
-            raise ShardingError("is a DTensor, placed by its mesh: it cannot be placed by a device_map too",
-                                path=ckpt.path, tensor=names[0])
-        place = spec.device if spec is not None else placement(names[0]) if placement is not None else device
-        on_disk = place == "disk"
-        entry = Entry(names, owners, tensor, "keep", tuple(tensor.shape), tensor.dtype,
-                      torch.device("cpu") if on_disk else place, on_disk=on_disk, shard=spec)
-        if info is not None:
-            entry.action, entry.source = "load", info
-            if info.shape != entry.shape:
-                plan.mismatched.append((names[0], entry.shape, info.shape))
-            elif spec is not None:
-                entry.source = region(info, spec.offsets, spec.local_shape)
-            wants_cast = dtype is not None and info.dtype.is_floating_point
-            entry.dtype = dtype if wants_cast else info.dtype
-            if spec is not None and dtype is None and info.dtype.is_floating_point and tensor.dtype.is_floating_point:
-                # A DTensor keeps the dtype it was sharded with: FSDP2 recorded it (its fp32 master
-                # weights, which a mixed-precision policy casts from), and so did the model's author.
-                entry.dtype = tensor.dtype
-        else:
-            if tensor.device.type == "meta":
-                entry.action = "init"
-            if all(owner.persistent for owner in owners):
-                plan.missing.append(names[0])
-        plan.entries.append(entry)
+            units = _tie_units(named, to_ckpt)
+        if len(units) > 1:
+            plan.tie_checks.append(tuple(len(plan.entries) + i for i in range(len(units))))
+        for index, (names, owners, info) in enumerate(units):
+            entry = _entry(plan, tensor, names, owners, info, ckpt, device, dtype, placement, tolerated)
+            entry.split_from_tie = index > 0
+            plan.entries.append(entry)
 
     strays = [(m, piece.info) for m, source in to_ckpt.items() if m not in model_names for piece in pieces_of(source)]
     plan.unexpected = [info.name for _, info in strays]
@@ -336,6 +314,83 @@ def make_plan(
                 entry.dtype = dtype_rule(entry.name, entry.dtype)
     plan.init_modules = _init_modules(model, plan, init, ckpt)
     return plan
+
+
+def _tie_units(named: list[tuple[str, Owner]], to_ckpt: dict[str, TensorInfo]
+               ) -> list[tuple[tuple[str, ...], list[Owner], Optional[TensorInfo]]]:
+    """A tied tensor's names, split by the checkpoint tensor each is read from where the checkpoint holds several.
+
+    A torch file saves a tied tensor once under every name (one storage): one
+    source, one tensor. Two different tensors for names the model ties (a
+    config saying ``tie_word_embeddings`` over a checkpoint with its own
+    ``lm_head``) are each loaded, and stay tied only if their values are
+    equal (see :func:`materialize.loading.execute`), as ``from_pretrained``
+    decides. Names the checkpoint lacks go with the first source.
+    """
+    by_source: dict[object, tuple[list[str], list[Owner], TensorInfo]] = {}
+    unsourced: list[tuple[str, Owner]] = []
+    for name, owner in named:
+        info = to_ckpt.get(name)
+        if info is None:
+            unsourced.append((name, owner))
+            continue
+        key = _bytes_key(info)
+        names, owners, _ = by_source.setdefault(key, ([], [], info))
+        names.append(name)
+        owners.append(owner)
+    if len(by_source) <= 1:
+        info = next(iter(by_source.values()))[2] if by_source else None
+        return [(tuple(name for name, _ in named), [owner for _, owner in named], info)]
+    units = [(names, owners, info) for names, owners, info in by_source.values()]
+    units[0][0].extend(name for name, _ in unsourced)
+    units[0][1].extend(owner for _, owner in unsourced)
+    return [(tuple(names), owners, info) for names, owners, info in units]
+
+
+def _bytes_key(info: TensorInfo) -> object:
+    """What identifies the bytes a source reads: a tensor saved under two names is one source."""
+    if isinstance(info, Stacked):  # a DCP save's chunks (written once for tied names), experts stacked
+        return (info.shape, info.dtype_name, tuple((_bytes_key(p.info), p.start, p.box) for p in info.pieces))
+    if type(info) is not TensorInfo:
+        return id(info)
+    return (info.path, info.offset, info.shape, info.dtype_name, info.stride, info.view_shape)
+
+
+def _entry(
+    plan: Plan, tensor: torch.Tensor, names: tuple[str, ...], owners: list[Owner], info: Optional[TensorInfo],
+    ckpt: Checkpoint, device: torch.device, dtype: Optional[torch.dtype],
+    placement: Optional[Callable[[str], Union[torch.device, str]]], tolerated: Optional[Tolerated],
+) -> Entry:
+    spec = shard_spec(tensor, names[0], ckpt.path)
+    if info is not None and tolerated is not None and tolerated.computed_buffers_stand and \
+            not any(owner.persistent for owner in owners):
+        plan.ignored.extend(piece.info.name for piece in pieces_of(info))
+        info = None
+    if spec is not None and placement is not None:
+        raise ShardingError("is a DTensor, placed by its mesh: it cannot be placed by a device_map too",
+                            path=ckpt.path, tensor=names[0])
+    place = spec.device if spec is not None else placement(names[0]) if placement is not None else device
+    on_disk = place == "disk"
+    entry = Entry(names, owners, tensor, "keep", tuple(tensor.shape), tensor.dtype,
+                  torch.device("cpu") if on_disk else place, on_disk=on_disk, shard=spec)
+    if info is not None:
+        entry.action, entry.source = "load", info
+        if info.shape != entry.shape:
+            plan.mismatched.append((names[0], entry.shape, info.shape))
+        elif spec is not None:
+            entry.source = region(info, spec.offsets, spec.local_shape)
+        wants_cast = dtype is not None and info.dtype.is_floating_point
+        entry.dtype = dtype if wants_cast else info.dtype
+        if spec is not None and dtype is None and info.dtype.is_floating_point and tensor.dtype.is_floating_point:
+            # A DTensor keeps the dtype it was sharded with: FSDP2 recorded it (its fp32 master
+            # weights, which a mixed-precision policy casts from), and so did the model's author.
+            entry.dtype = tensor.dtype
+    else:
+        if tensor.device.type == "meta":
+            entry.action = "init"
+        if all(owner.persistent for owner in owners):
+            plan.missing.append(names[0])
+    return entry
 
 
 def _raise_for_mismatch(plan: Plan, ckpt: Checkpoint, strict: bool) -> None:

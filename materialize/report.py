@@ -24,6 +24,7 @@ class Report:
     unexpected: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)  # in the checkpoint, and declared by the model as not loaded
     tied: list[list[str]] = field(default_factory=list)
+    untied: list[list[str]] = field(default_factory=list)  # tied by the model, loaded apart: the checkpoint's values differ
     dtypes: dict[str, int] = field(default_factory=dict)
     bytes_by_device: dict[str, int] = field(default_factory=dict)
     bytes_read: int = 0
@@ -51,6 +52,7 @@ class Report:
             "unexpected": self.unexpected,
             "ignored": self.ignored,
             "tied": self.tied,
+            "untied": self.untied,
             "dtypes": self.dtypes,
             "bytes_by_device": self.bytes_by_device,
             "bytes_read": self.bytes_read,
@@ -71,6 +73,7 @@ class Report:
             ("buffers kept", str(len(self.kept))),
             ("zero-copy views", str(len(self.mapped))),
             ("tied groups", str(len(self.tied))),
+            *((("untied (checkpoint differs)", str(len(self.untied))),) if self.untied else ()),
             ("unexpected (skipped)", str(len(self.unexpected))),
             *((("ignored (as the model declares)", str(len(self.ignored))),) if self.ignored else ()),
             ("dtypes", ", ".join(f"{name} x{count}" for name, count in sorted(self.dtypes.items())) or "-"),
@@ -92,6 +95,8 @@ class Report:
         if self.nonfinite:
             lines.append(f"{'NaN/Inf in'.ljust(width)}  {', '.join(self.nonfinite[:6])}"
                          + (f" (+{len(self.nonfinite) - 6})" if len(self.nonfinite) > 6 else ""))
+        if self.untied:
+            lines.append(f"{'untied'.ljust(width)}  " + "; ".join(" / ".join(group) for group in self.untied[:3]))
         if self.unexpected:
             lines.append(f"{'unexpected'.ljust(width)}  {', '.join(self.unexpected[:6])}"
                          + (f" (+{len(self.unexpected) - 6})" if len(self.unexpected) > 6 else ""))

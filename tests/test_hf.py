@@ -753,3 +753,50 @@ def test_tensors_a_model_makes_in_a_dtype_of_its_own_keep_it_as_from_pretrained_
     if runs:
         with torch.no_grad():
             assert torch.equal(model(**inputs).logits, reference(**inputs).logits)
+
+
+@pytest.mark.parametrize("own_lm_head", [True, False])
+def test_a_config_tying_embeddings_over_a_checkpoint_holding_its_own_lm_head_loads_as_from_pretrained(own_lm_head, tmp_path):
+    source, inputs = _tiny("llama")  # built tied: one tensor under both names
+    source.lm_head.weight = torch.nn.Parameter(source.model.embed_tokens.weight.detach().clone())
+    if own_lm_head:
+        torch.nn.init.normal_(source.lm_head.weight)
+    folder = tmp_path / "llama"
+    source.config.tie_word_embeddings = False
+    source.to(torch.bfloat16).save_pretrained(folder)  # both tensors, as T5 v1.1 and older VLM saves hold them
+    config = json.loads((folder / "config.json").read_text())
+    config["tie_word_embeddings"] = True  # what the config says (or transformers 5 assumes) all the same
+    (folder / "config.json").write_text(json.dumps(config))
+
+    model, report = mz.load_model(folder)
+    reference = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
+
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) is (not own_lm_head)
+    assert (reference.lm_head.weight is reference.model.embed_tokens.weight) is (not own_lm_head)
+    for name, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, reference(**inputs).logits)
+    assert bool(report.untied) is own_lm_head
+    model.save_pretrained(tmp_path / "again")  # the tie left apart is not saved as one
+    again, _ = mz.load_model(tmp_path / "again")
+    assert torch.equal(again.lm_head.weight, reference.lm_head.weight)
+
+
+def test_a_config_whose_model_type_transformers_renamed_is_read_by_its_class(tmp_path):
+    source, inputs = _tiny("llama")
+    folder = _save(source, tmp_path / "llama", as_bin=False, dtype=torch.bfloat16)
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "llama-v0"  # as LFM2-VL's "lfm2-vl", saved before transformers renamed it "lfm2_vl"
+    (folder / "config.json").write_text(json.dumps(config))
+    reference = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
+
+    model, _ = mz.load_model(folder)
+
+    assert type(model) is transformers.LlamaForCausalLM
+    for name, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    config["architectures"] = ["NoSuchModelForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(mz.ModelSpecError, match=r"config\.json: cannot read its config\.json: .*llama-v0"):
+        mz.load_model(folder)

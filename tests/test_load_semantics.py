@@ -425,3 +425,44 @@ def test_a_block_registered_twice_loads_once_under_either_name(tmp_path):
         assert torch.equal(model.head.weight, source.head.weight)
         assert sorted(map(sorted, report.tied)) == [["decoder.bias", "encoder.0.bias"], ["decoder.weight", "encoder.0.weight"]]
         assert report.missing == [] and report.unexpected == []
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_names_the_model_ties_but_the_checkpoint_holds_apart_are_loaded_apart(check, tmp_path):
+    source = reference_model(tie=False)  # its own lm_head
+    state = saved_state(source)
+    path = write_safetensors(state, tmp_path / "untied.safetensors")
+    model = tiny_skeleton(tie=True)
+
+    report = mz.load(model, path, check=check)
+
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, state["lm_head.weight"])
+    assert torch.equal(model.model.embed_tokens.weight, state["model.embed_tokens.weight"])
+    assert report.untied == [["model.embed_tokens.weight", "lm_head.weight"]] and report.tied == []
+    with torch.no_grad():
+        assert torch.equal(model(torch.arange(5)[None]), source(torch.arange(5)[None]))
+
+
+def test_names_the_model_ties_saved_apart_with_equal_values_are_tied_again(tmp_path):
+    source = reference_model(tie=True)
+    state = saved_state(source)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()  # a copy, as conversions write one
+    path = write_safetensors(state, tmp_path / "copies.safetensors")
+    model = tiny_skeleton(tie=True)
+
+    report = mz.load(model, path)
+
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, state["lm_head.weight"])
+    assert report.tied == [["model.embed_tokens.weight", "lm_head.weight"]] and report.untied == []
+    assert len({id(p) for p in model.parameters()}) == len(list(model.parameters()))
+
+
+def test_a_plan_lists_the_ties_a_load_will_compare(tmp_path):
+    state = saved_state(reference_model(tie=False))
+    path = write_safetensors(state, tmp_path / "untied.safetensors")
+
+    plan = mz.plan(tiny_skeleton(tie=True), path)
+
+    assert plan.to_dict()["ties_to_compare"] == [[["model.embed_tokens.weight"], ["lm_head.weight"]]]

@@ -221,6 +221,8 @@ def execute(
                 if problems:
                     raise SanitizerError(f"check failed for {len(problems)} tensor(s): " + "; ".join(problems), path=ckpt.path)
             retied, untied = _settle_ties(the_plan)
+            if retied:  # a tensor read twice and dropped is no longer the model's
+                registered = [(entry, _registered(entry)) for entry in the_plan.entries]
         except BaseException:
             _undo(undo)
             raise

@@ -466,3 +466,16 @@ def test_a_plan_lists_the_ties_a_load_will_compare(tmp_path):
     plan = mz.plan(tiny_skeleton(tie=True), path)
 
     assert plan.to_dict()["ties_to_compare"] == [[["model.embed_tokens.weight"], ["lm_head.weight"]]]
+
+
+def test_a_tie_restored_after_comparing_counts_its_memory_once(tmp_path):
+    state = saved_state(reference_model(tie=True))
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    path = write_safetensors(state, tmp_path / "copies.safetensors")
+    reference = mz.load(tiny_skeleton(tie=True), write_safetensors(
+        {k: v for k, v in state.items() if k != "lm_head.weight"}, tmp_path / "once.safetensors"))
+
+    report = mz.load(tiny_skeleton(tie=True), path)
+
+    assert report.model_bytes == reference.model_bytes
+    assert report.bytes_read == reference.bytes_read + state["lm_head.weight"].nbytes  # both copies were read

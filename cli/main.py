@@ -271,6 +271,8 @@ def _plan_text(summary: dict[str, Any]) -> str:
         available = f" of {format_bytes(memory['available'])} available" if memory["available"] is not None else ""
         lines.append(f"{peak}: {format_bytes(memory['needed'])}{available}: {verdict}")
     lines += [f"tied         {', '.join(group)}" for group in summary["tied_groups"]]
+    lines += [f"tie to check {' / '.join(names[0] for names in check)} (the checkpoint holds each: tied if equal)"
+              for check in summary["ties_to_compare"]]
     for key in ("missing", "unexpected", "ignored"):
         if summary[key]:
             lines.append(f"{key:<12} {', '.join(summary[key])}")

@@ -334,6 +334,23 @@ def test_plan_with_no_strict_lists_missing_and_unexpected(tmp_path):
     assert summary["tensors"]["init"] == 1
 
 
+def test_a_tie_the_checkpoint_holds_apart_is_planned_for_comparing_and_loaded_apart(tmp_path):
+    path = tmp_path / "own_head.safetensors"
+    state = tiny_decoder_state()
+    state["lm_head.weight"] = torch.randn_like(state["model.embed_tokens.weight"])
+    save_file(state, str(path))
+
+    planned = run_cli("plan", path, *TINY_MODEL_OPTIONS)
+    loaded = run_cli(path, *TINY_MODEL_OPTIONS, "--json")
+
+    assert planned.returncode == 0, planned.stderr
+    assert "tie to check model.embed_tokens.weight / lm_head.weight" in planned.stdout
+    assert loaded.returncode == 0, loaded.stderr
+    report = json.loads(loaded.stdout)
+    assert report["untied"] == [["model.embed_tokens.weight", "lm_head.weight"]] and report["tied"] == []
+    assert report["bytes_read"] == nbytes(state)
+
+
 def test_plan_without_a_model_is_a_usage_error(tmp_path):
     path = tmp_path / "model.pt"
     write_small_torch(path)

@@ -221,6 +221,7 @@ def execute(
                 if problems:
                     raise SanitizerError(f"check failed for {len(problems)} tensor(s): " + "; ".join(problems), path=ckpt.path)
             retied, untied = _settle_ties(the_plan)
+            compared = {index for check in the_plan.tie_checks for index in check}  # reported by _settle_ties
             if retied:  # a tensor read twice and dropped is no longer the model's
                 registered = [(entry, _registered(entry)) for entry in the_plan.entries]
         except BaseException:
@@ -234,7 +235,8 @@ def execute(
         missing=list(the_plan.missing),
         unexpected=list(the_plan.unexpected),
         ignored=list(the_plan.ignored),
-        tied=[list(group) for group in the_plan.tied_groups if not _in_checks(the_plan, group)] + retied,
+        tied=[list(entry.names) for index, entry in enumerate(the_plan.entries)
+              if len(entry.names) > 1 and index not in compared] + retied,
         untied=untied,
         mapped=mapped,
         bytes_by_device=the_plan.bytes_by_device,
@@ -326,7 +328,7 @@ def _settle_ties(the_plan: Plan) -> tuple[list[list[str]], list[list[str]]]:
     for check in the_plan.tie_checks:
         first = the_plan.entries[check[0]]
         kept = _registered(first)
-        together, apart = list(first.names), []
+        together, apart = list(first.names), [first.name]
         for index in check[1:]:
             other = the_plan.entries[index]
             if _same_values(local_of(kept), local_of(_registered(other))):
@@ -340,20 +342,16 @@ def _settle_ties(the_plan: Plan) -> tuple[list[list[str]], list[list[str]]]:
                     path=the_plan.path, tensor=first.name,
                 )
             else:
-                apart.append(list(other.names))
+                apart.append(other.name)
         if len(together) > 1:
             retied.append(together)
-        if apart:
-            untied.append([first.names[0]] + [names[0] for names in apart])
+        if len(apart) > 1:
+            untied.append(apart)
     return retied, untied
 
 
 def _same_values(first: torch.Tensor, second: torch.Tensor) -> bool:
     return first.dtype == second.dtype and first.shape == second.shape and bool(torch.equal(first, second))
-
-
-def _in_checks(the_plan: Plan, group: tuple[str, ...]) -> bool:
-    return any(group == the_plan.entries[i].names for check in the_plan.tie_checks for i in check)
 
 
 def _registered(entry: Entry) -> torch.Tensor:

@@ -16,7 +16,7 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .devicemap import DeviceMapLike, Placement, compute_device_map
 from .dtypes import dtype_name, parse_dtype
 from .engine import Job, ProgressFn, stream
-from .errors import SanitizerError, ShardingError
+from .errors import SanitizerError
 from .gcpause import gc_paused
 from .hf import forget_ties, hf_dtype_rule, hf_init, hf_key_map, hf_tolerated, is_hf_model
 from .hostmem import empty_destination
@@ -27,6 +27,7 @@ from .planning import DtypeRule, Entry, InitFn, Plan, Tolerated, make_plan
 from .report import Report
 from .sanitizer import CountingFiles, audit, nonfinite, poison
 from .sharded import is_dtensor, local_of
+from .ties import TieSettling, compared_before_allocating
 from .transfer import resolve_device, staging_for
 from .validate import check_bools
 
@@ -199,31 +200,36 @@ def execute(
     maps = FileMaps() if wants_views else None
     mapped: list[str] = []
     files = CountingFiles(ckpt.files) if check else ckpt.files
+
+    def read(jobs: list[Job], progress: Optional[ProgressFn] = None) -> int:
+        return stream(jobs, files, staging_factory=lambda device: staging_for(device, staging_bytes),
+                      allow_overflow=allow_overflow, progress=progress, direct_io=direct_io)
+
     with PeakMemory(the_plan.device) as memory, torch.no_grad():
         try:
+            compared_in_file = compared_before_allocating(the_plan, mmap)
             jobs = [
-                job for entry in the_plan.entries for job in _materialize_entry(entry, undo, maps, mmap, mapped, check)
+                job for index, entry in enumerate(the_plan.entries) if index not in compared_in_file
+                for job in _materialize_entry(entry, undo, maps, mmap, mapped, check)
             ]
             for _, module in the_plan.init_modules:
                 if init is not None:
                     init(module)
                 else:
                     module.reset_parameters()
-            bytes_read = stream(
-                jobs, files, staging_factory=lambda device: staging_for(device, staging_bytes),
-                allow_overflow=allow_overflow, progress=progress, direct_io=direct_io,
-            )
-            registered = [(entry, _registered(entry)) for entry in the_plan.entries]
+            bytes_read = read(jobs, progress)
+            ties = TieSettling(the_plan, compared_in_file, read, undo, allow_overflow=allow_overflow,
+                               allocate=lambda entry: _materialize_entry(entry, undo, None, False, [], check))
+            retied, untied = ties.settle()
+            bytes_read += ties.bytes_read
+            compared = {index for check in the_plan.tie_checks for index in check}  # reported by the settling
+            registered = [(entry, entry.held()) for entry in the_plan.entries]
             check_bools((entry.source, local_of(tensor)) for entry, tensor in registered
                         if entry.action == "load" and entry.source)
             if check:
                 problems = audit(the_plan, registered, files, set(mapped))
                 if problems:
                     raise SanitizerError(f"check failed for {len(problems)} tensor(s): " + "; ".join(problems), path=ckpt.path)
-            retied, untied = _settle_ties(the_plan)
-            compared = {index for check in the_plan.tie_checks for index in check}  # reported by _settle_ties
-            if retied:  # a tensor read twice and dropped is no longer the model's
-                registered = [(entry, _registered(entry)) for entry in the_plan.entries]
         except BaseException:
             _undo(undo)
             raise
@@ -302,62 +308,12 @@ def _materialize_entry(
     if tensor is not original and isinstance(original, nn.Parameter):
         grad = original.requires_grad and (tensor.is_floating_point() or tensor.is_complex())
         tensor = nn.Parameter(tensor, requires_grad=grad)
-    for owner in entry.owners:
-        registry = owner.module._parameters if owner.is_parameter else owner.module._buffers
-        undo.append((owner.module, owner.attr, owner.is_parameter, registry[owner.attr]))
-        registry[owner.attr] = tensor
+    entry.hold(tensor, undo)
     if entry.action != "load" or view is not None:
         return []
     assert source is not None
     # Reader threads run with autograd on: a tensor that requires grad is filled through a detached alias.
     return [Job(local.detach() if local.requires_grad else local, source)]
-
-
-def _settle_ties(the_plan: Plan) -> tuple[list[list[str]], list[list[str]]]:
-    """Tie again the names of a tied tensor read from separate checkpoint tensors where their values are equal.
-
-    Returns the groups tied again, and those left apart (their values
-    differ: the checkpoint holds tensors the model's config ties, as an
-    ``lm_head`` of its own under ``tie_word_embeddings``), as
-    ``from_pretrained`` decides. A tensor dropped here was read and freed.
-    A sharded model's tie (a DCP save writes a tied tensor once per name)
-    is compared on each rank's own shard: ranks cannot leave it apart
-    without each other, so values that differ are an error there.
-    """
-    retied, untied = [], []
-    for check in the_plan.tie_checks:
-        first = the_plan.entries[check[0]]
-        kept = _registered(first)
-        together, apart = list(first.names), [first.name]
-        for index in check[1:]:
-            other = the_plan.entries[index]
-            if _same_values(local_of(kept), local_of(_registered(other))):
-                for owner in other.owners:
-                    (owner.module._parameters if owner.is_parameter else owner.module._buffers)[owner.attr] = kept
-                together.extend(other.names)
-            elif first.shard is not None:
-                raise ShardingError(
-                    f"is tied to '{other.name}' in the model, and the checkpoint holds different values for them: a "
-                    "sharded model cannot leave the tie apart on one rank; load it before sharding, or untie it",
-                    path=the_plan.path, tensor=first.name,
-                )
-            else:
-                apart.append(other.name)
-        if len(together) > 1:
-            retied.append(together)
-        if len(apart) > 1:
-            untied.append(apart)
-    return retied, untied
-
-
-def _same_values(first: torch.Tensor, second: torch.Tensor) -> bool:
-    return first.dtype == second.dtype and first.shape == second.shape and bool(torch.equal(first, second))
-
-
-def _registered(entry: Entry) -> torch.Tensor:
-    """The tensor a module holds now: an init may have replaced the one allocated."""
-    owner = entry.owners[0]
-    return (owner.module._parameters if owner.is_parameter else owner.module._buffers)[owner.attr]
 
 
 def _reusable(original: torch.Tensor, entry: Entry) -> bool:

@@ -112,6 +112,18 @@ class Entry:
     def nbytes(self) -> int:
         return math.prod(self.local_shape) * self.dtype.itemsize
 
+    def held(self) -> torch.Tensor:
+        """The tensor the modules hold now: an init may have replaced the one allocated."""
+        owner = self.owners[0]
+        return (owner.module._parameters if owner.is_parameter else owner.module._buffers)[owner.attr]
+
+    def hold(self, tensor: torch.Tensor, undo: list[tuple[nn.Module, str, bool, torch.Tensor]]) -> None:
+        """Register ``tensor`` under every name of this entry; what each held before goes on ``undo``."""
+        for owner in self.owners:
+            registry = owner.module._parameters if owner.is_parameter else owner.module._buffers
+            undo.append((owner.module, owner.attr, owner.is_parameter, registry[owner.attr]))
+            registry[owner.attr] = tensor
+
 
 @dataclass
 class Plan:
@@ -323,9 +335,10 @@ def _tie_units(named: list[tuple[str, Owner]], to_ckpt: dict[str, TensorInfo]
     A torch file saves a tied tensor once under every name (one storage): one
     source, one tensor. Two different tensors for names the model ties (a
     config saying ``tie_word_embeddings`` over a checkpoint with its own
-    ``lm_head``) are each loaded, and stay tied only if their values are
-    equal (see :func:`materialize.loading.execute`), as ``from_pretrained``
-    decides. Names the checkpoint lacks go with the first source.
+    ``lm_head``) stay tied only if their values are equal, as
+    ``from_pretrained`` decides: the first is loaded, the others compared
+    with it (see :mod:`materialize.ties`). Names the
+    checkpoint lacks go with the first source.
     """
     by_source: dict[object, tuple[list[str], list[Owner], TensorInfo]] = {}
     unsourced: list[tuple[str, Owner]] = []

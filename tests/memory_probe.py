@@ -1,6 +1,7 @@
 """Run in a fresh interpreter by test_memory.py: load one way, print peak anonymous memory growth.
 
 Usage: python memory_probe.py write|ours|ours-mmap|naive CHECKPOINT [DTYPE|auto] [DEVICE]
+       python memory_probe.py write-tied|ours-tied CHECKPOINT
 """
 
 from __future__ import annotations
@@ -19,6 +20,34 @@ LAYERS, WIDTH = 20, 2048  # 20 x 2048 x 2048 fp32 weights: 336 MB
 
 def make_model() -> nn.Module:
     return nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)))
+
+
+class TiedHead(nn.Module):
+    """An embedding and an output layer sharing one weight: 256 MB fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(8 * WIDTH, 2 * WIDTH)
+        self.head = nn.Linear(2 * WIDTH, 8 * WIDTH, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def write_tied(path: str) -> None:
+    """Both names saved, as copies with equal values (as conversion scripts write them)."""
+    from safetensors.torch import save_file
+
+    weight = TiedHead().embed.weight.detach()
+    save_file({"embed.weight": weight, "head.weight": weight.clone()}, path)
+
+
+def measure_tied(path: str) -> dict:
+    with mz.meta_init():
+        model = TiedHead()
+    with PeakMemory() as memory:
+        report = mz.load(model, path)
+    assert model.head.weight is model.embed.weight, report.untied
+    final = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"growth": memory.host_growth, "model_bytes": final}
 
 
 def write(path: str) -> None:
@@ -55,6 +84,10 @@ if __name__ == "__main__":
     action, target = sys.argv[1], sys.argv[2]
     if action == "write":
         write(target)
+    elif action == "write-tied":
+        write_tied(target)
+    elif action == "ours-tied":
+        print(json.dumps(measure_tied(target)))
     else:
         dtype = sys.argv[3] if len(sys.argv) > 3 else "auto"
         device = sys.argv[4] if len(sys.argv) > 4 else "cpu"

@@ -88,3 +88,26 @@ def test_stacked_experts_load_to_cuda_into_their_blocks(dtype, tmp_path):
         assert value.device.type == "cuda"
         expected = getattr(want, name).detach()
         assert torch.equal(value.cpu(), expected.float() if dtype else expected), name
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float32], ids=["keep", "fp32"])
+@pytest.mark.parametrize("differ", [False, True], ids=["copies", "own-head"])
+def test_a_tie_saved_as_two_tensors_is_compared_on_the_gpu_as_loaded(dtype, differ, tmp_path, monkeypatch):
+    monkeypatch.setattr("materialize.ties.COMPARE_BLOCK_BYTES", 1024)
+    state = saved_state(reference_model(tie=True, dtype=torch.bfloat16))
+    head = state["model.embed_tokens.weight"].clone()
+    if differ:
+        head[-1] += 1
+    state["lm_head.weight"] = head
+    path = write_safetensors(state, tmp_path / "two.safetensors")
+    model = tiny_skeleton(tie=True)
+
+    report = mz.load(model, path, device="cuda", dtype=dtype)
+
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) != differ
+    assert model.lm_head.weight.device.type == "cuda"
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+        want = state[name].to(dtype) if dtype is not None else state[name]
+        assert torch.equal(model.state_dict()[name].cpu(), want), name
+    assert (report.untied if differ else report.tied) == [["model.embed_tokens.weight", "lm_head.weight"]]
+    assert report.bytes_read == sum(t.nbytes for t in state.values())

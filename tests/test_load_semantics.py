@@ -468,6 +468,79 @@ def test_a_plan_lists_the_ties_a_load_will_compare(tmp_path):
     assert plan.to_dict()["ties_to_compare"] == [[["model.embed_tokens.weight"], ["lm_head.weight"]]]
 
 
+def _with_own_rows(state: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
+    """The state with an lm_head equal to the embedding but in ``rows``."""
+    head = state["model.embed_tokens.weight"].clone()
+    head[rows] = torch.randn_like(head[rows])
+    return {**state, "lm_head.weight": head}
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_a_tie_that_differs_only_in_its_last_rows_is_loaded_apart_reading_each_byte_once(check, tmp_path, monkeypatch):
+    monkeypatch.setattr("materialize.ties.COMPARE_BLOCK_BYTES", 10 * TINY["hidden_size"] * 4)  # 10 rows a block
+    state = _with_own_rows(saved_state(reference_model(tie=True)), slice(-3, None))
+    path = write_safetensors(state, tmp_path / "late.safetensors")
+    model = tiny_skeleton(tie=True)
+
+    report = mz.load(model, path, check=check)
+
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, state["lm_head.weight"])
+    assert torch.equal(model.model.embed_tokens.weight, state["model.embed_tokens.weight"])
+    assert report.untied == [["model.embed_tokens.weight", "lm_head.weight"]]
+    assert report.bytes_read == sum(t.nbytes for t in state.values())
+
+
+@pytest.mark.parametrize("rows", [slice(0, 0), slice(40, 41)])
+def test_a_tie_is_compared_as_the_cast_makes_it(rows, tmp_path, monkeypatch):
+    monkeypatch.setattr("materialize.ties.COMPARE_BLOCK_BYTES", 16 * TINY["hidden_size"] * 2)
+    state = _with_own_rows(saved_state(reference_model(tie=True, dtype=torch.bfloat16)), rows)
+    path = write_safetensors(state, tmp_path / "bf16.safetensors")
+    model = tiny_skeleton(tie=True)
+
+    report = mz.load(model, path, dtype=torch.float32)
+
+    apart = rows.stop > rows.start
+    assert (model.lm_head.weight is not model.model.embed_tokens.weight) == apart
+    assert model.lm_head.weight.dtype == torch.float32
+    assert torch.equal(model.lm_head.weight, state["lm_head.weight"].float())
+    assert torch.equal(model.model.embed_tokens.weight, state["model.embed_tokens.weight"].float())
+    assert (report.untied if apart else report.tied) == [["model.embed_tokens.weight", "lm_head.weight"]]
+
+
+def test_a_differing_tie_whose_cast_overflows_is_refused_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setattr("materialize.ties.COMPARE_BLOCK_BYTES", 16 * TINY["hidden_size"] * 4)
+    state = saved_state(reference_model(tie=True))
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    state["lm_head.weight"][50, 3] = 1e6  # beyond fp16, in a block after equal ones
+    path = write_safetensors(state, tmp_path / "wide.safetensors")
+    model = tiny_skeleton(tie=True)
+
+    with pytest.raises(mz.CastOverflowError) as raised:
+        mz.load(model, path, dtype=torch.float16)
+
+    assert "lm_head.weight" in str(raised.value) and str(path) in str(raised.value)
+    assert all(p.is_meta for p in model.parameters())  # the model got back what it had
+
+
+@pytest.mark.parametrize("differ", [False, True])
+def test_a_tie_saved_as_a_strided_copy_in_a_torch_file_is_compared_in_blocks(differ, tmp_path, monkeypatch):
+    monkeypatch.setattr("materialize.ties.COMPARE_BLOCK_BYTES", 7 * TINY["hidden_size"] * 4)
+    state = saved_state(reference_model(tie=True))
+    embedding = state["model.embed_tokens.weight"]
+    head = embedding.t().contiguous().t()  # same values, column-major: a strided view of its own storage
+    if differ:
+        head[-1, -1] += 1
+    path = write_torch({**state, "lm_head.weight": head}, tmp_path / "strided.pt")
+    model = tiny_skeleton(tie=True)
+
+    report = mz.load(model, path, check=True)
+
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) != differ
+    assert torch.equal(model.lm_head.weight, head) and torch.equal(model.model.embed_tokens.weight, embedding)
+    assert (report.untied if differ else report.tied) == [["model.embed_tokens.weight", "lm_head.weight"]]
+
+
 def test_a_tie_restored_after_comparing_counts_its_memory_once(tmp_path):
     state = saved_state(reference_model(tie=True))
     state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()

@@ -57,3 +57,13 @@ def test_zero_copy_load_costs_almost_no_anonymous_memory_even_when_read(checkpoi
     result = _probe("ours-mmap", str(checkpoints["safetensors"]))
 
     assert result["growth"] <= 32 * 1024 * 1024, result
+
+
+def test_a_tie_saved_as_two_equal_copies_is_compared_without_a_second_copy(tmp_path):
+    path = tmp_path / "tied.safetensors"
+    _probe("write-tied", str(path))
+
+    result = _probe("ours-tied", str(path))
+
+    assert result["model_bytes"] >= 256 * 1024 * 1024
+    assert result["growth"] <= 1.1 * result["model_bytes"] + SLACK_BYTES, result

@@ -176,3 +176,15 @@ def test_a_partial_dtensor_is_refused_naming_it_and_the_model_is_left_as_it_was(
     for rank in ranks:
         assert rank["error"] == "ShardingError" and rank["left_as_was"]
         assert rank["message"].startswith(f"{path}: ") and "'up.weight'" in rank["message"] and "Partial" in rank["message"]
+
+
+def test_a_sharded_tie_the_checkpoint_holds_apart_is_refused_on_every_rank_naming_it(tmp_path):
+    state = saved_state(reference_model(tie=False))  # a head of its own: differs in every rank's rows
+    path = write_safetensors(state, tmp_path / "own_head.safetensors")
+
+    ranks = run_ranks("fsdp_own_head", path, tmp_path)
+
+    for rank in ranks:
+        assert rank["error"] == "ShardingError" and rank["left_as_was"], rank
+        assert rank["message"].startswith(f"{path}: ") and "'model.embed_tokens.weight'" in rank["message"]
+        assert "lm_head.weight" in rank["message"] and "different values" in rank["message"]

@@ -12,7 +12,9 @@ Three paths, chosen per tensor:
   :class:`~materialize.transfer.Staging`, one slot-sized chunk at a time;
 * strided: a non-contiguous view (saved so in a torch file, or a transposed
   checkpoint tensor) is read in blocks along its outermost dimension, each
-  copied into place; the temporary is one block.
+  copied into place; the temporary is one block. Whole rows in another
+  order (an interleave) are read straight into their places instead
+  (:mod:`materialize.scatter`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from .checkpoint.base import contiguous_strides
 from .errors import CastOverflowError
 from .fileio import MAX_IOVECS, DirectReads, FileSet, Part, byte_view
 from .hostmem import prefault
+from .scatter import RowScatter, row_scatter
 from .stacking import Stacked, piece_destination
 from .transfer import Completion, Staging
 
@@ -480,12 +483,27 @@ def _run_strided(jobs: list[Job], files: FileSet, tracker: _Progress, threads: i
         count = layout.shape[layout.outer]
         tracker.add(info.read_nbytes * last // count - info.read_nbytes * first // count)
 
-    blocks = []
+    def read_rows(job: Job, scatter: RowScatter, first: int, last: int) -> None:
+        rows = scatter.rows[first:last]
+        low, high = int(rows[:, 0].min()), int(rows[:, 0].max()) + scatter.row_bytes
+        if high - low <= 2 * (last - first) * scatter.row_bytes:  # rows close together: fault them in at once
+            prefault(low, high - low)
+        info = job.info
+        files.read_scattered(info.path, info.offset + first * scatter.row_bytes, rows, scatter.row_bytes, tensor=info.name)
+        tracker.add((last - first) * scatter.row_bytes)
+
+    tasks: list[tuple[Callable[..., None], tuple]] = []
     for job in jobs:
+        scatter = row_scatter(job.info, job.dest) if files.scatters else None
+        if scatter is not None:
+            count, step = scatter.rows.shape[0], max(1, STRIDED_BLOCK_BYTES // scatter.row_bytes)
+            tasks += [(read_rows, (job, scatter, first, min(first + step, count))) for first in range(0, count, step)]
+            continue
         layout = _strided_layout(job.info)
         count = layout.shape[layout.outer]
-        blocks += [(job, layout, first, min(first + layout.per_block, count)) for first in range(0, count, layout.per_block)]
-    _run_parallel(read_block, blocks, threads)
+        tasks += [(read_block, (job, layout, first, min(first + layout.per_block, count)))
+                  for first in range(0, count, layout.per_block)]
+    _run_parallel(lambda work, arguments: work(*arguments), tasks, threads)
 
 
 def _copy_block(dest: torch.Tensor, view: torch.Tensor) -> None:

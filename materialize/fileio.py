@@ -131,11 +131,61 @@ class FileSet:
                     views[index] = views[index][got:]
                     got = 0
 
+    @property
+    def scatters(self) -> bool:
+        """Whether :meth:`read_scattered` can be used here (it needs libc's ``preadv`` through ctypes)."""
+        return _preadv is not None
+
+    def read_scattered(self, path: Path, offset: int, rows: "torch.Tensor", row_bytes: int, *, tensor: str) -> None:
+        """Fill rows spread in memory with the bytes from ``offset`` on, in turn, ``row_bytes`` each.
+
+        ``rows`` is an ``(n, 2)`` contiguous int64 CPU tensor of
+        ``(address, row_bytes)`` pairs, laid out as the ``struct iovec`` array
+        ``preadv`` takes, so a tensor read rearranged (whole rows in another
+        order) is read straight into place, a thousand rows a call, with no
+        temporary and no copy. Only where :attr:`scatters`.
+        """
+        assert _preadv is not None and rows.is_contiguous() and tuple(rows.shape[1:]) == (2,)
+        fd = self.fd(path)
+        base, count, index, position = rows.data_ptr(), rows.shape[0], 0, offset
+        while index < count:
+            got = _preadv(fd, base + index * _IOVEC_BYTES, min(_IOV_MAX, count - index), position)
+            if got < 0:
+                raise _read_failed(OSError(ctypes.get_errno(), ""), path, position, tensor)
+            if got == 0:
+                raise _file_ends(path, position, offset + count * row_bytes, tensor)
+            position += got
+            whole, part = divmod(got, row_bytes)
+            index += whole
+            if part:  # a read cut short inside a row: the rest of that row, then on
+                address = int(rows[index, 0]) + part
+                FileSet.read_into(self, path, position, _memory_view(address, row_bytes - part, _PyBUF_WRITE),
+                                  tensor=tensor)
+                position += row_bytes - part
+                index += 1
+
     def close(self) -> None:
         with self._lock:
             fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
+
+
+def _preadv_function():
+    if _memory_view is None or ctypes.sizeof(ctypes.c_void_p) != 8 or ctypes.sizeof(ctypes.c_size_t) != 8:
+        return None  # the iovec layout read_scattered writes: two 8-byte fields
+    try:
+        function = ctypes.CDLL(None, use_errno=True).preadv  # the process's own libc; the call releases the GIL
+    except (OSError, AttributeError):
+        return None
+    function.restype = ctypes.c_ssize_t
+    function.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64)
+    return function
+
+
+_preadv = _preadv_function()
+_IOVEC_BYTES = 16  # struct iovec: a pointer and a size_t
+_IOV_MAX = 1024
 
 
 MAX_IOVECS = 512  # buffers per preadv; Linux takes up to 1024
@@ -192,6 +242,8 @@ class DirectReads(FileSet):
             self._bounce.map = mmap.mmap(-1, DIRECT_BOUNCE_BYTES)  # anonymous maps are page-aligned
             self._bounce.view = memoryview(self._bounce.map)
         return self._bounce.view
+
+    scatters = False  # each read goes through the bounce buffer: rows are read in blocks and copied
 
     def read_run(self, path: Path, offset: int, parts: list[Part]) -> None:
         for dest, tensor in parts:  # each goes through the bounce buffer anyway

@@ -16,6 +16,7 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .devicemap import DeviceMapLike, Placement, compute_device_map
 from .dtypes import dtype_name, parse_dtype
 from .engine import Job, ProgressFn, stream
+from .fileio import DirectReads
 from .errors import SanitizerError
 from .gcpause import gc_paused
 from .hf import forget_ties, hf_dtype_rule, hf_init, hf_key_map, hf_tolerated, is_hf_model
@@ -199,11 +200,13 @@ def execute(
     wants_views = (mmap and the_plan.device.type == "cpu") or any(e.on_disk for e in the_plan.entries)
     maps = FileMaps() if wants_views else None
     mapped: list[str] = []
-    files = CountingFiles(ckpt.files) if check else ckpt.files
+    bypass = DirectReads(ckpt.files) if direct_io else None
+    # Counted outermost: O_DIRECT reads go through the bounce buffer, never through the files they wrap.
+    files = CountingFiles(bypass or ckpt.files) if check else (bypass or ckpt.files)
 
     def read(jobs: list[Job], progress: Optional[ProgressFn] = None) -> int:
         return stream(jobs, files, staging_factory=lambda device: staging_for(device, staging_bytes),
-                      allow_overflow=allow_overflow, progress=progress, direct_io=direct_io)
+                      allow_overflow=allow_overflow, progress=progress)
 
     with PeakMemory(the_plan.device) as memory, torch.no_grad():
         try:
@@ -233,6 +236,9 @@ def execute(
         except BaseException:
             _undo(undo)
             raise
+        finally:
+            if bypass is not None:
+                bypass.close()
     return _report(
         ckpt, the_plan.device, [local_of(tensor) for _, tensor in registered], bytes_read, started, memory,
         loaded=[e.name for e in the_plan.of("load")],

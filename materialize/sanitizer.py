@@ -99,6 +99,15 @@ class CountingFiles(FileSet):
                 if not isinstance(dest, int):  # bytes passed over between tensors are written nowhere
                     self.bytes_by_tensor[tensor] += len(dest)
 
+    @property
+    def scatters(self) -> bool:
+        return self._inner.scatters
+
+    def read_scattered(self, path: Path, offset: int, rows: torch.Tensor, row_bytes: int, *, tensor: str) -> None:
+        self._inner.read_scattered(path, offset, rows, row_bytes, tensor=tensor)
+        with self._count_lock:
+            self.bytes_by_tensor[tensor] += rows.shape[0] * row_bytes
+
     def close(self) -> None:
         pass  # the checkpoint owns the descriptors
 

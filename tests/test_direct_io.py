@@ -90,7 +90,8 @@ def test_direct_reads_feed_casts_and_strided_views(tmp_path, small_bounce, opene
     assert torch.equal(tensors["extra_t"], state["lm_head.weight"].t().float())
 
 
-def test_a_model_loads_through_direct_reads(tmp_path, small_bounce, opened_direct):
+@pytest.mark.parametrize("check", [False, True])
+def test_a_model_loads_through_direct_reads(tmp_path, small_bounce, opened_direct, check):
     if not o_direct_supported(tmp_path):
         pytest.skip("this file system refuses O_DIRECT")
     source = reference_model()
@@ -98,7 +99,7 @@ def test_a_model_loads_through_direct_reads(tmp_path, small_bounce, opened_direc
     with mz.meta_init():
         model = DecoderLM(**TINY)
 
-    mz.load(model, path, direct_io=True)
+    mz.load(model, path, direct_io=True, check=check)  # the check counts bytes read through the bounce buffer
 
     assert all(fd >= 0 for fd in opened_direct)
     for name, value in source.state_dict().items():

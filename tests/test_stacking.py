@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
 from pathlib import Path
 
 import pytest
@@ -214,7 +216,8 @@ def _one_parameter_model(shape: tuple[int, ...]) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("how", [{}, {"dtype": torch.float64}, {"mmap": True}])
+@pytest.mark.parametrize("rows_from", [1, None], ids=["rows-scattered", "rows-as-built"])
+@pytest.mark.parametrize("how", [{}, {"dtype": torch.float64}, {"mmap": True}, {"direct_io": True}])
 @pytest.mark.parametrize("shape, rearrange", [
     ((6, 8, 5), Deinterleave(dim=1)),  # Inkling's experts: gate and up rows interleaved
     ((6, 8, 5), Deinterleave(dim=1, inverse=True)),
@@ -225,8 +228,9 @@ def _one_parameter_model(shape: tuple[int, ...]) -> torch.nn.Module:
     ((24,), Deinterleave(dim=0, groups=3, ranks=(1, 2))),  # a bias
     ((2, 24, 7), Deinterleave(dim=0, groups=2, ranks=(1, 2))),  # a rank it leaves alone
 ])
-def test_a_rearranged_tensor_of_a_real_file_equals_the_conversion(tmp_path, monkeypatch, shape, rearrange, how):
-    from materialize import engine
+def test_a_rearranged_tensor_of_a_real_file_equals_the_conversion(tmp_path, monkeypatch, shape, rearrange, how,
+                                                                  rows_from):
+    from materialize import engine, scatter
 
     saved = torch.randn(shape)
     if rearrange.groups > 1:
@@ -236,11 +240,18 @@ def test_a_rearranged_tensor_of_a_real_file_equals_the_conversion(tmp_path, monk
     path = write_safetensors({"fused": saved}, tmp_path / "r.safetensors")
     model = _one_parameter_model(shape)
     monkeypatch.setattr(engine, "STRIDED_BLOCK_BYTES", 64)  # many blocks
+    if rows_from is not None:
+        monkeypatch.setattr(scatter, "MIN_ROW_BYTES", rows_from)  # rows of any length read into place
+    scattered = []
+    monkeypatch.setattr(engine, "row_scatter", lambda *args: scattered.append(scatter.row_scatter(*args)) or scattered[-1])
 
     mz.load(model, path, key_map=lambda name: Rearranged("w", rearrange), check=True, **how)
 
     assert model.w.shape == saved.shape and model.w.is_contiguous()
     assert torch.equal(model.w, expected.to(model.w.dtype))
+    moves = not torch.equal(expected, saved)
+    if rows_from is not None and moves and not how:  # a cast, or O_DIRECT's bounce buffer, reads in blocks
+        assert any(found is not None for found in scattered)
 
 
 @pytest.mark.parametrize("dim", [0, 1])
@@ -340,3 +351,42 @@ def test_strided_views_of_a_torch_file_are_read_exactly_block_by_block(tmp_path,
     assert sorted(report.loaded) == sorted(state)
     for name, value in state.items():
         assert torch.equal(getattr(model, name), value), name
+
+
+def _interleaved_rows_checkpoint(tmp_path) -> tuple[Path, torch.Tensor, torch.Tensor]:
+    """Rows of 4 KB interleaved in pairs: read into place row by row (see materialize.scatter)."""
+    saved = torch.randn(2, 16, 1024)
+    return write_safetensors({"fused": saved}, tmp_path / "rows.safetensors"), saved, _interleaved(saved, 1, False)
+
+
+def test_rows_read_into_place_resume_where_a_read_stops_inside_a_row(tmp_path, monkeypatch):
+    from materialize import fileio
+
+    path, saved, expected = _interleaved_rows_checkpoint(tmp_path)
+    calls = []
+
+    def preadv_cut_short(fd: int, iovecs: int, count: int, position: int) -> int:
+        calls.append(count)  # fills at most 1000 bytes of the first row asked for
+        address, length = ctypes.c_int64.from_address(iovecs).value, ctypes.c_int64.from_address(iovecs + 8).value
+        return os.preadv(fd, [fileio._memory_view(address, min(length, 1000), fileio._PyBUF_WRITE)], position)
+
+    monkeypatch.setattr(fileio, "_preadv", preadv_cut_short)
+    model = _one_parameter_model(tuple(saved.shape))
+
+    mz.load(model, path, key_map=lambda name: Rearranged("w", Deinterleave(dim=1)), check=True)
+
+    assert torch.equal(model.w, expected)
+    assert len(calls) == 32  # one short read per row, the rest of each row read on its own
+
+
+def test_a_file_truncated_under_rows_read_into_place_names_the_tensor(tmp_path):
+    path, saved, _ = _interleaved_rows_checkpoint(tmp_path)
+    model = _one_parameter_model(tuple(saved.shape))
+
+    with mz.open_checkpoint(path) as ckpt:
+        os.truncate(path, path.stat().st_size - 5000)
+        with pytest.raises(mz.CheckpointError) as caught:
+            mz.load(model, ckpt, key_map=lambda name: Rearranged("w", Deinterleave(dim=1)))
+
+    assert str(caught.value).startswith(f"{path}: tensor 'fused': file ends at byte")
+    assert model.w.is_meta

@@ -1,4 +1,4 @@
-"""torch files carrying more than weights: classes torch refuses are read as inert stand-ins, calls stay refused."""
+"""torch files carrying more than weights: classes torch refuses are read as inert stand-ins; calls never run."""
 
 from __future__ import annotations
 
@@ -95,6 +95,27 @@ class Getter:
         return getattr, (Path("."), "cwd")
 
 
+class TouchesWhenCalled:
+    """Pickles to a call of itself with a path: the real call would create the file."""
+
+    def __init__(self, marker: str) -> None:
+        Path(marker).touch()
+        self.marker = marker
+
+    def __reduce__(self):
+        return TouchesWhenCalled, (self.marker,)
+
+
+class BuiltFromTensor:
+    """Pickles to a call given a tensor: the real call might build weights from it."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.values = values
+
+    def __reduce__(self):
+        return BuiltFromTensor, (self.values,)
+
+
 def _weights() -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     return {"fc.weight": torch.randn(3, 4), "fc.bias": torch.randn(3)}
@@ -185,22 +206,36 @@ def test_a_builtin_other_than_a_plain_type_is_refused_naming_it(tmp_path):
         mz.open_checkpoint(path)
 
 
-def test_a_call_in_the_pickle_is_still_refused_naming_it_and_loads_with_trust(tmp_path):
+def test_calls_given_plain_values_are_kept_as_stand_ins_and_never_run(tmp_path):
     weights = _weights()
+    marker = tmp_path / "called"
     path = tmp_path / "enum.pt"
-    torch.save({"state_dict": weights, "color": Color.RED}, path)
+    torch.save({"state_dict": weights, "color": Color.RED, "hook": TouchesWhenCalled(str(marker))}, path)
+    marker.unlink()  # made by building the object to save; only a call while loading would make it again
 
     allowed_before = set(map(repr, torch.serialization.get_safe_globals()))
+    tensors, report = mz.load_tensors(path)
+
+    assert sorted(report.loaded) == ["fc.bias", "fc.weight"]
+    for name, value in weights.items():
+        assert torch.equal(tensors[name], value), name
+    assert not marker.exists()
+    assert set(map(repr, torch.serialization.get_safe_globals())) == allowed_before
+
+
+def test_a_call_given_a_tensor_is_refused_naming_it_and_loads_with_trust(tmp_path):
+    weights = _weights()
+    path = tmp_path / "built.pt"
+    torch.save({"state_dict": weights, "scale": BuiltFromTensor(torch.ones(3))}, path)
+
     with pytest.raises(mz.UnsafeCheckpointError) as caught:
         mz.open_checkpoint(path)
-    allowed_after = set(map(repr, torch.serialization.get_safe_globals()))
     tensors, _ = mz.load_tensors(path, trust_pickle=True)
 
     message = str(caught.value)
-    assert str(path) in message and "test_standins.Color" in message and "trust_pickle" in message
-    assert "add_safe_globals" in message
+    assert message.startswith(f"{path}: ") and "test_standins.BuiltFromTensor" in message
+    assert "trust_pickle" in message and "add_safe_globals" in message
     assert torch.equal(tensors["fc.weight"], weights["fc.weight"])
-    assert allowed_after == allowed_before
 
 
 def test_a_class_the_caller_allows_is_built_by_its_call_without_trusting_the_file(tmp_path):
@@ -320,3 +355,28 @@ def test_a_negative_stride_in_a_plain_state_dict_is_still_refused_naming_the_lay
 
     with pytest.raises(mz.CheckpointError, match=r"negative.pt.*negative size, stride or offset \(\[3, 4\], \[-4, 1\]"):
         mz.open_checkpoint(path)
+
+
+class StartsProcess:
+    """Pickles to a call of subprocess.Popen: a class, but of a module whose classes run things."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import subprocess
+
+        return subprocess.Popen, (["touch", self.marker],)
+
+
+def test_a_call_of_a_class_that_runs_things_is_refused_naming_it(tmp_path):
+    marker = tmp_path / "started"
+    path = tmp_path / "popen.pt"
+    torch.save({"state_dict": _weights(), "hook": StartsProcess(str(marker))}, path)
+
+    with pytest.raises(mz.UnsafeCheckpointError) as caught:
+        mz.load_tensors(path)
+
+    message = str(caught.value)  # named as the pickle names it (protocol 2 writes Python 2's 'commands.Popen')
+    assert message.startswith(f"{path}: refused to unpickle a call of '") and "Popen'" in message
+    assert not marker.exists()

@@ -10,9 +10,18 @@ fresh class with the same name whose objects only keep what the pickle hands
 them (constructor arguments, state, items). Building an object that way
 (``NEWOBJ`` then ``BUILD``, how pickle restores plain objects) runs no code
 from the file. Calling a stand-in (``REDUCE``: how a pickle calls a function
-such as ``os.system`` or ``eval``, or a class with arguments) raises
-:class:`CalledStandIn` instead, so such files are still refused. Modules
-named by ``sys``, ``os``, ``posix`` and ``nt`` stay refused by torch itself.
+such as ``os.system``, or a class with arguments, as an ``Enum`` member is
+rebuilt from its value) never calls the real thing either: the stand-in
+only keeps the arguments. Such a call is accepted where the name reads as
+a class (capitalized: ``Color``, ``TrainingMode``) of a module that does not
+run things (see :data:`CODE_RUNNING_MODULES`) and its arguments are plain
+values (numbers, strings, containers of them). Otherwise
+:class:`CalledStandIn` refuses the file: a call of a function
+(``runpy.run_path``) on unpickling is what hostile files do, and a call
+given a tensor might have built weights from it, which a stand-in would
+lose. Modules named by ``sys``, ``os``, ``posix`` and ``nt`` stay refused by
+torch itself, at their name (and ``eval``, ``getattr`` and the other
+builtins by us).
 Types that hyper-parameter containers name as values (OmegaConf's
 ``DictConfig`` records ``object_type=dict``, ``ref_type=typing.Any`` and a
 ``defaultdict(dict)`` cache) are let through as themselves
@@ -28,6 +37,7 @@ a tensor is expected is an error, not skipped.
 
 from __future__ import annotations
 
+import _compat_pickle
 import collections
 import typing
 from collections.abc import Iterator
@@ -56,16 +66,64 @@ NUMPY_ARRAY_BUILDERS = frozenset({"numpy.core.multiarray._reconstruct", "numpy._
 
 class _NoCalls(type):
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        if cls.inert_calls:
+        if cls.inert_calls or (cls.plain_calls and _holds_only_plain_values(args) and _holds_only_plain_values(kwargs)):
             return cls.__new__(cls, *args)
         raise CalledStandIn(cls.stands_in_for)
+
+
+# Modules whose classes run things when made (subprocess.Popen, ctypes.CDLL): a file calling them is refused.
+CODE_RUNNING_MODULES = frozenset({
+    "builtins", "code", "codeop", "ctypes", "importlib", "marshal", "multiprocessing", "os", "pickle", "posix",
+    "nt", "pty", "runpy", "shutil", "socket", "subprocess", "sys", "threading", "webbrowser", "_posixsubprocess",
+})
+
+
+def _reads_as_a_class(full_name: str) -> bool:
+    """``module.Name`` capitalized, as classes are named (an Enum, a config class), outside code-running modules.
+
+    Pickles of protocol 2 and below name some modules as Python 2 did
+    (``commands.Popen`` for ``subprocess.Popen``): those are read as Python 3
+    reads them before the module is judged.
+    """
+    module, _, name = full_name.rpartition(".")
+    module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+    module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+    return name[:1].isupper() and module.split(".", 1)[0] not in CODE_RUNNING_MODULES
+
+
+_PLAIN_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+_MAX_PLAIN_DEPTH = 16
+
+
+def _holds_only_plain_values(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is built of numbers, strings and containers of them (and stand-ins of such): no tensor.
+
+    A stand-in called with such arguments (an ``Enum`` member rebuilt from
+    its value, a config class from its fields) only keeps them: whatever the
+    real class would make of them is not weights. Given a tensor or a
+    storage, the real call might build weights from it, so it is refused.
+    Deep or self-referencing values count as not plain.
+    """
+    if isinstance(value, _PLAIN_SCALARS):
+        return True
+    if depth >= _MAX_PLAIN_DEPTH:
+        return False
+    if isinstance(value, (tuple, list, set, frozenset)):
+        return all(_holds_only_plain_values(item, depth + 1) for item in value)
+    if isinstance(value, dict):
+        return all(_holds_only_plain_values(key, depth + 1) and _holds_only_plain_values(item, depth + 1)
+                   for key, item in value.items())
+    if isinstance(value, StandIn):
+        return all(_holds_only_plain_values(part, depth + 1) for part in (value.args, value.state, value.items))
+    return False
 
 
 class StandIn(metaclass=_NoCalls):
     """An object of a class that was never imported; it holds what the pickle gave it, and does nothing."""
 
     stands_in_for = ""
-    inert_calls = False
+    inert_calls = False  # any call keeps its arguments (numpy, pathlib)
+    plain_calls = False  # a call given plain values keeps them (a name that reads as a class)
 
     def __new__(cls, *args: Any) -> "StandIn":
         instance = object.__new__(cls)
@@ -87,7 +145,7 @@ def stand_in_class(full_name: str) -> type:
     module, _, name = full_name.rpartition(".")
     inert = full_name.split(".", 1)[0] in INERT_CALL_MODULES
     return _NoCalls(name, (StandIn,), {"__module__": module, "__qualname__": name, "stands_in_for": full_name,
-                                       "inert_calls": inert})
+                                       "inert_calls": inert, "plain_calls": _reads_as_a_class(full_name)})
 
 
 def is_numpy_array(candidate: Any) -> bool:

@@ -34,6 +34,42 @@ def test_cast_of_tensors_larger_than_a_chunk_is_exact(tmp_path, monkeypatch):
         assert report.bytes_read == sum(v.numel() * v.element_size() for v in state.values())
 
 
+def _small_tensors_of_mixed_dtypes() -> dict[str, torch.Tensor]:
+    """Tensors small enough to be cast together, in runs of one dtype and another, and one large one among them."""
+    torch.manual_seed(4)
+    state = {}
+    for i in range(60):
+        dtype = (torch.bfloat16, torch.float16, torch.float32)[i // 20]
+        state[f"layer{i:02d}.weight"] = torch.randn(3 + i % 7, 5, dtype=dtype)
+        state[f"layer{i:02d}.steps"] = torch.tensor([i], dtype=torch.int64)  # read as is, between the casts
+    state["layer30.large"] = torch.randn(40_000, dtype=torch.bfloat16)  # cast alone, chunk by chunk
+    return state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_small_tensors_cast_together_each_get_exactly_their_values(tmp_path, monkeypatch, dtype):
+    monkeypatch.setattr(engine, "CAST_CHUNK_BYTES", 8192)  # several runs, spread over the threads
+    state = _small_tensors_of_mixed_dtypes()
+    for path in (write_safetensors(state, tmp_path / "m.safetensors"), write_torch(state, tmp_path / "m.pt")):
+        tensors, report = mz.load_tensors(path, dtype=dtype)
+
+        for name, value in state.items():
+            want = value.to(dtype) if value.is_floating_point() else value
+            assert tensors[name].dtype == want.dtype and torch.equal(tensors[name], want), (path, name)
+        assert report.bytes_read == sum(v.numel() * v.element_size() for v in state.values())
+
+
+def test_an_overflow_among_small_tensors_cast_together_names_its_tensor(tmp_path):
+    state = {f"norm{i}.weight": torch.full((4,), 2.0 + i) for i in range(30)}
+    state["norm17.weight"][2] = 1e6  # beyond fp16, in the middle of one run of small tensors
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+
+    with pytest.raises(mz.CastOverflowError) as caught:
+        mz.load_tensors(path, dtype="fp16")
+
+    assert str(caught.value).startswith(f"{path}: tensor 'norm17.weight': casting float32 to float16 overflows")
+
+
 def test_direct_reads_split_across_chunks_are_exact(tmp_path, monkeypatch):
     monkeypatch.setattr(engine, "DIRECT_CHUNK_BYTES", 4096)
     state = {f"w{i}": torch.randn(5000 + i) for i in range(4)}

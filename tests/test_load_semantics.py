@@ -552,3 +552,24 @@ def test_a_tie_restored_after_comparing_counts_its_memory_once(tmp_path):
 
     assert report.model_bytes == reference.model_bytes
     assert report.bytes_read == reference.bytes_read + state["lm_head.weight"].nbytes  # both copies were read
+
+
+@pytest.mark.parametrize("equal", [True, False])
+def test_a_tie_read_rearranged_is_loaded_whole_then_compared(tmp_path, equal):
+    from materialize.stacking import Deinterleave, Rearranged
+
+    state = saved_state(reference_model(tie=True))
+    embedding = state["model.embed_tokens.weight"]
+    pairs_apart = embedding.reshape(2, -1, embedding.shape[1]).transpose(0, 1).reshape(embedding.shape)
+    state["lm_head.weight"] = pairs_apart if equal else torch.randn_like(embedding)  # read back deinterleaved
+    path = write_safetensors(state, tmp_path / "rearranged.safetensors")
+    model = tiny_skeleton(tie=True)
+    rename = {"lm_head.weight": Rearranged("lm_head.weight", Deinterleave(dim=0))}
+
+    report = mz.load(model, path, key_map=lambda name: rename.get(name, name), check=True)
+
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == equal
+    assert torch.equal(model.model.embed_tokens.weight, embedding)
+    deinterleaved = state["lm_head.weight"].reshape(-1, 2, embedding.shape[1]).transpose(0, 1).reshape(embedding.shape)
+    assert torch.equal(model.lm_head.weight, deinterleaved)
+    assert (report.tied if equal else report.untied) == [["model.embed_tokens.weight", "lm_head.weight"]]

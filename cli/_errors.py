@@ -25,10 +25,15 @@ HINTS: list[tuple[type[BaseException], str]] = [
 ]
 
 
-def one_line(error: BaseException) -> str:
-    """The message printed after 'Error: ' for an error the CLI expects."""
+def one_line(error: BaseException, *, inspecting: bool = False) -> str:
+    """The message printed after 'Error: ' for an error the CLI expects.
+
+    ``inspecting``: the command was ``inspect`` already, so no hint sends the user there.
+    """
     if isinstance(error, mz.MaterializeError):
         hint = next(h for cls, h in HINTS if isinstance(error, cls))
+        if inspecting and "materialize inspect" in hint:
+            hint = ""
         return _flatten(str(error)) + hint
     if isinstance(error, MemoryError):
         return "out of host memory while loading; try --device cuda, or a machine with more RAM"

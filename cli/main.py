@@ -32,7 +32,7 @@ class DefaultCommandGroup(click.Group):
         return super().parse_args(ctx, args)
 
 
-def _run(debug: bool, action: Callable[[], None]) -> None:
+def _run(debug: bool, action: Callable[[], None], *, inspecting: bool = False) -> None:
     """Run a command body; expected errors become one line and exit code 1."""
     try:
         action()
@@ -43,7 +43,7 @@ def _run(debug: bool, action: Callable[[], None]) -> None:
     except (mz.MaterializeError, OSError, MemoryError) as error:
         if debug:
             raise
-        click.echo(f"Error: {one_line(error)}", err=True)
+        click.echo(f"Error: {one_line(error, inspecting=inspecting)}", err=True)
         sys.exit(1)
     except KeyboardInterrupt:
         click.echo("Error: interrupted", err=True)
@@ -166,7 +166,7 @@ def inspect_command(checkpoint: str, trust_pickle: bool, as_json: bool, debug: b
         with mz.open_checkpoint(checkpoint, trust_pickle=trust_pickle) as ckpt:
             _emit(as_json, _inspect_dict(ckpt), _inspect_text(ckpt))
 
-    _run(debug, action)
+    _run(debug, action, inspecting=True)
 
 
 def _inspect_dict(ckpt: mz.Checkpoint) -> dict[str, Any]:

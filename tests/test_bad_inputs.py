@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -18,6 +20,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 import materialize as mz
+
+from conftest import write_torch
+
+CLI = str(Path(sys.executable).parent / "materialize")
 
 # ---------------------------------------------------------------- helpers
 
@@ -576,6 +582,73 @@ def test_zip_without_data_pkl_names_the_file(tmp_path):
 
     assert str(path) in str(caught.value)
     assert "data.pkl" in str(caught.value)
+
+
+def _gzip_of(data: bytes) -> bytes:
+    import gzip
+
+    return gzip.compress(data)
+
+
+def _tar_of(path: Path) -> bytes:
+    import io
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        archive.add(path, arcname=path.name)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("name, content, words", [
+    ("model.gguf", lambda saved: b"GGUF\x03\x00\x00\x00" + bytes(64), "is a GGUF file (llama.cpp's format)"),
+    ("model.pt.gz", lambda saved: _gzip_of(saved.read_bytes()), "is gzip-compressed data, not a PyTorch checkpoint: decompress it"),
+    ("model.tar", _tar_of, "is a tar archive, not a PyTorch checkpoint: extract it first"),
+    ("weights.npy", lambda saved: b"\x93NUMPY\x01\x00" + bytes(64), "is a numpy array file (.npy)"),
+    ("model.h5", lambda saved: b"\x89HDF\r\n\x1a\n" + bytes(64), "is an HDF5 file"),
+    ("model.onnx", lambda saved: b"\x08\x07\x12\x07pytorch" + bytes(64), "is an ONNX model"),
+])
+def test_files_of_other_formats_are_named_for_what_they_are(tmp_path, name, content, words):
+    saved = write_torch({"w": torch.ones(3)}, tmp_path / "saved.pt")
+    path = tmp_path / name
+    path.write_bytes(content(saved))
+
+    with pytest.raises(mz.UnsupportedFormatError) as caught:
+        mz.open_checkpoint(path)
+    done = subprocess.run([CLI, "inspect", str(path)], capture_output=True, text=True)
+
+    assert str(caught.value).startswith(f"{path}: {words}")
+    assert done.returncode == 1 and done.stderr.startswith(f"Error: {path}: {words}")
+    assert "run 'materialize inspect'" not in done.stderr
+
+
+@pytest.mark.parametrize("names, words", [
+    (["a.npy", "b.npy"], "it holds numpy arrays (an .npz file"),
+    (["notes.txt", "logs/run.txt"], "it holds logs/run.txt, notes.txt"),
+])
+def test_a_zip_that_is_not_a_torch_file_says_what_it_holds(tmp_path, names, words):
+    path = tmp_path / "model.ckpt"
+    with zipfile.ZipFile(path, "w") as archive:
+        for name in names:
+            archive.writestr(name, b"x")
+
+    with pytest.raises(mz.UnsupportedFormatError) as caught:
+        mz.open_checkpoint(path)
+
+    assert str(caught.value).startswith(f"{path}: is a zip archive without a data.pkl record, so not a torch.save file: ")
+    assert words in str(caught.value)
+
+
+def test_a_safetensors_header_whose_length_starts_like_gzip_is_still_safetensors(tmp_path):
+    values = torch.arange(6, dtype=torch.float32)
+    header = json.dumps({"w": {"dtype": "F32", "shape": [6], "data_offsets": [0, 24]}}).encode()
+    length = 0x088B1F  # little-endian 1f 8b 08: gzip's magic
+    path = write_raw_safetensors(tmp_path / "big-header.safetensors", header + b" " * (length - len(header)),
+                                 values.numpy().tobytes())
+
+    tensors, _ = mz.load_tensors(path)
+
+    assert path.read_bytes()[:3] == b"\x1f\x8b\x08" and torch.equal(tensors["w"], values)
 
 
 def test_zip_whose_data_pkl_is_garbage_names_the_file(tmp_path):

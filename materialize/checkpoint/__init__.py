@@ -113,9 +113,14 @@ def _sniff(path: Path) -> str:
                                      f"{path.parent}", path=path)
     fd = open_for_reading(path)
     try:
-        head = os.pread(fd, 9, 0)
+        head = os.pread(fd, _SNIFF_BYTES, 0)
     finally:
         os.close(fd)
+    foreign = None if head[8:9] == b"{" else _foreign_format(head, path)  # a safetensors header may start like a magic
+    if foreign is not None:
+        what, advice = foreign
+        raise UnsupportedFormatError(f"is {what}, not a PyTorch checkpoint: {advice}", path=path)
+    head = head[:9]
     if (len(head) == 9 and head[8:9] == b"{") or head.startswith(b"version "):
         return "safetensors"  # "version " starts a Git LFS pointer, which that reader explains
     if head.startswith(b"\x80"):
@@ -129,6 +134,34 @@ def _sniff(path: Path) -> str:
     raise UnsupportedFormatError(
         "is neither safetensors, a torch zip checkpoint nor a shard index", path=path
     )
+
+
+_SNIFF_BYTES = 512  # a tar header's magic sits at byte 257
+_READ_BY_US = "this loader reads safetensors, torch.save files and torch.distributed.checkpoint folders"
+_MAGIC: tuple[tuple[bytes, str, str], ...] = (  # first bytes, what the file is, what to do
+    (b"GGUF", "a GGUF file (llama.cpp's format)", _READ_BY_US),
+    (b"\x93NUMPY", "a numpy array file (.npy)", "load it with numpy.load, then save it with safetensors"),
+    (b"\x89HDF\r\n\x1a\n", "an HDF5 file (Keras or TensorFlow .h5 weights)", _READ_BY_US),
+    (b"\x1f\x8b", "gzip-compressed data", "decompress it first"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed data", "decompress it first"),
+    (b"\xfd7zXZ\x00", "xz-compressed data", "decompress it first"),
+    (b"BZh", "bzip2-compressed data", "decompress it first"),  # so can a safetensors header length start: see _sniff
+    (b"7z\xbc\xaf\x27\x1c", "a 7-Zip archive", "extract it first"),
+)
+_SUFFIXES = {".onnx": "an ONNX model", ".pb": "a TensorFlow graph", ".tflite": "a TensorFlow Lite model",
+             ".mlmodel": "a Core ML model", ".msgpack": "a Flax checkpoint (msgpack)"}
+
+
+def _foreign_format(head: bytes, path: Path) -> Optional[tuple[str, str]]:
+    """What a file is and what to do, where its first bytes or its name say it is another format than ours."""
+    for magic, what, advice in _MAGIC:
+        if head.startswith(magic):
+            return what, advice
+    if head[257:262] == b"ustar":
+        return "a tar archive", "extract it first"
+    if path.suffix.lower() in _SUFFIXES and not head.startswith((b"PK\x03\x04", b"\x80")):
+        return _SUFFIXES[path.suffix.lower()], _READ_BY_US
+    return None
 
 
 # Hugging Face layout first, safetensors before torch; the first rule that

@@ -194,9 +194,23 @@ def _archive_prefix(path: Path, names: list[str]) -> str:
             "is a TorchScript archive, not a checkpoint; load it with torch.jit.load and save its state_dict()",
             path=path,
         )
-    if len(pickles) != 1:
-        raise CheckpointError("torch zip has no data.pkl record (not a torch.save file)", path=path)
+    if len(pickles) > 1:
+        raise CheckpointError(f"torch zip has {len(pickles)} data.pkl records ({', '.join(sorted(pickles)[:3])}): "
+                              "not one torch.save file", path=path)
+    if not pickles:
+        raise UnsupportedFormatError(f"is a zip archive without a data.pkl record, so not a torch.save file: "
+                                     f"{_what_zip_holds(names)}", path=path)
     return pickles[0].split("/", 1)[0]
+
+
+def _what_zip_holds(names: list[str]) -> str:
+    """What a zip that is not a checkpoint looks like, for the error that refuses it."""
+    if names and all(name.endswith(".npy") for name in names):
+        return "it holds numpy arrays (an .npz file; load it with numpy.load, then save the tensors with safetensors)"
+    if any(name.endswith(".weights.h5") for name in names) or "config.json" in names and "metadata.json" in names:
+        return "it looks like a Keras archive (.keras), which this loader does not read"
+    shown = ", ".join(sorted(names)[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return f"it holds {shown}" if names else "it is empty"
 
 
 def read_torch_zip(path: Path, *, trust_pickle: bool) -> tuple[dict[str, TensorInfo], Optional[nn.Module]]:

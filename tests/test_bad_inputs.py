@@ -791,7 +791,20 @@ def test_empty_folder_raises_not_found_naming_the_folder(tmp_path):
     with pytest.raises(mz.CheckpointNotFoundError) as caught:
         mz.open_checkpoint(folder)
 
-    assert str(folder) in str(caught.value)
+    assert str(caught.value) == f"{folder}: holds no safetensors, torch checkpoint or shard index (no files at all)"
+
+
+def test_a_folder_of_other_formats_says_what_it_holds(tmp_path):
+    folder = tmp_path / "tf-repo"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "tf_model.h5").write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(64))
+
+    with pytest.raises(mz.CheckpointNotFoundError) as caught:
+        mz.open_checkpoint(folder)
+
+    assert str(caught.value) == (f"{folder}: holds no safetensors, torch checkpoint or shard index (it has "
+                                 "config.json, tf_model.h5: an HDF5 file (Keras or TensorFlow .h5 weights))")
 
 
 # ---------------------------------------------------------------- strict loads: model and checkpoint disagree

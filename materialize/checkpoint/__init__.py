@@ -192,4 +192,21 @@ def _pick_from_folder(folder: Path) -> Path:
             )
     if (folder / DCP_METADATA_NAME).is_file() and any(p.suffix == DCP_DATA_SUFFIX for p in files):
         return folder  # a torch.distributed.checkpoint folder: read as a whole
-    raise CheckpointNotFoundError("holds no safetensors, torch checkpoint or shard index", path=folder)
+    raise CheckpointNotFoundError(f"holds no safetensors, torch checkpoint or shard index ({_what_folder_holds(files)})",
+                                  path=folder)
+
+
+def _what_folder_holds(files: list[Path]) -> str:
+    """The files a folder without a checkpoint holds, those of a known other format named as such."""
+    if not files:
+        return "no files at all"
+    described = []
+    for path in files[:5]:
+        try:
+            with open(path, "rb") as handle:
+                foreign = _foreign_format(handle.read(_SNIFF_BYTES), path)
+        except OSError:
+            foreign = None
+        described.append(f"{path.name}: {foreign[0]}" if foreign else path.name)
+    more = f", and {len(files) - 5} more" if len(files) > 5 else ""
+    return "it has " + ", ".join(described) + more

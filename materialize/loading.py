@@ -260,10 +260,11 @@ def _report(
     ckpt: Checkpoint, device: torch.device, final: list[torch.Tensor], bytes_read: int, started: float,
     memory: PeakMemory, **outcome: Any,
 ) -> Report:
+    placed = {str(tensor.device) for tensor in final if not tensor.is_meta}
     return Report(
         checkpoint=os.fspath(ckpt.path),
         format=ckpt.format,
-        device=str(device),
+        device=placed.pop() if len(placed) == 1 else str(device),  # a DTensor lives on its mesh's device
         dtypes=dict(Counter(dtype_name(t.dtype) for t in final)),
         bytes_read=bytes_read,
         model_bytes=_unique_bytes(final),

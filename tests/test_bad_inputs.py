@@ -879,3 +879,24 @@ def test_a_permission_error_reports_the_real_errno_even_as_root(tmp_path, monkey
 
     assert str(path) in str(caught.value) and "Permission denied" in str(caught.value)
     assert not isinstance(caught.value, FileNotFoundError)
+
+
+@pytest.mark.parametrize("shape, fits", [
+    ([2**31, 2**31 - 1], True),  # 2**62 - 2**31 elements: below the bound checked dimension by dimension
+    ([2**31, 2**31], True),  # 2**62: checked dimension by dimension, and fits
+    ([0, 2**63], False),  # no element, but a dimension torch cannot describe
+    ([2**32, 2**32], False),  # 2**64 elements
+])
+def test_shapes_past_what_torch_can_describe_are_refused_naming_the_tensor(tmp_path, shape, fits):
+    header = {"big": {"dtype": "U8", "shape": shape, "data_offsets": [0, 0]}}
+    path = write_raw_safetensors(tmp_path / "huge.safetensors", header)
+
+    with pytest.raises(mz.CheckpointError) as caught:
+        mz.open_checkpoint(path)
+
+    message = str(caught.value)
+    assert message.startswith(f"{path}: tensor 'big': ")
+    if fits:  # described, but its bytes are not in the file
+        assert "needs" in message
+    else:
+        assert "larger than any tensor can be" in message

@@ -23,7 +23,7 @@ import torch
 from torch import _weights_only_unpickler, nn
 
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError, summarize_names
-from .base import TensorInfo
+from .base import TensorInfo, make_info
 from .pickle_scan import negative_layouts
 from .standins import (
     INERT_GLOBALS, CalledStandIn, StandIn, is_module_state, is_numpy_array, module_state, stand_in_class,
@@ -439,7 +439,7 @@ def tensor_info(
         span = (sum((size - 1) * step for size, step in zip(shape, stride)) + 1) * itemsize
     if start + span > ref.nbytes:
         raise fail(f"view of bytes [{start}, {start + span}) lies outside its {ref.nbytes}-byte storage")
-    return TensorInfo(
+    return make_info(
         name=name,
         dtype_name=_DTYPE_NAMES.get(tensor.dtype) or str(tensor.dtype).removeprefix("torch."),
         itemsize=itemsize,

@@ -8,7 +8,6 @@ relative to the data region.
 from __future__ import annotations
 
 import json
-import math
 import os
 import struct
 from pathlib import Path

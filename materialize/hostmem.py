@@ -31,7 +31,7 @@ import math
 import mmap
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -126,8 +126,92 @@ def meminfo_bytes(*fields: str) -> Optional[int]:
 
 @functools.lru_cache(maxsize=None)
 def ram_and_swap_bytes() -> Optional[int]:
-    """All the memory this machine could ever give one allocation; read once, not per tensor."""
-    return meminfo_bytes("MemTotal", "SwapTotal")
+    """All the memory this process could ever have: RAM and swap, or its cgroup's limit if lower; read once."""
+    machine = meminfo_bytes("MemTotal", "SwapTotal")
+    limit = cgroup_memory_limit()
+    return limit if machine is None or (limit is not None and limit < machine) else machine
+
+
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def cgroup_memory_limit(membership: Path = Path("/proc/self/cgroup"), root: Path = _CGROUP_ROOT) -> Optional[int]:
+    """The memory this process's cgroup and its parents allow it, swap included; None where unlimited.
+
+    A container sees the host's ``/proc/meminfo``; its own limit is its
+    cgroup's: ``memory.max`` and ``memory.swap.max`` (cgroup v2), or
+    ``memory.limit_in_bytes`` and ``memory.memsw.limit_in_bytes`` (v1).
+    """
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        _, controllers, relative = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":  # v2: one hierarchy under the root
+            limits.append(_lowest_limit(root, root / relative.strip().lstrip("/"), _v2_limit))
+        elif "memory" in controllers.split(","):
+            base = root / "memory"
+            limits.append(_lowest_limit(base, base / relative.strip().lstrip("/"), _v1_limit))
+    found = [limit for limit in limits if limit is not None]
+    return min(found) if found else None
+
+
+def _lowest_limit(top: Path, folder: Path, limit_of: Callable[[Path], Optional[int]]) -> Optional[int]:
+    lowest = None
+    while True:
+        limit = limit_of(folder)
+        if limit is not None:
+            lowest = limit if lowest is None else min(lowest, limit)
+        if folder == top or top not in folder.parents:
+            return lowest
+        folder = folder.parent
+
+
+def _v2_limit(folder: Path) -> Optional[int]:
+    memory = _limit_in(folder / "memory.max")
+    if memory is None:
+        return None
+    swap = _limit_in(folder / "memory.swap.max")
+    return memory + (swap if swap is not None else meminfo_bytes("SwapTotal") or 0)
+
+
+def _v1_limit(folder: Path) -> Optional[int]:
+    with_swap = _limit_in(folder / "memory.memsw.limit_in_bytes")
+    if with_swap is not None:
+        return with_swap
+    memory = _limit_in(folder / "memory.limit_in_bytes")
+    return None if memory is None else memory + (meminfo_bytes("SwapTotal") or 0)
+
+
+_UNLIMITED = 2**62  # v1 writes "no limit" as a page-rounded 2**63 - 1
+
+
+def _limit_in(path: Path) -> Optional[int]:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() and int(text) < _UNLIMITED else None  # "max": no limit here
+
+
+def refuse_beyond_host_memory(needed: int, path: Optional[object]) -> None:
+    """Refuse, before anything is allocated, a load whose copies into host memory can never fit.
+
+    Where the kernel overcommits, such a load would run until the machine
+    kills it, with no message. Loads that fit the machine but not the memory
+    free right now are let through: other processes may give memory back.
+    """
+    limit = ram_and_swap_bytes()
+    if limit is None or needed <= limit:
+        return
+    raise AllocationError(
+        f"the load copies {format_bytes(needed)} into host memory, more than this process can ever have "
+        f"({format_bytes(limit)}: RAM and swap, or its cgroup's limit); load with mmap=True (CLI: --mmap) to "
+        "leave the tensors mapped from the files, or put them on a GPU (device='cuda', or device_map='auto')",
+        path=path,
+    )
 
 
 def _out_of_memory(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,

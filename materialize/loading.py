@@ -20,7 +20,8 @@ from .fileio import DirectReads
 from .errors import SanitizerError
 from .gcpause import gc_paused
 from .hf import forget_ties, hf_dtype_rule, hf_init, hf_key_map, hf_tolerated, is_hf_model
-from .hostmem import empty_destination
+from .capacity import expected_peak_host_bytes
+from .hostmem import empty_destination, refuse_beyond_host_memory
 from .keymap import KeyMapLike
 from .mapping import FileMaps
 from .memory import PeakMemory
@@ -196,6 +197,7 @@ def execute(
 ) -> Report:
     """Carry out a plan made by :func:`make_plan` against ``ckpt``."""
     started = time.perf_counter()
+    refuse_beyond_host_memory(expected_peak_host_bytes(the_plan, mmap=mmap, staging_bytes=staging_bytes), ckpt.path)
     undo: list[tuple[nn.Module, str, bool, torch.Tensor]] = []
     wants_views = (mmap and the_plan.device.type == "cpu") or any(e.on_disk for e in the_plan.entries)
     maps = FileMaps() if wants_views else None

@@ -19,7 +19,7 @@ from .engine import Job, ProgressFn, stream
 from .errors import ModelRequiredError, ModelSpecError
 from .gcpause import gc_paused
 from .hf import HF_SPEC_PREFIX, build_hf, is_hf_folder, is_transformers_folder
-from .hostmem import empty_destination
+from .hostmem import empty_destination, refuse_beyond_host_memory
 from .hub import resolve as resolve_source
 from .keymap import KeyMapLike
 from .loading import (
@@ -86,6 +86,16 @@ def plan(
 
 
 @gc_paused
+def _host_bytes_copied(ckpt: Checkpoint, groups: list, cast: Optional[torch.dtype], mmap: bool) -> int:
+    """What :func:`load_tensors` to the CPU will copy into memory: each storage once, mapped ones not at all."""
+    def copied(info: TensorInfo) -> int:
+        wanted = cast if cast is not None and info.dtype.is_floating_point else info.dtype
+        return 0 if mmap and wanted == info.dtype and info.contiguous else info.numel * wanted.itemsize
+
+    grouped = {member.name for group in groups for member in group.members}
+    return sum(copied(group.span) for group in groups) + sum(copied(info) for name, info in ckpt.items() if name not in grouped)
+
+
 def load_tensors(
     checkpoint: CheckpointLike,
     *,
@@ -123,7 +133,10 @@ def load_tensors(
             jobs.append(Job(tensor, info))
             return tensor
 
-        for group in shared_spans(ckpt.values()):
+        groups = list(shared_spans(ckpt.values()))
+        if target.type == "cpu":
+            refuse_beyond_host_memory(_host_bytes_copied(ckpt, groups, cast, mmap), ckpt.path)
+        for group in groups:
             before = len(mapped)
             base = materialize(group.span)
             if len(mapped) > before:

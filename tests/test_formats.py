@@ -261,19 +261,65 @@ def test_converting_an_expansion_too_large_to_allocate_is_an_allocation_error(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["huge.pt"]
 
 
-def test_a_destination_beyond_ram_and_swap_is_refused_before_allocating(tmp_path, monkeypatch):
-    # Where the kernel overcommits, torch.empty would succeed and the process die while filling it.
-    path = write_safetensors({"small": torch.ones(4), "big": torch.arange(2**20, dtype=torch.float32)}, tmp_path / "m.safetensors")
+def test_a_load_beyond_ram_and_swap_is_refused_before_allocating_anything(tmp_path, monkeypatch):
+    # Where the kernel overcommits, the allocations would succeed and the process die while filling them.
+    state = {"small": torch.ones(4), "big": torch.arange(2**20, dtype=torch.float32)}
+    path = write_safetensors(state, tmp_path / "m.safetensors")
     monkeypatch.setattr(hostmem, "ram_and_swap_bytes", lambda: 2**20)
     allocated = []
     real_empty = torch.empty
+    model = torch.nn.Module()
+    for name, value in state.items():
+        model.register_parameter(name, torch.nn.Parameter(torch.empty(value.shape, device="meta")))
     monkeypatch.setattr(torch, "empty", lambda *a, **k: allocated.append(a) or real_empty(*a, **k))
 
     with pytest.raises(mz.AllocationError) as caught:
         mz.load_tensors(path)
+    with pytest.raises(mz.AllocationError) as caught_in_load:
+        mz.load(model, path)
+    tensors, report = mz.load_tensors(path, mmap=True)  # mapped, nothing copied: fits
 
-    assert "'big'" in str(caught.value) and "m.safetensors" in str(caught.value) and "4.19 MB" in str(caught.value) and "RAM and swap" in str(caught.value)
-    assert ((2**20,),) not in allocated
+    for error in (caught.value, caught_in_load.value):
+        assert str(error).startswith(f"{path}: the load copies 4.19 MB into host memory, more than this process can ever have (1.05 MB")
+        assert "--mmap" in str(error)
+    assert [shape for shape in allocated if shape and tuple(shape[0]) == (2**20,)] == []  # the mapped load made none
+    assert all(p.is_meta for p in model.parameters())
+    assert torch.equal(tensors["big"], state["big"]) and report.mapped
+
+
+def test_one_tensor_beyond_ram_and_swap_is_refused_naming_it(tmp_path, monkeypatch):
+    path = write_safetensors({"big": torch.arange(2**20, dtype=torch.float32)}, tmp_path / "m.safetensors")
+    monkeypatch.setattr(hostmem, "ram_and_swap_bytes", lambda: 2**20)
+
+    with pytest.raises(mz.AllocationError) as caught:
+        hostmem.empty_destination((2**20,), dtype=torch.float32, device=torch.device("cpu"), name="big", path=path)
+
+    assert "'big'" in str(caught.value) and "4.19 MB" in str(caught.value) and "RAM and swap" in str(caught.value)
+
+
+@pytest.mark.parametrize("version, files, expected", [
+    ("v2", {"memory.max": "max"}, None),
+    ("v2", {"memory.max": "1000", "memory.swap.max": "24"}, 1024),
+    ("v2-parent", {"memory.max": "5000", "memory.swap.max": "0"}, 5000),  # the limit is the parent's
+    ("v1", {"memory.limit_in_bytes": "9223372036854771712"}, None),
+    ("v1", {"memory.limit_in_bytes": "1000", "memory.memsw.limit_in_bytes": "3000"}, 3000),
+])
+def test_a_containers_memory_limit_is_read_from_its_cgroup(tmp_path, version, files, expected):
+    root = tmp_path / "cgroup"
+    if version.startswith("v2"):
+        own = root / "machine" / "job"
+        membership = "0::/machine/job\n"
+        limited = own.parent if version == "v2-parent" else own
+    else:
+        own = root / "memory" / "docker" / "abc"
+        membership = "5:cpu:/docker/abc\n4:memory:/docker/abc\n0::/\n"
+        limited = own
+    own.mkdir(parents=True)
+    for name, text in files.items():
+        (limited / name).write_text(text + "\n")
+    (tmp_path / "membership").write_text(membership)
+
+    assert hostmem.cgroup_memory_limit(tmp_path / "membership", root) == expected
 
 
 class EncoderDecoder(torch.nn.Module):

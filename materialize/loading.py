@@ -12,15 +12,15 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import nn
 
+from .capacity import expected_peak_host_bytes
 from .checkpoint import Checkpoint, open_checkpoint
 from .devicemap import DeviceMapLike, Placement, compute_device_map
 from .dtypes import dtype_name, parse_dtype
 from .engine import Job, ProgressFn, stream
-from .fileio import DirectReads
 from .errors import SanitizerError
+from .fileio import DirectReads
 from .gcpause import gc_paused
 from .hf import forget_ties, hf_dtype_rule, hf_init, hf_key_map, hf_tolerated, is_hf_model
-from .capacity import expected_peak_host_bytes
 from .hostmem import empty_destination, refuse_beyond_host_memory
 from .keymap import KeyMapLike
 from .mapping import FileMaps

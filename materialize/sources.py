@@ -85,17 +85,21 @@ def plan(
     return the_plan
 
 
-@gc_paused
+def _loaded_dtype(info: TensorInfo, cast: Optional[torch.dtype]) -> torch.dtype:
+    return cast if cast is not None and info.dtype.is_floating_point else info.dtype
+
+
 def _host_bytes_copied(ckpt: Checkpoint, groups: list, cast: Optional[torch.dtype], mmap: bool) -> int:
     """What :func:`load_tensors` to the CPU will copy into memory: each storage once, mapped ones not at all."""
     def copied(info: TensorInfo) -> int:
-        wanted = cast if cast is not None and info.dtype.is_floating_point else info.dtype
+        wanted = _loaded_dtype(info, cast)
         return 0 if mmap and wanted == info.dtype and info.contiguous else info.numel * wanted.itemsize
 
     grouped = {member.name for group in groups for member in group.members}
     return sum(copied(group.span) for group in groups) + sum(copied(info) for name, info in ckpt.items() if name not in grouped)
 
 
+@gc_paused
 def load_tensors(
     checkpoint: CheckpointLike,
     *,
@@ -124,7 +128,7 @@ def load_tensors(
         mapped: list[str] = []
 
         def materialize(info: TensorInfo) -> torch.Tensor:
-            wanted = cast if cast is not None and info.dtype.is_floating_point else info.dtype
+            wanted = _loaded_dtype(info, cast)
             view = maps.view(info) if maps is not None and wanted == info.dtype else None
             if view is not None:
                 mapped.append(info.name)

@@ -218,15 +218,20 @@ def test_key_map_renames_checkpoint_names(key_map, saved_prefix, tmp_path):
     assert torch.equal(model.model.norm.weight, state[f"{saved_prefix}model.norm.weight"])
 
 
-def test_add_prefix_key_map_loads_a_base_model_checkpoint_into_a_wrapper(tmp_path):
-    class Wrapper(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = DecoderLM(**TINY)
+def _decoder_wrapped_as(attr: str) -> nn.Module:
+    """A module holding the decoder under ``attr``, built on meta: its names carry ``attr.``."""
+    def wrapper() -> nn.Module:
+        outer = nn.Module()
+        outer.add_module(attr, DecoderLM(**TINY))
+        return outer
 
+    return _meta(wrapper)
+
+
+def test_add_prefix_key_map_loads_a_base_model_checkpoint_into_a_wrapper(tmp_path):
     state = saved_state(reference_model())
     path = write_safetensors(state, tmp_path / "m.safetensors")
-    wrapper = _meta(Wrapper)
+    wrapper = _decoder_wrapped_as("model")
 
     mz.load(wrapper, path, key_map=mz.KeyMap.add_prefix("model."))
 
@@ -330,14 +335,9 @@ def test_a_lightning_checkpoints_module_prefix_is_stripped_when_it_explains_ever
 
 
 def test_a_wrappers_attribute_prefix_is_added_when_it_explains_every_name(tmp_path):
-    class Wrapper(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = DecoderLM(**TINY)
-
     state = saved_state(reference_model())
     path = write_safetensors(state, tmp_path / "m.safetensors")
-    wrapper = _meta(Wrapper)
+    wrapper = _decoder_wrapped_as("inner")
 
     mz.load(wrapper, path)
 

@@ -38,7 +38,7 @@ from .fileio import MAX_IOVECS, DirectReads, FileSet, Part, byte_view
 from .hostmem import prefault
 from .scatter import RowScatter, row_scatter
 from .stacking import Stacked, piece_destination
-from .transfer import Completion, Staging
+from .transfer import Completion, Staging, wait_all
 
 DIRECT_CHUNK_BYTES = 16 * 1024 * 1024
 CAST_CHUNK_BYTES = 2 * 1024 * 1024  # per reader thread: stays in cache between read and cast
@@ -455,10 +455,11 @@ def run_staged(
     def start_copies() -> None:
         future, fill, index = reads.popleft()
         future.result()
+        pairs = []
         for (job, start, stop), at in fill:
             source = slots[index][at: at + stop - start].view(job.info.dtype)
-            destination = job.dest.view(-1)[start // job.info.itemsize: stop // job.info.itemsize]
-            copies[index].append(staging.copy(destination, source))
+            pairs.append((job.dest.view(-1)[start // job.info.itemsize: stop // job.info.itemsize], source))
+        copies[index].append(staging.copy_all(pairs))
         on_bytes(sum(stop - start for (_, start, stop), _ in fill))
 
     pool = ThreadPoolExecutor(max_workers=reader_threads, thread_name_prefix="materialize-stage")
@@ -487,15 +488,13 @@ def run_staged(
 
 def _drain(pending: list[Completion], *, raise_errors: bool) -> None:
     """Wait for every completion in ``pending`` and empty it; the first error is raised after all are waited on."""
-    first_error: Optional[BaseException] = None
-    for completion in pending:
-        try:
-            completion.wait()
-        except BaseException as exc:  # keep draining: every slot must be released
-            first_error = first_error or exc
-    pending.clear()
-    if raise_errors and first_error is not None:
-        raise first_error
+    try:
+        wait_all(pending)
+    except BaseException:
+        if raise_errors:
+            raise
+    finally:
+        pending.clear()
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,10 @@ class Staging(ABC):
     def copy(self, dest: torch.Tensor, src: torch.Tensor) -> Completion:
         """Start ``dest.copy_(src)`` (casting if dtypes differ); ``src`` is a slot view."""
 
+    def copy_all(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Completion:
+        """Start the copies out of one slot fill, ``(dest, src)`` each; done when all of them are."""
+        return _AllDone([self.copy(dest, src) for dest, src in pairs])
+
     def begin(self) -> None:
         """Called once before the first copy."""
 
@@ -50,6 +54,27 @@ class Staging(ABC):
 
     def close(self) -> None:
         """Release the slots and any worker."""
+
+
+def wait_all(completions: list[Completion]) -> None:
+    """Wait for every completion, even after one has failed (a slot is free only when nothing still reads it);
+    then raise the first error."""
+    first_error: Optional[BaseException] = None
+    for completion in completions:
+        try:
+            completion.wait()
+        except BaseException as exc:
+            first_error = first_error or exc
+    if first_error is not None:
+        raise first_error
+
+
+class _AllDone:
+    def __init__(self, completions: list[Completion]) -> None:
+        self._completions = completions
+
+    def wait(self) -> None:
+        wait_all(self._completions)
 
 
 class _FutureCompletion:
@@ -76,7 +101,7 @@ class ThreadStaging(Staging):
 
 
 class CudaStaging(Staging):
-    """Pinned slots; host-to-device copies on a side stream, one event per copy."""
+    """Pinned slots; host-to-device copies on a side stream, one event per slot fill."""
 
     def __init__(self, device: torch.device, slot_bytes: int = DEFAULT_SLOT_BYTES, num_slots: int = DEFAULT_SLOTS) -> None:
         super().__init__([torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(num_slots)])
@@ -88,19 +113,25 @@ class CudaStaging(Staging):
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def copy(self, dest: torch.Tensor, src: torch.Tensor) -> Completion:
+        return self.copy_all([(dest, src)])
+
+    def copy_all(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Completion:
+        # One event for a whole fill: a slot of small tensors paid an event, a stream switch and a
+        # record per tensor, several times the cost of starting the copy itself.
         event = torch.cuda.Event()
         with torch.cuda.stream(self.stream):
-            if dest.dtype == src.dtype:
-                dest.copy_(src, non_blocking=True)
-            else:
-                # A CPU-to-GPU copy_ that also casts converts on the CPU, on this
-                # (the main) thread, into pageable memory, then copies at pageable
-                # speed; moving the slot's bytes as they are and casting on the GPU
-                # avoids both. The temporary belongs to this stream, so the
-                # caching allocator reuses it only after the cast has run.
-                raw = torch.empty(src.shape, dtype=src.dtype, device=dest.device)
-                raw.copy_(src, non_blocking=True)
-                dest.copy_(raw)
+            for dest, src in pairs:
+                if dest.dtype == src.dtype:
+                    dest.copy_(src, non_blocking=True)
+                else:
+                    # A CPU-to-GPU copy_ that also casts converts on the CPU, on this
+                    # (the main) thread, into pageable memory, then copies at pageable
+                    # speed; moving the slot's bytes as they are and casting on the GPU
+                    # avoids both. The temporary belongs to this stream, so the
+                    # caching allocator reuses it only after the cast has run.
+                    raw = torch.empty(src.shape, dtype=src.dtype, device=dest.device)
+                    raw.copy_(src, non_blocking=True)
+                    dest.copy_(raw)
             event.record(self.stream)
         # Event.wait() orders streams; the ring needs the host to block, hence synchronize().
         return _EventCompletion(event)

@@ -807,6 +807,30 @@ def test_a_folder_of_other_formats_says_what_it_holds(tmp_path):
                                  "config.json, tf_model.h5: an HDF5 file (Keras or TensorFlow .h5 weights))")
 
 
+def test_a_pipeline_folder_names_the_subfolders_that_hold_its_checkpoints(tmp_path):
+    folder = tmp_path / "pipeline"
+    (folder / "scheduler").mkdir(parents=True)
+    (folder / "scheduler" / "scheduler_config.json").write_text("{}")
+    for component, name in (("vae", "diffusion_pytorch_model.safetensors"), ("unet", "diffusion_pytorch_model.safetensors"),
+                            ("text_encoder", "pytorch_model.bin")):
+        (folder / component).mkdir()
+        state = small_model_state()
+        if name.endswith(".bin"):
+            torch.save(state, folder / component / name)
+        else:
+            write_real_safetensors(folder / component / name, state)
+    (folder / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
+
+    with pytest.raises(mz.CheckpointNotFoundError) as caught:
+        mz.open_checkpoint(folder)
+
+    assert str(caught.value) == (f"{folder}: holds no safetensors, torch checkpoint or shard index (it has "
+                                 "model_index.json); a diffusers pipeline: its subfolders text_encoder, unet, vae hold "
+                                 "checkpoints: pass one of them")
+    tensors, _ = mz.load_tensors(folder / "unet")  # as the message says
+    assert all(torch.equal(tensors[name], value) for name, value in small_model_state().items())
+
+
 # ---------------------------------------------------------------- strict loads: model and checkpoint disagree
 
 

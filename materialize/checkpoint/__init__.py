@@ -192,8 +192,26 @@ def _pick_from_folder(folder: Path) -> Path:
             )
     if (folder / DCP_METADATA_NAME).is_file() and any(p.suffix == DCP_DATA_SUFFIX for p in files):
         return folder  # a torch.distributed.checkpoint folder: read as a whole
-    raise CheckpointNotFoundError(f"holds no safetensors, torch checkpoint or shard index ({_what_folder_holds(files)})",
-                                  path=folder)
+    raise CheckpointNotFoundError(
+        f"holds no safetensors, torch checkpoint or shard index ({_what_folder_holds(files)})"
+        + _subfolders_holding_checkpoints(folder),
+        path=folder,
+    )
+
+
+def _subfolders_holding_checkpoints(folder: Path) -> str:
+    """Where a folder of components (a diffusers pipeline: unet/, vae/, text_encoder/) keeps its checkpoints."""
+    try:
+        children = sorted(child for child in folder.iterdir() if child.is_dir())
+        holding = [child.name for child in children
+                   if any(rule(p) for p in child.iterdir() if p.is_file() for rule in _FOLDER_RULES)]
+    except OSError:
+        return ""
+    if not holding:
+        return ""
+    kind = "a diffusers pipeline: its" if (folder / "model_index.json").is_file() else "its"
+    more = f" and {len(holding) - 5} more" if len(holding) > 5 else ""
+    return f"; {kind} subfolders {', '.join(holding[:5])}{more} hold checkpoints: pass one of them"
 
 
 def _what_folder_holds(files: list[Path]) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -33,9 +34,11 @@ class DefaultCommandGroup(click.Group):
 
 
 def _run(debug: bool, action: Callable[[], None], *, inspecting: bool = False) -> None:
-    """Run a command body; expected errors become one line and exit code 1."""
+    """Run a command body; expected errors become one line and exit code 1, the library's warnings one line each."""
     try:
-        action()
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            action()
     except click.ClickException:
         raise  # usage errors keep click's own message and exit code 2
     except mz.ModelRequiredError as error:
@@ -53,6 +56,16 @@ def _run(debug: bool, action: Callable[[], None], *, inspecting: bool = False) -
             raise
         click.echo(f"Error: {one_line(error)}", err=True)
         sys.exit(1)
+
+
+def _show_warning(message: Warning | str, category: type[Warning], *rest: Any, **keywords: Any) -> None:
+    if issubclass(category, mz.LowMemoryWarning):
+        click.echo(f"Warning: {message}", err=True)  # on stderr: --json keeps stdout to itself
+    else:
+        _PYTHON_SHOWWARNING(message, category, *rest, **keywords)
+
+
+_PYTHON_SHOWWARNING = warnings.showwarning
 
 
 def _emit(as_json: bool, payload: dict, text: str) -> None:

@@ -51,6 +51,7 @@ _EXPORTS = {
     "ShardingError": "errors",
     "OutputError": "errors",
     "AllocationError": "errors",
+    "LowMemoryWarning": "errors",
     "convert": "conversion",
     "ConvertReport": "conversion",
 }

@@ -121,3 +121,7 @@ def summarize_names(names: Sequence[str], limit: int = 8) -> str:
     shown = ", ".join(names[:limit])
     extra = len(names) - limit
     return f"{shown} (and {extra} more)" if extra > 0 else shown
+
+
+class LowMemoryWarning(UserWarning):
+    """A CPU load copies more into host memory than is available now (it fits the machine, so it goes on)."""

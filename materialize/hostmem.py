@@ -29,14 +29,16 @@ import ctypes
 import functools
 import math
 import mmap
+import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
 from .dtypes import dtype_name
-from .errors import AllocationError
+from .errors import AllocationError, LowMemoryWarning
 from .sizes import format_bytes
 
 PAGE_BYTES = mmap.PAGESIZE
@@ -194,6 +196,28 @@ def _limit_in(path: Path) -> Optional[int]:
     except OSError:
         return None
     return int(text) if text.isdigit() and int(text) < _UNLIMITED else None  # "max": no limit here
+
+
+def admit_host_copies(needed: int, path: Optional[object]) -> None:
+    """Before a load allocates: refuse copies that can never fit, warn about copies beyond what is free now."""
+    refuse_beyond_host_memory(needed, path)
+    warn_beyond_available_memory(needed, path)
+
+
+def warn_beyond_available_memory(needed: int, path: Optional[object]) -> None:
+    """Warn where a load that fits the machine copies more than the memory available right now.
+
+    Only a warning: other processes may give memory back, and some caches
+    that give it back (ZFS's ARC) are not counted as available.
+    """
+    available = meminfo_bytes("MemAvailable")
+    if available is None or needed <= available:
+        return
+    warnings.warn(LowMemoryWarning(
+        f"{os.fspath(path) if path is not None else 'the load'}: the load copies {format_bytes(needed)} into host "
+        f"memory and {format_bytes(available)} is available now: it may swap, or be killed, unless other processes "
+        "give memory back; mmap=True (CLI: --mmap) leaves the tensors mapped from the files"
+    ), stacklevel=3)
 
 
 def refuse_beyond_host_memory(needed: int, path: Optional[object]) -> None:

@@ -21,7 +21,7 @@ from .errors import SanitizerError
 from .fileio import DirectReads
 from .gcpause import gc_paused
 from .hf import forget_ties, hf_dtype_rule, hf_init, hf_key_map, hf_tolerated, is_hf_model
-from .hostmem import empty_destination, refuse_beyond_host_memory
+from .hostmem import admit_host_copies, empty_destination
 from .keymap import KeyMapLike
 from .mapping import FileMaps
 from .memory import PeakMemory
@@ -197,7 +197,7 @@ def execute(
 ) -> Report:
     """Carry out a plan made by :func:`make_plan` against ``ckpt``."""
     started = time.perf_counter()
-    refuse_beyond_host_memory(expected_peak_host_bytes(the_plan, mmap=mmap, staging_bytes=staging_bytes), ckpt.path)
+    admit_host_copies(expected_peak_host_bytes(the_plan, mmap=mmap, staging_bytes=staging_bytes), ckpt.path)
     undo: list[tuple[nn.Module, str, bool, torch.Tensor]] = []
     wants_views = (mmap and the_plan.device.type == "cpu") or any(e.on_disk for e in the_plan.entries)
     maps = FileMaps() if wants_views else None

@@ -19,7 +19,7 @@ from .engine import Job, ProgressFn, stream
 from .errors import ModelRequiredError, ModelSpecError
 from .gcpause import gc_paused
 from .hf import HF_SPEC_PREFIX, build_hf, is_hf_folder, is_transformers_folder
-from .hostmem import empty_destination, refuse_beyond_host_memory
+from .hostmem import admit_host_copies, empty_destination
 from .hub import resolve as resolve_source
 from .keymap import KeyMapLike
 from .loading import (
@@ -139,7 +139,7 @@ def load_tensors(
 
         groups = list(shared_spans(ckpt.values()))
         if target.type == "cpu":
-            refuse_beyond_host_memory(_host_bytes_copied(ckpt, groups, cast, mmap), ckpt.path)
+            admit_host_copies(_host_bytes_copied(ckpt, groups, cast, mmap), ckpt.path)
         for group in groups:
             before = len(mapped)
             base = materialize(group.span)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -285,6 +288,56 @@ def test_a_load_beyond_ram_and_swap_is_refused_before_allocating_anything(tmp_pa
     assert [shape for shape in allocated if shape and tuple(shape[0]) == (2**20,)] == []  # the mapped load made none
     assert all(p.is_meta for p in model.parameters())
     assert torch.equal(tensors["big"], state["big"]) and report.mapped
+
+
+def _available_now(monkeypatch, nbytes: int) -> None:
+    """This machine as if ``nbytes`` of memory were available now (MemAvailable), its RAM and swap unchanged."""
+    real = hostmem.meminfo_bytes
+    monkeypatch.setattr(hostmem, "meminfo_bytes", lambda *fields: nbytes if fields == ("MemAvailable",) else real(*fields))
+
+
+def test_a_load_beyond_the_memory_available_now_warns_and_goes_on(tmp_path, monkeypatch):
+    state = {"small": torch.ones(4), "big": torch.arange(2**20, dtype=torch.float32)}
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+    _available_now(monkeypatch, 2**20)
+    model = torch.nn.Module()
+    for name, value in state.items():
+        model.register_parameter(name, torch.nn.Parameter(torch.empty(value.shape, device="meta")))
+
+    with pytest.warns(mz.LowMemoryWarning) as warned_in_load_tensors:
+        tensors, _ = mz.load_tensors(path)
+    with pytest.warns(mz.LowMemoryWarning) as warned_in_load:
+        mz.load(model, path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # mapped, nothing copied: no warning
+        mapped, _ = mz.load_tensors(path, mmap=True)
+
+    for warned in (warned_in_load_tensors, warned_in_load):
+        assert str(warned[0].message).startswith(
+            f"{path}: the load copies 4.19 MB into host memory and 1.05 MB is available now")
+    for name, value in state.items():
+        assert torch.equal(tensors[name], value) and torch.equal(getattr(model, name), value)
+        assert torch.equal(mapped[name], value)
+
+
+def test_the_cli_prints_the_low_memory_warning_as_one_line_and_loads(tmp_path):
+    state = {"big": torch.arange(2**20, dtype=torch.float32)}
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+    as_if_little_is_free = (
+        "import sys, materialize.hostmem as h; real = h.meminfo_bytes; "
+        "h.meminfo_bytes = lambda *f: 2**20 if f == ('MemAvailable',) else real(*f); "
+        "from materialize_cli.main import main; sys.argv[0] = 'materialize'; main()"
+    )
+
+    done = subprocess.run([sys.executable, "-c", as_if_little_is_free, str(path), "--json"],
+                          capture_output=True, text=True, timeout=300)
+
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [
+        f"Warning: {path}: the load copies 4.19 MB into host memory and 1.05 MB is available now: it may swap, or be "
+        "killed, unless other processes give memory back; mmap=True (CLI: --mmap) leaves the tensors mapped from the files"
+    ]
+    assert json.loads(done.stdout)["bytes_read"] == 2**22
 
 
 def test_one_tensor_beyond_ram_and_swap_is_refused_naming_it(tmp_path, monkeypatch):

@@ -17,11 +17,11 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .devicemap import DeviceMapLike, Placement, compute_device_map
 from .dtypes import dtype_name, parse_dtype
 from .engine import Job, ProgressFn, stream
-from .errors import SanitizerError
+from .errors import AllocationError, SanitizerError
 from .fileio import DirectReads
 from .gcpause import gc_paused
 from .hf import forget_ties, hf_dtype_rule, hf_init, hf_key_map, hf_tolerated, is_hf_model
-from .hostmem import admit_host_copies, empty_destination
+from .hostmem import admit_host_copies, empty_destination, with_whole_load
 from .keymap import KeyMapLike
 from .mapping import FileMaps
 from .memory import PeakMemory
@@ -235,8 +235,10 @@ def execute(
                 problems = audit(the_plan, registered, files, set(mapped))
                 if problems:
                     raise SanitizerError(f"check failed for {len(problems)} tensor(s): " + "; ".join(problems), path=ckpt.path)
-        except BaseException:
+        except BaseException as error:
             _undo(undo)
+            if isinstance(error, AllocationError) and error.tensor is not None:
+                with_whole_load(error, *_needs_where(the_plan, error.tensor, mmap, staging_bytes))
             raise
         finally:
             if bypass is not None:
@@ -256,6 +258,14 @@ def execute(
         bytes_by_device=the_plan.bytes_by_device,
         nonfinite=nonfinite((entry.name, local_of(tensor)) for entry, tensor in registered) if check_finite else [],
     )
+
+
+def _needs_where(plan: Plan, name: str, mmap: bool, staging_bytes: Optional[int]) -> tuple[torch.device, int]:
+    """The device of the tensor ``name`` and the bytes the whole load puts there (host: its copies and staging)."""
+    device = next((entry.device for entry in plan.entries if name in entry.names), plan.device)
+    if device.type == "cpu":
+        return device, expected_peak_host_bytes(plan, mmap=mmap, staging_bytes=staging_bytes)
+    return device, plan.bytes_by_device.get(str(device), 0)
 
 
 def _report(

@@ -16,10 +16,10 @@ from .checkpoint import Checkpoint, TensorInfo
 from .devicemap import DeviceMapLike
 from .dtypes import parse_dtype
 from .engine import Job, ProgressFn, stream
-from .errors import ModelRequiredError, ModelSpecError
+from .errors import AllocationError, ModelRequiredError, ModelSpecError
 from .gcpause import gc_paused
 from .hf import HF_SPEC_PREFIX, build_hf, is_hf_folder, is_transformers_folder
-from .hostmem import admit_host_copies, empty_destination
+from .hostmem import admit_host_copies, empty_destination, with_whole_load
 from .hub import resolve as resolve_source
 from .keymap import KeyMapLike
 from .loading import (
@@ -89,8 +89,8 @@ def _loaded_dtype(info: TensorInfo, cast: Optional[torch.dtype]) -> torch.dtype:
     return cast if cast is not None and info.dtype.is_floating_point else info.dtype
 
 
-def _host_bytes_copied(ckpt: Checkpoint, groups: list, cast: Optional[torch.dtype], mmap: bool) -> int:
-    """What :func:`load_tensors` to the CPU will copy into memory: each storage once, mapped ones not at all."""
+def _bytes_copied(ckpt: Checkpoint, groups: list, cast: Optional[torch.dtype], mmap: bool) -> int:
+    """What :func:`load_tensors` will copy into its device's memory: each storage once, mapped ones not at all."""
     def copied(info: TensorInfo) -> int:
         wanted = _loaded_dtype(info, cast)
         return 0 if mmap and wanted == info.dtype and info.contiguous else info.numel * wanted.itemsize
@@ -138,17 +138,23 @@ def load_tensors(
             return tensor
 
         groups = list(shared_spans(ckpt.values()))
+        copies = _bytes_copied(ckpt, groups, cast, mmap and target.type == "cpu")
         if target.type == "cpu":
-            admit_host_copies(_host_bytes_copied(ckpt, groups, cast, mmap), ckpt.path)
-        for group in groups:
-            before = len(mapped)
-            base = materialize(group.span)
-            if len(mapped) > before:
-                mapped[before:] = [member.name for member in group.members]
-            made.update((member.name, group.view(base, member)) for member in group.members)
-        for name, info in ckpt.items():
-            if name not in made:
-                made[name] = materialize(info)
+            admit_host_copies(copies, ckpt.path)
+        try:
+            for group in groups:
+                before = len(mapped)
+                base = materialize(group.span)
+                if len(mapped) > before:
+                    mapped[before:] = [member.name for member in group.members]
+                made.update((member.name, group.view(base, member)) for member in group.members)
+            for name, info in ckpt.items():
+                if name not in made:
+                    made[name] = materialize(info)
+        except AllocationError as error:
+            if error.tensor is not None:
+                with_whole_load(error, target, copies)
+            raise
         tensors = {name: made[name] for name in ckpt}
         bytes_read = stream(
             jobs, ckpt.files, staging_factory=lambda device: staging_for(device, staging_bytes),

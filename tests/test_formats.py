@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -338,6 +339,51 @@ def test_the_cli_prints_the_low_memory_warning_as_one_line_and_loads(tmp_path):
         "killed, unless other processes give memory back; mmap=True (CLI: --mmap) leaves the tensors mapped from the files"
     ]
     assert json.loads(done.stdout)["bytes_read"] == 2**22
+
+
+def _allocator_refusing(monkeypatch, nbytes: int) -> None:
+    """torch.empty failing, as torch's allocators do, for CPU tensors of at least ``nbytes``."""
+    real_empty = torch.empty
+
+    def empty(shape, *args, **kwargs):
+        if math.prod(shape) * kwargs.get("dtype", torch.float32).itemsize >= nbytes:
+            raise RuntimeError(f"DefaultCPUAllocator: not enough memory: you tried to allocate {nbytes} bytes.")
+        return real_empty(shape, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def test_a_tensor_that_cannot_be_allocated_is_named_with_what_the_whole_load_needs(tmp_path, monkeypatch):
+    state = {"small": torch.ones(4), "big": torch.arange(2**20, dtype=torch.float32)}
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+    model = torch.nn.Module()
+    for name, value in state.items():
+        model.register_parameter(name, torch.nn.Parameter(torch.empty(value.shape, device="meta")))
+    _allocator_refusing(monkeypatch, 2**22)
+
+    with pytest.raises(mz.AllocationError) as caught_in_load:
+        mz.load(model, path)
+    with pytest.raises(mz.AllocationError) as caught_in_load_tensors:
+        mz.load_tensors(path, dtype="fp64")
+
+    assert str(caught_in_load.value) == (
+        f"{path}: tensor 'big': cannot allocate 4.19 MB on cpu for its [1048576] float32 values (out of memory); "
+        "the load needs 4.19 MB on cpu in all: mmap=True (CLI: --mmap) leaves the tensors mapped from the files")
+    assert str(caught_in_load_tensors.value).startswith(
+        f"{path}: tensor 'big': cannot allocate 8.39 MB on cpu for its [1048576] float64 values (out of memory); "
+        "the load needs 8.39 MB on cpu in all")
+    assert all(p.is_meta for p in model.parameters())  # the model is left as it was
+
+
+def test_a_gpu_allocation_failure_points_to_a_device_map():
+    error = mz.AllocationError("cannot allocate 2.00 GB on cuda:0 (out of memory)", path="m.safetensors", tensor="w")
+
+    hostmem.with_whole_load(error, torch.device("cuda", 0), 30 * 10**9)
+
+    assert str(error) == (
+        "m.safetensors: tensor 'w': cannot allocate 2.00 GB on cuda:0 (out of memory); the load needs 30.00 GB on "
+        "cuda:0 in all: device_map='auto' (CLI: --device-map auto) spreads the model over the GPUs and host memory, "
+        "and a narrower dtype needs less")
 
 
 def test_one_tensor_beyond_ram_and_swap_is_refused_naming_it(tmp_path, monkeypatch):

@@ -401,9 +401,17 @@ def _entry(
     else:
         if tensor.device.type == "meta":
             entry.action = "init"
-        if all(owner.persistent for owner in owners):
+        if all(owner.persistent for owner in owners) and not _counter_older_saves_lack(owners):
             plan.missing.append(names[0])
     return entry
+
+
+def _counter_older_saves_lack(owners: list[Owner]) -> bool:
+    """A batch norm's ``num_batches_tracked``: checkpoints saved before torch 0.4.1 lack it (torchvision's
+    classic weights among them), and torch's ``load_state_dict`` keeps the module's own count (0) rather
+    than call it missing; so does a load here."""
+    return all(owner.attr == "num_batches_tracked" and isinstance(owner.module, nn.modules.batchnorm._NormBase)
+               for owner in owners)
 
 
 def _raise_for_mismatch(plan: Plan, ckpt: Checkpoint, strict: bool) -> None:

@@ -181,6 +181,46 @@ def test_a_mismatch_of_many_tensors_names_a_few_and_counts_the_rest(tmp_path):
     assert len(caught.value.missing) == 40 and len(caught.value.unexpected) == 30
 
 
+def _convnet() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 6 * 6, 5),
+                         nn.BatchNorm1d(5))
+
+
+@pytest.mark.parametrize("writer", [write_torch, write_safetensors], ids=["pth", "safetensors"])
+@pytest.mark.parametrize("buffers_on_meta", [False, True])
+def test_batch_norm_counters_older_saves_lack_are_kept_as_load_state_dict_keeps_them(tmp_path, writer, buffers_on_meta):
+    # Saves from before torch 0.4.1 (torchvision's classic weights) have no num_batches_tracked.
+    torch.manual_seed(0)
+    source = _convnet()
+    source.train()(torch.randn(8, 3, 8, 8))  # running statistics of their own
+    state = {name: value for name, value in source.state_dict().items() if not name.endswith("num_batches_tracked")}
+    path = writer(state, tmp_path / ("old" + (".pth" if writer is write_torch else ".safetensors")))
+    reference = _convnet()
+    reference.load_state_dict(torch.load(path) if writer is write_torch else state)  # strict: torch lets them go
+    with mz.meta_init(include_buffers=buffers_on_meta):
+        model = _convnet()
+
+    report = mz.load(model, path)
+
+    assert report.missing == []
+    assert_state_equal(model, reference.state_dict())
+    assert model[1].num_batches_tracked.item() == 0 and model[1].num_batches_tracked.dtype == torch.long
+    images = torch.randn(2, 3, 8, 8)
+    assert torch.equal(model.eval()(images), reference.eval()(images))
+
+
+def test_a_batch_norms_running_statistics_missing_are_still_missing(tmp_path):
+    state = {name: value for name, value in _convnet().state_dict().items() if not name.startswith("1.running_")}
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+    with mz.meta_init():
+        model = _convnet()
+
+    with pytest.raises(mz.KeyMismatchError) as caught:
+        mz.load(model, path)
+
+    assert sorted(caught.value.missing) == ["1.running_mean", "1.running_var"]
+
+
 def test_shape_mismatch_is_an_error_even_when_not_strict(tmp_path):
     path = write_safetensors({"first.weight": torch.randn(4, 5)}, tmp_path / "m.safetensors")
     model = _meta(Pair)

@@ -247,6 +247,45 @@ def _map_checkpoint_names(ckpt: Checkpoint, model_names: set[str], key_map: KeyM
     return mapped
 
 
+# Modules that wrap one module and name it inside: activation checkpointing's wrapper, a torch.compile'd
+# block, FSDP1. torch's own distributed state dicts drop them from names (torch.distributed.checkpoint's
+# _get_fqns) and load_state_dict adds back the first; a model wrapped before it is loaded (torchtitan builds
+# on meta, wraps blocks for activation checkpointing and compiles them, then loads) names its tensors with them.
+WRAPPER_ATTRIBUTES = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+
+
+def _through_wrappers(to_ckpt: dict[str, TensorInfo], model_names: set[str]) -> dict[str, TensorInfo]:
+    """Sources whose names differ from a model name only by wrapper modules, under that model name.
+
+    Either side may hold the wrappers: a wrapped model loading a plain
+    checkpoint, or a checkpoint saved from wrapped blocks loading into a plain
+    model. Names that match as they are, or that would match two model
+    names, are left alone.
+    """
+    strays = [name for name in to_ckpt if name not in model_names]
+    if not strays or not any(_has_wrapper(name) for name in [*strays, *model_names]):
+        return to_ckpt
+    by_bare: dict[str, list[str]] = {}
+    for name in model_names:
+        if name not in to_ckpt:
+            by_bare.setdefault(_bare(name), []).append(name)
+    renamed = {}
+    for name in strays:
+        found = by_bare.get(_bare(name), [])
+        if len(found) == 1:
+            renamed[name] = found[0]
+            by_bare[_bare(name)] = []  # one source per model name
+    return {renamed.get(name, name): info for name, info in to_ckpt.items()}
+
+
+def _has_wrapper(name: str) -> bool:
+    return any(part in WRAPPER_ATTRIBUTES for part in name.split("."))
+
+
+def _bare(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_ATTRIBUTES)
+
+
 def _set_aside_tolerated(plan: Plan, strays: list[tuple[str, TensorInfo]], tolerated: Tolerated) -> None:
     if tolerated.missing is not None:
         plan.missing = [name for name in plan.missing if not tolerated.missing.search(name)]
@@ -292,7 +331,7 @@ def make_plan(
     """
     groups = _collect_groups(model)
     model_names = {name for _, named in groups for name, _ in named}
-    to_ckpt = _map_checkpoint_names(ckpt, model_names, key_map)
+    to_ckpt = _through_wrappers(_map_checkpoint_names(ckpt, model_names, key_map), model_names)
 
     plan = Plan(path=str(ckpt.path), device=device, entries=[])
     for tensor, named in groups:

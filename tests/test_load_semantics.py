@@ -221,6 +221,61 @@ def test_a_batch_norms_running_statistics_missing_are_still_missing(tmp_path):
     assert sorted(caught.value.missing) == ["1.running_mean", "1.running_var"]
 
 
+def _wrap_blocks(model: DecoderLM) -> DecoderLM:
+    """Blocks wrapped as training scripts wrap them before loading: activation checkpointing, then compiled."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for index, layer in enumerate(model.model.layers):
+        model.model.layers[index] = torch.compile(checkpoint_wrapper(layer), backend="eager")
+    return model
+
+
+def test_a_model_with_wrapped_blocks_loads_a_plain_checkpoint(tmp_path):
+    source = reference_model()
+    path = write_safetensors(saved_state(source), tmp_path / "m.safetensors")
+    model = _wrap_blocks(tiny_skeleton())
+
+    report = mz.load(model, path)
+
+    assert "model.layers.1._orig_mod._checkpoint_wrapped_module.mlp.up_proj.weight" in report.loaded
+    assert report.missing == [] and report.unexpected == []
+    tokens = torch.arange(9)[None] % TINY["vocab_size"]
+    with torch.no_grad():
+        assert torch.equal(model(tokens), source(tokens))
+
+
+def test_a_checkpoint_saved_from_wrapped_blocks_loads_into_a_plain_model(tmp_path):
+    source = _wrap_blocks(reference_model())
+    state = saved_state(source)
+    assert any("._orig_mod." in name for name in state)  # torch.compile'd blocks name their tensors so
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+    model = tiny_skeleton()
+
+    mz.load(model, path)
+
+    assert_state_equal(model, saved_state(reference_model()))
+
+
+def test_a_wrapped_name_whose_bare_name_the_checkpoint_also_holds_stays_unexpected(tmp_path):
+    class Both(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Linear(2, 2)
+            self.block_orig = nn.Module()
+            self.block_orig._orig_mod = nn.Linear(2, 2)  # bare "block_orig.weight": no checkpoint name's
+
+    path = write_safetensors({"block._orig_mod.weight": torch.ones(2, 2), "block._orig_mod.bias": torch.ones(2),
+                              "block.weight": torch.zeros(2, 2), "block.bias": torch.zeros(2)}, tmp_path / "m.safetensors")
+    with mz.meta_init():
+        model = Both()
+
+    with pytest.raises(mz.KeyMismatchError) as caught:
+        mz.load(model, path)
+
+    assert sorted(caught.value.unexpected) == ["block._orig_mod.bias", "block._orig_mod.weight"]
+    assert sorted(caught.value.missing) == ["block_orig._orig_mod.bias", "block_orig._orig_mod.weight"]
+
+
 def test_shape_mismatch_is_an_error_even_when_not_strict(tmp_path):
     path = write_safetensors({"first.weight": torch.randn(4, 5)}, tmp_path / "m.safetensors")
     model = _meta(Pair)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,20 @@ def test_fsdp2_model_sharded_on_meta_loads_each_rank_its_rows_and_trains(tmp_pat
         assert all(p == ["Shard(dim=0)"] for p in rank["placements"].values())
         assert rank["forward_equal"] and rank["tied"] and rank["trained_finite"]
     # Every byte of the checkpoint was read by exactly one rank: none read a whole tensor.
+    assert sum(rank["bytes_read"] for rank in ranks) == sum(t.numel() * t.element_size() for t in state.values())
+
+
+def test_fsdp2_blocks_wrapped_for_activation_checkpointing_load_a_plain_checkpoint(tmp_path):
+    source = reference_model(tie=True)
+    state = saved_state(source)
+    path = write_safetensors(state, tmp_path / "model.safetensors")
+
+    ranks = run_ranks("fsdp_wrapped", path, tmp_path)
+
+    wrapped = {re.sub(r"(layers\.\d+)\.", r"\1._checkpoint_wrapped_module.", n) for n, _ in source.named_parameters()}
+    for rank in ranks:
+        assert rank["equal"].keys() == wrapped and all(rank["equal"].values())
+        assert rank["forward_equal"] and rank["grads"]
     assert sum(rank["bytes_read"] for rank in ranks) == sum(t.numel() * t.element_size() for t in state.values())
 
 

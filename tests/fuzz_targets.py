@@ -176,6 +176,7 @@ raw_safetensors = st.one_of(
 VALID_ST_DTYPES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
     "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "C64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1,
 }
 INVALID_ST_DTYPES = ["F99", "f32", "", "float32", "F32 ", "C128", "F4", "I128", "__metadata__", "BOOL\u0000"]
 

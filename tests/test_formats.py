@@ -155,6 +155,9 @@ def test_special_values_and_dtypes_are_bit_exact(writer, tmp_path):
     }
     if hasattr(torch, "float8_e4m3fn"):
         state["f8"] = torch.tensor([1.0, -2.0, 448.0]).to(torch.float8_e4m3fn)
+    for name in ("float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"):  # ROCm's, MX scales
+        if hasattr(torch, name):
+            state[name] = torch.tensor([1.0, -2.0, 0.5, 4.0]).abs().to(getattr(torch, name))
     path = writer(state, tmp_path / ("m.safetensors" if writer is write_safetensors else "m.pt"))
 
     tensors, _ = mz.load_tensors(path)

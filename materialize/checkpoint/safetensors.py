@@ -28,6 +28,7 @@ SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
     "U64": ("uint64", 8), "U32": ("uint32", 4), "U16": ("uint16", 2), "U8": ("uint8", 1),
     "BOOL": ("bool", 1), "C64": ("complex64", 8),
     "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1), "F8_E8M0": ("float8_e8m0fnu", 1),
+    "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1), "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),  # ROCm's float8 variants
 }
 
 

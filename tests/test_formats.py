@@ -213,6 +213,26 @@ def test_folder_with_both_formats_prefers_safetensors(tmp_path):
         assert ckpt.format == "safetensors"
 
 
+@pytest.mark.parametrize("name", ["last.ckpt", "model_best.pth.tar"])
+def test_a_folder_holding_one_training_checkpoint_opens_it(tmp_path, name):
+    weights = {"module.weight": torch.randn(2, 3), "module.bias": torch.randn(2)}
+    write_torch({"epoch": 90, "state_dict": weights, "best_acc1": torch.tensor(76.1)}, tmp_path / name)
+    (tmp_path / "hparams.yaml").write_text("lr: 0.1\n")
+
+    tensors, report = mz.load_tensors(tmp_path)
+
+    assert report.checkpoint == str(tmp_path / name)
+    assert all(torch.equal(tensors[key], value) for key, value in weights.items())
+
+
+def test_a_folder_of_several_training_checkpoints_asks_for_one(tmp_path):
+    for name in ("epoch=1.ckpt", "last.ckpt"):
+        write_torch({"state_dict": {"w": torch.ones(1)}}, tmp_path / name)
+
+    with pytest.raises(mz.CheckpointError, match=r"several candidate checkpoints \(epoch=1.ckpt, last.ckpt\)"):
+        mz.open_checkpoint(tmp_path)
+
+
 @pytest.mark.parametrize("mmap", [False, True], ids=["read", "mmap"])
 @pytest.mark.parametrize("dtype", [None, "fp32"], ids=["same", "cast"])
 def test_views_of_one_storage_in_a_torch_file_stay_one_storage(tmp_path, mmap, dtype):

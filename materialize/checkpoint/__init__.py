@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["Checkpoint", "TensorInfo", "open_checkpoint"]
 
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
+TRAINING_CHECKPOINT_ENDINGS = (".ckpt", ".pth.tar", ".pt.tar")  # Lightning's; ImageNet scripts' model_best.pth.tar
 DCP_METADATA_NAME = ".metadata"
 DCP_DATA_SUFFIX = ".distcp"
 PathLike = Union[str, os.PathLike]
@@ -175,6 +176,7 @@ _FOLDER_RULES: tuple[Callable[[Path], bool], ...] = (
     lambda p: p.name == "pytorch_model.bin",
     lambda p: p.name.endswith(".index.json"),
     lambda p: p.suffix in TORCH_SUFFIXES and p.name != "training_args.bin",
+    lambda p: p.name.endswith(TRAINING_CHECKPOINT_ENDINGS),
 )
 
 

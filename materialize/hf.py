@@ -87,25 +87,49 @@ def build_hf(folder: Path, *, model_class: Optional[str] = None, dtype: Optional
         )
     transformers = _transformers()
     try:
-        config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        # Never None: transformers would then ask on the terminal whether to run the repository's code.
+        config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
         config = _config_of_class(transformers, folder, model_class)
         if config is None:
-            raise ModelSpecError(f"cannot read its config.json: {_first_line(exc)}", path=folder / CONFIG_NAME) from None
+            raise _unbuildable(folder, f"cannot read its config.json: {_first_line(exc)}") from None
     _refuse_quantized(config, folder)
     name = model_class or next(iter(getattr(config, "architectures", None) or []), "AutoModel")
     cls = getattr(transformers, name, None)
     if cls is None:
-        raise ModelSpecError(
-            f"transformers has no model class {name!r} (installed: transformers {transformers.__version__})",
-            path=folder / CONFIG_NAME,
-        )
+        raise _unbuildable(folder, f"transformers has no model class {name!r} (installed: transformers {transformers.__version__})")
     with meta_init(), _default_dtype(dtype or _config_dtype(config)):
         try:
             model = cls.from_config(config) if name.startswith("Auto") else cls(config)
         except (ValueError, TypeError, KeyError) as exc:
             raise ModelSpecError(f"{name} cannot be built from this config: {_first_line(exc)}", path=folder / CONFIG_NAME) from None
     return model.eval()
+
+
+def _unbuildable(folder: Path, reason: str) -> ModelSpecError:
+    """Why transformers cannot build the folder's model, and the ways to load it all the same.
+
+    A model whose class is the repository's own code (``auto_map``) is named
+    as such: that code is never run here.
+    """
+    try:
+        custom = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8")).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        custom = None
+    if isinstance(custom, dict) and custom:
+        code = next((value for key, value in custom.items() if key.startswith("AutoModel")), next(iter(custom.values())))
+        reason = f"its model is the repository's own code (auto_map: {code}), which is never run here"
+    try:
+        from .checkpoint import _pick_from_folder
+
+        alone = f" ({_pick_from_folder(folder)})"
+    except (OSError, CheckpointError):
+        alone = ""
+    return ModelSpecError(
+        f"{reason.rstrip('.')}; pass a model (--model package.module:callable), or load its tensors alone by passing the "
+        f"checkpoint itself{alone}",
+        path=folder / CONFIG_NAME,
+    )
 
 
 def _config_of_class(transformers: Any, folder: Path, model_class: Optional[str]) -> Any:
@@ -120,7 +144,9 @@ def _config_of_class(transformers: Any, folder: Path, model_class: Optional[str]
         saved = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
         name = model_class or next(iter(saved.get("architectures") or []), None)
         config_class = getattr(getattr(transformers, name, None), "config_class", None) if isinstance(name, str) else None
-        return config_class.from_pretrained(str(folder), local_files_only=True) if config_class is not None else None
+        if config_class is None:
+            return None
+        return config_class.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 

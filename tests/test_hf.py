@@ -13,7 +13,7 @@ from typing import Optional
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import materialize as mz
 
@@ -215,6 +215,34 @@ def test_cli_loads_a_hugging_face_folder_without_a_model_spec(tmp_path):
     assert report["format"] == "safetensors-sharded"
     assert report["dtypes"].get("float16") == len(report["loaded"])
     assert report["missing"] == [] and report["unexpected"] == []
+
+
+@pytest.mark.parametrize("config, reason", [
+    ({"architectures": ["FancyForCausalLM"], "model_type": "fancy",
+      "auto_map": {"AutoConfig": "configuration_fancy.FancyConfig", "AutoModelForCausalLM": "modeling_fancy.FancyForCausalLM"}},
+     "its model is the repository's own code (auto_map: modeling_fancy.FancyForCausalLM), which is never run here"),
+    ({"architectures": ["FancyForCausalLM"], "model_type": "llama"},
+     f"transformers has no model class 'FancyForCausalLM' (installed: transformers {transformers.__version__})"),
+], ids=["remote-code", "unknown-class"])
+def test_a_folder_transformers_cannot_build_says_how_to_load_it_anyway(tmp_path, config, reason):
+    folder = tmp_path / "fancy"
+    folder.mkdir()
+    weights = {"w": torch.randn(3), "b": torch.randn(2)}
+    save_file(weights, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
+    marker = tmp_path / "ran"
+    for code in ("configuration_fancy.py", "modeling_fancy.py"):
+        (folder / code).write_text(f"open({str(marker)!r}, 'w').close()\n")
+
+    # transformers asks on the terminal whether to run a repository's code unless told not to: say yes.
+    done = subprocess.run([CLI, str(folder)], capture_output=True, text=True, input="y\n")
+    tensors, _ = mz.load_tensors(folder / "model.safetensors")  # the way out the message gives
+
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr == (f"Error: {folder / 'config.json'}: {reason}; pass a model (--model package.module:callable), "
+                           f"or load its tensors alone by passing the checkpoint itself ({folder / 'model.safetensors'})\n")
+    assert not marker.exists()
+    assert all(torch.equal(tensors[name], value) for name, value in weights.items())
 
 
 def _cli_json_report(folder: Path) -> dict:

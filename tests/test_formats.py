@@ -472,6 +472,38 @@ def test_state_dicts_saved_per_submodule_read_as_dotted_names(nested_under, tmp_
     assert report.missing == [] and report.unexpected == []
 
 
+def _trained_a_step(model: torch.nn.Module) -> torch.optim.Optimizer:
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    return optimizer
+
+
+@pytest.mark.parametrize("model_key", ["model_state_dict", "model_state", None])
+def test_a_general_checkpoint_as_the_pytorch_tutorial_saves_it_loads_its_weights(model_key, tmp_path):
+    torch.manual_seed(0)
+    source = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    optimizer = _trained_a_step(source)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    saved = {"epoch": 5, "loss": 0.25, "optimizer_state_dict": optimizer.state_dict(),
+             "scheduler_state_dict": scheduler.state_dict()}
+    if model_key is None:  # per submodule beside the training state, no key for the model
+        saved.update({"0": source[0].state_dict(), "1": source[1].state_dict()})
+    else:
+        saved[model_key] = source.state_dict()
+    path = write_torch(saved, tmp_path / "checkpoint.pt")
+
+    tensors, _ = mz.load_tensors(path)
+    with mz.meta_init():
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    report = mz.load(model, path)
+
+    assert set(tensors) == set(source.state_dict())  # the optimizer's moments are not weights
+    for name, value in source.state_dict().items():
+        assert torch.equal(tensors[name], value) and torch.equal(model.state_dict()[name], value), name
+    assert report.missing == [] and report.unexpected == []
+
+
 def test_a_nested_name_that_repeats_a_flat_one_is_refused_naming_it(tmp_path):
     path = write_torch({"encoder.weight": torch.ones(2), "encoder": {"weight": torch.zeros(2)}}, tmp_path / "twice.pt")
 

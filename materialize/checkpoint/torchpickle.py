@@ -29,11 +29,13 @@ from .standins import (
     INERT_GLOBALS, CalledStandIn, StandIn, is_module_state, is_numpy_array, module_state, stand_in_class,
 )
 
-STATE_DICT_KEYS = ("state_dict", "model", "module")
+# model_state_dict: PyTorch's own tutorial on saving a general checkpoint (Whisper's files too).
+STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model", "model_state", "module")
 # What training checkpoints keep beside the model (PyTorch Lightning, torchtitan, DeepSpeed, plain
 # scripts): optimizer moments and scheduler state are tensors but not weights.
-TRAINING_STATE_KEYS = ("optimizer", "optimizers", "optim", "optimizer_states", "lr_scheduler", "lr_schedulers",
-                       "scheduler", "dataloader", "train_state", "callbacks", "loops", "scaler", "rng_state")
+TRAINING_STATE_KEYS = ("optimizer", "optimizers", "optim", "optimizer_states", "optimizer_state_dict", "optim_state_dict",
+                       "lr_scheduler", "lr_schedulers", "scheduler", "scheduler_state_dict", "lr_scheduler_state_dict",
+                       "dataloader", "train_state", "callbacks", "loops", "scaler", "scaler_state_dict", "rng_state")
 
 
 class StorageRef:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections import Counter
@@ -67,7 +68,7 @@ def load(
     model: nn.Module,
     checkpoint: CheckpointLike,
     *,
-    device: DeviceLike = "cpu",
+    device: Optional[DeviceLike] = None,
     dtype: DtypeLike = None,
     strict: bool = True,
     key_map: KeyMapLike = None,
@@ -89,7 +90,10 @@ def load(
         model: a module whose tensors may be on ``meta`` (built under
             :func:`meta_init` or ``torch.device("meta")``) or real.
         checkpoint: a path (file, shard index, folder) or an open :class:`Checkpoint`.
-        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. DTensor tensors (a
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. By default, where the
+            model's real tensors all are (a model built on a GPU is filled
+            there, in place), else ``"cpu"`` (a model on meta, whose real
+            buffers are on the CPU). DTensor tensors (a
             model sharded on meta by FSDP2 or tensor parallel) go to their
             mesh's device instead, each rank reading only its own shard
             (see :mod:`materialize.sharded`).
@@ -138,7 +142,7 @@ def load(
     move to ``device`` unchanged. If the load fails, every tensor the model
     had before is put back, so the model is left as it was.
     """
-    target = resolve_device(device)
+    target = resolve_device(device if device is not None else model_device(model))
     cast = parse_dtype(dtype)
     key_map, init, dtype_rule, tolerated = _model_defaults(model, key_map, init)
     with _opened(checkpoint, trust_pickle) as ckpt:
@@ -158,6 +162,12 @@ def load(
 
         dispatch_model(model, device_map=placement.for_accelerate())
     return report
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The one device all of the model's real tensors are on, else the CPU (none, or several)."""
+    devices = {tensor.device for tensor in itertools.chain(model.parameters(), model.buffers()) if not tensor.is_meta}
+    return devices.pop() if len(devices) == 1 else torch.device("cpu")
 
 
 def _placement(

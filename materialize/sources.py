@@ -32,6 +32,7 @@ from .loading import (
     _placement,
     _report,
     load,
+    model_device,
 )
 from .mapping import FileMaps
 from .memory import PeakMemory
@@ -49,7 +50,7 @@ def plan(
     model: Union[nn.Module, ModelSpec, None],
     checkpoint: CheckpointLike,
     *,
-    device: DeviceLike = "cpu",
+    device: Optional[DeviceLike] = None,
     dtype: DtypeLike = None,
     strict: bool = True,
     key_map: KeyMapLike = None,
@@ -69,7 +70,8 @@ def plan(
     pickled module). Raises the same errors a load would (missing,
     unexpected and mismatched tensors; tensors that cannot be initialized).
     ``plan.fits`` compares the memory each device will need (the expected
-    peak of host memory for ``"cpu"``) with what is available now.
+    peak of host memory for ``"cpu"``) with what is available now. ``device``
+    defaults as in :func:`load`.
     """
     with _opened_with_skeleton(checkpoint, model, model_args, revision, trust_pickle, dtype) as (ckpt, skeleton):
         if skeleton is None:
@@ -77,7 +79,7 @@ def plan(
         key_map, init, dtype_rule, tolerated = _model_defaults(skeleton, key_map, init)
         cast = parse_dtype(dtype)
         the_plan = make_plan(
-            skeleton, ckpt, device=resolve_device(device), dtype=cast, strict=strict, key_map=key_map, init=init,
+            skeleton, ckpt, device=resolve_device(device if device is not None else model_device(skeleton)), dtype=cast, strict=strict, key_map=key_map, init=init,
             placement=_placement(skeleton, ckpt, device_map, max_memory, cast), dtype_rule=dtype_rule,
             tolerated=tolerated,
         )
@@ -103,7 +105,7 @@ def _bytes_copied(ckpt: Checkpoint, groups: list, cast: Optional[torch.dtype], m
 def load_tensors(
     checkpoint: CheckpointLike,
     *,
-    device: DeviceLike = "cpu",
+    device: Optional[DeviceLike] = "cpu",
     dtype: DtypeLike = None,
     trust_pickle: bool = False,
     mmap: bool = False,
@@ -118,7 +120,7 @@ def load_tensors(
     ``mmap=True`` (CPU): tensors are copy-on-write views of the files, and
     ``direct_io=True`` reads around the page cache, as in :func:`load`.
     """
-    target = resolve_device(device)
+    target = resolve_device(device if device is not None else "cpu")
     cast = parse_dtype(dtype)
     started = time.perf_counter()
     with _opened(checkpoint, trust_pickle) as ckpt, PeakMemory(target) as memory:

@@ -38,6 +38,19 @@ def test_load_to_cuda_matches_the_source(writer, dtype, tmp_path, tokens):
     assert report.peak_device_bytes is not None and report.peak_device_bytes > 0
 
 
+def test_a_model_built_on_the_gpu_is_filled_there_in_place_by_default(tmp_path):
+    source = reference_model()
+    path = write_safetensors(saved_state(source), tmp_path / "m.safetensors")
+    model = reference_model(seed=1).cuda()
+    before = {name: tensor.data_ptr() for name, tensor in model.state_dict().items()}
+
+    mz.load(model, path)  # no device: where the model is
+
+    assert {name: tensor.data_ptr() for name, tensor in model.state_dict().items()} == before
+    for name, value in source.state_dict().items():
+        assert torch.equal(model.state_dict()[name].cpu(), value), name
+
+
 @pytest.mark.parametrize("dtype", [None, "fp32"], ids=["keep", "fp32"])
 def test_direct_io_to_cuda_matches_the_source(dtype, tmp_path):
     torch.manual_seed(0)

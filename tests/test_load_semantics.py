@@ -276,6 +276,24 @@ def test_a_wrapped_name_whose_bare_name_the_checkpoint_also_holds_stays_unexpect
     assert sorted(caught.value.missing) == ["block_orig._orig_mod.bias", "block_orig._orig_mod.weight"]
 
 
+def test_without_a_device_a_model_on_meta_is_loaded_to_the_cpu_and_a_real_one_where_it_is(tmp_path):
+    source = reference_model()
+    path = write_safetensors(saved_state(source), tmp_path / "m.safetensors")
+    on_meta = tiny_skeleton()
+    real = reference_model(seed=1)
+    addresses = {name: tensor.data_ptr() for name, tensor in real.state_dict().items()}
+
+    planned = mz.plan(on_meta, path)
+    mz.load(on_meta, path)
+    mz.load(real, path)
+
+    assert planned.device == torch.device("cpu") and set(planned.bytes_by_device) == {"cpu"}
+    assert {tensor.device for tensor in on_meta.state_dict().values()} == {torch.device("cpu")}
+    assert {name: tensor.data_ptr() for name, tensor in real.state_dict().items()} == addresses  # filled in place
+    assert_state_equal(on_meta, saved_state(source))
+    assert_state_equal(real, saved_state(source))
+
+
 def test_shape_mismatch_is_an_error_even_when_not_strict(tmp_path):
     path = write_safetensors({"first.weight": torch.randn(4, 5)}, tmp_path / "m.safetensors")
     model = _meta(Pair)

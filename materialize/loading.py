@@ -26,6 +26,7 @@ from .hostmem import admit_host_copies, empty_destination, with_whole_load
 from .keymap import KeyMapLike
 from .mapping import FileMaps
 from .memory import PeakMemory
+from .meta import is_lazy
 from .planning import DtypeRule, Entry, InitFn, Plan, Tolerated, make_plan
 from .report import Report
 from .sanitizer import CountingFiles, audit, nonfinite, poison
@@ -302,7 +303,7 @@ def _unique_bytes(tensors: list[torch.Tensor]) -> int:
     """Bytes of memory the tensors hold, each storage counted once (views share theirs)."""
     storages = {}
     for tensor in tensors:
-        if tensor.is_meta:
+        if tensor.is_meta or is_lazy(tensor):
             continue
         storage = tensor.untyped_storage()
         storages.setdefault((storage.device, storage.data_ptr()), storage.nbytes())
@@ -320,7 +321,7 @@ def _materialize_entry(
         tensor = view
         mapped.append(entry.name)
     elif entry.action == "keep":
-        tensor = original.to(entry.device)
+        tensor = original if is_lazy(original) else original.to(entry.device)
     elif _reusable(original, entry):
         tensor = original  # already real, right place and type: fill it in place
     else:
@@ -346,7 +347,7 @@ def _materialize_entry(
 
 
 def _reusable(original: torch.Tensor, entry: Entry) -> bool:
-    if original.is_meta or entry.split_from_tie:  # a name split off a tie needs memory of its own
+    if original.is_meta or is_lazy(original) or entry.split_from_tie:  # a name split off a tie needs memory of its own
         return False
     local = local_of(original)
     return (

@@ -32,8 +32,13 @@ def _depth_flags() -> list[bool]:
     return stack
 
 
+def is_lazy(tensor: torch.Tensor) -> bool:
+    """A lazy module's tensor not yet given a shape (``nn.LazyLinear``): it holds no memory, and has no size to read."""
+    return isinstance(tensor, nn.parameter.UninitializedTensorMixin)
+
+
 def _to_meta_parameter(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> Optional[nn.Parameter]:
-    if not _depth_flags() or param is None or param.device.type == "meta":
+    if not _depth_flags() or param is None or is_lazy(param) or param.device.type == "meta":
         return None
     meta = param.detach().to("meta")
     if type(param) is nn.Parameter:
@@ -43,7 +48,7 @@ def _to_meta_parameter(module: nn.Module, name: str, param: Optional[nn.Paramete
 
 def _to_meta_buffer(module: nn.Module, name: str, buffer: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     stack = _depth_flags()
-    if not stack or not stack[-1] or buffer is None or buffer.device.type == "meta":
+    if not stack or not stack[-1] or buffer is None or is_lazy(buffer) or buffer.device.type == "meta":
         return None
     return buffer.to("meta")
 

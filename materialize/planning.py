@@ -30,6 +30,7 @@ from .errors import (
     summarize_names,
 )
 from .keymap import KeyMapLike, as_key_map, auto_strip_wrapper_prefix
+from .meta import is_lazy
 from .modtree import named_modules
 from .sharded import ShardSpec, region, shard_spec
 from .stacking import (
@@ -423,7 +424,10 @@ def _entry(
                             path=ckpt.path, tensor=names[0])
     place = spec.device if spec is not None else placement(names[0]) if placement is not None else device
     on_disk = place == "disk"
-    entry = Entry(names, owners, tensor, "keep", tuple(tensor.shape), tensor.dtype,
+    # A lazy module's tensor takes its shape from the checkpoint, as load_state_dict gives it one; without
+    # a checkpoint tensor it stays uninitialized, for the module to size at its first forward.
+    shape = (info.shape if info is not None else ()) if is_lazy(tensor) else tuple(tensor.shape)
+    entry = Entry(names, owners, tensor, "keep", shape, tensor.dtype,
                   torch.device("cpu") if on_disk else place, on_disk=on_disk, shard=spec)
     if info is not None:
         entry.action, entry.source = "load", info

@@ -22,6 +22,7 @@ import torch
 
 from .checkpoint import TensorInfo
 from .fileio import FileSet, Part
+from .meta import is_lazy
 from .planning import Entry, Plan
 from .sharded import local_of
 from .stacking import pieces_of
@@ -156,6 +157,6 @@ def nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """Names of floating tensors holding NaN or Inf."""
     return [
         name for name, tensor in named
-        if not tensor.is_meta and tensor.is_floating_point() and tensor.numel()
+        if not tensor.is_meta and not is_lazy(tensor) and tensor.is_floating_point() and tensor.numel()
         and not bool(torch.isfinite(distinct_elements(tensor)).all())
     ]

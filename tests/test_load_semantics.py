@@ -294,6 +294,45 @@ def test_without_a_device_a_model_on_meta_is_loaded_to_the_cpu_and_a_real_one_wh
     assert_state_equal(real, saved_state(source))
 
 
+def _lazy_net() -> nn.Module:
+    return nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.LazyLinear(2))
+
+
+@pytest.mark.parametrize("built", ["meta_init", "real"])
+def test_lazy_modules_take_their_shapes_from_the_checkpoint_as_load_state_dict_gives_them(tmp_path, built):
+    torch.manual_seed(0)
+    source = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    path = write_safetensors(dict(source.state_dict()), tmp_path / "m.safetensors")
+    reference = _lazy_net()
+    reference.load_state_dict(source.state_dict())
+    if built == "meta_init":
+        with mz.meta_init():
+            model = _lazy_net()
+    else:
+        model = _lazy_net()
+
+    mz.load(model, path, check=True, check_finite=True)
+
+    assert_state_equal(model, source.state_dict())
+    inputs = torch.randn(5, 3)
+    assert torch.equal(model(inputs), reference(inputs)) and type(model[0]) is nn.Linear  # sized: plain again
+
+
+def test_a_lazy_tensor_the_checkpoint_lacks_is_missing_or_left_for_its_first_forward(tmp_path):
+    path = write_safetensors(dict(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).state_dict()),
+                             tmp_path / "m.safetensors")
+    with mz.meta_init():
+        model = nn.Sequential(*_lazy_net(), nn.LazyLinear(7))
+
+    with pytest.raises(mz.KeyMismatchError) as caught:
+        mz.load(model, path)
+    report = mz.load(model, path, strict=False, check=True, check_finite=True)
+
+    assert caught.value.missing == ["3.weight", "3.bias"] and report.missing == ["3.weight", "3.bias"]
+    assert isinstance(model[3].weight, nn.parameter.UninitializedParameter)
+    assert model(torch.randn(5, 3)).shape == (5, 7)
+
+
 def test_shape_mismatch_is_an_error_even_when_not_strict(tmp_path):
     path = write_safetensors({"first.weight": torch.randn(4, 5)}, tmp_path / "m.safetensors")
     model = _meta(Pair)

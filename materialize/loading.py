@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 import time
 from collections import Counter
@@ -92,7 +91,7 @@ def load(
             :func:`meta_init` or ``torch.device("meta")``) or real.
         checkpoint: a path (file, shard index, folder) or an open :class:`Checkpoint`.
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. By default, where the
-            model's real tensors all are (a model built on a GPU is filled
+            model's real parameters are (a model built on a GPU is filled
             there, in place), else ``"cpu"`` (a model on meta, whose real
             buffers are on the CPU). DTensor tensors (a
             model sharded on meta by FSDP2 or tensor parallel) go to their
@@ -166,9 +165,12 @@ def load(
 
 
 def model_device(model: nn.Module) -> torch.device:
-    """The one device all of the model's real tensors are on, else the CPU (none, or several)."""
-    devices = {tensor.device for tensor in itertools.chain(model.parameters(), model.buffers()) if not tensor.is_meta}
-    return devices.pop() if len(devices) == 1 else torch.device("cpu")
+    """The one device the model's real parameters are on (its real buffers', if no parameter is real), else the CPU."""
+    for tensors in (model.parameters(), model.buffers()):
+        devices = {tensor.device for tensor in tensors if not tensor.is_meta}
+        if devices:
+            return devices.pop() if len(devices) == 1 else torch.device("cpu")
+    return torch.device("cpu")
 
 
 def _placement(

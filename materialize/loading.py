@@ -26,7 +26,7 @@ from .keymap import KeyMapLike
 from .mapping import FileMaps
 from .memory import PeakMemory
 from .meta import is_lazy
-from .planning import DtypeRule, Entry, InitFn, Plan, Tolerated, make_plan
+from .planning import DtypeRule, Entry, InitFn, Plan, Tolerated, initializer_of, make_plan
 from .report import Report
 from .sanitizer import CountingFiles, audit, nonfinite, poison
 from .sharded import is_dtensor, local_of
@@ -234,7 +234,7 @@ def execute(
                 if init is not None:
                     init(module)
                 else:
-                    module.reset_parameters()
+                    initializer_of(module, computed_only=True)()  # planning made sure the module has one
             bytes_read = read(jobs, progress)
             ties = TieSettling(the_plan, compared_in_file, read, undo, allow_overflow=allow_overflow,
                                allocate=lambda entry: _materialize_entry(entry, undo, None, False, [], check))

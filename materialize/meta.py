@@ -48,9 +48,45 @@ def _to_meta_parameter(module: nn.Module, name: str, param: Optional[nn.Paramete
 
 def _to_meta_buffer(module: nn.Module, name: str, buffer: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     stack = _depth_flags()
-    if not stack or not stack[-1] or buffer is None or is_lazy(buffer) or buffer.device.type == "meta":
+    if not stack or buffer is None:
+        return None
+    if not stack[-1] or is_lazy(buffer) or buffer.device.type == "meta":
+        _built_buffers().append((module, name))  # kept real: filled later from meta values, maybe
         return None
     return buffer.to("meta")
+
+
+def _built_buffers() -> list[tuple[nn.Module, str]]:
+    """Buffers registered real in this thread's outermost :func:`meta_init` so far."""
+    built = getattr(_state, "built_buffers", None)
+    if built is None:
+        built = _state.built_buffers = []
+    return built
+
+
+def _unfilled() -> dict[int, torch.Tensor]:
+    """Real tensors an in-place op was to fill from values on meta (which have none), by id."""
+    unfilled = getattr(_state, "unfilled", None)
+    if unfilled is None:
+        unfilled = _state.unfilled = {}
+    return unfilled
+
+
+def _put_unfilled_buffers_on_meta() -> None:
+    """A buffer the constructor filled from values computed on meta holds nothing; on meta, a load recomputes it.
+
+    The usual case: a buffer computed on ``self.weight.device`` (meta here) and
+    copied into a real buffer (timm's Swin V2 relative position tables). On
+    meta, the load initializes it with its module's ``reset_parameters()``
+    like any buffer built on meta, before the checkpoint's values are read.
+    """
+    unfilled = _unfilled()
+    for module, name in _built_buffers():
+        buffer = module._buffers.get(name)
+        if buffer is not None and id(buffer) in unfilled and unfilled[id(buffer)] is buffer:
+            module._buffers[name] = buffer.to("meta")
+    unfilled.clear()
+    _built_buffers().clear()
 
 
 def _install_hooks() -> None:
@@ -87,8 +123,12 @@ class _SkipInPlaceOnMeta(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         # torch.nn.init functions pass their tensor by keyword.
         target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
-        if name.endswith("_") and not name.endswith("__") and isinstance(target, torch.Tensor) and target.is_meta:
-            return target
+        if name.endswith("_") and not name.endswith("__") and isinstance(target, torch.Tensor):
+            if target.is_meta:
+                return target
+            if any(isinstance(value, torch.Tensor) and value.is_meta for value in (*args[1:], *kwargs.values())):
+                _unfilled()[id(target)] = target  # a real tensor given meta values: see _put_unfilled_buffers_on_meta
+                return target
         return func(*args, **kwargs)
 
 
@@ -107,6 +147,11 @@ def meta_init(include_buffers: bool = False) -> Iterator[None]:
     friends allocate without touching memory and cost nothing. Nesting is
     allowed (the innermost ``include_buffers`` wins) and the effect is local
     to the calling thread.
+
+    A real buffer that the constructor fills in place from values computed
+    on meta (a table computed on ``self.weight.device``) would hold garbage;
+    it is put on meta instead, for the load to recompute with its module's
+    ``reset_parameters()``, as for buffers built on meta.
     """
     _install_hooks()
     stack = _depth_flags()
@@ -116,6 +161,8 @@ def meta_init(include_buffers: bool = False) -> Iterator[None]:
             yield
     finally:
         stack.pop()
+        if not stack:
+            _put_unfilled_buffers_on_meta()
         _remove_hooks()
 
 

@@ -522,15 +522,27 @@ def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
     return ""
 
 
+def initializer_of(module: nn.Module, computed_only: bool = False) -> Optional[Callable[[], None]]:
+    """How a module initializes itself: ``reset_parameters()``; where only buffers it computes are
+    wanted, timm's ``init_non_persistent_buffers()`` too (its modules recompute such buffers so)."""
+    for method, usable in (("reset_parameters", True), ("init_non_persistent_buffers", computed_only)):
+        found = getattr(module, method, None)
+        if usable and callable(found):
+            return found
+    return None
+
+
 def _init_modules(model: nn.Module, plan: Plan, init: Optional[InitFn], ckpt: Checkpoint) -> list[tuple[str, nn.Module]]:
     """The modules that own a tensor to initialize, each once, in model order."""
     wanted: dict[int, nn.Module] = {}
-    uninitializable: list[str] = []
+    computed_only: dict[int, bool] = {}  # the module's tensors to initialize are all buffers it computes
     for entry in plan.of("init"):
         owner = entry.owners[0].module
-        if init is None and not callable(getattr(owner, "reset_parameters", None)):
-            uninitializable.append(entry.name)
         wanted[id(owner)] = owner
+        computed = not any(o.is_parameter or o.persistent for o in entry.owners)
+        computed_only[id(owner)] = computed_only.get(id(owner), True) and computed
+    uninitializable = [entry.name for entry in plan.of("init") if init is None
+                       and initializer_of(entry.owners[0].module, computed_only[id(entry.owners[0].module)]) is None]
     if uninitializable:
         raise InitError(
             f"no initializer for {summarize_names(uninitializable)}: the checkpoint lacks them and their modules "

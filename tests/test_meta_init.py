@@ -6,7 +6,9 @@ import subprocess
 import sys
 import threading
 
+import pytest
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 import materialize as mz
@@ -140,3 +142,81 @@ def test_building_on_meta_skips_init_kernels_entirely():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
 
     assert done.stdout.strip() == "False"
+
+
+class TableOnTheWeightsDevice(nn.Module):
+    """Fills a real buffer from values computed where its weight is (timm's Swin V2 relative position tables)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("table", torch.empty(3, 4), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.proj.reset_parameters()
+        self.table.copy_(torch.linspace(-1, 1, 12, device=self.proj.weight.device).reshape(3, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) + self.table.sum()
+
+
+class MaskOnTheNormsDevice(nn.Module):
+    """Registers a buffer computed where its norm is, recomputed by timm's init_non_persistent_buffers()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(4)
+        self.init_non_persistent_buffers()
+
+    def init_non_persistent_buffers(self) -> None:
+        self.register_buffer("mask", torch.triu(torch.ones(4, 4, device=self.norm.weight.device)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x) @ self.mask
+
+
+@pytest.mark.parametrize("kind", [TableOnTheWeightsDevice, MaskOnTheNormsDevice])
+def test_buffers_computed_from_meta_values_are_recomputed_by_the_load(kind, tmp_path):
+    torch.manual_seed(0)
+    source = kind()
+    path = tmp_path / "m.safetensors"
+    save_file({name: tensor.contiguous() for name, tensor in source.state_dict().items()}, str(path))
+    with mz.meta_init():
+        model = kind()
+
+    report = mz.load(model, path, check=True)
+
+    assert report.missing == [] and set(report.initialized) == {n for n, _ in source.named_buffers()}
+    ours = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for name, value in [*source.named_parameters(), *source.named_buffers()]:
+        assert torch.equal(ours[name], value), name
+    inputs = torch.randn(2, 4)
+    assert torch.equal(model(inputs), source(inputs))
+
+
+class ScaleWithMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.init_non_persistent_buffers()
+
+    def init_non_persistent_buffers(self) -> None:
+        self.register_buffer("mask", torch.ones(4, device=self.scale.device), persistent=False)
+
+
+def test_a_parameter_missing_from_a_module_that_only_recomputes_buffers_cannot_be_initialized(tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_file({"other": torch.ones(1)}, str(path))
+    with mz.meta_init():
+        model = ScaleWithMask()
+
+    def init(module: nn.Module) -> None:
+        module.scale.fill_(2.0)
+        module.init_non_persistent_buffers()
+
+    with pytest.raises(mz.InitError, match="no initializer for scale, mask: "):  # the mask was computed on meta too
+        mz.load(model, path, strict=False)
+    mz.load(model, path, strict=False, init=init)
+
+    assert torch.equal(model.scale, torch.full((4,), 2.0)) and torch.equal(model.mask, torch.ones(4))

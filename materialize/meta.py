@@ -112,10 +112,13 @@ def _remove_hooks() -> None:
 
 
 class _SkipInPlaceOnMeta(TorchFunctionMode):
-    """Make in-place ops on meta tensors (``normal_``, ``uniform_``...) free.
+    """Make in-place ops on meta tensors (``normal_``, ``uniform_``...) free, and ops mixing meta and real work.
 
-    They compute nothing on meta anyway, but the first one imports torch's
-    reference kernels and dynamo, which costs seconds per process.
+    In-place ops on meta compute nothing anyway, but the first one imports
+    torch's reference kernels and dynamo, which costs seconds per process.
+    An op that fails because it mixes meta and real tensors runs again on
+    meta; one that was to fill a real tensor from meta values leaves it
+    marked as unfilled instead.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -123,13 +126,42 @@ class _SkipInPlaceOnMeta(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         # torch.nn.init functions pass their tensor by keyword.
         target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
-        if name.endswith("_") and not name.endswith("__") and isinstance(target, torch.Tensor):
-            if target.is_meta:
-                return target
-            if any(isinstance(value, torch.Tensor) and value.is_meta for value in (*args[1:], *kwargs.values())):
-                _unfilled()[id(target)] = target  # a real tensor given meta values: see _put_unfilled_buffers_on_meta
-                return target
-        return func(*args, **kwargs)
+        in_place = name.endswith("_") and not name.endswith("__") and isinstance(target, torch.Tensor)
+        if in_place and target.is_meta:
+            return target
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError:  # the common path pays nothing for what follows
+            if not _mixes_meta_and_real(args, kwargs):
+                raise
+        if in_place:
+            _unfilled()[id(target)] = target  # a real tensor given meta values: see _put_unfilled_buffers_on_meta
+            return target
+        # A constructor running its layers on a real input to size what follows (a hybrid ViT's backbone
+        # on zeros) meets meta weights; most kernels then answer on meta, but torch's Python
+        # decompositions (group_norm) refuse mixed devices. On meta, every op answers.
+        return func(*(_on_meta(value) for value in args), **{key: _on_meta(value) for key, value in kwargs.items()})
+
+
+def _mixes_meta_and_real(args: tuple, kwargs: dict) -> bool:
+    """Whether an op was given tensors both on meta and not."""
+    found = 0  # bit 1: a meta tensor, bit 2: a real one
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(value, torch.Tensor):
+            found |= 1 if value.is_meta else 2
+        elif type(value) in (list, tuple):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    found |= 1 if item.is_meta else 2
+    return found == 3
+
+
+def _on_meta(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        return value if value.is_meta else value.to("meta")
+    if type(value) in (list, tuple):
+        return type(value)(_on_meta(item) for item in value)
+    return value
 
 
 @contextmanager

@@ -220,3 +220,32 @@ def test_a_parameter_missing_from_a_module_that_only_recomputes_buffers_cannot_b
     mz.load(model, path, strict=False, init=init)
 
     assert torch.equal(model.scale, torch.full((4,), 2.0)) and torch.equal(model.mask, torch.ones(4))
+
+
+class SizedByAForward(nn.Module):
+    """Runs its backbone on zeros to size its head, as hybrid vision transformers do; GroupNorm refuses mixed devices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), nn.GroupNorm(2, 8), nn.ReLU())
+        with torch.no_grad():
+            features = self.backbone(torch.zeros(1, 3, 16, 16))
+        self.head = nn.Linear(features.shape[1] * features.shape[2] * features.shape[3], 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x).flatten(1))
+
+
+def test_a_constructor_that_runs_a_forward_on_real_zeros_builds_and_loads(tmp_path):
+    torch.manual_seed(0)
+    source = SizedByAForward()
+    path = tmp_path / "m.safetensors"
+    save_file(dict(source.state_dict()), str(path))
+    with mz.meta_init():
+        model = SizedByAForward()
+
+    mz.load(model, path)
+
+    assert model.head.in_features == 8 * 7 * 7
+    inputs = torch.randn(2, 3, 16, 16)
+    assert torch.equal(model(inputs), source(inputs))

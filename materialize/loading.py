@@ -98,9 +98,10 @@ def load(
             mesh's device instead, each rank reading only its own shard
             (see :mod:`materialize.sharded`).
         dtype: cast floating tensors to this dtype; ``None`` keeps each
-            tensor's checkpoint dtype (a DTensor keeps its own: the dtype it
-            was sharded with), and initialized tensors follow the dtype of
-            the loaded ones.
+            tensor's checkpoint dtype where the model's is on meta (a real
+            tensor keeps its own floating dtype, as ``load_state_dict``
+            does, and a DTensor the dtype it was sharded with), and
+            initialized tensors follow the dtype of the loaded ones.
         strict: missing or unexpected tensors are an error. With
             ``strict=False`` unexpected tensors are skipped and missing ones
             initialized by their module's ``reset_parameters()`` (or ``init``).

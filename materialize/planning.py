@@ -437,9 +437,11 @@ def _entry(
             entry.source = region(info, spec.offsets, spec.local_shape)
         wants_cast = dtype is not None and info.dtype.is_floating_point
         entry.dtype = dtype if wants_cast else info.dtype
-        if spec is not None and dtype is None and info.dtype.is_floating_point and tensor.dtype.is_floating_point:
+        if dtype is None and info.dtype.is_floating_point and tensor.dtype.is_floating_point and (
+                spec is not None or not (tensor.is_meta or is_lazy(tensor))):
             # A DTensor keeps the dtype it was sharded with: FSDP2 recorded it (its fp32 master
             # weights, which a mixed-precision policy casts from), and so did the model's author.
+            # So does a real tensor, as load_state_dict keeps it: the model was made in that dtype.
             entry.dtype = tensor.dtype
     else:
         if tensor.device.type == "meta":

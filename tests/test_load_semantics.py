@@ -402,6 +402,26 @@ def test_real_model_is_filled_in_place(tmp_path):
     assert_state_equal(model, state)
 
 
+def test_a_real_model_keeps_its_dtype_as_load_state_dict_keeps_it(tmp_path):
+    source = reference_model()
+    state = saved_state(source)
+    path = write_safetensors({name: value.to(torch.bfloat16) for name, value in state.items()}, tmp_path / "m.safetensors")
+    real = DecoderLM(**TINY)
+    before = {name: tensor.data_ptr() for name, tensor in real.state_dict().items()}
+    reference = DecoderLM(**TINY)
+    reference.load_state_dict({name: value.to(torch.bfloat16) for name, value in state.items()})
+    on_meta = tiny_skeleton()
+
+    mz.load(real, path)
+    mz.load(on_meta, path)
+    mz.load(cast := DecoderLM(**TINY), path, dtype="bf16")
+
+    assert {name: tensor.data_ptr() for name, tensor in real.state_dict().items()} == before  # cast into place
+    assert_state_equal(real, reference.state_dict())  # fp32, holding the bf16 values
+    assert {p.dtype for p in on_meta.parameters()} == {torch.bfloat16}  # a skeleton takes the checkpoint's dtype
+    assert {p.dtype for p in cast.parameters()} == {torch.bfloat16}  # and a dtype asked for wins
+
+
 def test_requires_grad_is_kept(tmp_path):
     state = saved_state(reference_model())
     path = write_safetensors(state, tmp_path / "m.safetensors")

@@ -67,7 +67,7 @@ def auto_strip_wrapper_prefix(checkpoint_names: Iterable[str], model_names: set[
     """The rename that lines the checkpoint's names up with the model's, where one prefix is all they differ by.
 
     ``module.`` / ``_orig_mod.`` are stripped when every checkpoint name has
-    it and no model name does. Any other prefix (a Lightning module's
+    it and no model name does, stacked ones too (``_orig_mod.module.``). Any other prefix (a Lightning module's
     ``model.`` or ``net.``, an EMA copy's ``ema.``, a wrapper's attribute) is
     stripped from, or added to, the checkpoint's names only when that makes
     one side's names a subset of the other's: a rename that explains every
@@ -75,9 +75,9 @@ def auto_strip_wrapper_prefix(checkpoint_names: Iterable[str], model_names: set[
     mismatch error suggests one).
     """
     names = list(checkpoint_names)
-    for prefix in WRAPPER_PREFIXES:
-        if names and all(n.startswith(prefix) for n in names) and not any(m.startswith(prefix) for m in model_names):
-            return KeyMap.strip_prefix(prefix)
+    wrappers = _wrapper_chain(names, model_names)
+    if wrappers:
+        return KeyMap.strip_prefix(wrappers)
     if not names or not model_names or not set(names).isdisjoint(model_names):
         return lambda name: name
     for prefix in _shared_prefixes(names):
@@ -87,6 +87,19 @@ def auto_strip_wrapper_prefix(checkpoint_names: Iterable[str], model_names: set[
         if not any(n.startswith(prefix) for n in names) and _nested({prefix + n for n in names}, model_names):
             return KeyMap.add_prefix(prefix)
     return lambda name: name
+
+
+def _wrapper_chain(names: list[str], model_names: set[str]) -> str:
+    """The wrapper prefixes every checkpoint name starts with and no model name does, however stacked:
+    ``torch.compile(DDP(model))`` saves ``_orig_mod.module.``, ``DDP(torch.compile(model))`` ``module._orig_mod.``."""
+    chain = ""
+    while names:
+        step = next((prefix for prefix in WRAPPER_PREFIXES if all(n.startswith(chain + prefix) for n in names)
+                     and not any(m.startswith(chain + prefix) for m in model_names)), None)
+        if step is None:
+            return chain
+        chain += step
+    return chain
 
 
 def _shared_prefixes(names: list[str]) -> list[str]:

@@ -358,16 +358,19 @@ def test_initialized_tensors_follow_the_loaded_dtype(tmp_path):
         (lambda name: name.replace("enc.", "", 1), "enc."),
         (None, "module."),       # DistributedDataParallel's prefix is stripped automatically
         (None, "_orig_mod."),    # and torch.compile's
+        (None, "_orig_mod.module."),  # torch.compile(DDP(model))
+        (None, "module._orig_mod."),  # DDP(torch.compile(model))
     ],
 )
 def test_key_map_renames_checkpoint_names(key_map, saved_prefix, tmp_path):
-    state = {f"{saved_prefix}{k}": v for k, v in saved_state(reference_model()).items()}
+    source = saved_state(reference_model())
+    state = {f"{saved_prefix}{k}": v for k, v in source.items()}
     path = write_torch(state, tmp_path / "m.pt")
     model = tiny_skeleton()
 
     mz.load(model, path, key_map=key_map)
 
-    assert torch.equal(model.model.norm.weight, state[f"{saved_prefix}model.norm.weight"])
+    assert_state_equal(model, source)
 
 
 def _decoder_wrapped_as(attr: str) -> nn.Module:

@@ -233,6 +233,40 @@ def test_a_folder_of_several_training_checkpoints_asks_for_one(tmp_path):
         mz.open_checkpoint(tmp_path)
 
 
+def _deepspeed_folder(folder: Path, weights: dict, shapes: dict) -> Path:
+    """A DeepSpeed checkpoint step folder: the model states beside each rank's optimizer states."""
+    folder.mkdir()
+    write_torch({"module": weights, "buffer_names": ["norm.running_mean"], "param_shapes": [shapes],
+                 "ds_version": "0.16.4", "global_steps": 100}, folder / "mp_rank_00_model_states.pt")
+    for rank in range(2):
+        write_torch({"optimizer_state_dict": {"fp32_flat_groups": [torch.zeros(8)]}, "ds_version": "0.16.4"},
+                    folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    return folder
+
+
+def test_a_deepspeed_folder_opens_its_model_states(tmp_path):
+    weights = {"w": torch.randn(4, 3), "norm.running_mean": torch.randn(3)}  # ZeRO-1/2: full weights
+    folder = _deepspeed_folder(tmp_path / "global_step100", weights, {"w": torch.Size([4, 3])})
+
+    tensors, report = mz.load_tensors(folder)
+
+    assert report.checkpoint == str(folder / "mp_rank_00_model_states.pt")
+    assert set(tensors) == set(weights) and all(torch.equal(tensors[k], v) for k, v in weights.items())
+
+
+def test_a_deepspeed_zero3_save_says_to_gather_its_partitioned_parameters(tmp_path):
+    weights = {"w": torch.empty(0), "v": torch.empty(0), "norm.running_mean": torch.randn(3)}
+    folder = _deepspeed_folder(tmp_path / "global_step100", weights, {"w": torch.Size([4, 3]), "v": torch.Size([2])})
+
+    with pytest.raises(mz.UnsupportedFormatError) as caught:
+        mz.open_checkpoint(folder)
+
+    assert str(caught.value) == (
+        f"{folder / 'mp_rank_00_model_states.pt'}: is a DeepSpeed ZeRO-3 save: its parameters (w, v) are empty here, "
+        "partitioned into the *_optim_states.pt files beside it; gather them with the zero_to_fp32.py script "
+        "DeepSpeed writes into the checkpoint folder, and load what it writes")
+
+
 @pytest.mark.parametrize("mmap", [False, True], ids=["read", "mmap"])
 @pytest.mark.parametrize("dtype", [None, "fp32"], ids=["same", "cast"])
 def test_views_of_one_storage_in_a_torch_file_stay_one_storage(tmp_path, mmap, dtype):

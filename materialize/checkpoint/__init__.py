@@ -175,6 +175,7 @@ _FOLDER_RULES: tuple[Callable[[Path], bool], ...] = (
     lambda p: p.name == "pytorch_model.bin.index.json",
     lambda p: p.name == "pytorch_model.bin",
     lambda p: p.name.endswith(".index.json"),
+    lambda p: p.name.startswith("mp_rank_") and p.name.endswith("_model_states.pt"),  # DeepSpeed, beside its optimizer's
     lambda p: p.suffix in TORCH_SUFFIXES and p.name != "training_args.bin",
     lambda p: p.name.endswith(TRAINING_CHECKPOINT_ENDINGS),
 )

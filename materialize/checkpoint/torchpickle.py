@@ -301,7 +301,23 @@ def read_payload(
         )
     if not payload and module is None and not (isinstance(unpickled, dict) and not unpickled):
         raise UnsupportedFormatError(f"holds no model tensors: its {what} is {_outline(unpickled)}", path=path)
+    partitioned = _partitioned_by_zero3(unpickled, payload)
+    if partitioned:
+        raise UnsupportedFormatError(
+            f"is a DeepSpeed ZeRO-3 save: its parameters ({summarize_names(partitioned, limit=3)}) are empty here, "
+            "partitioned into the *_optim_states.pt files beside it; gather them with the zero_to_fp32.py script "
+            "DeepSpeed writes into the checkpoint folder, and load what it writes", path=path)
     return payload, module
+
+
+def _partitioned_by_zero3(unpickled: Any, payload: dict[str, torch.Tensor]) -> list[str]:
+    """Parameters a DeepSpeed model-states file records a shape for but holds empty (ZeRO-3 partitions them)."""
+    if not isinstance(unpickled, dict) or "ds_version" not in unpickled:
+        return []
+    groups = unpickled.get("param_shapes")
+    groups = groups if isinstance(groups, list) else [groups]
+    return [name for group in groups if isinstance(group, dict) for name, shape in group.items()
+            if isinstance(shape, tuple) and math.prod(shape) > 0 and name in payload and payload[name].numel() == 0]
 
 
 def _outline(obj: Any) -> str:

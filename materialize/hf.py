@@ -120,9 +120,9 @@ def _unbuildable(folder: Path, reason: str) -> ModelSpecError:
         code = next((value for key, value in custom.items() if key.startswith("AutoModel")), next(iter(custom.values())))
         reason = f"its model is the repository's own code (auto_map: {code}), which is never run here"
     try:
-        from .checkpoint import _pick_from_folder
+        from .checkpoint import pick_from_folder
 
-        alone = f" ({_pick_from_folder(folder)})"
+        alone = f" ({pick_from_folder(folder)})"
     except (OSError, CheckpointError):
         alone = ""
     return ModelSpecError(

@@ -247,15 +247,14 @@ def _out_of_memory(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
     )
 
 
-def with_whole_load(error: AllocationError, device: torch.device, needed: int) -> AllocationError:
-    """``error`` (one tensor that did not fit) told what the whole load needs on that device and the ways out."""
+def with_whole_load(error: AllocationError, device: torch.device, needed: int) -> None:
+    """Tell ``error`` (one tensor that did not fit) what the whole load needs on that device and the ways out."""
     if device.type == "cpu":
         ways = "mmap=True (CLI: --mmap) leaves the tensors mapped from the files"
     else:
         ways = ("device_map='auto' (CLI: --device-map auto) spreads the model over the GPUs and host memory, "
                 "and a narrower dtype needs less")
     error.reason += f"; the load needs {format_bytes(needed)} on {device} in all: {ways}"
-    return error
 
 
 def empty_destination(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -25,11 +25,17 @@ _active_contexts = 0
 _hook_handles: list = []
 
 
+def _thread_state(name: str, empty: Callable[[], Any]) -> Any:
+    """This thread's ``name`` (meta_init acts only in the threads inside it), made empty on first use."""
+    value = getattr(_state, name, None)
+    if value is None:
+        value = empty()
+        setattr(_state, name, value)
+    return value
+
+
 def _depth_flags() -> list[bool]:
-    stack = getattr(_state, "stack", None)
-    if stack is None:
-        stack = _state.stack = []
-    return stack
+    return _thread_state("stack", list)
 
 
 def is_lazy(tensor: torch.Tensor) -> bool:
@@ -58,18 +64,12 @@ def _to_meta_buffer(module: nn.Module, name: str, buffer: Optional[torch.Tensor]
 
 def _built_buffers() -> list[tuple[nn.Module, str]]:
     """Buffers registered real in this thread's outermost :func:`meta_init` so far."""
-    built = getattr(_state, "built_buffers", None)
-    if built is None:
-        built = _state.built_buffers = []
-    return built
+    return _thread_state("built_buffers", list)
 
 
 def _unfilled() -> dict[int, torch.Tensor]:
     """Real tensors an in-place op was to fill from values on meta (which have none), by id."""
-    unfilled = getattr(_state, "unfilled", None)
-    if unfilled is None:
-        unfilled = _state.unfilled = {}
-    return unfilled
+    return _thread_state("unfilled", dict)
 
 
 def _put_unfilled_buffers_on_meta() -> None:

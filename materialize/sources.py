@@ -78,8 +78,9 @@ def plan(
             raise ModelRequiredError("a plan needs a model: pass one (CLI: --model SPEC)", path=ckpt.path)
         key_map, init, dtype_rule, tolerated = _model_defaults(skeleton, key_map, init)
         cast = parse_dtype(dtype)
+        target = resolve_device(device if device is not None else model_device(skeleton))
         the_plan = make_plan(
-            skeleton, ckpt, device=resolve_device(device if device is not None else model_device(skeleton)), dtype=cast, strict=strict, key_map=key_map, init=init,
+            skeleton, ckpt, device=target, dtype=cast, strict=strict, key_map=key_map, init=init,
             placement=_placement(skeleton, ckpt, device_map, max_memory, cast), dtype_rule=dtype_rule,
             tolerated=tolerated,
         )

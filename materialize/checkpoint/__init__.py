@@ -53,7 +53,7 @@ def open_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Checkpoint
     if target.name == DCP_METADATA_NAME and target.is_file():
         target = target.parent  # a DCP folder's index, as an index.json is a sharded checkpoint's
     if target.is_dir():
-        target = _pick_from_folder(target)
+        target = pick_from_folder(target)
     if target.is_dir():
         return _open_dcp(target)
     kind = _sniff(target)
@@ -112,11 +112,7 @@ def _sniff(path: Path) -> str:
     if path.suffix == DCP_DATA_SUFFIX:
         raise UnsupportedFormatError(f"is one data file of a torch.distributed.checkpoint (DCP) folder; open the folder, "
                                      f"{path.parent}", path=path)
-    fd = open_for_reading(path)
-    try:
-        head = os.pread(fd, _SNIFF_BYTES, 0)
-    finally:
-        os.close(fd)
+    head = _head(path)
     foreign = None if head[8:9] == b"{" else _foreign_format(head, path)  # a safetensors header may start like a magic
     if foreign is not None:
         what, advice = foreign
@@ -138,6 +134,16 @@ def _sniff(path: Path) -> str:
 
 
 _SNIFF_BYTES = 512  # a tar header's magic sits at byte 257
+
+
+def _head(path: Path) -> bytes:
+    """The first bytes of a file, enough to tell its format."""
+    fd = open_for_reading(path)
+    try:
+        return os.pread(fd, _SNIFF_BYTES, 0)
+    finally:
+        os.close(fd)
+
 _READ_BY_US = "this loader reads safetensors, torch.save files and torch.distributed.checkpoint folders"
 _MAGIC: tuple[tuple[bytes, str, str], ...] = (  # first bytes, what the file is, what to do
     (b"GGUF", "a GGUF file (llama.cpp's format)", _READ_BY_US),
@@ -181,7 +187,7 @@ _FOLDER_RULES: tuple[Callable[[Path], bool], ...] = (
 )
 
 
-def _pick_from_folder(folder: Path) -> Path:
+def pick_from_folder(folder: Path) -> Path:
     """The one checkpoint a Hugging Face-style folder holds."""
     files = sorted(p for p in folder.iterdir() if p.is_file())
     for rule in _FOLDER_RULES:
@@ -224,9 +230,8 @@ def _what_folder_holds(files: list[Path]) -> str:
     described = []
     for path in files[:5]:
         try:
-            with open(path, "rb") as handle:
-                foreign = _foreign_format(handle.read(_SNIFF_BYTES), path)
-        except OSError:
+            foreign = _foreign_format(_head(path), path)
+        except (OSError, CheckpointError):  # unreadable: named as it is
             foreign = None
         described.append(f"{path.name}: {foreign[0]}" if foreign else path.name)
     more = f", and {len(files) - 5} more" if len(files) > 5 else ""

@@ -18,11 +18,13 @@ from .devicemap import DeviceMapLike, Placement, compute_device_map
 from .dtypes import dtype_name, parse_dtype
 from .engine import Job, ProgressFn, stream
 from .errors import AllocationError, SanitizerError
+from .extrastate import extra_state_reads, hand_over
 from .fileio import DirectReads
 from .gcpause import gc_paused
 from .hf import forget_ties, hf_dtype_rule, hf_init, hf_key_map, hf_tolerated, is_hf_model
 from .hostmem import admit_host_copies, empty_destination, with_whole_load
 from .keymap import KeyMapLike
+from .loadhooks import run_post_hooks
 from .mapping import FileMaps
 from .memory import PeakMemory
 from .meta import is_lazy
@@ -158,6 +160,7 @@ def load(
         )
     if report.untied and is_hf_model(model):
         forget_ties(model, report.untied)
+    run_post_hooks(model, report.missing, report.unexpected)
     if placement is not None and placement.needs_dispatch:
         from accelerate import dispatch_model
 
@@ -231,12 +234,13 @@ def execute(
                 job for index, entry in enumerate(the_plan.entries) if index not in compared_in_file
                 for job in _materialize_entry(entry, undo, maps, mmap, mapped, check)
             ]
+            extra_jobs, extra_states = extra_state_reads(the_plan)
             for _, module in the_plan.init_modules:
                 if init is not None:
                     init(module)
                 else:
                     initializer_of(module, computed_only=True)()  # planning made sure the module has one
-            bytes_read = read(jobs, progress)
+            bytes_read = read(jobs + extra_jobs, progress)
             ties = TieSettling(the_plan, compared_in_file, read, undo, allow_overflow=allow_overflow,
                                allocate=lambda entry: _materialize_entry(entry, undo, None, False, [], check))
             retied, untied = ties.settle()
@@ -249,6 +253,7 @@ def execute(
                 problems = audit(the_plan, registered, files, set(mapped))
                 if problems:
                     raise SanitizerError(f"check failed for {len(problems)} tensor(s): " + "; ".join(problems), path=ckpt.path)
+            hand_over(the_plan, extra_states)  # last: a module's state is no tensor the undo can put back
         except BaseException as error:
             _undo(undo)
             if isinstance(error, AllocationError) and error.tensor is not None:

@@ -30,6 +30,8 @@ from .errors import (
     summarize_names,
 )
 from .keymap import KeyMapLike, as_key_map, auto_strip_wrapper_prefix
+from .loadhooks import as_older_weight_norm, replay_load_hooks
+from .checkpoint.base import EXTRA_STATE
 from .meta import is_lazy
 from .modtree import named_modules
 from .sharded import ShardSpec, region, shard_spec
@@ -140,6 +142,8 @@ class Plan:
     # Entries (by index) of one tensor the model ties, each read from its own checkpoint tensor: tied
     # again after the load where their values are equal (see planning._tie_units).
     tie_checks: list[tuple[int, ...]] = field(default_factory=list)
+    # "<module>._extra_state" -> (the module, its source): a plain value, or a checkpoint tensor to read.
+    extra_states: dict[str, tuple[nn.Module, object]] = field(default_factory=dict)
 
     def of(self, action: Action) -> list[Entry]:
         return [e for e in self.entries if e.action == action]
@@ -175,6 +179,7 @@ class Plan:
                 {"name": n, "model_shape": list(m), "checkpoint_shape": list(c)} for n, m, c in self.mismatched
             ],
             "initialized_modules": [name or "<root>" for name, _ in self.init_modules],
+            "extra_states": list(self.extra_states),
             "memory": self.fits,
             "dtypes": dict(Counter(dtype_name(e.dtype) for e in self.entries)),
         }
@@ -207,9 +212,8 @@ def _collect_groups(model: nn.Module) -> list[tuple[torch.Tensor, list[tuple[str
     return list(groups.values())
 
 
-def _map_checkpoint_names(ckpt: Checkpoint, model_names: set[str], key_map: KeyMapLike) -> dict[str, TensorInfo]:
+def _map_checkpoint_names(ckpt: Checkpoint, rename: Callable[[str], object]) -> dict[str, TensorInfo]:
     """Model name -> its source: one checkpoint tensor, several stacked, or a run of one (see :mod:`materialize.stacking`)."""
-    rename = as_key_map(key_map) if key_map is not None else auto_strip_wrapper_prefix(ckpt, model_names)
     mapped: dict[str, TensorInfo] = {}
     slots: dict[str, list[tuple[StackSlot, TensorInfo]]] = {}
     for ckpt_name in ckpt:
@@ -332,7 +336,10 @@ def make_plan(
     """
     groups = _collect_groups(model)
     model_names = {name for _, named in groups for name, _ in named}
-    to_ckpt = _through_wrappers(_map_checkpoint_names(ckpt, model_names, key_map), model_names)
+    rename = as_key_map(key_map) if key_map is not None else auto_strip_wrapper_prefix(ckpt, model_names)
+    to_ckpt = _through_wrappers(_map_checkpoint_names(ckpt, rename), model_names)
+    replayed = replay_load_hooks(model, to_ckpt, model_names, ckpt.path)
+    to_ckpt = as_older_weight_norm(replayed.sources, model_names)
 
     plan = Plan(path=str(ckpt.path), device=device, entries=[])
     for tensor, named in groups:
@@ -347,11 +354,15 @@ def make_plan(
             entry.split_from_tie = index > 0
             plan.entries.append(entry)
 
+    extra_state_owners = _extra_state_owners(model)
+    saved_tensors = {name: to_ckpt.pop(name) for name in extra_state_owners if name in to_ckpt}
     strays = [(m, piece.info) for m, source in to_ckpt.items() if m not in model_names for piece in pieces_of(source)]
     plan.unexpected = [info.name for _, info in strays]
+    plan.ignored.extend(piece.info.name for info in replayed.dropped for piece in pieces_of(info))
     if tolerated is not None:
         _set_aside_tolerated(plan, strays, tolerated)
-    _raise_for_mismatch(plan, ckpt, strict)
+    _match_extra_states(plan, extra_state_owners, saved_tensors, ckpt, rename, strict, tolerated)
+    _raise_for_mismatch(plan, ckpt, strict, replayed.failed)
     _raise_for_unmappable_disk(plan, ckpt)
 
     follow = dtype or _float_dtype_of_loads(plan.entries)
@@ -366,6 +377,35 @@ def make_plan(
                 entry.dtype = dtype_rule(entry.name, entry.dtype)
     plan.init_modules = _init_modules(model, plan, init, ckpt)
     return plan
+
+
+def _extra_state_owners(model: nn.Module) -> dict[str, nn.Module]:
+    """``<module>._extra_state`` -> the module, for each module that keeps state beside its tensors
+    (overrides ``get_extra_state``, as torch's ``state_dict`` asks)."""
+    return {f"{prefix}.{EXTRA_STATE}" if prefix else EXTRA_STATE: module
+            for prefix, module in named_modules(model, remove_duplicate=False)
+            if type(module).get_extra_state is not nn.Module.get_extra_state}
+
+
+def _match_extra_states(plan: Plan, owners: dict[str, nn.Module], saved_tensors: dict[str, TensorInfo],
+                        ckpt: Checkpoint, rename: Callable[[str], object], strict: bool,
+                        tolerated: Optional[Tolerated]) -> None:
+    """Pair each module's saved extra state with the module, as ``load_state_dict`` hands it to
+    ``set_extra_state``: a checkpoint tensor (TransformerEngine saves its FP8 metadata so) or a torch
+    file's plain value. One missing is missing (when strict), a value without its module unexpected."""
+    saved: dict[str, tuple[str, object]] = {}
+    for name, value in ckpt.extra_states.items():
+        target = rename(name)
+        saved[target if isinstance(target, str) else name] = (name, value)
+    for name, module in owners.items():
+        if name in saved_tensors:
+            plan.extra_states[name] = (module, saved_tensors[name])
+        elif name in saved:
+            plan.extra_states[name] = (module, saved.pop(name)[1])
+        elif strict:
+            plan.missing.append(name)
+    plan.unexpected.extend(name for name, _ in saved.values()
+                           if tolerated is None or tolerated.unexpected is None or not tolerated.unexpected.search(name))
 
 
 def _tie_units(named: list[tuple[str, Owner]], to_ckpt: dict[str, TensorInfo]
@@ -459,7 +499,7 @@ def _counter_older_saves_lack(owners: list[Owner]) -> bool:
                for owner in owners)
 
 
-def _raise_for_mismatch(plan: Plan, ckpt: Checkpoint, strict: bool) -> None:
+def _raise_for_mismatch(plan: Plan, ckpt: Checkpoint, strict: bool, unreplayed: list[str]) -> None:
     shapes = [f"{n} (model {list(m)}, checkpoint {list(c)})" for n, m, c in plan.mismatched]
     problems = []
     if strict and plan.missing:
@@ -473,6 +513,9 @@ def _raise_for_mismatch(plan: Plan, ckpt: Checkpoint, strict: bool) -> None:
     prefix_hint = _prefix_hint(plan.missing, plan.unexpected) if strict else ""
     if prefix_hint:
         problems.append(prefix_hint)
+    if unreplayed and (plan.missing or plan.unexpected):
+        problems.append(f"the load_state_dict code of {summarize_names(unreplayed)} could not run on names alone "
+                        "and may rename some of these")
     error = ShapeMismatchError if (shapes and len(problems) == 1) else KeyMismatchError
     hint = "; pass strict=False (CLI: --no-strict) to initialize missing and skip unexpected tensors" if (
         strict and (plan.missing or plan.unexpected)

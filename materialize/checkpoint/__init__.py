@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from ..errors import CheckpointError, CheckpointNotFoundError, UnsupportedFormatError
 from ..fileio import open_for_reading
@@ -62,18 +62,20 @@ def open_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Checkpoint
     if kind == "safetensors":
         tensors, metadata = read_header(target)
         return Checkpoint(path=target, format="safetensors", tensors=tensors, shards=[target], metadata=metadata)
-    tensors, module = _read_torch(target, legacy=kind == "torch-legacy", trust_pickle=trust_pickle)
+    tensors, module, extra_states = _read_torch(target, legacy=kind == "torch-legacy", trust_pickle=trust_pickle)
     return Checkpoint(
         path=target,
         format="torch-module" if module is not None else "torch",
         tensors=tensors,
         shards=[target],
         module=module,
+        extra_states=extra_states,
     )
 
 
 def _open_index(index_path: Path, *, trust_pickle: bool) -> Checkpoint:
     kinds: set[str] = set()  # of the shards read, each sniffed once
+    extra_states: dict[str, Any] = {}
 
     def read_shard(shard: Path) -> dict[str, TensorInfo]:
         kind = _sniff(shard)
@@ -81,17 +83,21 @@ def _open_index(index_path: Path, *, trust_pickle: bool) -> Checkpoint:
             kinds.add("safetensors")
             return read_header(shard)[0]
         kinds.add("torch")
-        tensors, module = _read_torch(shard, legacy=kind == "torch-legacy", trust_pickle=trust_pickle)
+        tensors, module, extras = _read_torch(shard, legacy=kind == "torch-legacy", trust_pickle=trust_pickle)
         if module is not None:
             raise CheckpointError("a shard holds a pickled module, not a state dict", path=shard)
+        extra_states.update(extras)
         return tensors
 
     tensors, shards, metadata = read_sharded(index_path, read_shard)
     fmt = f"{kinds.pop()}-sharded" if len(kinds) == 1 else "mixed-sharded"
-    return Checkpoint(path=index_path, format=fmt, tensors=tensors, shards=shards, metadata=metadata)
+    return Checkpoint(path=index_path, format=fmt, tensors=tensors, shards=shards, metadata=metadata,
+                      extra_states=extra_states)
 
 
-def _read_torch(path: Path, *, legacy: bool, trust_pickle: bool) -> tuple[dict[str, TensorInfo], Optional["nn.Module"]]:
+def _read_torch(
+    path: Path, *, legacy: bool, trust_pickle: bool,
+) -> tuple[dict[str, TensorInfo], Optional["nn.Module"], dict[str, Any]]:
     # imports torch, which safetensors headers do not need
     from .torchlegacy import read_torch_legacy
     from .torchzip import read_torch_zip

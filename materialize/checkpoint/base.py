@@ -17,6 +17,8 @@ if TYPE_CHECKING:  # reading headers must not import torch: `materialize inspect
     from torch import nn
 
 
+EXTRA_STATE = "_extra_state"  # the name torch's state_dict() gives what a module's get_extra_state() returns
+
 _DTYPES: dict[str, "torch.dtype"] = {}  # dtype name -> torch's dtype, filled as met (reading headers imports no torch)
 
 
@@ -114,6 +116,9 @@ class Checkpoint(Mapping[str, TensorInfo]):
     shards: list[Path]
     metadata: dict[str, Any] = field(default_factory=dict)
     module: Optional["nn.Module"] = None
+    # What modules' get_extra_state() saved that is not a tensor (a torch file's plain data), by
+    # "<module>._extra_state"; a tensor one is among the tensors.
+    extra_states: dict[str, Any] = field(default_factory=dict)
     files: FileSet = field(default_factory=FileSet, repr=False)
 
     def __getitem__(self, name: str) -> TensorInfo:

@@ -33,7 +33,7 @@ _MAX_SMALL_PICKLE = 1 << 20  # the header pickles and the key list; the saved ob
 _COUNT = struct.Struct("<q")
 
 
-def read_torch_legacy(path: Path, *, trust_pickle: bool) -> tuple[dict[str, TensorInfo], Optional[nn.Module]]:
+def read_torch_legacy(path: Path, *, trust_pickle: bool) -> tuple[dict[str, TensorInfo], Optional[nn.Module], dict[str, Any]]:
     file_size = os.path.getsize(path)
     with open(path, "rb") as handle:
         magic = _small_pickle(path, handle, "magic number")
@@ -56,7 +56,7 @@ def read_torch_legacy(path: Path, *, trust_pickle: bool) -> tuple[dict[str, Tens
             return _legacy_loader(path, refs, views, itemsizes)
 
         try:
-            payload, module = read_payload(path, data, refs, trust_pickle=trust_pickle, persistent=loader,
+            payload, module, extra_states = read_payload(path, data, refs, trust_pickle=trust_pickle, persistent=loader,
                                            what="the saved object")
         except CheckpointError as error:
             if "persistent_load of storage" not in str(error):
@@ -79,7 +79,7 @@ def read_torch_legacy(path: Path, *, trust_pickle: bool) -> tuple[dict[str, Tens
         base, size = records[root]
         records[refs[cdata].key] = (base + offset, size - offset)
     tensors = {name: tensor_info(path, name, t, refs, records, file_size) for name, t in payload.items()}
-    return tensors, module
+    return tensors, module, extra_states
 
 
 def _legacy_loader(path: Path, refs: dict[int, StorageRef], views: dict[int, tuple[str, int]], itemsizes: dict[str, int]):

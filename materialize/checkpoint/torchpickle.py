@@ -23,7 +23,7 @@ import torch
 from torch import _weights_only_unpickler, nn
 
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError, summarize_names
-from .base import TensorInfo, make_info
+from .base import EXTRA_STATE, TensorInfo, make_info
 from .pickle_scan import negative_layouts
 from .standins import (
     INERT_GLOBALS, CalledStandIn, StandIn, is_module_state, is_numpy_array, module_state, stand_in_class,
@@ -285,11 +285,12 @@ def first_line(exc: BaseException) -> str:
 def read_payload(
     path: Path, data: bytes, refs: dict[int, StorageRef], *, trust_pickle: bool,
     persistent: Callable[[Path, dict[int, StorageRef]], Any] = persistent_loader, what: str = "data.pkl",
-) -> tuple[dict[str, torch.Tensor], Optional[nn.Module]]:
-    """The tensors (on meta) of the pickled object ``data`` and its module, if it is one; hostile layouts refused."""
+) -> tuple[dict[str, torch.Tensor], Optional[nn.Module], dict[str, Any]]:
+    """The tensors (on meta) of the pickled object ``data``, its module if it is one, and the extra states
+    of its modules that are not tensors (see :func:`find_payload`); hostile layouts refused."""
     unpickled, layouts_checked = unpickle(path, data, refs, trust_pickle=trust_pickle, persistent=persistent, what=what)
     try:
-        payload, module = find_payload(unpickled)
+        payload, module, extra_states = find_payload(unpickled)
     except CheckpointError as error:
         error.path = error.path or str(path)
         raise
@@ -307,7 +308,7 @@ def read_payload(
             f"is a DeepSpeed ZeRO-3 save: its parameters ({summarize_names(partitioned, limit=3)}) are empty here, "
             "partitioned into the *_optim_states.pt files beside it; gather them with the zero_to_fp32.py script "
             "DeepSpeed writes into the checkpoint folder, and load what it writes", path=path)
-    return payload, module
+    return payload, module, extra_states
 
 
 def _partitioned_by_zero3(unpickled: Any, payload: dict[str, torch.Tensor]) -> list[str]:
@@ -338,7 +339,7 @@ def read_bare_tensor(path: Path, data: bytes, refs: dict[int, StorageRef], *, wh
     return unpickled
 
 
-def find_payload(obj: Any) -> tuple[dict[str, torch.Tensor], Optional[nn.Module]]:
+def find_payload(obj: Any) -> tuple[dict[str, torch.Tensor], Optional[nn.Module], dict[str, Any]]:
     """The state dict (or module) inside what ``torch.save`` was given.
 
     A module pickled whole but read without ``trust_pickle`` is made of
@@ -349,30 +350,36 @@ def find_payload(obj: Any) -> tuple[dict[str, torch.Tensor], Optional[nn.Module]
     it are flattened with dotted names, as ``state_dict()`` names a
     submodule's tensors: ``{"encoder": enc.state_dict(), "decoder": ...}``
     reads as ``encoder.weight``, ``decoder.weight``, ...
+
+    A module's extra state (``get_extra_state``, saved as ``<module>._extra_state``)
+    that is not a tensor comes third, by name: a tensor one is a tensor like any.
     """
     if isinstance(obj, nn.Module):
-        return _module_tensors(obj), obj
+        return _module_tensors(obj), obj, {}
     if is_module_state(obj):
-        return dict(module_state(obj)), None
+        return dict(module_state(obj)), None, {}
     if isinstance(obj, dict):
         for key in STATE_DICT_KEYS:
             nested = obj.get(key)
             if isinstance(nested, nn.Module):
-                return _module_tensors(nested), nested
+                return _module_tensors(nested), nested, {}
             if is_module_state(nested):
-                return dict(module_state(nested)), None
+                return dict(module_state(nested)), None, {}
             if isinstance(nested, dict):
-                found = _tensor_entries(nested)
+                extra_states: dict[str, Any] = {}
+                found = _tensor_entries(nested, extra_states=extra_states)
                 if found:
-                    return found, None
-        return _tensor_entries(obj, leave_out=TRAINING_STATE_KEYS), None
-    return {}, None
+                    return found, None, extra_states
+        extra_states = {}
+        return _tensor_entries(obj, leave_out=TRAINING_STATE_KEYS, extra_states=extra_states), None, extra_states
+    return {}, None, {}
 
 
-def _tensor_entries(mapping: dict, leave_out: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+def _tensor_entries(mapping: dict, leave_out: tuple[str, ...] = (), *,
+                    extra_states: dict[str, Any]) -> dict[str, torch.Tensor]:
     entries: dict[str, torch.Tensor] = {}
     arrays: list[str] = []
-    _gather(mapping, "", entries, arrays, leave_out, set())
+    _gather(mapping, "", entries, arrays, leave_out, set(), extra_states)
     if arrays:
         raise CheckpointError(
             f"holds numpy arrays where tensors are expected ({summarize_names(arrays)}); this loader reads tensors "
@@ -381,7 +388,7 @@ def _tensor_entries(mapping: dict, leave_out: tuple[str, ...] = ()) -> dict[str,
 
 
 def _gather(mapping: dict, prefix: str, entries: dict[str, torch.Tensor], arrays: list[str],
-            leave_out: tuple[str, ...], seen: set[int]) -> None:
+            leave_out: tuple[str, ...], seen: set[int], extra_states: dict[str, Any]) -> None:
     if id(mapping) in seen:  # a pickle can make a dict that holds itself
         return
     seen.add(id(mapping))
@@ -394,10 +401,13 @@ def _gather(mapping: dict, prefix: str, entries: dict[str, torch.Tensor], arrays
             continue
         elif key in leave_out:
             continue
+        elif name.rpartition(".")[2] == EXTRA_STATE:
+            extra_states[name] = value
+            continue
         elif is_module_state(value):
             pairs = list(module_state(value, name + "."))
         elif isinstance(value, dict):
-            _gather(value, name + ".", entries, arrays, (), seen)
+            _gather(value, name + ".", entries, arrays, (), seen, extra_states)
             continue
         else:
             continue

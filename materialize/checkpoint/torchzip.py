@@ -213,21 +213,22 @@ def _what_zip_holds(names: list[str]) -> str:
     return f"it holds {shown}" if names else "it is empty"
 
 
-def read_torch_zip(path: Path, *, trust_pickle: bool) -> tuple[dict[str, TensorInfo], Optional[nn.Module]]:
+def read_torch_zip(path: Path, *, trust_pickle: bool) -> tuple[dict[str, TensorInfo], Optional[nn.Module], dict[str, Any]]:
     return _read_zip(path, trust_pickle=trust_pickle)
 
 
 def read_embedded_tensor(path: Path, base: int, length: int, name: str) -> TensorInfo:
     """The one tensor ``torch.save`` wrote as a zip at ``[base, base + length)`` of ``path`` (a DCP chunk), named ``name``."""
     with open(path, "rb") as handle:
-        tensors, _ = _read_zip(path, trust_pickle=False, window=_Window(handle.fileno(), base, length), single=name)
+        tensors, _, _ = _read_zip(path, trust_pickle=False, window=_Window(handle.fileno(), base, length), single=name)
     return tensors[name]
 
 
 def _read_zip(
     path: Path, *, trust_pickle: bool, window: Optional[_Window] = None, single: Optional[str] = None,
-) -> tuple[dict[str, TensorInfo], Optional[nn.Module]]:
-    """A torch zip's tensors; in a ``window`` of the file, and with ``single``, the one bare tensor it holds."""
+) -> tuple[dict[str, TensorInfo], Optional[nn.Module], dict[str, Any]]:
+    """A torch zip's tensors, module and extra states (see :func:`~.torchpickle.find_payload`); in a
+    ``window`` of the file, and with ``single``, the one bare tensor it holds."""
     file_size = window.base + window.length if window is not None else os.path.getsize(path)
     with _open_archive(path, window) as archive:
         names = archive.namelist()
@@ -240,9 +241,9 @@ def _read_zip(
         refs: dict[int, StorageRef] = {}
         data = _read(path, archive, f"{prefix}/data.pkl")
         if single is None:
-            payload, module = read_payload(path, data, refs, trust_pickle=trust_pickle)
+            payload, module, extra_states = read_payload(path, data, refs, trust_pickle=trust_pickle)
         else:
-            payload, module = {single: read_bare_tensor(path, data, refs, what=f"tensor '{single}'")}, None
+            payload, module, extra_states = {single: read_bare_tensor(path, data, refs, what=f"tensor '{single}'")}, None, {}
         try:
             records = _record_offsets(path, archive, prefix, window)
         except CheckpointError:
@@ -250,4 +251,4 @@ def _read_zip(
         except ZIP_ERRORS as exc:
             raise CheckpointError(f"cannot locate the storage records: {first_line(exc)}", path=path) from None
     tensors = {name: tensor_info(path, name, t, refs, records, file_size) for name, t in payload.items()}
-    return tensors, module
+    return tensors, module, extra_states

@@ -1,0 +1,260 @@
+"""A model's own ``load_state_dict`` code, run on names before any byte is read.
+
+Modules adapt older checkpoints in their load code: a pre-hook renames
+keys (``torch.nn.utils.parametrizations.weight_norm`` turns a save's
+``weight_g``/``weight_v`` into ``parametrizations.weight.original0/1``;
+transformers' Mamba renames ``embedding.``), or an overridden
+``_load_from_state_dict`` drops one (a frozen batch norm drops
+``num_batches_tracked``). ``load_state_dict`` runs that code; a load that
+reads bytes straight into the model must run it too, or it calls such
+checkpoints mismatched.
+
+So the code runs here, as ``load_state_dict`` would run it, over a state dict
+of stand-ins: one meta tensor per checkpoint tensor, with its shape and
+dtype. What the code does to the keys is then read off the stand-ins: a
+stand-in under a new key is a rename, one gone is a tensor the model drops.
+An override runs on a twin of its module whose tensors are on meta, so the
+copy at its end touches no memory of the model.
+
+Only code from outside torch is run, and torch's own compatibility hooks of
+``torch.nn.utils`` (weight norm, spectral norm): torch's distributed
+wrappers' hooks (FSDP, activation checkpointing), its lazy modules' and its
+batch norms' are what the rest of the loader already does in its own way.
+Each module's code gets the metadata a save by the current code carries
+(its ``_version``), so legacy conversions keyed on older versions stay out.
+Code that fails on stand-ins (it needs values) leaves the names as they were
+and is named if the load then finds them mismatched; code that computes a
+new tensor from checkpoint values cannot run without the values, and a load
+it would feed is refused, naming the module.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys
+
+from .checkpoint import TensorInfo
+from .checkpoint.base import EXTRA_STATE
+from .errors import KeyMismatchError
+from .meta import is_lazy
+from .modtree import named_modules
+
+
+@dataclass
+class Replayed:
+    """What the model's load code made of the checkpoint's names."""
+
+    sources: dict[str, TensorInfo]  # model name -> source, after the code's renames
+    dropped: list[TensorInfo] = field(default_factory=list)  # sources the code removed
+    failed: list[str] = field(default_factory=list)  # "module (Class): error" for code that needed values
+
+
+def replay_load_hooks(
+    model: nn.Module, sources: dict[str, TensorInfo], model_names: set[str], path: object = None,
+) -> Replayed:
+    """Run the load code of ``model``'s modules over ``sources`` (model name -> checkpoint tensor).
+
+    ``model_names`` are the names of the model's tensors; ``path`` names the
+    checkpoint in errors.
+    """
+    adapting = [(prefix, module) for prefix, module in named_modules(model, remove_duplicate=False)
+                if _has_own_load_code(module)]
+    if not adapting:
+        return Replayed(sources)
+    # Extra states go to set_extra_state, which on a stand-in could change what the twin shares with its module.
+    state = _Journaled((name, torch.empty(info.shape, dtype=info.dtype, device="meta")) for name, info in sources.items()
+                       if name.rpartition(".")[2] != EXTRA_STATE)
+    stand_ins = {id(stand_in): name for name, stand_in in state.items()}
+    failed: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the code's notes on meta copies and old versions are not the user's
+        for prefix, module in adapting:
+            mark = state.mark()
+            try:
+                _run_load_code(module, state, f"{prefix}." if prefix else "")
+            except Exception as error:  # noqa: BLE001 - any failure means: it needs values, not names
+                state.undo_to(mark)
+                said = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                failed.append(f"{prefix or '<root>'} ({type(module).__name__}, which raised "
+                              f"{type(error).__name__}{': ' + said if said else ''})")
+    renamed: dict[str, TensorInfo] = {}
+    derived: list[str] = []
+    for key, value in state.items():
+        origin = stand_ins.get(id(value))
+        if origin is not None:
+            renamed[key] = sources[origin]
+        elif isinstance(value, torch.Tensor) and value.is_meta:
+            derived.append(key)
+    computed = [key for key in derived if key in model_names]
+    if computed:
+        raise KeyMismatchError(
+            f"the model's own load_state_dict code computes {', '.join(computed[:5])}"
+            f"{' and more' if len(computed) > 5 else ''} from checkpoint values, which a load reading tensors "
+            "straight into the model cannot do; load the checkpoint once with torch's load_state_dict and save "
+            "model.state_dict() again",
+            path=path,
+        )
+    renamed.update((name, info) for name, info in sources.items() if name.rpartition(".")[2] == EXTRA_STATE)
+    kept = {id(info) for info in renamed.values()}
+    dropped = [info for name, info in sources.items() if id(info) not in kept]
+    return Replayed(renamed, dropped, failed)
+
+
+def run_post_hooks(model: nn.Module, missing: list[str], unexpected: list[str]) -> None:
+    """The load post-hooks of ``model``'s modules from outside torch, once the load is done, as
+    ``load_state_dict`` calls them: each module's after its children's, with what the load missed.
+
+    Such code finishes a load (ties tensors again, recomputes what it derives from
+    the loaded ones); torch's own (FSDP2's) is what the loader does its own way.
+    """
+    incompatible = IncompatibleKeys(missing, unexpected)
+    for module in _children_first(model):
+        for hook in list(module._load_state_dict_post_hooks.values()):
+            if not _torch_internal(_origin(hook)):
+                hook(module, incompatible)
+
+
+def _children_first(module: nn.Module) -> Iterator[nn.Module]:
+    for child in module._modules.values():
+        if child is not None:
+            yield from _children_first(child)
+    yield module
+
+
+_PARAMETRIZED_WEIGHT_NORM = re.compile(r"^(?P<owner>(?:.+\.)?)parametrizations\.(?P<name>[^.]+)\.original(?P<part>[01])$")
+
+
+def as_older_weight_norm(sources: dict[str, TensorInfo], model_names: set[str]) -> dict[str, TensorInfo]:
+    """A newer weight-norm save (``parametrizations.weight.original0/1``) under an older model's names.
+
+    torch's weight norm parametrization takes an older save's ``weight_g`` and
+    ``weight_v`` (its hook, run above); a model still built with the older
+    ``torch.nn.utils.weight_norm`` gets no such help from torch for a newer
+    save, though the two hold the same tensors: magnitude and direction.
+    Those names are mapped back here, as transformers maps them.
+    """
+    renamed = {}
+    for name in sources:
+        found = _PARAMETRIZED_WEIGHT_NORM.match(name) if name not in model_names else None
+        if found is not None:
+            older = f"{found['owner']}{found['name']}_{'gv'[int(found['part'])]}"
+            if older in model_names and older not in sources:
+                renamed[name] = older
+    return {renamed.get(name, name): info for name, info in sources.items()} if renamed else sources
+
+
+def _has_own_load_code(module: nn.Module) -> bool:
+    if any(is_lazy(tensor) for tensor in [*module._parameters.values(), *module._buffers.values()]):
+        return False  # not sized yet: torch's lazy hook sizes it, and the loader does that its own way
+    return bool(_own_hooks(module)) or _own_override(module)
+
+
+def _own_hooks(module: nn.Module) -> dict[Any, Any]:
+    return {key: hook for key, hook in module._load_state_dict_pre_hooks.items() if not _torch_internal(_origin(hook))}
+
+
+def _own_override(module: nn.Module) -> bool:
+    # Not cached per class: parametrizations give each module a class of its own, which a cache would keep.
+    owner = next(base for base in type(module).__mro__ if "_load_from_state_dict" in vars(base))
+    return owner is not nn.Module and not _torch_internal(owner.__module__)
+
+
+def _run_load_code(module: nn.Module, state: dict, prefix: str) -> None:
+    """What ``load_state_dict`` runs for one module, less torch's own hooks; the copies go to a twin on meta."""
+    metadata = {"version": getattr(module, "_version", None)}
+    if not _own_override(module):
+        for hook in _own_hooks(module).values():  # the copy at the end of torch's own code is all it adds
+            hook(state, prefix, metadata, False, [], [], [])
+        return
+    twin = object.__new__(type(module))
+    attributes = dict(module.__dict__)
+    for registry in ("_parameters", "_buffers"):
+        attributes[registry] = {name: None if tensor is None else _on_meta(tensor)
+                                for name, tensor in module.__dict__[registry].items()}
+    attributes["_load_state_dict_pre_hooks"] = OrderedDict(_own_hooks(module))
+    twin.__dict__.update(attributes)
+    twin._load_from_state_dict(state, prefix, metadata, False, [], [], [])
+
+
+def _torch_internal(origin: str) -> bool:
+    return (origin == "torch" or origin.startswith("torch.")) and not origin.startswith("torch.nn.utils.")
+
+
+def _origin(hook: Any) -> str:
+    """The module a hook's code comes from (through torch's wrapper, partials and bound methods)."""
+    fn = getattr(hook, "hook", hook)
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
+    return getattr(fn, "__module__", None) or type(fn).__module__ or ""
+
+
+def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
+
+
+_ABSENT = object()
+
+
+class _Journaled(OrderedDict):
+    """A state dict that can take back what load code did to it (the code may fail halfway)."""
+
+    def __init__(self, entries: Iterable[tuple[Any, Any]]) -> None:
+        super().__init__(entries)
+        self._journal: list[tuple[Any, Any]] = []
+
+    def mark(self) -> int:
+        return len(self._journal)
+
+    def undo_to(self, mark: int) -> None:
+        while len(self._journal) > mark:
+            key, before = self._journal.pop()
+            if before is _ABSENT:
+                super().pop(key, None)
+            else:
+                super().__setitem__(key, before)
+
+    def _note(self, key: Any) -> None:
+        if hasattr(self, "_journal"):  # OrderedDict's own __init__ may set items before ours runs
+            self._journal.append((key, super().get(key, _ABSENT)))
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._note(key)
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        self._note(key)
+        super().__delitem__(key)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        if key in self:
+            self._note(key)
+        return super().pop(key, *default)
+
+    def popitem(self, last: bool = True) -> tuple[Any, Any]:
+        key = next(reversed(self)) if last else next(iter(self))
+        self._note(key)
+        return super().popitem(last)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key not in self:
+            self._note(key)
+        return super().setdefault(key, default)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def clear(self) -> None:
+        for key in list(self):
+            self._note(key)
+        super().clear()

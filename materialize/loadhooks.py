@@ -55,7 +55,9 @@ class Replayed:
 
     sources: dict[str, TensorInfo]  # model name -> source, after the code's renames
     dropped: list[TensorInfo] = field(default_factory=list)  # sources the code removed
-    failed: list[str] = field(default_factory=list)  # "module (Class): error" for code that needed values
+    # Load code that did not run on names: "module (Class, which raised ...)" for code that needed values,
+    # "module (Class overrides load_state_dict, ...)" for code a load never calls.
+    unrun: list[str] = field(default_factory=list)
 
 
 def replay_load_hooks(
@@ -66,15 +68,16 @@ def replay_load_hooks(
     ``model_names`` are the names of the model's tensors; ``path`` names the
     checkpoint in errors.
     """
-    adapting = [(prefix, module) for prefix, module in named_modules(model, remove_duplicate=False)
-                if _has_own_load_code(module)]
+    modules = named_modules(model, remove_duplicate=False)
+    unrun = [f"{prefix or '<root>'} ({type(module).__name__} overrides load_state_dict, which a load does not call)"
+             for prefix, module in modules if _overrides_load_state_dict(module)]
+    adapting = [(prefix, module) for prefix, module in modules if _has_own_load_code(module)]
     if not adapting:
-        return Replayed(sources)
+        return Replayed(sources, unrun=unrun)
     # Extra states go to set_extra_state, which on a stand-in could change what the twin shares with its module.
     state = _Journaled((name, torch.empty(info.shape, dtype=info.dtype, device="meta")) for name, info in sources.items()
                        if name.rpartition(".")[2] != EXTRA_STATE)
     stand_ins = {id(stand_in): name for name, stand_in in state.items()}
-    failed: list[str] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the code's notes on meta copies and old versions are not the user's
         for prefix, module in adapting:
@@ -84,7 +87,7 @@ def replay_load_hooks(
             except Exception as error:  # noqa: BLE001 - any failure means: it needs values, not names
                 state.undo_to(mark)
                 said = str(error).strip().splitlines()[0] if str(error).strip() else ""
-                failed.append(f"{prefix or '<root>'} ({type(module).__name__}, which raised "
+                unrun.append(f"{prefix or '<root>'} ({type(module).__name__}, which raised "
                               f"{type(error).__name__}{': ' + said if said else ''})")
     renamed: dict[str, TensorInfo] = {}
     derived: list[str] = []
@@ -106,7 +109,7 @@ def replay_load_hooks(
     renamed.update((name, info) for name, info in sources.items() if name.rpartition(".")[2] == EXTRA_STATE)
     kept = {id(info) for info in renamed.values()}
     dropped = [info for name, info in sources.items() if id(info) not in kept]
-    return Replayed(renamed, dropped, failed)
+    return Replayed(renamed, dropped, unrun)
 
 
 def run_post_hooks(model: nn.Module, missing: list[str], unexpected: list[str]) -> None:
@@ -183,6 +186,13 @@ def _run_load_code(module: nn.Module, state: dict, prefix: str) -> None:
     attributes["_load_state_dict_pre_hooks"] = OrderedDict(_own_hooks(module))
     twin.__dict__.update(attributes)
     twin._load_from_state_dict(state, prefix, metadata, False, [], [], [])
+
+
+def _overrides_load_state_dict(module: nn.Module) -> bool:
+    """Whether the module's class has its own ``load_state_dict`` (fairseq's upgrades keys there): code
+    that would load, so it cannot run here; named if the names then disagree."""
+    owner = next(base for base in type(module).__mro__ if "load_state_dict" in vars(base))
+    return owner is not nn.Module and not _torch_internal(owner.__module__)
 
 
 def _torch_internal(origin: str) -> bool:

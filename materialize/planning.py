@@ -362,7 +362,7 @@ def make_plan(
     if tolerated is not None:
         _set_aside_tolerated(plan, strays, tolerated)
     _match_extra_states(plan, extra_state_owners, saved_tensors, ckpt, rename, strict, tolerated)
-    _raise_for_mismatch(plan, ckpt, strict, replayed.failed)
+    _raise_for_mismatch(plan, ckpt, strict, replayed.unrun)
     _raise_for_unmappable_disk(plan, ckpt)
 
     follow = dtype or _float_dtype_of_loads(plan.entries)
@@ -499,7 +499,7 @@ def _counter_older_saves_lack(owners: list[Owner]) -> bool:
                for owner in owners)
 
 
-def _raise_for_mismatch(plan: Plan, ckpt: Checkpoint, strict: bool, unreplayed: list[str]) -> None:
+def _raise_for_mismatch(plan: Plan, ckpt: Checkpoint, strict: bool, unrun: list[str]) -> None:
     shapes = [f"{n} (model {list(m)}, checkpoint {list(c)})" for n, m, c in plan.mismatched]
     problems = []
     if strict and plan.missing:
@@ -513,9 +513,9 @@ def _raise_for_mismatch(plan: Plan, ckpt: Checkpoint, strict: bool, unreplayed: 
     prefix_hint = _prefix_hint(plan.missing, plan.unexpected) if strict else ""
     if prefix_hint:
         problems.append(prefix_hint)
-    if unreplayed and (plan.missing or plan.unexpected):
-        problems.append(f"the load_state_dict code of {summarize_names(unreplayed)} could not run on names alone "
-                        "and may rename some of these")
+    if unrun and (plan.missing or plan.unexpected):
+        problems.append(f"the model's own load code, which could not run on names alone, may rename some of these: "
+                        f"{summarize_names(unrun)}")
     error = ShapeMismatchError if (shapes and len(problems) == 1) else KeyMismatchError
     hint = "; pass strict=False (CLI: --no-strict) to initialize missing and skip unexpected tensors" if (
         strict and (plan.missing or plan.unexpected)

@@ -221,7 +221,8 @@ def test_load_code_that_needs_values_is_named_when_names_then_disagree_and_its_h
 
     message = str(caught.value)
     assert "\n" not in message and "old.safetensors" in message
-    assert "load_state_dict code of <root> (ChecksValues, which raised RuntimeError" in message
+    assert "the model's own load code, which could not run on names alone, may rename some of these: " \
+        "<root> (ChecksValues, which raised RuntimeError" in message
     assert sorted(caught.value.unexpected) == ["old.bias", "old.weight"]  # popped, then put back
     assert sorted(caught.value.missing) == ["lin.bias", "lin.weight"]
     assert model.lin.weight.is_meta  # left as it was
@@ -493,3 +494,29 @@ def test_load_post_hooks_run_once_the_load_is_done_children_first(tmp_path):
     for index in range(2):
         assert model[index].seen == [([], [])]
         assert torch.equal(model[index].fused, torch.cat([source[index].q.weight, source[index].k.weight]))
+
+
+class UpgradesOnLoad(nn.Module):
+    """Converts older names in its own load_state_dict, as fairseq's models do: code that loads, never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(2, 2)
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        state_dict = {key.replace("fc.", "proj."): value for key, value in state_dict.items()}
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def test_a_model_converting_names_in_its_own_load_state_dict_is_named_when_names_disagree(tmp_path):
+    path = write_safetensors({"fc.weight": torch.ones(2, 2), "fc.bias": torch.zeros(2)}, tmp_path / "older.safetensors")
+    with mz.meta_init():
+        model = UpgradesOnLoad()
+
+    with pytest.raises(mz.KeyMismatchError) as caught:
+        mz.load(model, path)
+
+    assert "<root> (UpgradesOnLoad overrides load_state_dict, which a load does not call)" in str(caught.value)
+    matching = write_safetensors({"proj.weight": torch.ones(2, 2), "proj.bias": torch.zeros(2)}, tmp_path / "m.safetensors")
+    mz.load(model, matching)
+    assert torch.equal(model.proj.weight, torch.ones(2, 2))

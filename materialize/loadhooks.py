@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import functools
 import re
+import weakref
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +47,6 @@ from .checkpoint import TensorInfo
 from .checkpoint.base import EXTRA_STATE
 from .errors import KeyMismatchError
 from .meta import is_lazy
-from .modtree import named_modules
 
 
 @dataclass
@@ -61,14 +61,14 @@ class Replayed:
 
 
 def replay_load_hooks(
-    model: nn.Module, sources: dict[str, TensorInfo], model_names: set[str], path: object = None,
+    modules: list[tuple[str, nn.Module]], sources: dict[str, TensorInfo], model_names: set[str], path: object = None,
 ) -> Replayed:
-    """Run the load code of ``model``'s modules over ``sources`` (model name -> checkpoint tensor).
+    """Run the load code of a model's ``modules`` (each under each of its names, in the order
+    ``load_state_dict`` visits them) over ``sources`` (model name -> checkpoint tensor).
 
     ``model_names`` are the names of the model's tensors; ``path`` names the
     checkpoint in errors.
     """
-    modules = named_modules(model, remove_duplicate=False)
     unrun = [f"{prefix or '<root>'} ({type(module).__name__} overrides load_state_dict, which a load does not call)"
              for prefix, module in modules if _overrides_load_state_dict(module)]
     adapting = [(prefix, module) for prefix, module in modules if _has_own_load_code(module)]
@@ -112,25 +112,38 @@ def replay_load_hooks(
     return Replayed(renamed, dropped, unrun)
 
 
-def run_post_hooks(model: nn.Module, missing: list[str], unexpected: list[str]) -> None:
-    """The load post-hooks of ``model``'s modules from outside torch, once the load is done, as
-    ``load_state_dict`` calls them: each module's after its children's, with what the load missed.
+def post_hooked(modules: list[tuple[str, nn.Module]]) -> list[nn.Module]:
+    """The modules (of a model's, in ``load_state_dict``'s order) with load post-hooks from outside
+    torch, each after its children, as ``load_state_dict`` calls them."""
+    ordered: list[nn.Module] = []
+    open_: list[tuple[str, nn.Module]] = []  # hooked ancestors of the module at hand, outermost first
+    for prefix, module in modules:
+        if not module._load_state_dict_post_hooks or \
+                all(_torch_internal(_origin(hook)) for hook in module._load_state_dict_post_hooks.values()):
+            continue
+        while open_ and not _within(prefix, open_[-1][0]):
+            ordered.append(open_.pop()[1])
+        open_.append((prefix, module))
+    ordered.extend(module for _, module in reversed(open_))
+    return ordered
+
+
+def _within(prefix: str, ancestor: str) -> bool:
+    return ancestor == "" or prefix.startswith(ancestor + ".")
+
+
+def run_post_hooks(hooked: list[nn.Module], missing: list[str], unexpected: list[str]) -> None:
+    """Call the post-hooks from outside torch of the modules :func:`post_hooked` found, once the load
+    is done, with what it missed, as ``load_state_dict`` calls them.
 
     Such code finishes a load (ties tensors again, recomputes what it derives from
     the loaded ones); torch's own (FSDP2's) is what the loader does its own way.
     """
     incompatible = IncompatibleKeys(missing, unexpected)
-    for module in _children_first(model):
+    for module in hooked:
         for hook in list(module._load_state_dict_post_hooks.values()):
             if not _torch_internal(_origin(hook)):
                 hook(module, incompatible)
-
-
-def _children_first(module: nn.Module) -> Iterator[nn.Module]:
-    for child in module._modules.values():
-        if child is not None:
-            yield from _children_first(child)
-    yield module
 
 
 _PARAMETRIZED_WEIGHT_NORM = re.compile(r"^(?P<owner>(?:.+\.)?)parametrizations\.(?P<name>[^.]+)\.original(?P<part>[01])$")
@@ -156,6 +169,8 @@ def as_older_weight_norm(sources: dict[str, TensorInfo], model_names: set[str]) 
 
 
 def _has_own_load_code(module: nn.Module) -> bool:
+    if not module._load_state_dict_pre_hooks and not _own_override(module):
+        return False
     if any(is_lazy(tensor) for tensor in [*module._parameters.values(), *module._buffers.values()]):
         return False  # not sized yet: torch's lazy hook sizes it, and the loader does that its own way
     return bool(_own_hooks(module)) or _own_override(module)
@@ -166,8 +181,25 @@ def _own_hooks(module: nn.Module) -> dict[Any, Any]:
 
 
 def _own_override(module: nn.Module) -> bool:
-    # Not cached per class: parametrizations give each module a class of its own, which a cache would keep.
-    owner = next(base for base in type(module).__mro__ if "_load_from_state_dict" in vars(base))
+    return _class_code(type(module))[0]
+
+
+def _class_code(cls: type) -> tuple[bool, bool]:
+    """Whether ``cls`` has, from outside torch, its own ``_load_from_state_dict`` and its own
+    ``load_state_dict``; asked per module, answered once per class."""
+    known = _CLASS_CODE.get(cls)
+    if known is None:
+        known = tuple(_defined_outside_torch(cls, method) for method in ("_load_from_state_dict", "load_state_dict"))
+        _CLASS_CODE[cls] = known
+    return known
+
+
+# Weak: parametrizations give each module a class of its own, which a plain cache would keep alive.
+_CLASS_CODE: "weakref.WeakKeyDictionary[type, tuple[bool, bool]]" = weakref.WeakKeyDictionary()
+
+
+def _defined_outside_torch(cls: type, method: str) -> bool:
+    owner = next(base for base in cls.__mro__ if method in vars(base))
     return owner is not nn.Module and not _torch_internal(owner.__module__)
 
 
@@ -191,8 +223,7 @@ def _run_load_code(module: nn.Module, state: dict, prefix: str) -> None:
 def _overrides_load_state_dict(module: nn.Module) -> bool:
     """Whether the module's class has its own ``load_state_dict`` (fairseq's upgrades keys there): code
     that would load, so it cannot run here; named if the names then disagree."""
-    owner = next(base for base in type(module).__mro__ if "load_state_dict" in vars(base))
-    return owner is not nn.Module and not _torch_internal(owner.__module__)
+    return _class_code(type(module))[1]
 
 
 def _torch_internal(origin: str) -> bool:

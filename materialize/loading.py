@@ -160,7 +160,7 @@ def load(
         )
     if report.untied and is_hf_model(model):
         forget_ties(model, report.untied)
-    run_post_hooks(model, report.missing, report.unexpected)
+    run_post_hooks(the_plan.post_hooked, report.missing, report.unexpected)
     if placement is not None and placement.needs_dispatch:
         from accelerate import dispatch_model
 

@@ -30,7 +30,7 @@ from .errors import (
     summarize_names,
 )
 from .keymap import KeyMapLike, as_key_map, auto_strip_wrapper_prefix
-from .loadhooks import as_older_weight_norm, replay_load_hooks
+from .loadhooks import as_older_weight_norm, post_hooked, replay_load_hooks
 from .checkpoint.base import EXTRA_STATE
 from .meta import is_lazy
 from .modtree import named_modules
@@ -144,6 +144,7 @@ class Plan:
     tie_checks: list[tuple[int, ...]] = field(default_factory=list)
     # "<module>._extra_state" -> (the module, its source): a plain value, or a checkpoint tensor to read.
     extra_states: dict[str, tuple[nn.Module, object]] = field(default_factory=dict)
+    post_hooked: list[nn.Module] = field(default_factory=list)  # run once loaded (see loadhooks.post_hooked)
 
     def of(self, action: Action) -> list[Entry]:
         return [e for e in self.entries if e.action == action]
@@ -185,11 +186,11 @@ class Plan:
         }
 
 
-def _collect_groups(model: nn.Module) -> list[tuple[torch.Tensor, list[tuple[str, Owner]]]]:
-    """Every unique tensor of the model with all the names it is registered under."""
+def _collect_groups(modules: list[tuple[str, nn.Module]]) -> list[tuple[torch.Tensor, list[tuple[str, Owner]]]]:
+    """Every unique tensor of the model (its ``modules``, each under each name) with all the names it is registered under."""
     groups: dict[int, tuple[torch.Tensor, list[tuple[str, Owner]]]] = {}
     shared = False
-    for prefix, module in named_modules(model, remove_duplicate=False):
+    for prefix, module in modules:
         dot = f"{prefix}." if prefix else ""
         for attr, param in module._parameters.items():
             if param is not None:
@@ -334,14 +335,15 @@ def make_plan(
     model computes). Without it, a non-persistent buffer the checkpoint holds
     is loaded: a plain model's checkpoint is taken to know best.
     """
-    groups = _collect_groups(model)
+    modules = named_modules(model, remove_duplicate=False)
+    groups = _collect_groups(modules)
     model_names = {name for _, named in groups for name, _ in named}
     rename = as_key_map(key_map) if key_map is not None else auto_strip_wrapper_prefix(ckpt, model_names)
     to_ckpt = _through_wrappers(_map_checkpoint_names(ckpt, rename), model_names)
-    replayed = replay_load_hooks(model, to_ckpt, model_names, ckpt.path)
+    replayed = replay_load_hooks(modules, to_ckpt, model_names, ckpt.path)
     to_ckpt = as_older_weight_norm(replayed.sources, model_names)
 
-    plan = Plan(path=str(ckpt.path), device=device, entries=[])
+    plan = Plan(path=str(ckpt.path), device=device, entries=[], post_hooked=post_hooked(modules))
     for tensor, named in groups:
         if len(named) == 1:
             units = [((named[0][0],), [named[0][1]], to_ckpt.get(named[0][0]))]
@@ -354,7 +356,7 @@ def make_plan(
             entry.split_from_tie = index > 0
             plan.entries.append(entry)
 
-    extra_state_owners = _extra_state_owners(model)
+    extra_state_owners = _extra_state_owners(modules)
     saved_tensors = {name: to_ckpt.pop(name) for name in extra_state_owners if name in to_ckpt}
     strays = [(m, piece.info) for m, source in to_ckpt.items() if m not in model_names for piece in pieces_of(source)]
     plan.unexpected = [info.name for _, info in strays]
@@ -379,11 +381,11 @@ def make_plan(
     return plan
 
 
-def _extra_state_owners(model: nn.Module) -> dict[str, nn.Module]:
+def _extra_state_owners(modules: list[tuple[str, nn.Module]]) -> dict[str, nn.Module]:
     """``<module>._extra_state`` -> the module, for each module that keeps state beside its tensors
     (overrides ``get_extra_state``, as torch's ``state_dict`` asks)."""
     return {f"{prefix}.{EXTRA_STATE}" if prefix else EXTRA_STATE: module
-            for prefix, module in named_modules(model, remove_duplicate=False)
+            for prefix, module in modules
             if type(module).get_extra_state is not nn.Module.get_extra_state}
 
 

@@ -59,7 +59,7 @@ def _run(debug: bool, action: Callable[[], None], *, inspecting: bool = False) -
 
 
 def _show_warning(message: Warning | str, category: type[Warning], *rest: Any, **keywords: Any) -> None:
-    if issubclass(category, mz.LowMemoryWarning):
+    if issubclass(category, mz.MaterializeWarning):
         click.echo(f"Warning: {message}", err=True)  # on stderr: --json keeps stdout to itself
     else:
         _PYTHON_SHOWWARNING(message, category, *rest, **keywords)

@@ -52,6 +52,8 @@ _EXPORTS = {
     "OutputError": "errors",
     "AllocationError": "errors",
     "LowMemoryWarning": "errors",
+    "MaterializeWarning": "errors",
+    "ConvertWarning": "errors",
     "convert": "conversion",
     "ConvertReport": "conversion",
 }

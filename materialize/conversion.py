@@ -26,6 +26,7 @@ import os
 import shutil
 import struct
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Union
@@ -37,7 +38,7 @@ from .checkpoint.index import SAFETENSORS_INDEX_NAME
 from .checkpoint.safetensors import SAFETENSORS_DTYPES
 from .dtypes import parse_dtype
 from .engine import Job, ProgressFn, stream
-from .errors import MaterializeError, OutputError
+from .errors import ConvertWarning, MaterializeError, OutputError, summarize_names
 from .fileio import byte_view
 from .gcpause import gc_paused
 from .hostmem import empty_destination
@@ -119,6 +120,10 @@ def convert(
         raise OutputError("already exists; remove it or pass overwrite=True (CLI: --overwrite)", path=destination)
     source = src if isinstance(src, Checkpoint) else resolve_source(src, revision=revision)
     with _opened(source, trust_pickle) as ckpt:
+        if ckpt.extra_states:
+            warnings.warn(ConvertWarning(
+                f"{ckpt.path}: modules' extra state that is not a tensor ({summarize_names(list(ckpt.extra_states))}) "
+                "has no place in safetensors and is left out; keep the torch file for it"), stacklevel=2)
         items = [_Item(info, cast if cast is not None and info.dtype.is_floating_point else info.dtype) for info in ckpt.values()]
         single_file = destination.suffix == ".safetensors"
         shards = [items] if single_file or shard_bytes is None else _groups(items, shard_bytes)

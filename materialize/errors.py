@@ -123,5 +123,13 @@ def summarize_names(names: Sequence[str], limit: int = 8) -> str:
     return f"{shown} (and {extra} more)" if extra > 0 else shown
 
 
-class LowMemoryWarning(UserWarning):
+class MaterializeWarning(UserWarning):
+    """A warning of this library's: the CLI prints it as one ``Warning:`` line on stderr."""
+
+
+class ConvertWarning(MaterializeWarning):
+    """``convert`` leaves out what safetensors cannot hold (modules' extra state that is not a tensor)."""
+
+
+class LowMemoryWarning(MaterializeWarning):
     """A CPU load copies more into host memory than is available now (it fits the machine, so it goes on)."""

@@ -23,9 +23,11 @@ batch norms' are what the rest of the loader already does in its own way.
 Each module's code gets the metadata a save by the current code carries
 (its ``_version``), so legacy conversions keyed on older versions stay out.
 Code that fails on stand-ins (it needs values) leaves the names as they were
-and is named if the load then finds them mismatched; code that computes a
-new tensor from checkpoint values cannot run without the values, and a load
-it would feed is refused, naming the module.
+and is named if the load then finds them mismatched, as is a class's own
+``load_state_dict`` (it would load, so it is never called); code that
+computes a new tensor from checkpoint values cannot run without the values,
+and a load it would feed is refused, naming the tensors. Load post-hooks run
+once the load is done (:func:`run_post_hooks`).
 """
 
 from __future__ import annotations
@@ -100,10 +102,10 @@ def replay_load_hooks(
     computed = [key for key in derived if key in model_names]
     if computed:
         raise KeyMismatchError(
-            f"the model's own load_state_dict code computes {', '.join(computed[:5])}"
-            f"{' and more' if len(computed) > 5 else ''} from checkpoint values, which a load reading tensors "
-            "straight into the model cannot do; load the checkpoint once with torch's load_state_dict and save "
-            "model.state_dict() again",
+            f"the model's own load_state_dict code puts tensors of its making under {', '.join(computed[:5])}"
+            f"{' and more' if len(computed) > 5 else ''} (computed from checkpoint values), which a load reading "
+            "tensors straight into the model cannot do; load the checkpoint once with torch's load_state_dict "
+            "and save model.state_dict() again",
             path=path,
         )
     renamed.update((name, info) for name, info in sources.items() if name.rpartition(".")[2] == EXTRA_STATE)

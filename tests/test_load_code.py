@@ -520,3 +520,18 @@ def test_a_model_converting_names_in_its_own_load_state_dict_is_named_when_names
     matching = write_safetensors({"proj.weight": torch.ones(2, 2), "proj.bias": torch.zeros(2)}, tmp_path / "m.safetensors")
     mz.load(model, matching)
     assert torch.equal(model.proj.weight, torch.ones(2, 2))
+
+
+def test_convert_warns_that_extra_state_safetensors_cannot_hold_is_left_out(tmp_path):
+    path = write_torch(_trained_stateful().state_dict(), tmp_path / "stateful.pth")
+
+    with pytest.warns(mz.ConvertWarning, match="0._extra_state, 1._extra_state"):
+        mz.convert(path, tmp_path / "out.safetensors")
+    result = subprocess.run([materialize_command(), "convert", str(path), str(tmp_path / "cli.safetensors")],
+                            capture_output=True, text=True, timeout=300)
+
+    assert result.returncode == 0, result.stderr
+    warned = [line for line in result.stderr.splitlines() if line.startswith("Warning: ")]
+    assert len(warned) == 1 and "0._extra_state, 1._extra_state" in warned[0] and "stateful.pth" in warned[0]
+    converted = mz.open_checkpoint(tmp_path / "cli.safetensors")
+    assert "2._extra_state" in converted and "0.lin.weight" in converted  # tensor extra state kept, as a tensor

@@ -28,10 +28,15 @@ def available_device_bytes(device: str) -> Optional[int]:
 
 def expected_peak_host_bytes(plan: Plan, *, mmap: bool = False, staging_bytes: Optional[int] = None) -> int:
     """Host memory the load will add: CPU tensors that are copied, plus staging."""
-    copied = sum(e.nbytes for e in plan.entries if e.device.type == "cpu" and not e.stays_in_file(mmap))
-    to_gpu = any(e.device.type == "cuda" for e in plan.entries)
+    copied, to_gpu, casts = 0, False, False
+    for entry in plan.entries:  # one pass: a model of many small tensors has tens of thousands
+        kind = entry.device.type
+        if kind == "cpu":
+            copied += 0 if entry.stays_in_file(mmap) else entry.nbytes
+            casts = casts or (entry.source is not None and entry.source.dtype != entry.dtype)
+        elif kind == "cuda":
+            to_gpu = True
     staging = (staging_bytes or DEFAULT_SLOT_BYTES * DEFAULT_SLOTS) if to_gpu else 0
-    casts = any(e.device.type == "cpu" and e.source is not None and e.source.dtype != e.dtype for e in plan.entries)
     return copied + staging + (CAST_CHUNK_BYTES * default_cast_threads() if casts else 0)
 
 

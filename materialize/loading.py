@@ -28,6 +28,7 @@ from .loadhooks import run_post_hooks
 from .mapping import FileMaps
 from .memory import PeakMemory
 from .meta import is_lazy
+from .modtree import named_modules
 from .planning import DtypeRule, Entry, InitFn, Plan, Tolerated, initializer_of, make_plan
 from .report import Report
 from .sanitizer import CountingFiles, audit, nonfinite, poison
@@ -170,8 +171,10 @@ def load(
 
 def model_device(model: nn.Module) -> torch.device:
     """The one device the model's real parameters are on (its real buffers', if no parameter is real), else the CPU."""
-    for tensors in (model.parameters(), model.buffers()):
-        devices = {tensor.device for tensor in tensors if not tensor.is_meta}
+    modules = [module for _, module in named_modules(model)]  # torch's own walk costs a generator per level
+    for registry in ("_parameters", "_buffers"):
+        devices = {tensor.device for module in modules for tensor in getattr(module, registry).values()
+                   if tensor is not None and not tensor.is_meta}
         if devices:
             return devices.pop() if len(devices) == 1 else torch.device("cpu")
     return torch.device("cpu")

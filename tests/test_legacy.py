@@ -54,6 +54,38 @@ def test_a_legacy_file_loads_as_torch_load_reads_it(tmp_path, how):
     assert report.format == "torch"
 
 
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_a_legacy_file_of_any_pickle_protocol_loads(tmp_path, protocol):
+    # Protocols 4 and 5 frame every pickle of the file, magic number included; torch's weights-only read
+    # refuses the frames, torch.load(weights_only=False) reads them, and so does this loader (plain data only).
+    state = _state()
+    path = tmp_path / f"p{protocol}.pt"
+    torch.save(state, path, _use_new_zipfile_serialization=False, pickle_protocol=protocol)
+
+    tensors, _ = mz.load_tensors(path)
+
+    assert tensors.keys() == state.keys()
+    for name, value in state.items():
+        assert torch.equal(tensors[name], value), name
+
+
+def test_a_call_hidden_in_a_legacy_files_leading_pickles_is_refused(tmp_path):
+    import pickle
+
+    class RunsCommand:
+        def __reduce__(self):
+            return (print, ("ran",))
+
+    path = tmp_path / "trap.pt"
+    with open(path, "wb") as handle:
+        pickle.dump(RunsCommand(), handle, protocol=4)  # where the magic number belongs
+
+    with pytest.raises(mz.UnsafeCheckpointError) as caught:
+        mz.load_tensors(path)
+
+    assert "builtins.print" in str(caught.value) and "trap.pt" in str(caught.value)
+
+
 def test_a_legacy_checkpoint_loads_into_a_model_and_through_the_cli(tmp_path):
     torch.manual_seed(0)
     source = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import pickletools
 import struct
 from pathlib import Path
 from typing import Any, BinaryIO, Optional
 
 import torch
-from torch import _weights_only_unpickler, nn
+from torch import nn
 
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError
 from .base import TensorInfo
@@ -143,10 +144,19 @@ def _storage_records(
     return records
 
 
+class _PlainDataUnpickler(pickle.Unpickler):
+    """Numbers, strings, lists, dicts and tuples, of any pickle protocol (``torch.save(...,
+    pickle_protocol=4)`` frames them; torch's weights-only unpickler refuses the frames): every name a
+    pickle could call is refused, so nothing runs."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"global '{module}.{name}' is not plain data")
+
+
 def _small_pickle(path: Path, handle: BinaryIO, what: str) -> Any:
     data = _pickle_bytes(path, handle, what, limit=_MAX_SMALL_PICKLE)
     try:
-        return _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8").load()
+        return _PlainDataUnpickler(io.BytesIO(data), encoding="utf-8").load()
     except Exception as exc:  # plain data only: anything else is damage or a trap
         raise UnsafeCheckpointError(f"its {what} is not plain data: {first_line(exc)}", path=path) from None
 

@@ -8,6 +8,7 @@ import dataclasses
 import enum
 import struct
 import typing
+import warnings
 import zipfile
 import json
 import subprocess
@@ -380,3 +381,44 @@ def test_a_call_of_a_class_that_runs_things_is_refused_naming_it(tmp_path):
     message = str(caught.value)  # named as the pickle names it (protocol 2 writes Python 2's 'commands.Popen')
     assert message.startswith(f"{path}: refused to unpickle a call of '") and "Popen'" in message
     assert not marker.exists()
+
+
+def test_objects_in_a_protocol_3_pickle_load_without_torchs_protocol_warning(tmp_path):
+    path = tmp_path / "p3.pt"
+    torch.save({"state_dict": _weights(), "args": argparse.Namespace(lr=0.1)}, path, pickle_protocol=3)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's reader warns at a protocol other than its own
+        tensors, _ = mz.load_tensors(path)
+
+    assert torch.equal(tensors["fc.weight"], _weights()["fc.weight"])
+
+
+@pytest.mark.parametrize("protocol", [4, 5])
+def test_objects_in_a_protocol_4_or_5_pickle_are_refused_saying_so_unless_trusted(tmp_path, protocol):
+    path = tmp_path / f"p{protocol}.pt"
+    torch.save({"state_dict": _weights(), "args": argparse.Namespace(lr=0.1)}, path, pickle_protocol=protocol)
+
+    with pytest.raises(mz.UnsupportedFormatError) as caught:
+        mz.load_tensors(path)
+
+    message = str(caught.value)
+    assert f"pickle protocol {protocol}" in message and "trust_pickle" in message and f"p{protocol}.pt" in message
+    tensors, _ = mz.load_tensors(path, trust_pickle=True)
+    assert torch.equal(tensors["fc.weight"], _weights()["fc.weight"])
+
+
+@pytest.mark.parametrize("how", [{"pickle_protocol": 2}, {"pickle_protocol": 5}, {"_use_new_zipfile_serialization": False}])
+def test_quantized_tensors_are_refused_naming_them_with_no_warning(tmp_path, how):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates making them
+        quantized = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    path = tmp_path / "quantized.pt"
+    torch.save({"fc.weight": quantized}, path, **how)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(mz.UnsupportedFormatError) as caught:
+            mz.open_checkpoint(path)
+
+    assert "quantized tensors" in str(caught.value) and "dequantize()" in str(caught.value)

@@ -211,6 +211,15 @@ def unpickle(
     plain = _unpickle_plain(path, data, refs, persistent)
     if plain is not _NOT_PLAIN:
         return plain, True
+    protocol = data[1] if len(data) > 1 and data[0] == pickle.PROTO[0] else 2
+    if protocol >= 4:
+        raise UnsupportedFormatError(
+            f"was saved with pickle protocol {protocol} (torch.save(..., pickle_protocol={protocol})) and its "
+            f"{what} holds objects beside tensors and plain data, which torch's weights-only reader does not read "
+            "in that protocol; re-save it with torch.save's default protocol, or pass trust_pickle=True "
+            "(CLI: --trust-pickle) if you trust the file", path=path)
+    if protocol == 3:  # torch's reader warns at protocol 3's mark, then reads the opcodes it knows all the same
+        data = pickle.PROTO + bytes([2]) + data[2:]
     stand_ins: dict[str, Any] = {}  # stand-in classes, and the inert globals let through as themselves
     while True:
         refs.clear()
@@ -288,6 +297,10 @@ def read_payload(
 ) -> tuple[dict[str, torch.Tensor], Optional[nn.Module], dict[str, Any]]:
     """The tensors (on meta) of the pickled object ``data``, its module if it is one, and the extra states
     of its modules that are not tensors (see :func:`find_payload`); hostile layouts refused."""
+    if _QUANTIZED_REBUILD.search(data):  # torch cannot make one on meta: it would fail deep inside, warning
+        raise UnsupportedFormatError(
+            "holds quantized tensors (torch.ao's qint8/quint8 with scales and zero points), which this loader "
+            "does not read; save their dequantize() instead, or load the file with torch.load", path=path)
     unpickled, layouts_checked = unpickle(path, data, refs, trust_pickle=trust_pickle, persistent=persistent, what=what)
     try:
         payload, module, extra_states = find_payload(unpickled)
@@ -309,6 +322,11 @@ def read_payload(
             "partitioned into the *_optim_states.pt files beside it; gather them with the zero_to_fp32.py script "
             "DeepSpeed writes into the checkpoint folder, and load what it writes", path=path)
     return payload, module, extra_states
+
+
+# How a pickle names torch's rebuild of a quantized tensor: GLOBAL's "module\nname" (protocols 0-3),
+# or the two strings STACK_GLOBAL takes (4 and 5: a memo mark, an opcode and a length between them).
+_QUANTIZED_REBUILD = re.compile(rb"torch\._utils(?:\n|[\x00-\xff]{1,4})_rebuild_qtensor")
 
 
 def _partitioned_by_zero3(unpickled: Any, payload: dict[str, torch.Tensor]) -> list[str]:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .checkpoint import Checkpoint, TensorInfo
+from .checkpoint.base import EXTRA_STATE
 from .dtypes import dtype_name
 from .errors import (
     DeviceError,
@@ -31,7 +32,6 @@ from .errors import (
 )
 from .keymap import KeyMapLike, as_key_map, auto_strip_wrapper_prefix
 from .loadhooks import as_older_weight_norm, post_hooked, replay_load_hooks
-from .checkpoint.base import EXTRA_STATE
 from .meta import is_lazy
 from .modtree import named_modules
 from .sharded import ShardSpec, region, shard_spec

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .checkpoint import TensorInfo
+from .checkpoint.base import EXTRA_STATE
 from .errors import CheckpointError, ModelSpecError
 from .meta import meta_init
 from .planning import DtypeRule, Tolerated
@@ -270,8 +271,18 @@ def hf_tolerated(model: nn.Module) -> Tolerated:
     missing = set(getattr(model, "_keys_to_ignore_on_load_missing", None) or ())
     modules = {name for name, _ in model.named_modules()}
     return Tolerated(missing=_name_patterns(missing), unexpected=_name_patterns(unexpected),
-                     unexpected_tensor=lambda name, info: _is_saved_attention_mask(name, info, modules),
+                     unexpected_tensor=lambda name, info: _is_saved_attention_mask(name, info, modules) or
+                     _is_training_extra_state(name, modules),
                      computed_buffers_stand=True)
+
+
+def _is_training_extra_state(model_name: str, modules: set[str]) -> bool:
+    """A training framework's extra state saved beside a module of the model (TransformerEngine's FP8
+    scaling metadata, ``<module>._extra_state``, in checkpoints exported from NeMo or Megatron): the
+    model's own module keeps none (a module that does takes it, see :mod:`materialize.extrastate`),
+    and from_pretrained leaves it out too."""
+    owner, _, leaf = model_name.rpartition(".")
+    return leaf == EXTRA_STATE and owner in modules
 
 
 # Attention masks that transformers 4.x kept as persistent buffers and so saved

@@ -663,6 +663,28 @@ def test_plan_lists_what_the_model_ignores(tmp_path):
     assert summary["ignored"] == ["transformer.h.1.attn.masked_bias"] and summary["unexpected"] == []
 
 
+def test_a_training_frameworks_extra_state_beside_the_models_modules_is_ignored_as_from_pretrained_ignores_it(tmp_path):
+    # Checkpoints exported from NeMo or Megatron keep TransformerEngine's FP8 metadata as <module>._extra_state.
+    source, inputs = _tiny("llama")
+    folder = _save(source, tmp_path / "llama", as_bin=False, dtype=torch.float32)
+    anchor = next(iter(_saved(folder)))
+    added = ["model.layers.0.mlp.down_proj._extra_state", "model.layers.1.self_attn.q_proj._extra_state"]
+    for name in added:
+        _rewrite_tensor(folder, name, torch.arange(5, dtype=torch.uint8), shard_of=anchor)
+    _rewrite_tensor(folder, "model.layers.0.nowhere._extra_state", torch.zeros(0, dtype=torch.uint8), shard_of=anchor)
+
+    with pytest.raises(mz.KeyMismatchError) as caught:  # beside no module of the model: still unexpected
+        mz.load_model(folder)
+    assert caught.value.unexpected == ["model.layers.0.nowhere._extra_state"]
+
+    _rewrite_tensor(folder, "model.layers.0.nowhere._extra_state", None, shard_of=anchor)
+    model, report = mz.load_model(folder)
+
+    assert report.unexpected == [] and sorted(report.ignored) == sorted(added)
+    with torch.no_grad():
+        assert torch.equal(model(**inputs)[0], source.eval()(**inputs)[0])
+
+
 def test_an_extra_tensor_the_model_does_not_declare_is_still_unexpected(tmp_path):
     source, _ = _tiny("llama")
     folder = _save(source, tmp_path / "llama", as_bin=False, dtype=torch.float32)

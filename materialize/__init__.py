@@ -43,6 +43,7 @@ _EXPORTS = {
     "KeyMismatchError": "errors",
     "ShapeMismatchError": "errors",
     "InitError": "errors",
+    "MetaInitError": "errors",
     "ModelSpecError": "errors",
     "CastOverflowError": "errors",
     "SanitizerError": "errors",

@@ -84,6 +84,10 @@ class InitError(MaterializeError, RuntimeError):
     """A tensor the checkpoint lacks has no initializer to fill it."""
 
 
+class MetaInitError(MaterializeError, RuntimeError):
+    """Building a model under ``meta_init`` asked for the value of a tensor on meta, which has none."""
+
+
 class CastOverflowError(MaterializeError, OverflowError):
     """A cast to a narrower float type would turn finite values into inf."""
 

@@ -19,6 +19,8 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.overrides import TorchFunctionMode
 
+from .errors import MetaInitError
+
 _state = threading.local()
 _install_lock = threading.Lock()
 _active_contexts = 0
@@ -131,8 +133,14 @@ class _SkipInPlaceOnMeta(TorchFunctionMode):
             return target
         try:
             return func(*args, **kwargs)
-        except RuntimeError:  # the common path pays nothing for what follows
+        except RuntimeError as error:  # the common path pays nothing for what follows
             if not _mixes_meta_and_real(args, kwargs):
+                if any(sign in str(error) for sign in _VALUE_ASKED):
+                    raise MetaInitError(
+                        f"building a model under meta_init: {name or 'an op'}() asks for the value of a tensor on "
+                        "meta, which has none (a constructor that checks or computes from its weights' values, as "
+                        "torch's orthogonal parametrization does); build that module outside meta_init, or the "
+                        "model on the CPU, and load into it") from error
                 raise
         if in_place:
             _unfilled()[id(target)] = target  # a real tensor given meta values: see _put_unfilled_buffers_on_meta
@@ -141,6 +149,10 @@ class _SkipInPlaceOnMeta(TorchFunctionMode):
         # on zeros) meets meta weights; most kernels then answer on meta, but torch's Python
         # decompositions (group_norm) refuse mixed devices. On meta, every op answers.
         return func(*(_on_meta(value) for value in args), **{key: _on_meta(value) for key, value in kwargs.items()})
+
+
+# What torch says when an op needs a meta tensor's value: .item(), bool(), .tolist(), a copy out of it.
+_VALUE_ASKED = ("cannot be called on meta tensors", "Cannot copy out of meta tensor")
 
 
 def _mixes_meta_and_real(args: tuple, kwargs: dict) -> bool:

@@ -249,3 +249,37 @@ def test_a_constructor_that_runs_a_forward_on_real_zeros_builds_and_loads(tmp_pa
     assert model.head.in_features == 8 * 7 * 7
     inputs = torch.randn(2, 3, 16, 16)
     assert torch.equal(model(inputs), source(inputs))
+
+
+def test_a_constructor_asking_a_meta_tensors_value_is_one_clear_error(tmp_path):
+    from torch.nn.utils import parametrizations
+
+    with pytest.raises(mz.MetaInitError) as caught, mz.meta_init():
+        parametrizations.orthogonal(nn.Linear(4, 4))  # checks whether the weight is orthogonal already
+
+    assert isinstance(caught.value, RuntimeError)  # what code catching torch's own error expects
+    assert "allclose() asks for the value of a tensor on meta" in str(caught.value)
+    with mz.meta_init():
+        weight = nn.Linear(2, 2).weight
+        with pytest.raises(mz.MetaInitError, match="__bool__"):
+            bool(weight.sum() > 0)
+
+
+def test_the_cli_says_which_op_of_a_model_asked_a_meta_tensors_value(tmp_path):
+    import os
+
+    from test_cli import materialize_command
+
+    (tmp_path / "orthogonal_model.py").write_text(
+        "from torch import nn\nfrom torch.nn.utils import parametrizations\n\n"
+        "def build():\n    return parametrizations.orthogonal(nn.Linear(4, 4))\n", encoding="utf-8")
+    path = tmp_path / "m.safetensors"
+    save_file({"bias": torch.zeros(4), "parametrizations.weight.original": torch.eye(4)}, str(path))
+    environment = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+
+    result = subprocess.run([materialize_command(), str(path), "--model", "orthogonal_model:build"],
+                            capture_output=True, text=True, env=environment, timeout=300)
+
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and "meta_init" in lines[0] and "allclose()" in lines[0]

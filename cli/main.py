@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import click
 
 import materialize as mz
+from materialize.errors import summarize_names
 from materialize.sizes import format_bytes
 
 from ._errors import one_line
@@ -289,6 +290,9 @@ def _plan_text(summary: dict[str, Any]) -> str:
     for key in ("missing", "unexpected", "ignored"):
         if summary[key]:
             lines.append(f"{key:<12} {', '.join(summary[key])}")
+    renames = [f"{old} -> {new}" for old, new in summary["renamed_by_model"].items()]
+    if renames:
+        lines.append(f"renamed      {summarize_names(renames)} (by the model's own load code)")
     return "\n".join(lines)
 
 

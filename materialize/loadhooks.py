@@ -57,6 +57,7 @@ class Replayed:
 
     sources: dict[str, TensorInfo]  # model name -> source, after the code's renames
     dropped: list[TensorInfo] = field(default_factory=list)  # sources the code removed
+    renamed: dict[str, str] = field(default_factory=dict)  # name before the code -> name after, where it changed
     # Load code that did not run on names: "module (Class, which raised ...)" for code that needed values,
     # "module (Class overrides load_state_dict, ...)" for code a load never calls.
     unrun: list[str] = field(default_factory=list)
@@ -92,11 +93,14 @@ def replay_load_hooks(
                 unrun.append(f"{prefix or '<root>'} ({type(module).__name__}, which raised "
                               f"{type(error).__name__}{': ' + said if said else ''})")
     renamed: dict[str, TensorInfo] = {}
+    moves: dict[str, str] = {}
     derived: list[str] = []
     for key, value in state.items():
         origin = stand_ins.get(id(value))
         if origin is not None:
             renamed[key] = sources[origin]
+            if key != origin:
+                moves[origin] = key
         elif isinstance(value, torch.Tensor) and value.is_meta:
             derived.append(key)
     computed = [key for key in derived if key in model_names]
@@ -111,7 +115,7 @@ def replay_load_hooks(
     renamed.update((name, info) for name, info in sources.items() if name.rpartition(".")[2] == EXTRA_STATE)
     kept = {id(info) for info in renamed.values()}
     dropped = [info for name, info in sources.items() if id(info) not in kept]
-    return Replayed(renamed, dropped, unrun)
+    return Replayed(renamed, dropped, moves, unrun)
 
 
 def post_hooked(modules: list[tuple[str, nn.Module]]) -> list[nn.Module]:

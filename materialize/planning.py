@@ -145,6 +145,7 @@ class Plan:
     # "<module>._extra_state" -> (the module, its source): a plain value, or a checkpoint tensor to read.
     extra_states: dict[str, tuple[nn.Module, object]] = field(default_factory=dict)
     post_hooked: list[nn.Module] = field(default_factory=list)  # run once loaded (see loadhooks.post_hooked)
+    renamed_by_model: dict[str, str] = field(default_factory=dict)  # by the model's own load code (see loadhooks)
 
     def of(self, action: Action) -> list[Entry]:
         return [e for e in self.entries if e.action == action]
@@ -181,6 +182,7 @@ class Plan:
             ],
             "initialized_modules": [name or "<root>" for name, _ in self.init_modules],
             "extra_states": list(self.extra_states),
+            "renamed_by_model": self.renamed_by_model,
             "memory": self.fits,
             "dtypes": dict(Counter(dtype_name(e.dtype) for e in self.entries)),
         }
@@ -343,7 +345,8 @@ def make_plan(
     replayed = replay_load_hooks(modules, to_ckpt, model_names, ckpt.path)
     to_ckpt = as_older_weight_norm(replayed.sources, model_names)
 
-    plan = Plan(path=str(ckpt.path), device=device, entries=[], post_hooked=post_hooked(modules))
+    plan = Plan(path=str(ckpt.path), device=device, entries=[], post_hooked=post_hooked(modules),
+                renamed_by_model=replayed.renamed)
     for tensor, named in groups:
         if len(named) == 1:
             units = [((named[0][0],), [named[0][1]], to_ckpt.get(named[0][0]))]

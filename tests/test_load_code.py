@@ -535,3 +535,27 @@ def test_convert_warns_that_extra_state_safetensors_cannot_hold_is_left_out(tmp_
     assert len(warned) == 1 and "0._extra_state, 1._extra_state" in warned[0] and "stateful.pth" in warned[0]
     converted = mz.open_checkpoint(tmp_path / "cli.safetensors")
     assert "2._extra_state" in converted and "0.lin.weight" in converted  # tensor extra state kept, as a tensor
+
+
+def test_plan_shows_what_the_models_load_code_renamed(tmp_path):
+    path = write_torch(_older_weight_norm_save(), tmp_path / "old.pth")
+    environment = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    (tmp_path / "vocoder_block.py").write_text(
+        "from torch import nn\nfrom torch.nn.utils import parametrizations\n\n"
+        "def build():\n    return nn.Sequential(parametrizations.weight_norm(nn.Conv1d(4, 4, 3, padding=1)), nn.LeakyReLU(0.1),\n"
+        "                         parametrizations.weight_norm(nn.Conv1d(4, 4, 3, padding=1)), nn.LeakyReLU(0.1),\n"
+        "                         parametrizations.weight_norm(nn.Conv1d(4, 4, 3, padding=1)))\n", encoding="utf-8")
+    with mz.meta_init():
+        model = _vocoder_block()
+
+    summary = mz.plan(model, path).to_dict()
+    result = subprocess.run([materialize_command(), "plan", str(path), "--model", "vocoder_block:build"],
+                            capture_output=True, text=True, env=environment, timeout=300)
+
+    assert summary["renamed_by_model"]["0.weight_g"] == "0.parametrizations.weight.original0"
+    assert summary["renamed_by_model"]["4.weight_v"] == "4.parametrizations.weight.original1"
+    assert len(summary["renamed_by_model"]) == 6 and summary["missing"] == [] and summary["unexpected"] == []
+    assert result.returncode == 0, result.stderr
+    renamed = [line for line in result.stdout.splitlines() if line.startswith("renamed")]
+    assert len(renamed) == 1 and "0.weight_g -> 0.parametrizations.weight.original0" in renamed[0]
+    assert "by the model's own load code" in renamed[0]

@@ -127,6 +127,18 @@ def summarize_names(names: Sequence[str], limit: int = 8) -> str:
     return f"{shown} (and {extra} more)" if extra > 0 else shown
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message, or its type's name where it has none."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def described(error: BaseException) -> str:
+    """An exception in one line: ``Type: first line of its message`` (its type alone where it has none)."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
 class MaterializeWarning(UserWarning):
     """A warning of this library's: the CLI prints it as one ``Warning:`` line on stderr."""
 

@@ -19,7 +19,7 @@ import torch
 from .checkpoint import TensorInfo
 from .checkpoint.standins import StandIn
 from .engine import Job
-from .errors import CheckpointError
+from .errors import CheckpointError, described
 from .planning import Plan
 
 
@@ -46,8 +46,8 @@ def hand_over(plan: Plan, read: dict[str, torch.Tensor]) -> None:
             except Exception as error:  # noqa: BLE001 - the module's own code: any refusal is the checkpoint's
                 previous.pop()
                 raise CheckpointError(
-                    f"{type(module).__name__}.set_extra_state refused it: {type(error).__name__}: "
-                    f"{_first_line(error)}", path=plan.path, tensor=name) from None
+                    f"{type(module).__name__}.set_extra_state refused it: {described(error)}",
+                    path=plan.path, tensor=name) from None
     except BaseException:
         for module, state in reversed(previous):
             module.set_extra_state(state)
@@ -73,9 +73,3 @@ def _plain(value: Any, name: str, path: str) -> Any:
         elif isinstance(item, (list, tuple, set, frozenset)):
             pending.extend(item)
     return value
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else ""
-

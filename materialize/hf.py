@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from .checkpoint import TensorInfo
-from .checkpoint.base import EXTRA_STATE
-from .errors import CheckpointError, ModelSpecError
+from .checkpoint.base import is_extra_state
+from .errors import CheckpointError, ModelSpecError, first_line
 from .meta import meta_init
 from .planning import DtypeRule, Tolerated
 from .stacking import Chunks, Deinterleave, Rearranged, StackSlot, Transposed
@@ -93,7 +93,7 @@ def build_hf(folder: Path, *, model_class: Optional[str] = None, dtype: Optional
     except (OSError, ValueError, KeyError) as exc:
         config = _config_of_class(transformers, folder, model_class)
         if config is None:
-            raise _unbuildable(folder, f"cannot read its config.json: {_first_line(exc)}") from None
+            raise _unbuildable(folder, f"cannot read its config.json: {first_line(exc)}") from None
     _refuse_quantized(config, folder)
     name = model_class or next(iter(getattr(config, "architectures", None) or []), "AutoModel")
     cls = getattr(transformers, name, None)
@@ -103,7 +103,7 @@ def build_hf(folder: Path, *, model_class: Optional[str] = None, dtype: Optional
         try:
             model = cls.from_config(config) if name.startswith("Auto") else cls(config)
         except (ValueError, TypeError, KeyError) as exc:
-            raise ModelSpecError(f"{name} cannot be built from this config: {_first_line(exc)}", path=folder / CONFIG_NAME) from None
+            raise ModelSpecError(f"{name} cannot be built from this config: {first_line(exc)}", path=folder / CONFIG_NAME) from None
     return model.eval()
 
 
@@ -184,11 +184,6 @@ def _refuse_quantized(config: Any, folder: Path) -> None:
         "load it with transformers' from_pretrained, or pass --model with a matching skeleton",
         path=folder / CONFIG_NAME,
     )
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def hf_dtype_rule(model: nn.Module) -> Optional[DtypeRule]:
@@ -281,8 +276,7 @@ def _is_training_extra_state(model_name: str, modules: set[str]) -> bool:
     scaling metadata, ``<module>._extra_state``, in checkpoints exported from NeMo or Megatron): the
     model's own module keeps none (a module that does takes it, see :mod:`materialize.extrastate`),
     and from_pretrained leaves it out too."""
-    owner, _, leaf = model_name.rpartition(".")
-    return leaf == EXTRA_STATE and owner in modules
+    return is_extra_state(model_name) and model_name.rpartition(".")[0] in modules
 
 
 # Attention masks that transformers 4.x kept as persistent buffers and so saved

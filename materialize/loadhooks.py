@@ -46,8 +46,8 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys
 
 from .checkpoint import TensorInfo
-from .checkpoint.base import EXTRA_STATE
-from .errors import KeyMismatchError
+from .checkpoint.base import is_extra_state
+from .errors import KeyMismatchError, described
 from .meta import is_lazy
 
 
@@ -79,7 +79,7 @@ def replay_load_hooks(
         return Replayed(sources, unrun=unrun)
     # Extra states go to set_extra_state, which on a stand-in could change what the twin shares with its module.
     state = _Journaled((name, torch.empty(info.shape, dtype=info.dtype, device="meta")) for name, info in sources.items()
-                       if name.rpartition(".")[2] != EXTRA_STATE)
+                       if not is_extra_state(name))
     stand_ins = {id(stand_in): name for name, stand_in in state.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the code's notes on meta copies and old versions are not the user's
@@ -89,9 +89,7 @@ def replay_load_hooks(
                 _run_load_code(module, state, f"{prefix}." if prefix else "")
             except Exception as error:  # noqa: BLE001 - any failure means: it needs values, not names
                 state.undo_to(mark)
-                said = str(error).strip().splitlines()[0] if str(error).strip() else ""
-                unrun.append(f"{prefix or '<root>'} ({type(module).__name__}, which raised "
-                              f"{type(error).__name__}{': ' + said if said else ''})")
+                unrun.append(f"{prefix or '<root>'} ({type(module).__name__}, which raised {described(error)})")
     renamed: dict[str, TensorInfo] = {}
     moves: dict[str, str] = {}
     derived: list[str] = []
@@ -112,7 +110,7 @@ def replay_load_hooks(
             "and save model.state_dict() again",
             path=path,
         )
-    renamed.update((name, info) for name, info in sources.items() if name.rpartition(".")[2] == EXTRA_STATE)
+    renamed.update((name, info) for name, info in sources.items() if is_extra_state(name))
     kept = {id(info) for info in renamed.values()}
     dropped = [info for name, info in sources.items() if id(info) not in kept]
     return Replayed(renamed, dropped, moves, unrun)
@@ -124,8 +122,7 @@ def post_hooked(modules: list[tuple[str, nn.Module]]) -> list[nn.Module]:
     ordered: list[nn.Module] = []
     open_: list[tuple[str, nn.Module]] = []  # hooked ancestors of the module at hand, outermost first
     for prefix, module in modules:
-        if not module._load_state_dict_post_hooks or \
-                all(_torch_internal(_origin(hook)) for hook in module._load_state_dict_post_hooks.values()):
+        if not module._load_state_dict_post_hooks or not _own(module._load_state_dict_post_hooks):
             continue
         while open_ and not _within(prefix, open_[-1][0]):
             ordered.append(open_.pop()[1])
@@ -147,9 +144,8 @@ def run_post_hooks(hooked: list[nn.Module], missing: list[str], unexpected: list
     """
     incompatible = IncompatibleKeys(missing, unexpected)
     for module in hooked:
-        for hook in list(module._load_state_dict_post_hooks.values()):
-            if not _torch_internal(_origin(hook)):
-                hook(module, incompatible)
+        for hook in list(_own(module._load_state_dict_post_hooks).values()):
+            hook(module, incompatible)
 
 
 _PARAMETRIZED_WEIGHT_NORM = re.compile(r"^(?P<owner>(?:.+\.)?)parametrizations\.(?P<name>[^.]+)\.original(?P<part>[01])$")
@@ -179,11 +175,12 @@ def _has_own_load_code(module: nn.Module) -> bool:
         return False
     if any(is_lazy(tensor) for tensor in [*module._parameters.values(), *module._buffers.values()]):
         return False  # not sized yet: torch's lazy hook sizes it, and the loader does that its own way
-    return bool(_own_hooks(module)) or _own_override(module)
+    return bool(_own(module._load_state_dict_pre_hooks)) or _own_override(module)
 
 
-def _own_hooks(module: nn.Module) -> dict[Any, Any]:
-    return {key: hook for key, hook in module._load_state_dict_pre_hooks.items() if not _torch_internal(_origin(hook))}
+def _own(hooks: dict[Any, Any]) -> dict[Any, Any]:
+    """The hooks (a module's pre- or post-hooks) whose code comes from outside torch."""
+    return {key: hook for key, hook in hooks.items() if not _torch_internal(_origin(hook))}
 
 
 def _own_override(module: nn.Module) -> bool:
@@ -213,7 +210,7 @@ def _run_load_code(module: nn.Module, state: dict, prefix: str) -> None:
     """What ``load_state_dict`` runs for one module, less torch's own hooks; the copies go to a twin on meta."""
     metadata = {"version": getattr(module, "_version", None)}
     if not _own_override(module):
-        for hook in _own_hooks(module).values():  # the copy at the end of torch's own code is all it adds
+        for hook in _own(module._load_state_dict_pre_hooks).values():  # the copy at the end of torch's own code is all it adds
             hook(state, prefix, metadata, False, [], [], [])
         return
     twin = object.__new__(type(module))
@@ -221,7 +218,7 @@ def _run_load_code(module: nn.Module, state: dict, prefix: str) -> None:
     for registry in ("_parameters", "_buffers"):
         attributes[registry] = {name: None if tensor is None else _on_meta(tensor)
                                 for name, tensor in module.__dict__[registry].items()}
-    attributes["_load_state_dict_pre_hooks"] = OrderedDict(_own_hooks(module))
+    attributes["_load_state_dict_pre_hooks"] = OrderedDict(_own(module._load_state_dict_pre_hooks))
     twin.__dict__.update(attributes)
     twin._load_from_state_dict(state, prefix, metadata, False, [], [], [])
 

@@ -64,9 +64,13 @@ class Tolerated:
 
     def lets_go(self, model_name: str, info: TensorInfo) -> bool:
         """Whether the checkpoint tensor ``info``, mapped to ``model_name`` (not in the model), is expected."""
-        if self.unexpected is not None and self.unexpected.search(info.name):
+        if self.lets_name_go(info.name):
             return True
         return self.unexpected_tensor is not None and self.unexpected_tensor(model_name, info)
+
+    def lets_name_go(self, checkpoint_name: str) -> bool:
+        """Whether an unexpected checkpoint entry is expected by its name alone."""
+        return self.unexpected is not None and bool(self.unexpected.search(checkpoint_name))
 
 
 class Owner(NamedTuple):
@@ -409,8 +413,7 @@ def _match_extra_states(plan: Plan, owners: dict[str, nn.Module], saved_tensors:
             plan.extra_states[name] = (module, saved.pop(name)[1])
         elif strict:
             plan.missing.append(name)
-    plan.unexpected.extend(name for name, _ in saved.values()
-                           if tolerated is None or tolerated.unexpected is None or not tolerated.unexpected.search(name))
+    plan.unexpected.extend(name for name, _ in saved.values() if tolerated is None or not tolerated.lets_name_go(name))
 
 
 def _tie_units(named: list[tuple[str, Owner]], to_ckpt: dict[str, TensorInfo]

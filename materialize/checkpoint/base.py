@@ -19,6 +19,12 @@ if TYPE_CHECKING:  # reading headers must not import torch: `materialize inspect
 
 EXTRA_STATE = "_extra_state"  # the name torch's state_dict() gives what a module's get_extra_state() returns
 
+
+def is_extra_state(name: str) -> bool:
+    """Whether a state-dict name is a module's extra state (``<module>._extra_state``)."""
+    return name.rpartition(".")[2] == EXTRA_STATE
+
+
 _DTYPES: dict[str, "torch.dtype"] = {}  # dtype name -> torch's dtype, filled as met (reading headers imports no torch)
 
 

@@ -22,8 +22,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import _weights_only_unpickler, nn
 
-from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError, summarize_names
-from .base import EXTRA_STATE, TensorInfo, make_info
+from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError, first_line, summarize_names
+from .base import TensorInfo, is_extra_state, make_info
 from .pickle_scan import negative_layouts
 from .standins import (
     INERT_GLOBALS, CalledStandIn, StandIn, is_module_state, is_numpy_array, module_state, stand_in_class,
@@ -286,11 +286,6 @@ def _load(path: Path, unpickler: Any, *, trust_pickle: bool, what: str) -> Any:
         raise CheckpointError(f"cannot unpickle {what}: {type(exc).__name__}: {first_line(exc)}", path=path) from None
 
 
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def read_payload(
     path: Path, data: bytes, refs: dict[int, StorageRef], *, trust_pickle: bool,
     persistent: Callable[[Path, dict[int, StorageRef]], Any] = persistent_loader, what: str = "data.pkl",
@@ -384,25 +379,25 @@ def find_payload(obj: Any) -> tuple[dict[str, torch.Tensor], Optional[nn.Module]
             if is_module_state(nested):
                 return dict(module_state(nested)), None, {}
             if isinstance(nested, dict):
-                extra_states: dict[str, Any] = {}
-                found = _tensor_entries(nested, extra_states=extra_states)
+                found, extra_states = _tensor_entries(nested)
                 if found:
                     return found, None, extra_states
-        extra_states = {}
-        return _tensor_entries(obj, leave_out=TRAINING_STATE_KEYS, extra_states=extra_states), None, extra_states
+        found, extra_states = _tensor_entries(obj, leave_out=TRAINING_STATE_KEYS)
+        return found, None, extra_states
     return {}, None, {}
 
 
-def _tensor_entries(mapping: dict, leave_out: tuple[str, ...] = (), *,
-                    extra_states: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _tensor_entries(mapping: dict, leave_out: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors of a (nested) state dict by dotted name, and its modules' extra states that are not tensors."""
     entries: dict[str, torch.Tensor] = {}
+    extra_states: dict[str, Any] = {}
     arrays: list[str] = []
     _gather(mapping, "", entries, arrays, leave_out, set(), extra_states)
     if arrays:
         raise CheckpointError(
             f"holds numpy arrays where tensors are expected ({summarize_names(arrays)}); this loader reads tensors "
             "only: re-save them as tensors (torch.from_numpy), or load the file with torch.load if you trust it")
-    return entries
+    return entries, extra_states
 
 
 def _gather(mapping: dict, prefix: str, entries: dict[str, torch.Tensor], arrays: list[str],
@@ -419,7 +414,7 @@ def _gather(mapping: dict, prefix: str, entries: dict[str, torch.Tensor], arrays
             continue
         elif key in leave_out:
             continue
-        elif name.rpartition(".")[2] == EXTRA_STATE:
+        elif is_extra_state(name):
             extra_states[name] = value
             continue
         elif is_module_state(value):

@@ -23,7 +23,7 @@ from .checkpoint.base import contiguous_strides
 from .engine import Job, check_cast_range
 from .errors import ShardingError
 from .planning import Entry, Plan
-from .sharded import local_of, region
+from .sharded import ShardSpec, local_of, region
 
 Undo = list[tuple[nn.Module, str, bool, torch.Tensor]]
 
@@ -69,8 +69,10 @@ class TieSettling:
     found equal is dropped. ``allocate`` gives an entry memory and
     registers it, returning the job that fills it.
     A sharded model's tie (a DCP save writes a tied tensor once per name)
-    is compared on each rank's own shard: ranks cannot leave it apart
-    without each other, so values that differ are an error there.
+    is compared on each rank's own shard, and the ranks of its mesh then
+    agree (one all-reduce per tie): ranks cannot leave it apart without each
+    other, so values that differ in any rank's rows are an error on every
+    rank, where one rank going on alone would hang at the next collective.
     """
 
     def __init__(self, the_plan: Plan, in_file: set[int], read: Callable[[list[Job]], int], undo: Undo, *,
@@ -87,7 +89,10 @@ class TieSettling:
             together, apart = list(first.names), [first.name]
             for index in check[1:]:
                 other = self.plan.entries[index]
-                if self._equal(local_of(kept), index):
+                equal = self._equal(local_of(kept), index)
+                if first.shard is not None:
+                    equal = _on_every_rank(equal, first.shard)
+                if equal:
                     other.hold(kept, self.undo)
                     together.extend(other.names)
                 elif first.shard is not None:
@@ -141,6 +146,16 @@ class TieSettling:
             self.bytes_read += self.read([Job(job.dest[later], rest) for later, rest in blocks[number + 1:]])
             return False
         return True
+
+
+def _on_every_rank(holds: bool, shard: ShardSpec) -> bool:
+    """Whether ``holds`` is true on every rank of ``shard``'s mesh (each of its dimensions reduced in turn)."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(holds)], dtype=torch.int32, device=shard.device)
+    for dim in range(shard.mesh.ndim):
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=shard.mesh.get_group(dim))
+    return bool(flag.item())
 
 
 def _blocks(info: TensorInfo) -> Optional[list[tuple[BlockIndex, TensorInfo]]]:

@@ -203,3 +203,16 @@ def test_a_sharded_tie_the_checkpoint_holds_apart_is_refused_on_every_rank_namin
         assert rank["error"] == "ShardingError" and rank["left_as_was"], rank
         assert rank["message"].startswith(f"{path}: ") and "'model.embed_tokens.weight'" in rank["message"]
         assert "lm_head.weight" in rank["message"] and "different values" in rank["message"]
+
+
+def test_a_sharded_tie_differing_in_one_ranks_rows_only_is_refused_on_every_rank(tmp_path):
+    state = saved_state(reference_model(tie=True))
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    state["lm_head.weight"][-1] += 1  # the last rank's rows differ; the first rank's are equal
+    path = write_safetensors(state, tmp_path / "last_row_differs.safetensors")
+
+    ranks = run_ranks("fsdp_own_head", path, tmp_path)
+
+    for rank in ranks:  # the first rank going on alone would hang at its next collective
+        assert rank["error"] == "ShardingError" and rank["left_as_was"], rank
+        assert "lm_head.weight" in rank["message"] and "different values" in rank["message"]

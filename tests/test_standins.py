@@ -412,13 +412,17 @@ def test_objects_in_a_protocol_4_or_5_pickle_are_refused_saying_so_unless_truste
 def test_quantized_tensors_are_refused_naming_them_with_no_warning(tmp_path, how):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch deprecates making them
-        quantized = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+        quantized = [torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8) for _ in range(3)]
+    state = collections.OrderedDict([("fc.bias", torch.zeros(4)), ("fc.weight", quantized[0]),
+                                     ("head.weight", quantized[1]), ("head.bias", quantized[2])])
     path = tmp_path / "quantized.pt"
-    torch.save({"fc.weight": quantized}, path, **how)
+    torch.save({"model": state, "epoch": 3}, path, **how)
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with pytest.raises(mz.UnsupportedFormatError) as caught:
             mz.open_checkpoint(path)
 
-    assert "quantized tensors" in str(caught.value) and "dequantize()" in str(caught.value)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: tensor 'fc.weight': is quantized (so are head.weight, head.bias)"), message
+    assert "dequantize()" in message and "fc.bias" not in message

@@ -1,19 +1,25 @@
-"""What torch files say about their tensors' layout, read from the pickle's opcodes.
+"""What torch files say about their tensors, read from the pickle's opcodes without running any of it.
 
 Tensors are rebuilt on meta storages, and meta quietly turns a negative
 stride into a positive one, so the rebuilt tensor cannot show a hostile
-layout. This scan reads the arguments of every ``_rebuild_tensor`` call as
-written. It follows only the opcodes torch's weights-only unpickler accepts
-(it runs after that unpickler succeeded); anything else ends the scan
-without a verdict rather than a guess.
+layout: :func:`negative_layouts` reads the arguments of every
+``_rebuild_tensor`` call as written. A quantized tensor cannot be rebuilt
+on meta at all: :func:`quantized_tensors` finds them and the names they
+are stored under, for the refusal to name them (protocols 4 and 5 name
+torch's rebuild from a memoized module string, which no byte pattern
+finds). The walk follows only the opcodes
+torch's weights-only unpickler accepts; anything else ends it without a
+verdict on the rest rather than a guess.
 """
 
 from __future__ import annotations
 
 import pickletools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Optional
 
 _REBUILDS = {"torch._utils _rebuild_tensor_v2", "torch._utils _rebuild_tensor_v3", "torch._utils _rebuild_tensor"}
+_QUANTIZED_REBUILD = "torch._utils _rebuild_qtensor"
 _PUSH_ARG = {
     "BININT", "BININT1", "BININT2", "LONG1", "LONG4", "INT", "LONG", "BINFLOAT", "FLOAT",
     "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "UNICODE", "BINSTRING", "SHORT_BINSTRING",
@@ -22,13 +28,53 @@ _PUSH_ARG = {
 _PUSH_OPAQUE = {"EMPTY_DICT", "EMPTY_LIST", "EMPTY_SET", "BYTEARRAY8"}
 _OPAQUE = object()
 
+Call = Callable[[str, Any], Any]  # (the global called, its arguments) -> what the call stands for on the stack
+Item = Callable[[Any, Any], None]  # a key and its value, set in a dict
+
 
 def negative_layouts(data: bytes) -> list[tuple[Any, Any, Any]]:
     """(offset, size, stride) of every rebuilt tensor where any of them is negative."""
+    found = []
+
+    def call(function: str, args: Any) -> Any:
+        layout = _layout(args) if function in _REBUILDS else None
+        if layout is not None:
+            found.append(layout)
+        return _OPAQUE
+
+    _walk(data, call)
+    return found
+
+
+class _Quantized:
+    """What a quantized tensor's rebuild stands for in the walk."""
+
+
+def quantized_tensors(data: bytes) -> tuple[int, list[str]]:
+    """How many quantized tensors the pickle rebuilds, and the dict keys they are stored under, as far as the walk reads."""
+    names: list[str] = []
+    calls = 0
+
+    def call(function: str, args: Any) -> Any:
+        nonlocal calls
+        if function != _QUANTIZED_REBUILD:
+            return _OPAQUE
+        calls += 1
+        return _Quantized
+
+    def item(key: Any, value: Any) -> None:
+        if value is _Quantized and isinstance(key, str):
+            names.append(key)
+
+    _walk(data, call, item)
+    return calls, names
+
+
+def _walk(data: bytes, call: Call, item: Optional[Item] = None) -> None:
+    """Follow ``data``'s opcodes on a stack of plain values: each REDUCE goes to ``call``, each dict item to ``item``."""
     stack: list[Any] = []
     marks: list[int] = []
     memo: dict[int, Any] = {}
-    found = []
     try:
         for opcode, arg, _ in pickletools.genops(data):
             name = opcode.name
@@ -56,6 +102,9 @@ def negative_layouts(data: bytes) -> list[tuple[Any, Any, Any]]:
                 start = marks.pop()
                 items = tuple(stack[start:])
                 del stack[start:]
+                if name == "DICT" and item is not None:
+                    for key, value in zip(items[::2], items[1::2]):
+                        item(key, value)
                 stack.append(items if name == "TUPLE" else _OPAQUE)
             elif name in ("BINPUT", "LONG_BINPUT"):
                 memo[arg] = stack[-1]
@@ -68,23 +117,30 @@ def negative_layouts(data: bytes) -> list[tuple[Any, Any, Any]]:
             elif name == "REDUCE":
                 args = stack.pop()
                 function = stack.pop()
-                if isinstance(function, tuple) and function[1:] and function[1] in _REBUILDS:
-                    layout = _layout(args)
-                    if layout is not None:
-                        found.append(layout)
-                stack.append(_OPAQUE)
-            elif name in ("NEWOBJ", "SETITEM"):
+                global_name = function[1] if isinstance(function, tuple) and len(function) == 2 and function[0] == "global" else ""
+                stack.append(call(global_name, args))
+            elif name == "NEWOBJ":
                 del stack[-2:]
-                stack.append(_OPAQUE) if name == "NEWOBJ" else None
+                stack.append(_OPAQUE)
+            elif name == "SETITEM":
+                key, value = stack[-2:]
+                del stack[-2:]
+                if item is not None:
+                    item(key, value)
             elif name in ("BUILD", "APPEND"):
                 stack.pop()
-            elif name in ("SETITEMS", "APPENDS", "ADDITEMS"):
+            elif name == "SETITEMS":
+                start = marks.pop()
+                if item is not None:
+                    for key, value in zip(stack[start::2], stack[start + 1::2]):
+                        item(key, value)
+                del stack[start:]
+            elif name in ("APPENDS", "ADDITEMS"):
                 del stack[marks.pop():]
             else:
-                return found  # an opcode this scan does not model: no verdict on the rest
+                return  # an opcode this walk does not model: no verdict on the rest
     except (IndexError, KeyError, ValueError, TypeError):
-        return found
-    return found
+        return
 
 
 def _layout(args: Any) -> Any:

@@ -24,7 +24,7 @@ from torch import _weights_only_unpickler, nn
 
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError, first_line, summarize_names
 from .base import TensorInfo, is_extra_state, make_info
-from .pickle_scan import negative_layouts
+from .pickle_scan import negative_layouts, quantized_tensors
 from .standins import (
     INERT_GLOBALS, CalledStandIn, StandIn, is_module_state, is_numpy_array, module_state, stand_in_class,
 )
@@ -292,10 +292,14 @@ def read_payload(
 ) -> tuple[dict[str, torch.Tensor], Optional[nn.Module], dict[str, Any]]:
     """The tensors (on meta) of the pickled object ``data``, its module if it is one, and the extra states
     of its modules that are not tensors (see :func:`find_payload`); hostile layouts refused."""
-    if _QUANTIZED_REBUILD.search(data):  # torch cannot make one on meta: it would fail deep inside, warning
+    calls, names = quantized_tensors(data) if b"_rebuild_qtensor" in data else (0, [])
+    if calls or _QUANTIZED_REBUILD.search(data):  # torch cannot make one on meta: it would fail deep inside, warning
+        also = f" (so are {summarize_names(names[1:], limit=3)})" if len(names) > 1 else ""
         raise UnsupportedFormatError(
-            "holds quantized tensors (torch.ao's qint8/quint8 with scales and zero points), which this loader "
-            "does not read; save their dequantize() instead, or load the file with torch.load", path=path)
+            ("is quantized" + also if names else "holds quantized tensors")
+            + ": torch.ao's qint8/quint8 tensors, with scales and zero points, are not read by this loader; save "
+            "their dequantize() instead, or load the file with torch.load",
+            path=path, tensor=names[0] if names else None)
     unpickled, layouts_checked = unpickle(path, data, refs, trust_pickle=trust_pickle, persistent=persistent, what=what)
     try:
         payload, module, extra_states = find_payload(unpickled)
@@ -320,7 +324,8 @@ def read_payload(
 
 
 # How a pickle names torch's rebuild of a quantized tensor: GLOBAL's "module\nname" (protocols 0-3),
-# or the two strings STACK_GLOBAL takes (4 and 5: a memo mark, an opcode and a length between them).
+# or the two strings STACK_GLOBAL takes (4 and 5: a memo mark, an opcode and a length between them);
+# where the walk of the opcodes stops short (an opcode it does not model), this finds the usual case.
 _QUANTIZED_REBUILD = re.compile(rb"torch\._utils(?:\n|[\x00-\xff]{1,4})_rebuild_qtensor")
 
 

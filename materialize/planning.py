@@ -34,6 +34,7 @@ from .keymap import KeyMapLike, as_key_map, auto_strip_wrapper_prefix
 from .loadhooks import as_older_weight_norm, post_hooked, replay_load_hooks
 from .meta import is_lazy
 from .modtree import named_modules
+from .namehints import mismatch_hint
 from .sharded import ShardSpec, region, shard_spec
 from .stacking import (
     Chunks, Rearranged, Stacked, StackSlot, Transposed, cut, deinterleave, pieces_of, rows_of, stack, transpose,
@@ -518,9 +519,9 @@ def _raise_for_mismatch(plan: Plan, ckpt: Checkpoint, strict: bool, unrun: list[
         problems.append(f"{len(shapes)} with a different shape: {summarize_names(shapes)}")
     if not problems:
         return
-    prefix_hint = _prefix_hint(plan.missing, plan.unexpected) if strict else ""
-    if prefix_hint:
-        problems.append(prefix_hint)
+    hint = mismatch_hint(plan.missing, plan.unexpected) if strict else ""
+    if hint:
+        problems.append(hint)
     if unrun and (plan.missing or plan.unexpected):
         problems.append(f"the model's own load code, which could not run on names alone, may rename some of these: "
                         f"{summarize_names(unrun)}")
@@ -554,25 +555,6 @@ def _raise_for_unmappable_disk(plan: Plan, ckpt: Checkpoint) -> None:
             f"tensors: {summarize_names(stacked)}; place those modules on cpu or a GPU",
             path=ckpt.path,
         )
-
-
-def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
-    """Spot the commonest cause: the names differ only by a prefix one side carries (for most of them)."""
-    if not missing or not unexpected:
-        return ""
-    for extra, short in ((unexpected, missing), (missing, unexpected)):
-        extras = set(extra)
-        sample = short[:50]
-        for name in sample[:5]:
-            prefix = next((n[: -len(name)] for n in extra if n.endswith("." + name)), None)
-            if prefix is None or sum(prefix + n in extras for n in sample) < 0.9 * len(sample):
-                continue
-            if extra is unexpected:
-                return (f"the checkpoint names carry the prefix '{prefix}': pass "
-                        f"key_map=KeyMap.strip_prefix('{prefix}') (CLI: --strip-prefix {prefix})")
-            return (f"the model names carry the prefix '{prefix}': pass "
-                    f"key_map=KeyMap.add_prefix('{prefix}') (CLI: --add-prefix {prefix})")
-    return ""
 
 
 def initializer_of(module: nn.Module, computed_only: bool = False) -> Optional[Callable[[], None]]:

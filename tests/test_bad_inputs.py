@@ -22,6 +22,7 @@ from torch import nn
 import materialize as mz
 
 from conftest import write_torch
+from test_cli import materialize_command
 
 CLI = str(Path(sys.executable).parent / "materialize")
 
@@ -105,6 +106,18 @@ def small_model_state() -> dict[str, torch.Tensor]:
 
 def assert_on_meta(model: nn.Module) -> None:
     assert all(p.device.type == "meta" for p in model.parameters())
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+def test_a_named_pipe_is_refused_at_once_rather_than_waited_on(tmp_path):
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)  # opening it to read would block until some writer came
+
+    done = subprocess.run([materialize_command(), "inspect", str(fifo)], capture_output=True, text=True, timeout=120)
+
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip() == f"Error: {fifo}: is not a regular file (a pipe, socket or device): a checkpoint is " \
+        "read at offsets within a file; save the stream to a file first"
 
 
 # ---------------------------------------------------------------- safetensors: the prefix

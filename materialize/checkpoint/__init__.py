@@ -56,6 +56,9 @@ def open_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Checkpoint
         target = pick_from_folder(target)
     if target.is_dir():
         return _open_dcp(target)
+    if not target.is_file():  # opening a pipe would wait for a writer; a device has no end to read a header from
+        raise CheckpointError("is not a regular file (a pipe, socket or device): a checkpoint is read at offsets "
+                              "within a file; save the stream to a file first", path=target)
     kind = _sniff(target)
     if kind == "index":
         return _open_index(target, trust_pickle=trust_pickle)

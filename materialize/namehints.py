@@ -118,7 +118,9 @@ def _edit(model_name: str, checkpoint_name: Optional[str]) -> Optional[tuple[str
     if start + end < max(1, min(len(ours), len(theirs)) // 2):
         return None  # too little in common to be one name renamed
     new, old = ours[start:len(ours) - end], theirs[start:len(theirs) - end]
-    if not new or not old:  # a segment dropped or added: said with its neighbour, so both sides are non-empty
+    # A segment dropped or added, or an index renamed (a Sequential's `0` for `fc1`): said with the segment
+    # before it, so the rule has both sides and does not rename every other `0` of the names.
+    if not new or not old or ".".join(old).isdigit():
         if start > 0:
             start -= 1
         elif end > 0:

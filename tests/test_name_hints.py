@@ -147,3 +147,14 @@ def test_names_that_share_no_renaming_get_no_hint():
 def test_a_prefix_is_still_said_as_a_prefix():
     missing = [f"layers.{i}.weight" for i in range(5)]
     assert "--strip-prefix model." in mismatch_hint(missing, ["model." + name for name in missing])
+
+
+def test_an_index_renamed_is_said_with_the_segment_before_it_so_other_indices_stay():
+    missing = [f"encoder.layers.{i}.mlp.fc{j}.{kind}" for i in range(3) for j in (1, 2) for kind in ("weight", "bias")]
+    unexpected = [name.replace("fc1", "0").replace("fc2", "2") for name in missing]  # a Sequential's indices
+
+    hint = mismatch_hint(missing, unexpected)
+
+    assert "'mlp.0' as 'mlp.fc1'" in hint and "'mlp.2' as 'mlp.fc2'" in hint
+    rules = ast.literal_eval(re.search(r"key_map=(\{.*?\}) \(CLI", hint).group(1))
+    assert sorted(mz.KeyMap.regex(rules)(name) for name in unexpected) == sorted(missing)

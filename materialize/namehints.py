@@ -22,6 +22,8 @@ _SAMPLED = 200  # missing names paired up to find the renames; the rules found a
 _NEIGHBOURS = 8  # candidates looked at on each side of a name, sorted by prefix and by suffix
 _MAX_RULES = 4
 _ENOUGH = 0.9  # of the missing names a hint must find
+# Older spellings of a norm's tensors (TensorFlow ports, early BERT saves): paired first where names tie.
+_OLD_SPELLINGS = {"gamma": "weight", "beta": "bias"}
 
 
 def mismatch_hint(missing: Sequence[str], unexpected: Sequence[str]) -> str:
@@ -87,10 +89,6 @@ def _closest(name: str, by_prefix: list[str], by_suffix: list[str]) -> Optional[
         return None
     return max(candidates, key=lambda other: (sum(_shared(name.split("."), other.split("."))),
                                               _spelled_of_old(other) == name, sum(_shared(name, other))))
-
-
-# Older spellings of a norm's tensors (TensorFlow ports, early BERT saves): paired first where names tie.
-_OLD_SPELLINGS = {"gamma": "weight", "beta": "bias"}
 
 
 def _spelled_of_old(name: str) -> str:

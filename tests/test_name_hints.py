@@ -79,20 +79,24 @@ def _saved(model: nn.Module, rename, path: Path) -> dict[str, torch.Tensor]:
     return {name: tensor.clone() for name, tensor in model.state_dict().items()}
 
 
+def _refused(build, rename, path: Path) -> tuple[nn.Module, dict[str, torch.Tensor], str]:
+    """A skeleton of ``build``, the values saved under renamed names at ``path``, and the message of the load's refusal."""
+    expected = _saved(build(), rename, path)
+    with mz.meta_init():
+        model = build()
+    with pytest.raises(mz.KeyMismatchError) as caught:
+        mz.load(model, path)
+    return model, expected, str(caught.value)
+
+
 def _classic_densenet(name: str) -> str:
     return re.sub(r"(norm|conv)([12])\.", r"\1.\2.", name)
 
 
 def test_densenets_classic_names_get_the_renames_that_load_each_value_where_it_belongs(models, tmp_path):
     path = tmp_path / "densenet.pth"
-    expected = _saved(models.DenseNet(), _classic_densenet, path)
-    with mz.meta_init():
-        model = models.DenseNet()
+    model, expected, message = _refused(models.DenseNet, _classic_densenet, path)
 
-    with pytest.raises(mz.KeyMismatchError) as caught:
-        mz.load(model, path)
-
-    message = str(caught.value)
     for old, new in (("norm.1", "norm1"), ("norm.2", "norm2"), ("conv.1", "conv1"), ("conv.2", "conv2")):
         assert f"'{old}' as '{new}'" in message
     assert "(36 of the 36 missing names found so)" in message and len(message.splitlines()) == 1
@@ -119,14 +123,8 @@ def test_densenets_classic_names_get_the_renames_that_load_each_value_where_it_b
 ])
 def test_segments_spelled_otherwise_are_found_and_the_hint_loads_the_values(models, tmp_path, rename, said):
     path = tmp_path / "encoder.pt"
-    expected = _saved(models.Encoder(), rename, path)
-    with mz.meta_init():
-        model = models.Encoder()
+    model, expected, message = _refused(models.Encoder, rename, path)
 
-    with pytest.raises(mz.KeyMismatchError) as caught:
-        mz.load(model, path)
-
-    message = str(caught.value)
     assert all(words in message for words in said), message
     library = re.search(r"key_map=(\{.*?\}) \(CLI", message).group(1)
     mz.load(model, path, key_map=ast.literal_eval(library))  # the library spelling is a Python literal

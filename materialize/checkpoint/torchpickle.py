@@ -292,14 +292,8 @@ def read_payload(
 ) -> tuple[dict[str, torch.Tensor], Optional[nn.Module], dict[str, Any]]:
     """The tensors (on meta) of the pickled object ``data``, its module if it is one, and the extra states
     of its modules that are not tensors (see :func:`find_payload`); hostile layouts refused."""
-    calls, names = quantized_tensors(data) if b"_rebuild_qtensor" in data else (0, [])
-    if calls or _QUANTIZED_REBUILD.search(data):  # torch cannot make one on meta: it would fail deep inside, warning
-        also = f" (so are {summarize_names(names[1:], limit=3)})" if len(names) > 1 else ""
-        raise UnsupportedFormatError(
-            ("is quantized" + also if names else "holds quantized tensors")
-            + ": torch.ao's qint8/quint8 tensors, with scales and zero points, are not read by this loader; save "
-            "their dequantize() instead, or load the file with torch.load",
-            path=path, tensor=names[0] if names else None)
+    if b"_rebuild_qtensor" in data:  # torch cannot make one on meta: it would fail deep inside, warning
+        _refuse_quantized(path, data)
     unpickled, layouts_checked = unpickle(path, data, refs, trust_pickle=trust_pickle, persistent=persistent, what=what)
     try:
         payload, module, extra_states = find_payload(unpickled)
@@ -321,6 +315,19 @@ def read_payload(
             "partitioned into the *_optim_states.pt files beside it; gather them with the zero_to_fp32.py script "
             "DeepSpeed writes into the checkpoint folder, and load what it writes", path=path)
     return payload, module, extra_states
+
+
+def _refuse_quantized(path: Path, data: bytes) -> None:
+    """Raise naming the quantized tensors ``data`` rebuilds, if it rebuilds any."""
+    calls, names = quantized_tensors(data)
+    if not calls and not _QUANTIZED_REBUILD.search(data):
+        return  # the name only as text (in a key, say)
+    also = f" (so are {summarize_names(names[1:], limit=3)})" if len(names) > 1 else ""
+    raise UnsupportedFormatError(
+        ("is quantized" + also if names else "holds quantized tensors")
+        + ": torch.ao's qint8/quint8 tensors, with scales and zero points, are not read by this loader; save "
+        "their dequantize() instead, or load the file with torch.load",
+        path=path, tensor=names[0] if names else None)
 
 
 # How a pickle names torch's rebuild of a quantized tensor: GLOBAL's "module\nname" (protocols 0-3),

@@ -331,7 +331,9 @@ def hf_key_map(model: nn.Module) -> Callable[[str], Union[str, StackSlot, Chunks
     Inkling's experts) or per attention head (``PermuteForRope``: the vision
     towers of Kimi-K2.5, Step3.5, Mistral-Large-4, alone or after a
     ``Chunk(dim=0)``) map to :class:`Rearranged` (or :class:`Chunks` that
-    rearrange their parts): strided views of the file, read in place.
+    rearrange their parts): strided views of the file, read in place. A
+    vocabulary saved padded (``Inkling2UnpadVocab``) maps to :class:`Chunks`
+    of its leading rows.
     ERNIE-4.5-VL's one list of experts split between a text and a vision
     stack maps each expert to a :class:`StackSlot` of its stack. A name
     that needs any other conversion (concatenations along a later dimension,
@@ -411,6 +413,8 @@ def _conversion_slot(
                          pattern=pattern, new_dim=False, along_rows=kinds[0][1] == 1)
     patterns = converter.target_patterns
     one_source = len(converter.source_patterns) == 1
+    if one_source and len(patterns) == 1 and names == ["Inkling2UnpadVocab"]:
+        return _leading_rows(operations[0], with_prefix(target), model_shapes)
     if one_source and len(patterns) == 1 and names in (["Interleave"], ["PermuteForRope"]):
         how = _deinterleave(operations[0], converter.source_patterns[0], config)
         return with_prefix(target) if how is None else Rearranged(with_prefix(target), how)
@@ -433,6 +437,19 @@ def _conversion_slot(
         raise CheckpointError(f"is split into {', '.join(map(repr, targets))}, and the model has no "
                               f"{', '.join(map(repr, unknown))} to size its part", tensor=name)
     return Chunks(targets, rows=tuple(model_shapes[t][0] for t in targets))
+
+
+def _leading_rows(operation: Any, target: str, model_shapes: dict[str, tuple[int, ...]]) -> Optional[Chunks]:
+    """A vocabulary padded in the checkpoint: the model's rows are its first ones, the padding is not read.
+
+    transformers slices the saved tensor to the model's row count; so does
+    this, as a run of the file. A saved tensor shorter than the model's is
+    an error naming both counts (see :func:`materialize.stacking.cut`).
+    """
+    shape = model_shapes.get(target)
+    if getattr(operation, "inverse", False) or not shape:
+        return None
+    return Chunks((target,), rows=(shape[0],), rest_unread=True)
 
 
 def _split_expert_slot(

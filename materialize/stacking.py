@@ -68,10 +68,15 @@ class Chunks:
 
     ``rows`` gives each target's share; without it the parts are as
     ``torch.chunk`` makes them (equal, the last one smaller if need be).
+    With ``rest_unread``, the shares may end before the tensor does and the
+    rows after them go nowhere: a vocabulary padded in the checkpoint beyond
+    the rows the model keeps (transformers' ``Inkling2UnpadVocab``), as
+    ``from_pretrained`` drops them.
     """
 
     targets: tuple[str, ...]
     rows: Optional[tuple[int, ...]] = None
+    rest_unread: bool = False
     rearrange: tuple[Optional["Deinterleave"], ...] = ()  # per target, applied to its part (a RoPE permutation)
     interleaved: Optional["Deinterleave"] = None  # the whole tensor first: its two halves along that dim are the parts
 
@@ -226,7 +231,8 @@ def _cut_rows(info: TensorInfo, chunks: Chunks) -> list[tuple[str, TensorInfo]]:
         raise CheckpointError(f"is a strided view and cannot be cut into {into}", path=info.path, tensor=info.name)
     total = info.shape[0]
     if chunks.rows is not None:
-        if sum(chunks.rows) != total or len(chunks.rows) != len(chunks.targets):
+        taken = sum(chunks.rows)
+        if taken > total or (taken < total and not chunks.rest_unread) or len(chunks.rows) != len(chunks.targets):
             raise CheckpointError(
                 f"has {total} rows, but {into} take {' + '.join(map(str, chunks.rows))}", path=info.path, tensor=info.name)
         sizes = list(chunks.rows)

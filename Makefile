@@ -64,13 +64,21 @@ test-latest:
 	.venv-latest/bin/python -m pip freeze --exclude-editable | grep -iE '^(torch|transformers|accelerate|huggingface.hub|safetensors|click|pytest|hypothesis)=='
 	.venv-latest/bin/python -m pytest -q -p no:cacheprovider
 
+# Two runs: the core at its floors (the HF tests skip, no transformers), then the hf extra's floor added.
+OLDEST_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python3.10) python3.10)
+OLDEST_TORCH := $$(grep -oE '^torch==[^ ]+' requirements-oldest.txt)
 test-oldest:
 	rm -rf .venv-oldest
-	$(PYTHON) -m venv .venv-oldest
+	$(OLDEST_PYTHON) -m venv .venv-oldest
 	.venv-oldest/bin/python $(PIP) -r requirements-oldest.txt
-	.venv-oldest/bin/python $(PIP) --no-build-isolation -e .
-	.venv-oldest/bin/python -m pip freeze --exclude-editable | grep -iE '^(torch|transformers|accelerate|huggingface.hub|safetensors|click|pytest|hypothesis)=='
+	.venv-oldest/bin/python $(PIP) --no-build-isolation --no-deps -e .
+	.venv-oldest/bin/python -m pip check
+	.venv-oldest/bin/python -V; .venv-oldest/bin/python -m pip freeze --exclude-editable | grep -iE '^(torch|accelerate|huggingface.hub|safetensors|click)=='
 	.venv-oldest/bin/python -m pytest -q -p no:cacheprovider
+	.venv-oldest/bin/python $(PIP) -r requirements-oldest-hf.txt $(OLDEST_TORCH)
+	.venv-oldest/bin/python -m pip check
+	.venv-oldest/bin/python -m pip freeze --exclude-editable | grep -iE '^(torch|transformers|huggingface.hub|safetensors|click)=='
+	.venv-oldest/bin/python -m pytest -q -p no:cacheprovider tests/test_hub.py $$(grep -l transformers tests/*.py)
 
 $(BENCH_STAMP): $(STAMP) requirements-bench.txt
 	$(PY) $(PIP) -c $(LOCK) -r requirements-dev.txt -r requirements-bench.txt

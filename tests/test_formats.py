@@ -158,6 +158,9 @@ def test_special_values_and_dtypes_are_bit_exact(writer, tmp_path):
     for name in ("float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"):  # ROCm's, MX scales
         if hasattr(torch, name):
             state[name] = torch.tensor([1.0, -2.0, 0.5, 4.0]).abs().to(getattr(torch, name))
+    if writer is write_safetensors:  # safetensors writes ROCm's float8s from 0.8 on; older ones refuse them
+        state = {name: value for name, value in state.items() if _safetensors_writes(value.dtype)}
+        assert "float8_e4m3fnuz" in state or _safetensors_version() < (0, 8), "safetensors 0.8+ writes every dtype"
     path = writer(state, tmp_path / ("m.safetensors" if writer is write_safetensors else "m.pt"))
 
     tensors, _ = mz.load_tensors(path)
@@ -168,6 +171,22 @@ def test_special_values_and_dtypes_are_bit_exact(writer, tmp_path):
         got = tensors[name].reshape(-1).view(torch.uint8) if value.numel() else tensors[name]
         want = value.reshape(-1).view(torch.uint8) if value.numel() else value
         assert torch.equal(got, want), name
+
+
+def _safetensors_version() -> tuple[int, ...]:
+    import safetensors
+
+    return tuple(int(part) for part in safetensors.__version__.split(".")[:2])
+
+
+def _safetensors_writes(dtype: torch.dtype) -> bool:
+    from safetensors.torch import save
+
+    try:
+        save({"probe": torch.zeros(1, dtype=dtype)})
+    except (KeyError, ValueError, TypeError):
+        return False
+    return True
 
 
 def test_open_checkpoint_reads_headers_only(tmp_path):

@@ -282,7 +282,10 @@ def _is_training_extra_state(model_name: str, modules: set[str]) -> bool:
 # Attention masks that transformers 4.x kept as persistent buffers and so saved
 # (GPT-J's and GPT-Neo's causal `bias` and `masked_bias`, CodeGen's
 # `causal_mask`); today's models compute them, and from_pretrained drops them
-# with a warning. Their hub checkpoints still hold them.
+# with a warning. Their hub checkpoints still hold them. Where the installed
+# transformers declares such names ignorable (5.24's GPT-J, by name alone,
+# whatever the shape), its declaration decides, as in from_pretrained; this
+# rule only adds the masks it does not declare.
 _SAVED_MASK_LEAVES = ("bias", "causal_mask")
 _SAVED_MASK_FILL_LEAF = "masked_bias"
 

@@ -64,21 +64,26 @@ test-latest:
 	.venv-latest/bin/python -m pip freeze --exclude-editable | grep -iE '^(torch|transformers|accelerate|huggingface.hub|safetensors|click|pytest|hypothesis)=='
 	.venv-latest/bin/python -m pytest -q -p no:cacheprovider
 
-# Two runs: the core at its floors (the HF tests skip, no transformers), then the hf extra's floor added.
+# Two runs: the core at its floors on the oldest Python (the HF tests skip, no transformers), then, on this
+# Python (transformers 5.22 needs 3.11), the same floors with the hf extra's and what it needs added.
 OLDEST_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python3.10) python3.10)
 OLDEST_TORCH := $$(grep -oE '^torch==[^ ]+' requirements-oldest.txt)
+VERSIONS := grep -iE '^(torch|transformers|accelerate|huggingface.hub|safetensors|click|tokenizers)=='
 test-oldest:
-	rm -rf .venv-oldest
+	rm -rf .venv-oldest .venv-oldest-hf
 	$(OLDEST_PYTHON) -m venv .venv-oldest
 	.venv-oldest/bin/python $(PIP) -r requirements-oldest.txt
 	.venv-oldest/bin/python $(PIP) --no-build-isolation --no-deps -e .
 	.venv-oldest/bin/python -m pip check
-	.venv-oldest/bin/python -V; .venv-oldest/bin/python -m pip freeze --exclude-editable | grep -iE '^(torch|accelerate|huggingface.hub|safetensors|click)=='
+	.venv-oldest/bin/python -V; .venv-oldest/bin/python -m pip freeze --exclude-editable | $(VERSIONS)
 	.venv-oldest/bin/python -m pytest -q -p no:cacheprovider
-	.venv-oldest/bin/python $(PIP) -r requirements-oldest-hf.txt $(OLDEST_TORCH)
-	.venv-oldest/bin/python -m pip check
-	.venv-oldest/bin/python -m pip freeze --exclude-editable | grep -iE '^(torch|transformers|huggingface.hub|safetensors|click)=='
-	.venv-oldest/bin/python -m pytest -q -p no:cacheprovider tests/test_hub.py $$(grep -l transformers tests/*.py)
+	$(PYTHON) -m venv .venv-oldest-hf
+	.venv-oldest-hf/bin/python $(PIP) -r requirements-oldest.txt
+	.venv-oldest-hf/bin/python $(PIP) -r requirements-oldest-hf.txt $(OLDEST_TORCH)
+	.venv-oldest-hf/bin/python $(PIP) --no-build-isolation --no-deps -e .
+	.venv-oldest-hf/bin/python -m pip check
+	.venv-oldest-hf/bin/python -V; .venv-oldest-hf/bin/python -m pip freeze --exclude-editable | $(VERSIONS)
+	.venv-oldest-hf/bin/python -m pytest -q -p no:cacheprovider tests/test_hub.py $$(grep -l transformers tests/*.py)
 
 $(BENCH_STAMP): $(STAMP) requirements-bench.txt
 	$(PY) $(PIP) -c $(LOCK) -r requirements-dev.txt -r requirements-bench.txt
@@ -100,4 +105,4 @@ fuzz: $(STAMP)
 	$(PY) -m fuzz.run --seconds $(FUZZ_SECONDS)
 
 clean:
-	rm -rf $(VENV) .venv-lock .venv-latest .venv-oldest data .pytest_cache
+	rm -rf $(VENV) .venv-lock .venv-latest .venv-oldest .venv-oldest-hf data .pytest_cache

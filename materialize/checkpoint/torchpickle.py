@@ -72,11 +72,38 @@ class _NotPlain(Exception):
     pass
 
 
-class _StorageKind:
+class _Unchangeable:
+    """Refuses every attribute write, so pickle's BUILD on it fails (and the file goes to torch's reader,
+    which refuses that BUILD): the plain path's globals are shared by every load in the process, and one
+    file must not change how the next one reads."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} cannot be changed")
+
+    __delattr__ = __setattr__  # type: ignore[assignment]
+
+
+class _StorageKind(_Unchangeable):
     """What a storage class stands for in a persistent id: its dtype. Unlike the class, it cannot be called."""
 
+    __slots__ = ("dtype",)
+
     def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
+        object.__setattr__(self, "dtype", dtype)
+
+
+class _Call(_Unchangeable):
+    """A Python function or class of the plain path's globals, callable as it, unchangeable unlike it."""
+
+    __slots__ = ("_target",)
+
+    def __init__(self, target: Callable[..., Any]) -> None:
+        object.__setattr__(self, "_target", target)
+
+    def __call__(self, *args: Any) -> Any:
+        return self._target(*args)
 
 
 def _plain_globals() -> dict[str, Any]:
@@ -91,7 +118,7 @@ def _plain_globals() -> dict[str, Any]:
                 and issubclass(candidate, legacy)):
             named[f"torch.{name}"] = _StorageKind(getattr(candidate, "_dtype", None) or candidate.dtype)
     rebuilds = {
-        f"torch._utils.{name}": _plain_rebuild(getattr(torch._utils, name), dtype_given=name.endswith("v3"))
+        f"torch._utils.{name}": _Call(_plain_rebuild(getattr(torch._utils, name), dtype_given=name.endswith("v3")))
         for name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3") if hasattr(torch._utils, name)
     }
     # Beside a state dict, checkpoints often keep shapes, devices, bytes (protocol 2 pickles them as a call
@@ -103,13 +130,13 @@ def _plain_globals() -> dict[str, Any]:
         "builtins.set": set,
         "builtins.complex": complex,
         "builtins.bytearray": bytearray,
-        "collections.Counter": collections.Counter,
-        "torch._utils._rebuild_parameter_with_state": torch._utils._rebuild_parameter_with_state,
+        "collections.Counter": _Call(collections.Counter),
+        "torch._utils._rebuild_parameter_with_state": _Call(torch._utils._rebuild_parameter_with_state),
     }
     beside.update({f"__builtin__.{kind.__name__}": kind for kind in (set, complex, bytearray)})  # protocol 2's names
     return {
         **rebuilds,
-        "torch._utils._rebuild_parameter": torch._utils._rebuild_parameter,
+        "torch._utils._rebuild_parameter": _Call(torch._utils._rebuild_parameter),
         "collections.OrderedDict": collections.OrderedDict,
         **beside,
         **named,
@@ -153,7 +180,10 @@ class _PlainStateUnpickler(pickle.Unpickler):
     the globals a plain state dict names: tensor and parameter rebuilds,
     ``OrderedDict``, dtypes, and storage kinds that cannot be called. Anything else,
     and any error at all, sends the file to the weights-only path, which
-    decides what is refused and how it is reported.
+    decides what is refused and how it is reported. Each global it hands out
+    refuses attribute writes (builtin types, dtypes, :class:`_Unchangeable`),
+    so a BUILD on one (a file setting the dtype of every later load's float
+    storages) is such an error, never a change seen by the next file.
     """
 
     def find_class(self, module: str, name: str) -> Any:

@@ -1,0 +1,87 @@
+"""A file can change nothing outside what its own load returns: pickle's BUILD on a global that the fast
+(plain state-dict) unpickler hands out is refused, and the next file of the process loads as torch.load."""
+
+from __future__ import annotations
+
+import pickle
+import struct
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import materialize as mz
+from materialize.checkpoint import torchpickle
+
+GLOBALS = sorted(torchpickle._PLAIN_GLOBALS)
+
+
+def _text(value: str) -> bytes:
+    encoded = value.encode()
+    return pickle.BINUNICODE + struct.pack("<I", len(encoded)) + encoded
+
+
+def _building(name: str, *, slots: bool) -> bytes:
+    """A pickle that names ``name``, sets its ``dtype`` to float16 by BUILD (as a dict or as slot state), then
+    returns an empty state dict."""
+    module, _, attr = name.rpartition(".")
+    state = pickle.EMPTY_DICT + _text("dtype") + pickle.GLOBAL + b"torch\nfloat16\n" + pickle.SETITEM
+    if slots:
+        state = pickle.NONE + state + pickle.TUPLE2
+    return (pickle.PROTO + b"\x02" + pickle.GLOBAL + f"{module}\n{attr}\n".encode() + state + pickle.BUILD + pickle.POP
+            + pickle.EMPTY_DICT + pickle.STOP)
+
+
+def _with_data_pkl(template: Path, path: Path, data: bytes) -> Path:
+    with zipfile.ZipFile(template) as source, zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as target:
+        for record in source.infolist():
+            target.writestr(record, data if record.filename.endswith("/data.pkl") else source.read(record))
+    return path
+
+
+@pytest.fixture(scope="module")
+def genuine(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("genuine")
+    torch.manual_seed(0)
+    state = {"f32": torch.randn(4, 4), "f16": torch.randn(3).half(), "bf16": torch.randn(2, 2).bfloat16(),
+             "i64": torch.arange(5), "u8": torch.arange(3, dtype=torch.uint8), "param": torch.nn.Parameter(torch.randn(2))}
+    torch.save(state, folder / "genuine.pt")
+    torch.save({}, folder / "empty.pt")
+    return folder
+
+
+@pytest.mark.parametrize("slots", [False, True], ids=["dict-state", "slot-state"])
+@pytest.mark.parametrize("name", GLOBALS)
+def test_build_on_a_global_is_refused_and_the_next_load_equals_torch_load(genuine, tmp_path, name, slots):
+    hostile = _with_data_pkl(genuine / "empty.pt", tmp_path / "hostile.pt", _building(name, slots=slots))
+
+    with pytest.raises(mz.MaterializeError, match="hostile.pt"):
+        mz.load_tensors(hostile)
+
+    expected = torch.load(genuine / "genuine.pt", weights_only=True)
+    tensors, _ = mz.load_tensors(genuine / "genuine.pt")
+    assert tensors.keys() == expected.keys()
+    for key, value in expected.items():
+        assert tensors[key].dtype == value.dtype, key
+        assert torch.equal(tensors[key], value), key
+
+
+def test_torch_refuses_the_same_build(genuine, tmp_path):
+    # The refusal above is torch's own: its weights-only reader refuses BUILD on such a global too.
+    hostile = _with_data_pkl(genuine / "empty.pt", tmp_path / "hostile.pt", _building("torch.FloatStorage", slots=False))
+
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(hostile, weights_only=True)
+
+
+def test_every_global_the_fast_reader_hands_out_refuses_attribute_writes():
+    changeable = []
+    for name, found in torchpickle._PLAIN_GLOBALS.items():
+        try:
+            setattr(found, "dtype", torch.float16)
+        except (AttributeError, TypeError):
+            continue
+        changeable.append(name)
+
+    assert changeable == []

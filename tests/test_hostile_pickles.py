@@ -85,3 +85,54 @@ def test_every_global_the_fast_reader_hands_out_refuses_attribute_writes():
         changeable.append(name)
 
     assert changeable == []
+
+
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+from materialize.checkpoint import dcp as dcp_reader  # noqa: E402
+
+DCP_GLOBALS = sorted(".".join(key) for key in dcp_reader._allowed_globals())
+
+
+@pytest.fixture(scope="module")
+def dcp_folder(tmp_path_factory) -> Path:
+    import warnings
+
+    folder = tmp_path_factory.mktemp("dcp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a single-process save warns that no process group exists
+        dcp.save({"w": torch.arange(12.0).view(3, 4), "b": torch.ones(3, dtype=torch.bfloat16)}, checkpoint_id=str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("slots", [False, True], ids=["dict-state", "slot-state"])
+@pytest.mark.parametrize("name", DCP_GLOBALS)
+def test_build_on_a_dcp_metadata_global_is_refused_and_changes_nothing(dcp_folder, tmp_path, name, slots):
+    # A metadata pickle that set attributes on pathlib's path class made convert write outside its destination.
+    import pathlib
+    import shutil
+
+    hostile = tmp_path / "hostile"
+    shutil.copytree(dcp_folder, hostile)
+    (hostile / ".metadata").write_bytes(_building(name, slots=slots))
+    objects = [pathlib.PurePath, pathlib.Path, pathlib.PosixPath, pathlib.PurePosixPath,
+               *(found for found in dcp_reader._allowed_globals().values() if hasattr(found, "__dict__"))]
+    before = [dict(vars(found)) for found in objects]
+
+    with pytest.raises(mz.MaterializeError, match="hostile"):
+        mz.load_tensors(hostile)
+
+    assert [dict(vars(found)) for found in objects] == before
+    tensors, _ = mz.load_tensors(dcp_folder)
+    assert torch.equal(tensors["w"], torch.arange(12.0).view(3, 4)) and tensors["b"].dtype == torch.bfloat16
+
+
+def test_every_global_the_dcp_metadata_reader_hands_out_refuses_attribute_writes():
+    changeable = []
+    for key, found in dcp_reader._allowed_globals().items():
+        try:
+            setattr(found, "dtype", torch.float16)
+        except (AttributeError, TypeError):
+            continue
+        changeable.append(".".join(key))
+
+    assert changeable == []

@@ -25,6 +25,7 @@ from torch import _weights_only_unpickler, nn
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError, first_line, summarize_names
 from .base import TensorInfo, is_extra_state, make_info
 from .pickle_scan import negative_layouts, quantized_tensors
+from .sealed import Call, Unchangeable
 from .standins import (
     INERT_GLOBALS, CalledStandIn, StandIn, is_module_state, is_numpy_array, module_state, stand_in_class,
 )
@@ -72,38 +73,13 @@ class _NotPlain(Exception):
     pass
 
 
-class _Unchangeable:
-    """Refuses every attribute write, so pickle's BUILD on it fails (and the file goes to torch's reader,
-    which refuses that BUILD): the plain path's globals are shared by every load in the process, and one
-    file must not change how the next one reads."""
-
-    __slots__ = ()
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"{type(self).__name__} cannot be changed")
-
-    __delattr__ = __setattr__  # type: ignore[assignment]
-
-
-class _StorageKind(_Unchangeable):
+class _StorageKind(Unchangeable):
     """What a storage class stands for in a persistent id: its dtype. Unlike the class, it cannot be called."""
 
     __slots__ = ("dtype",)
 
     def __init__(self, dtype: torch.dtype) -> None:
         object.__setattr__(self, "dtype", dtype)
-
-
-class _Call(_Unchangeable):
-    """A Python function or class of the plain path's globals, callable as it, unchangeable unlike it."""
-
-    __slots__ = ("_target",)
-
-    def __init__(self, target: Callable[..., Any]) -> None:
-        object.__setattr__(self, "_target", target)
-
-    def __call__(self, *args: Any) -> Any:
-        return self._target(*args)
 
 
 def _plain_globals() -> dict[str, Any]:
@@ -118,7 +94,7 @@ def _plain_globals() -> dict[str, Any]:
                 and issubclass(candidate, legacy)):
             named[f"torch.{name}"] = _StorageKind(getattr(candidate, "_dtype", None) or candidate.dtype)
     rebuilds = {
-        f"torch._utils.{name}": _Call(_plain_rebuild(getattr(torch._utils, name), dtype_given=name.endswith("v3")))
+        f"torch._utils.{name}": Call(_plain_rebuild(getattr(torch._utils, name), dtype_given=name.endswith("v3")))
         for name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3") if hasattr(torch._utils, name)
     }
     # Beside a state dict, checkpoints often keep shapes, devices, bytes (protocol 2 pickles them as a call
@@ -130,13 +106,13 @@ def _plain_globals() -> dict[str, Any]:
         "builtins.set": set,
         "builtins.complex": complex,
         "builtins.bytearray": bytearray,
-        "collections.Counter": _Call(collections.Counter),
-        "torch._utils._rebuild_parameter_with_state": _Call(torch._utils._rebuild_parameter_with_state),
+        "collections.Counter": Call(collections.Counter),
+        "torch._utils._rebuild_parameter_with_state": Call(torch._utils._rebuild_parameter_with_state),
     }
     beside.update({f"__builtin__.{kind.__name__}": kind for kind in (set, complex, bytearray)})  # protocol 2's names
     return {
         **rebuilds,
-        "torch._utils._rebuild_parameter": _Call(torch._utils._rebuild_parameter),
+        "torch._utils._rebuild_parameter": Call(torch._utils._rebuild_parameter),
         "collections.OrderedDict": collections.OrderedDict,
         **beside,
         **named,
@@ -181,7 +157,7 @@ class _PlainStateUnpickler(pickle.Unpickler):
     ``OrderedDict``, dtypes, and storage kinds that cannot be called. Anything else,
     and any error at all, sends the file to the weights-only path, which
     decides what is refused and how it is reported. Each global it hands out
-    refuses attribute writes (builtin types, dtypes, :class:`_Unchangeable`),
+    refuses attribute writes (builtin types, dtypes, :class:`.sealed.Unchangeable`),
     so a BUILD on one (a file setting the dtype of every later load's float
     storages) is such an error, never a change seen by the next file.
     """

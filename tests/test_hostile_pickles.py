@@ -136,3 +136,21 @@ def test_every_global_the_dcp_metadata_reader_hands_out_refuses_attribute_writes
         changeable.append(".".join(key))
 
     assert changeable == []
+
+
+@pytest.mark.parametrize("slots", [False, True], ids=["dict-state", "slot-state"])
+@pytest.mark.parametrize("name", ["argparse.Namespace", "pathlib.PosixPath", "collections.defaultdict", "builtins.set"])
+def test_build_on_a_class_given_a_stand_in_or_let_through_as_inert_is_refused(genuine, tmp_path, name, slots):
+    # These take torch's weights-only reader (stand-ins, inert plain types), whose BUILD takes instances only.
+    import argparse
+    import collections
+    import pathlib
+
+    hostile = _with_data_pkl(genuine / "empty.pt", tmp_path / "hostile.pt", _building(name, slots=slots))
+    classes = (argparse.Namespace, pathlib.PosixPath, collections.defaultdict, set)
+    before = [dict(vars(cls)) for cls in classes]
+
+    with pytest.raises(mz.MaterializeError, match="hostile.pt"):
+        mz.load_tensors(hostile)
+
+    assert [dict(vars(cls)) for cls in classes] == before

@@ -19,6 +19,7 @@ STAMP := $(VENV)/.installed
 DEMO_DIR := data/demo
 LOCK := requirements-lock.txt
 PIP := -m pip install --quiet --disable-pip-version-check
+VERSIONS := grep -iE '^(torch|transformers|accelerate|huggingface.hub|safetensors|click|tokenizers|pytest|hypothesis)=='
 
 BENCH_STAMP := $(VENV)/.bench-installed
 CONFIG ?= configs/bench-llama-1b.toml
@@ -61,14 +62,13 @@ test-latest:
 	$(PYTHON) -m venv .venv-latest
 	.venv-latest/bin/python $(PIP) -r requirements-dev.txt setuptools
 	.venv-latest/bin/python $(PIP) --no-build-isolation -e .
-	.venv-latest/bin/python -m pip freeze --exclude-editable | grep -iE '^(torch|transformers|accelerate|huggingface.hub|safetensors|click|pytest|hypothesis)=='
+	.venv-latest/bin/python -m pip freeze --exclude-editable | $(VERSIONS)
 	.venv-latest/bin/python -m pytest -q -p no:cacheprovider
 
 # Two runs: the core at its floors on the oldest Python (the HF tests skip, no transformers), then, on this
 # Python (transformers 5.22 needs 3.11), the same floors with the hf extra's and what it needs added.
 OLDEST_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python3.10) python3.10)
 OLDEST_TORCH := $$(grep -oE '^torch==[^ ]+' requirements-oldest.txt)
-VERSIONS := grep -iE '^(torch|transformers|accelerate|huggingface.hub|safetensors|click|tokenizers)=='
 test-oldest:
 	rm -rf .venv-oldest .venv-oldest-hf
 	$(OLDEST_PYTHON) -m venv .venv-oldest

@@ -8,10 +8,12 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
 
 if sys.version_info >= (3, 11):
     import tomllib
-else:  # pragma: no cover - the suite runs on 3.11 here
+else:  # make test-oldest's Python 3.10
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,17 +34,22 @@ def _pins(path: Path) -> dict[str, str]:
     return pins
 
 
-def _floors() -> dict[str, str]:
-    """name -> lower bound of each dependency pyproject.toml declares, the hf extra included."""
+def _declared() -> list[Requirement]:
+    """Every dependency pyproject.toml declares, the hf extra's included."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    declared = list(project["dependencies"]) + [r for extra in project["optional-dependencies"].values() for r in extra]
+    extras = [r for extra in project["optional-dependencies"].values() for r in extra]
+    return [Requirement(r) for r in list(project["dependencies"]) + extras]
+
+
+def _floors() -> dict[str, Version]:
+    """name -> lower bound of each declared dependency (back-ports for older Pythons, as tomli, left out)."""
     floors = {}
-    for requirement in declared:
-        if ";" in requirement:  # a back-port for older Pythons (tomli), not a floor of this environment
+    for requirement in _declared():
+        if requirement.marker is not None:
             continue
-        found = re.match(r"^\s*([A-Za-z0-9._-]+)\s*(?:\[[^\]]*\])?\s*>=\s*([^,\s]+)", requirement)
-        assert found, f"pyproject.toml: {requirement!r} has no lower bound"
-        floors[_normalized(found.group(1))] = found.group(2)
+        bounds = [Version(s.version) for s in requirement.specifier if s.operator == ">="]
+        assert bounds, f"pyproject.toml: {requirement} has no lower bound"
+        floors[_normalized(requirement.name)] = bounds[0]
     return floors
 
 
@@ -63,25 +70,16 @@ def test_the_oldest_environment_pins_every_dependency_at_the_floor_pyproject_cla
     floors, core, hf = _floors(), _pins(ROOT / "requirements-oldest.txt"), _pins(ROOT / "requirements-oldest-hf.txt")
     oldest = {**{name: version for name, version in hf.items() if name not in core}, **core}
 
-    assert {name: oldest.get(name) for name in floors if not _same_version(oldest.get(name), floors[name])} == {}
-    assert "transformers" not in core and _same_version(hf.get("transformers"), floors["transformers"])
-
-
-def _same_version(pinned, floor: str) -> bool:
-    from packaging.version import Version
-
-    return pinned is not None and Version(pinned) == Version(floor)  # 0.25 is 0.25.0
+    assert {name: oldest.get(name) for name in floors  # 0.25 is 0.25.0
+            if name not in oldest or Version(oldest[name]) != floors[name]} == {}
+    assert "transformers" not in core and Version(hf["transformers"]) == floors["transformers"]
 
 
 def test_the_lock_holds_every_dependency_pyproject_declares_within_its_range():
-    from packaging.requirements import Requirement
-
     lock_text = (ROOT / "requirements-lock.txt").read_text()
     locked = _pins(ROOT / "requirements-lock.txt")
     python = re.search(r"Python (\d+\.\d+)", lock_text).group(1)  # markers as on the lock's Python, not this one's
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    declared = [Requirement(r) for r in list(project["dependencies"]) + project["optional-dependencies"]["hf"]]
-    outside = {r.name: locked.get(_normalized(r.name)) for r in declared
+    outside = {r.name: locked.get(_normalized(r.name)) for r in _declared()
                if (r.marker is None or r.marker.evaluate({"python_version": python}))
                and not (locked.get(_normalized(r.name)) and r.specifier.contains(locked[_normalized(r.name)].split("+")[0]))}
 

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError
-from .sealed import Call, Sealed
 from . import DCP_METADATA_NAME
 from .base import TensorInfo
+from .sealed import Sealed, sealed_call
 from .torchpickle import STATE_DICT_KEYS, TRAINING_STATE_KEYS, first_line
 from .torchzip import read_embedded_tensor
 
@@ -77,7 +77,7 @@ _STAND_INS = {
     (_METADATA_MODULE, "TensorStorageMetadata"): TensorStorageMetadata,
     (_METADATA_MODULE, "BytesStorageMetadata"): BytesStorageMetadata,
     (_METADATA_MODULE, "TensorProperties"): _TensorProperties,
-    (_METADATA_MODULE, "_MEM_FORMAT_ENCODING"): Call(_memory_format_code),
+    (_METADATA_MODULE, "_MEM_FORMAT_ENCODING"): sealed_call(_memory_format_code),
     **{(_METADATA_MODULE, name): type(name, (_Record,), {}) for name in ("ChunkStorageMetadata", "MetadataIndex", "StorageMeta")},
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): type("_StorageInfo", (_Record,), {}),
 }
@@ -109,11 +109,11 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
 
     import torch.serialization
 
-    # Python functions and classes are handed out as Call wrappers, so no BUILD can change them for the process
-    found = {("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): Call(torch.serialization._get_layout),
+    # Python functions and classes are handed out sealed, so no BUILD can change them for the process
+    found = {("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): sealed_call(torch.serialization._get_layout),
              ("collections", "OrderedDict"): collections.OrderedDict, **_STAND_INS}
     for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
-        found[("pathlib", name)] = Call(getattr(pathlib, name))
+        found[("pathlib", name)] = sealed_call(getattr(pathlib, name))
     return found
 
 

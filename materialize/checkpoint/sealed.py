@@ -25,18 +25,6 @@ class Unchangeable:
         raise AttributeError(f"{type(self).__name__} cannot be changed")
 
 
-class Call(Unchangeable):
-    """A Python function or class, callable as it (pickle's REDUCE), unchangeable unlike it."""
-
-    __slots__ = ("_target",)
-
-    def __init__(self, target: Callable[..., Any]) -> None:
-        object.__setattr__(self, "_target", target)
-
-    def __call__(self, *args: Any) -> Any:
-        return self._target(*args)
-
-
 class Sealed(type):
     """The metaclass of record classes a file instantiates (NEWOBJ needs a class): the class itself refuses
     attribute writes; its instances, the file's own objects, take their fields as usual."""
@@ -46,3 +34,15 @@ class Sealed(type):
 
     def __delattr__(cls, name: str) -> None:
         raise AttributeError(f"class {cls.__name__} cannot be changed")
+
+
+def sealed_call(target: Callable[..., Any]) -> Unchangeable:
+    """A Python function or class, callable as it (pickle's REDUCE), unchangeable unlike it.
+
+    Its class, made for it and sealed, holds ``target`` as its ``__call__``,
+    so a call costs no extra Python frame (the tensor rebuilds run once per
+    tensor).
+    """
+    kind = Sealed(f"Sealed_{getattr(target, '__name__', 'call')}", (Unchangeable,),
+                  {"__slots__": (), "__call__": staticmethod(target)})
+    return kind()

@@ -25,7 +25,7 @@ from torch import _weights_only_unpickler, nn
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError, first_line, summarize_names
 from .base import TensorInfo, is_extra_state, make_info
 from .pickle_scan import negative_layouts, quantized_tensors
-from .sealed import Call, Unchangeable
+from .sealed import Unchangeable, sealed_call
 from .standins import (
     INERT_GLOBALS, CalledStandIn, StandIn, is_module_state, is_numpy_array, module_state, stand_in_class,
 )
@@ -94,7 +94,7 @@ def _plain_globals() -> dict[str, Any]:
                 and issubclass(candidate, legacy)):
             named[f"torch.{name}"] = _StorageKind(getattr(candidate, "_dtype", None) or candidate.dtype)
     rebuilds = {
-        f"torch._utils.{name}": Call(_plain_rebuild(getattr(torch._utils, name), dtype_given=name.endswith("v3")))
+        f"torch._utils.{name}": sealed_call(_plain_rebuild(getattr(torch._utils, name), dtype_given=name.endswith("v3")))
         for name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3") if hasattr(torch._utils, name)
     }
     # Beside a state dict, checkpoints often keep shapes, devices, bytes (protocol 2 pickles them as a call
@@ -106,13 +106,13 @@ def _plain_globals() -> dict[str, Any]:
         "builtins.set": set,
         "builtins.complex": complex,
         "builtins.bytearray": bytearray,
-        "collections.Counter": Call(collections.Counter),
-        "torch._utils._rebuild_parameter_with_state": Call(torch._utils._rebuild_parameter_with_state),
+        "collections.Counter": sealed_call(collections.Counter),
+        "torch._utils._rebuild_parameter_with_state": sealed_call(torch._utils._rebuild_parameter_with_state),
     }
     beside.update({f"__builtin__.{kind.__name__}": kind for kind in (set, complex, bytearray)})  # protocol 2's names
     return {
         **rebuilds,
-        "torch._utils._rebuild_parameter": Call(torch._utils._rebuild_parameter),
+        "torch._utils._rebuild_parameter": sealed_call(torch._utils._rebuild_parameter),
         "collections.OrderedDict": collections.OrderedDict,
         **beside,
         **named,

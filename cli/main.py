@@ -244,12 +244,15 @@ def plan_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, 
               help="Most bytes per shard when DST is a folder.")
 @click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
 @click.option("--allow-overflow", is_flag=True, help="Let a cast to a narrower float type turn large values into inf.")
+@click.option("--allow-expansion", is_flag=True,
+              help="Write in full tensors that repeat a few stored bytes (expand views) past 16x (16 MiB in all).")
 @click.option("--revision", default=None, help="Hub revision when SRC is a repo id.")
 @click.option("--trust-pickle", is_flag=True, help="Allow a pickled model (torch.save(model)); runs its code.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--debug", is_flag=True, help="Show the traceback of an error.")
 def convert_command(src: str, dst: str, dtype: "Optional[torch.dtype]", shard_size: int, overwrite: bool,
-                    allow_overflow: bool, revision: Optional[str], trust_pickle: bool, as_json: bool, debug: bool) -> None:
+                    allow_overflow: bool, allow_expansion: bool, revision: Optional[str], trust_pickle: bool,
+                    as_json: bool, debug: bool) -> None:
     """Rewrite SRC (any checkpoint) as safetensors at DST.
 
     DST ending in .safetensors is one file; otherwise a folder in the Hugging Face layout (shards and an index
@@ -261,7 +264,7 @@ def convert_command(src: str, dst: str, dtype: "Optional[torch.dtype]", shard_si
         try:
             report = mz.convert(
                 src, dst, dtype=dtype, shard_size=shard_size, overwrite=overwrite, trust_pickle=trust_pickle,
-                allow_overflow=allow_overflow, revision=revision, progress=progress,
+                allow_overflow=allow_overflow, allow_expansion=allow_expansion, revision=revision, progress=progress,
             )
         finally:
             if progress is not None:

@@ -17,6 +17,14 @@ end: a conversion that fails leaves nothing at ``dst``.
 safetensors has no shared storage: tensors that were views of one storage
 in a torch file (a tied embedding saved under two names) are written once
 per name.
+
+Hostile sources: every file written lies inside ``dst`` by construction (the
+only names taken from the source, its companion files', are reduced to base
+names and checked after resolution); a companion file that is a symlink
+leading out of the source folder is refused, never copied; and a tensor that
+would write far more than the bytes it reads (a view that repeats a few
+stored bytes, as ``expand`` makes) is refused unless ``allow_expansion=True``
+(see :func:`convert`).
 """
 
 from __future__ import annotations
@@ -34,11 +42,12 @@ from typing import Optional, Union
 import torch
 
 from .checkpoint import Checkpoint, TensorInfo
+from .checkpoint.confine import allowed_roots, confine
 from .checkpoint.index import SAFETENSORS_INDEX_NAME
 from .checkpoint.safetensors import SAFETENSORS_DTYPES
 from .dtypes import parse_dtype
 from .engine import Job, ProgressFn, stream
-from .errors import ConvertWarning, MaterializeError, OutputError, summarize_names
+from .errors import ConvertWarning, ExpansionError, MaterializeError, OutputError, summarize_names
 from .fileio import byte_view
 from .gcpause import gc_paused
 from .hostmem import empty_destination
@@ -49,6 +58,10 @@ from .transfer import staging_for
 from .validate import check_bools
 
 BATCH_BYTES = 256 * 1024 * 1024
+# A tensor may write up to MAX_EXPANSION times the bytes it reads (a cast from fp8 to fp32 is 4x) without
+# counting as expanded; what expanded tensors write beyond that may total EXPANSION_ALLOWANCE per conversion.
+MAX_EXPANSION = 16
+EXPANSION_ALLOWANCE = 16 * 1024 * 1024
 _CODES = {torch_name: code for code, (torch_name, _) in SAFETENSORS_DTYPES.items()}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 
@@ -100,6 +113,7 @@ def convert(
     overwrite: bool = False,
     trust_pickle: bool = False,
     allow_overflow: bool = False,
+    allow_expansion: bool = False,
     revision: Optional[str] = None,
     progress: Optional[ProgressFn] = None,
 ) -> ConvertReport:
@@ -111,6 +125,22 @@ def convert(
             file). A tensor larger than a shard gets a shard of its own.
         overwrite: replace an existing ``dst``; otherwise it is an error.
         allow_overflow: let a narrowing cast turn large values into inf.
+        allow_expansion: write tensors that expand their stored bytes past
+            the limit in full. By default a tensor writing more than
+            ``MAX_EXPANSION`` (16) times the bytes of the storage span it
+            reads counts as expanded, and expanded tensors may write at most
+            ``EXPANSION_ALLOWANCE`` (16 MiB) beyond that in all; past it the
+            conversion is an :class:`~materialize.errors.ExpansionError`
+            naming the tensor, before anything is written. A torch file of
+            2 KB can hold ``torch.zeros(1).expand(400_000_000)``: 1.6 GB to write.
+            Tensors sharing a storage (a tie, views of one weight) each read
+            their own span and never count as expanded.
+
+    Raises:
+        CheckpointError: a companion file of a source folder is a symlink
+            leading out of it (besides everything :func:`open_checkpoint` refuses).
+        OutputError: ``dst`` exists, cannot be written, or a companion file's
+            name cannot be a file name in it.
     """
     started = time.perf_counter()
     cast = parse_dtype(dtype)
@@ -125,11 +155,14 @@ def convert(
                 f"{ckpt.path}: modules' extra state that is not a tensor ({summarize_names(list(ckpt.extra_states))}) "
                 "has no place in safetensors and is left out; keep the torch file for it"), stacklevel=2)
         items = [_Item(info, cast if cast is not None and info.dtype.is_floating_point else info.dtype) for info in ckpt.values()]
+        if not allow_expansion:
+            _check_expansion(items)
         single_file = destination.suffix == ".safetensors"
+        companions = [] if single_file else _companions(source)  # refused before a byte is written, as expansion is
         shards = [items] if single_file or shard_bytes is None else _groups(items, shard_bytes)
         temporary = destination.parent / f".{destination.name}.partial-{os.getpid()}"
         try:
-            written, copied = _write_all(ckpt, source, shards, temporary, single_file, allow_overflow, progress)
+            written, copied = _write_all(ckpt, companions, shards, temporary, single_file, allow_overflow, progress)
             _move_into_place(temporary, destination)
         except BaseException as exc:
             _remove(temporary)
@@ -141,6 +174,32 @@ def convert(
             source=os.fspath(ckpt.path), destination=str(destination), files=files, tensors=len(items),
             bytes_written=sum(item.nbytes for item in items), seconds=time.perf_counter() - started, copied=copied,
         )
+
+
+def _check_expansion(items: list[_Item]) -> None:
+    """Refuse a conversion whose tensors write far more than they read (see ``allow_expansion`` in :func:`convert`).
+
+    A tensor is expanded when it writes more than ``MAX_EXPANSION`` times
+    the bytes it reads from the file (its storage span: a view made by
+    ``expand`` reads its few stored bytes and writes every element). What
+    expanded tensors write beyond that counts against
+    ``EXPANSION_ALLOWANCE``, summed over the conversion, so that small
+    broadcast buffers pass and many of them cannot add up to gigabytes.
+    """
+    excess = 0
+    for item in items:
+        stored = item.info.read_nbytes
+        if item.nbytes <= MAX_EXPANSION * stored:
+            continue
+        excess += item.nbytes - MAX_EXPANSION * stored
+        if excess > EXPANSION_ALLOWANCE:
+            raise ExpansionError(
+                f"writes {format_bytes(item.nbytes)} from {format_bytes(stored)} stored in the file "
+                f"({item.nbytes / max(stored, 1):,.0f}x: a view repeating its bytes, as expand makes), past the limit "
+                f"of {MAX_EXPANSION}x (expanded tensors may write {EXPANSION_ALLOWANCE / 2**20:g} MiB beyond it in all); "
+                "pass allow_expansion=True (CLI: --allow-expansion) to write it in full",
+                path=item.info.path, tensor=item.info.name,
+            )
 
 
 def _groups(items: list[_Item], limit: int) -> list[list[_Item]]:
@@ -157,8 +216,8 @@ def _groups(items: list[_Item], limit: int) -> list[list[_Item]]:
 
 
 def _write_all(
-    ckpt: Checkpoint, source: object, shards: list[list[_Item]], temporary: Path, single_file: bool,
-    allow_overflow: bool, progress: Optional[ProgressFn],
+    ckpt: Checkpoint, companions: list[tuple[Path, str]], shards: list[list[_Item]], temporary: Path,
+    single_file: bool, allow_overflow: bool, progress: Optional[ProgressFn],
 ) -> tuple[list[str], list[str]]:
     total = sum(item.nbytes for shard in shards for item in shard)
     done = [0]
@@ -177,15 +236,16 @@ def _write_all(
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
     for name, shard in zip(names, shards):
-        _write_file(ckpt, shard, temporary / name, allow_overflow, advanced)
+        _write_file(ckpt, shard, _output_path(temporary, name), allow_overflow, advanced)
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": total},
             "weight_map": {item.info.name: name for name, shard in zip(names, shards) for item in shard},
         }
-        (temporary / SAFETENSORS_INDEX_NAME).write_text(json.dumps(index, indent=2))
-    copied = _copy_companions(source, temporary)
-    return names, copied
+        _output_path(temporary, SAFETENSORS_INDEX_NAME).write_text(json.dumps(index, indent=2))
+    for real, name in companions:
+        shutil.copyfile(real, _output_path(temporary, name, source=real))
+    return names, [name for _, name in companions]
 
 
 def _write_file(ckpt: Checkpoint, items: list[_Item], path: Path, allow_overflow: bool, advanced) -> None:
@@ -220,17 +280,44 @@ def _write_file(ckpt: Checkpoint, items: list[_Item], path: Path, allow_overflow
         os.fsync(out.fileno())
 
 
-def _copy_companions(source: object, folder: Path) -> list[str]:
-    """A Hugging Face folder's other files (config, tokenizer): what makes the output loadable as a model."""
+def _companions(source: object) -> list[tuple[Path, str]]:
+    """A Hugging Face folder's other files (config, tokenizer), what makes the output loadable as a model.
+
+    Each as (the file it really is, its name): a symlink leading out of the
+    folder (``tokenizer.json`` -> ``/etc/passwd``) is refused, never copied.
+    """
     if isinstance(source, Checkpoint) or not Path(source).is_dir():
         return []
-    copied = []
-    for path in sorted(Path(source).iterdir()):
+    folder = Path(source)
+    roots = allowed_roots(folder)
+    found = []
+    for path in sorted(folder.iterdir()):
         if not path.is_file() or path.name.endswith(_WEIGHT_SUFFIXES) or path.name.endswith(".index.json"):
             continue
-        shutil.copyfile(path, folder / path.name)
-        copied.append(path.name)
-    return copied
+        real = confine(path, roots, what=f"companion file {path.name!r}", about=folder)
+        found.append((real, _output_name(path.name, source=path)))
+    return found
+
+
+def _output_name(name: str, *, source: Path) -> str:
+    """``name``, from the source, as the name of a file of the output folder: its base name, or refused.
+
+    A base name that is empty, ``.``, ``..``, or still holds a separator (a
+    Windows ``\\``) or a NUL is an :class:`OutputError` about ``source``.
+    """
+    base = os.path.basename(name)
+    if base in ("", ".", "..") or any(bad in base for bad in ("/", "\\", "\0")):
+        raise OutputError(f"{name!r} cannot be the name of a file in the output folder", path=source)
+    return base
+
+
+def _output_path(folder: Path, name: str, *, source: Optional[Path] = None) -> Path:
+    """Where the file ``name`` is written in the output ``folder``: inside it, checked after resolution."""
+    path = folder / _output_name(name, source=source or folder)
+    if not path.resolve().is_relative_to(folder.resolve()):
+        raise OutputError(f"{name!r} would be written outside the output folder, at {path.resolve()}",
+                          path=source or folder)
+    return path
 
 
 def _move_into_place(temporary: Path, destination: Path) -> None:

@@ -42,6 +42,11 @@ class CheckpointError(MaterializeError, ValueError):
     """A checkpoint file is malformed, truncated or inconsistent."""
 
 
+class BudgetError(CheckpointError):
+    """A file's pickle would build more than the stated bounds allow (nesting, shared references);
+    see docs/reliability.md."""
+
+
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """A checkpoint path, or a shard an index names, does not exist."""
 
@@ -110,6 +115,10 @@ class AllocationError(MaterializeError, MemoryError):
 
 class OutputError(MaterializeError, OSError):
     """A conversion cannot write its output (it exists, or the disk refuses)."""
+
+
+class ExpansionError(MaterializeError, ValueError):
+    """A conversion would write a tensor many times larger than the bytes it reads (a view repeating them)."""
 
 
 class DeviceError(MaterializeError, RuntimeError):

@@ -24,6 +24,7 @@ from torch import nn
 
 from .checkpoint import TensorInfo
 from .checkpoint.base import is_extra_state
+from .checkpoint.confine import allowed_roots, confine
 from .errors import CheckpointError, ModelSpecError, first_line
 from .meta import meta_init
 from .planning import DtypeRule, Tolerated
@@ -34,7 +35,11 @@ HF_SPEC_PREFIX = "hf:"
 
 
 def is_hf_folder(path: Path) -> bool:
-    return path.is_dir() and (path / CONFIG_NAME).is_file()
+    """Whether ``path`` is a folder holding a ``config.json``; refused where that is a symlink leading out of it."""
+    if not (path.is_dir() and (path / CONFIG_NAME).is_file()):
+        return False
+    confine(path / CONFIG_NAME, allowed_roots(path), what=f"'{CONFIG_NAME}'", about=path)
+    return True
 
 
 def is_transformers_folder(path: Path) -> bool:

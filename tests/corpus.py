@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import struct
 import runpy
 import sys
@@ -93,6 +94,78 @@ class Gadget:
 
 def pickled_call(path: Path, function, argument) -> None:
     torch.save({"weight": torch.ones(2), "payload": Gadget(function, argument)}, path)
+
+
+# ---------------------------------------------------------------- pickles by hand
+
+
+PROTO2 = pickle.PROTO + b"\x02"
+
+
+def long_put(index: int) -> bytes:
+    return pickle.LONG_BINPUT + struct.pack("<I", index)
+
+
+def long_get(index: int) -> bytes:
+    return pickle.LONG_BINGET + struct.pack("<I", index)
+
+
+def pickled_text(value: str) -> bytes:
+    encoded = value.encode()
+    return pickle.BINUNICODE + struct.pack("<I", len(encoded)) + encoded
+
+
+def doubling_tuples(levels: int, first: int = 1000) -> bytes:
+    """Opcodes leaving one tuple on the stack that holds the one before it twice, ``levels`` times over:
+    2**levels objects to whoever hashes, prints or walks it, from about 20 bytes a level."""
+    out = pickle.NONE + long_put(first) + pickle.POP
+    for level in range(levels):
+        out += long_get(first + level) + long_get(first + level) + pickle.TUPLE2 + long_put(first + level + 1) + pickle.POP
+    return out + long_get(first + levels)
+
+
+def doubling_lists_filled_late(levels: int, first: int = 1000) -> bytes:
+    """The same doubling with lists, each filled only after the list above it took it in (while it was empty)."""
+    out = b""
+    for level in range(levels + 1):
+        out += pickle.EMPTY_LIST + long_put(first + level) + pickle.POP
+    for level in range(levels, 0, -1):
+        out += long_get(first + level) + pickle.MARK + long_get(first + level - 1) + long_get(first + level - 1) + pickle.APPENDS + pickle.POP
+    return out + long_get(first + levels)
+
+
+def nested_lists(depth: int) -> bytes:
+    return pickle.EMPTY_LIST * depth + pickle.APPEND * (depth - 1)
+
+
+def with_layout_set_by_build(layout: bytes) -> bytes:
+    """``{"w": tensor}`` as torch.save writes it (storage record 0 of six floats), then a BUILD on the tensor
+    that sets its layout anew: (its storage, ``layout``'s offset, size and stride)."""
+    storage = (pickle.MARK + pickled_text("storage") + pickle.GLOBAL + b"torch\nFloatStorage\n" + pickled_text("0") + pickled_text("cpu")
+               + pickle.BININT1 + b"\x06" + pickle.TUPLE + pickle.BINPERSID + long_put(50))
+    rebuilt = (pickle.GLOBAL + b"torch._utils\n_rebuild_tensor_v2\n" + pickle.MARK + storage + pickle.BININT1 + b"\x00"
+               + pickle.BININT1 + b"\x02" + pickle.BININT1 + b"\x03" + pickle.TUPLE2 + pickle.BININT1 + b"\x03"
+               + pickle.BININT1 + b"\x01" + pickle.TUPLE2 + pickle.NEWFALSE + pickle.GLOBAL + b"collections\nOrderedDict\n"
+               + pickle.EMPTY_TUPLE + pickle.REDUCE + pickle.TUPLE + pickle.REDUCE)
+    build = pickle.MARK + long_get(50) + layout + pickle.TUPLE + pickle.BUILD
+    return PROTO2 + pickle.EMPTY_DICT + pickled_text("w") + rebuilt + build + pickle.SETITEM + pickle.STOP
+
+
+def torch_file_with_item(path: Path, key: bytes, value: bytes) -> None:
+    """``torch.save({"w": ...})``, its pickle given one more item, ``key`` and ``value`` as opcodes."""
+    torch.save({"w": torch.ones(2)}, path)
+
+    def add_item(pickled: bytes) -> bytes:
+        assert pickled.endswith(pickle.SETITEM + pickle.STOP)
+        return pickled[:-1] + key + value + pickle.SETITEM + pickle.STOP
+
+    rewrite_zip(path, lambda r: {k: (add_item(v) if k.endswith("data.pkl") else v) for k, v in r.items()})
+
+
+def call_with_count(module_and_name: str, count: int) -> bytes:
+    module, name = module_and_name.rsplit(".", 1)
+    return (pickle.GLOBAL + f"{module}\n{name}\n".encode() + pickle.BININT + struct.pack("<i", count)
+            + pickle.TUPLE1 + pickle.REDUCE)
 
 
 # ---------------------------------------------------------------- the cases
@@ -249,6 +322,59 @@ def build(root: Path) -> list[Case]:
     folder = case("pt-bool-not-0-or-1", pt, "CheckpointError", ["'mask'", "0 and 1"])
     torch.save({"mask": torch.tensor([True, False, True])}, folder / pt)
     rewrite_zip(folder / pt, lambda r: {k: (b"\x01\x00\x07" if "/data/" in k else v) for k, v in r.items()})
+    junk = pickled_text("junk")
+    folder = case("pt-shared-tuple-as-key", pt, "BudgetError", ["data.pkl", "objects", "16 per byte"])
+    torch_file_with_item(folder / pt, doubling_tuples(100), pickle.NONE)  # hashed 2**100 times over, in C
+    folder = case("pt-shared-tuple-as-value", pt, "BudgetError", ["data.pkl", "objects"])
+    torch_file_with_item(folder / pt, junk, doubling_tuples(100))
+    folder = case("pt-shared-lists-filled-late", pt, "BudgetError", ["data.pkl", "objects"])
+    torch_file_with_item(folder / pt, junk, doubling_lists_filled_late(100))
+    folder = case("pt-shared-persistent-id", pt, "BudgetError", ["data.pkl", "objects"])
+    torch.save({"w": torch.ones(2)}, folder / pt)
+    rewrite_zip(folder / pt, lambda r: {k: (PROTO2 + doubling_tuples(100) + pickle.BINPERSID + pickle.STOP
+                                            if k.endswith("data.pkl") else v) for k, v in r.items()})
+    folder = case("pt-shared-set-items", pt, "BudgetError", ["data.pkl", "objects"])
+    torch_file_with_item(folder / pt, junk, pickle.GLOBAL + b"builtins\nset\n" + pickle.MARK + doubling_tuples(100)
+                         + pickle.LIST + pickle.TUPLE1 + pickle.REDUCE)
+    folder = case("pt-nested-100000-deep", pt, "BudgetError", ["data.pkl", "200 deep"])
+    torch_file_with_item(folder / pt, junk, nested_lists(100_000))
+    folder = case("pt-nested-dicts-300-deep", pt, "BudgetError", ["data.pkl", "200 deep"])
+    torch_file_with_item(folder / pt, junk, (pickle.EMPTY_DICT + junk) * 300 + pickle.NONE + pickle.SETITEM * 300)
+    folder = case("pt-bytearray-of-a-count", pt, "CheckpointError", ["bytearray", "count"])
+    torch_file_with_item(folder / pt, junk, call_with_count("builtins.bytearray", 2_000_000_000))
+    folder = case("pt-tensor-of-a-count", pt, "CheckpointError", ["torch.FloatTensor", "count"])
+    torch_file_with_item(folder / pt, junk, call_with_count("torch.FloatTensor", 2_000_000_000))
+    folder = case("pt-storage-of-a-count", pt, "CheckpointError", ["torch.UntypedStorage", "count"])
+    torch_file_with_item(folder / pt, junk, call_with_count("torch.UntypedStorage", 2_000_000_000))
+    folder = case("pt-compressed-data-pkl", pt, "CheckpointError", ["data.pkl", "compressed"])
+    torch.save({"w": torch.ones(2)}, folder / pt)
+    with zipfile.ZipFile(folder / pt) as archive:
+        records = [(info, archive.read(info)) for info in archive.infolist()]
+    with zipfile.ZipFile(folder / pt, "w") as archive:
+        for info, data in records:
+            info.compress_type = zipfile.ZIP_DEFLATED if info.filename.endswith("data.pkl") else zipfile.ZIP_STORED
+            archive.writestr(info, data)
+    folder = case("pt-conjugate-bit", pt, "CheckpointError", ["'z'", "conjugate bit", "resolve_conj"])
+    torch.save({"z": torch.tensor([1 + 2j, 3 - 1j]).conj()}, folder / pt)
+    folder = case("pt-negative-bit", pt, "CheckpointError", ["'z'", "negative bit", "resolve_neg"])
+    torch.save({"z": torch.tensor([1 + 2j, 3 - 1j])._neg_view()}, folder / pt)
+    folder = case("pt-negative-stride-set-by-build", pt, "CheckpointError", ["negative"])
+    torch.save({"w": torch.arange(6.0)}, folder / pt)
+    negative = (pickle.BININT1 + b"\x05" + pickle.BININT1 + b"\x03" + pickle.TUPLE1 + pickle.BININT
+                + struct.pack("<i", -1) + pickle.TUPLE1)
+    rewrite_zip(folder / pt, lambda r: {k: (with_layout_set_by_build(negative) if k.endswith("data.pkl") else v)
+                                        for k, v in r.items()})
+    folder = case("dcp-shared-metadata-key", ".", "BudgetError", [".metadata", "DCP metadata", "objects"])
+    from torch.distributed import checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a single-process save warns that no process group exists
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=str(folder))
+    (folder / ".metadata").write_bytes(PROTO2 + pickle.EMPTY_DICT + doubling_tuples(100) + pickle.NONE + pickle.SETITEM
+                                       + pickle.STOP)
+    folder = case("pt-legacy-shared-magic-number", pt, "BudgetError", ["magic number", "objects"])
+    (folder / pt).write_bytes(PROTO2 + pickle.EMPTY_DICT + doubling_tuples(100) + pickle.NONE + pickle.SETITEM
+                              + pickle.STOP)
     folder = case("pt-not-a-checkpoint", pt, "CheckpointError", ["not a valid torch zip"])
     (folder / pt).write_bytes(b"this is plain text, not a model")
 

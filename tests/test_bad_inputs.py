@@ -447,6 +447,88 @@ def test_shard_symlinked_to_a_blob_as_in_the_hugging_face_cache_is_accepted(tmp_
     assert names == ["a"]
 
 
+@pytest.mark.parametrize("name", ["model.safetensors", "pytorch_model.bin", "model.safetensors.index.json"])
+def test_the_checkpoint_a_folder_holds_symlinked_out_of_it_is_refused_naming_the_link(tmp_path, name):
+    outside = write_real_safetensors(tmp_path / "outside.safetensors")
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / name).symlink_to(outside)
+
+    with pytest.raises(mz.CheckpointError) as caught:
+        mz.open_checkpoint(folder)
+    done = subprocess.run([CLI, "inspect", str(folder)], capture_output=True, text=True)
+
+    message = str(caught.value)
+    assert f"'{name}'" in message and str(outside) in message and "outside the checkpoint folder" in message
+    assert done.returncode == 1 and done.stderr.count("\n") == 1 and f"'{name}'" in done.stderr
+
+
+def test_the_checkpoint_a_folder_holds_symlinked_within_it_loads(tmp_path):
+    folder = tmp_path / "ckpt"
+    (folder / "weights").mkdir(parents=True)
+    write_real_safetensors(folder / "weights" / "v1.safetensors", {"a": torch.arange(3.0)})
+    (folder / "model.safetensors").symlink_to("weights/v1.safetensors")
+
+    tensors, _ = mz.load_tensors(folder)
+
+    assert torch.equal(tensors["a"], torch.arange(3.0))
+
+
+def test_a_subfolder_of_a_hugging_face_cache_snapshot_reads_its_files_from_the_blobs(tmp_path):
+    repo = tmp_path / "models--org--pipeline"
+    (repo / "blobs").mkdir(parents=True)
+    write_real_safetensors(repo / "blobs" / "9e1d", {"a": torch.ones(2)})
+    unet = repo / "snapshots" / "abc123" / "unet"  # a diffusers pipeline: one checkpoint per component folder
+    unet.mkdir(parents=True)
+    (unet / "diffusion_pytorch_model.safetensors").symlink_to("../../../blobs/9e1d")
+
+    with mz.open_checkpoint(unet) as ckpt:
+        assert list(ckpt) == ["a"]
+
+
+def test_a_config_json_symlinked_out_of_the_folder_is_refused_before_it_is_read(tmp_path):
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"model_type": "llama"}')
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    write_real_safetensors(folder / "model.safetensors")
+    (folder / "config.json").symlink_to(secret)
+
+    with pytest.raises(mz.CheckpointError) as caught:
+        mz.load_model(folder)
+
+    assert "'config.json'" in str(caught.value) and str(secret) in str(caught.value)
+    assert "outside the checkpoint folder" in str(caught.value)
+
+
+def test_a_shard_that_is_a_symlink_loop_is_an_error_not_a_crash(tmp_path):
+    folder = tmp_path / "ckpt"
+    index = write_index(folder, {"a": "loop.safetensors"})
+    (folder / "loop.safetensors").symlink_to("loop2.safetensors")
+    (folder / "loop2.safetensors").symlink_to("loop.safetensors")
+
+    with pytest.raises(mz.CheckpointError) as caught:
+        mz.open_checkpoint(index)
+
+    assert "loop.safetensors" in str(caught.value)
+
+
+def test_a_folder_without_a_checkpoint_is_described_without_reading_files_linked_out_of_it(tmp_path):
+    outside = tmp_path / "outside.gguf"
+    outside.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(64))
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "weights.gguf").symlink_to(outside)
+    (folder / "model.gguf").write_bytes(outside.read_bytes())
+
+    with pytest.raises(mz.CheckpointNotFoundError) as caught:
+        mz.open_checkpoint(folder)
+
+    message = str(caught.value)
+    assert "model.gguf: a GGUF file" in message  # read: it is the folder's own
+    assert "weights.gguf" in message and "weights.gguf: a GGUF" not in message
+
+
 def test_shard_index_that_is_not_json_names_the_index(tmp_path):
     folder = tmp_path / "ckpt"
     folder.mkdir()

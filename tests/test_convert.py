@@ -15,7 +15,7 @@ from materialize import conversion as convert_module
 from materialize.memory import PeakMemory
 
 from conftest import write_safetensors, write_sharded, write_torch
-from test_cli import run_cli
+from test_cli import assert_one_error_line, run_cli
 from test_hf import _save, _tiny
 
 
@@ -168,3 +168,204 @@ def test_cli_convert_error_is_one_line_and_writes_nothing(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error:") and "'huge'" in lines[0]
     assert leftovers(tmp_path, {"m.safetensors"}) == []
+
+
+# ---------------------------------------------------------------- hostile sources
+
+def all_files(root: Path) -> set[Path]:
+    return {path for path in root.rglob("*") if not path.is_dir() or path.is_symlink()}
+
+
+def model_folder(folder: Path) -> Path:
+    """A small Hugging Face-style folder: weights, a config and a tokenizer file."""
+    folder.mkdir(parents=True)
+    write_safetensors({"w": torch.arange(6.0)}, folder / "model.safetensors")
+    (folder / "config.json").write_text('{"model_type": "none"}')
+    (folder / "tokenizer.json").write_text('{"version": "1.0"}')
+    return folder
+
+
+def test_a_companion_file_symlinked_out_of_the_source_folder_is_refused_naming_it(tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("root:x:0:0")
+    src = model_folder(tmp_path / "src")
+    (src / "tokenizer.json").unlink()
+    (src / "tokenizer.json").symlink_to(secret)
+    before = all_files(tmp_path)
+
+    with pytest.raises(mz.CheckpointError) as caught:
+        mz.convert(src, tmp_path / "out")
+    result = run_cli("convert", src, tmp_path / "out")
+
+    message = str(caught.value)
+    assert "'tokenizer.json'" in message and str(secret) in message and "outside the checkpoint folder" in message
+    line = assert_one_error_line(result, "'tokenizer.json'")
+    assert str(secret) in line and "outside the checkpoint folder" in line
+    assert all_files(tmp_path) == before  # refused before anything was written
+
+
+def test_companion_files_symlinked_inside_the_folder_or_to_hub_cache_blobs_are_copied(tmp_path):
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    model_folder(tmp_path / "files")
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for number, file in enumerate(sorted((tmp_path / "files").iterdir())):  # as huggingface_hub stores a snapshot
+        (repo / "blobs" / f"{number:064x}").write_bytes(file.read_bytes())
+        (snapshot / file.name).symlink_to(f"../../blobs/{number:064x}")
+    (snapshot / "extra").mkdir()
+    (snapshot / "extra" / "vocab.txt").write_text("a\nb\n")
+    (snapshot / "vocab.txt").symlink_to("extra/vocab.txt")  # a link that stays in the folder
+
+    report = mz.convert(snapshot, tmp_path / "out")
+
+    out = tmp_path / "out"
+    assert report.copied == ["config.json", "tokenizer.json", "vocab.txt"]
+    for name in report.copied:
+        assert not (out / name).is_symlink() and (out / name).read_bytes() == (snapshot / name).read_bytes(), name
+    assert torch.equal(load_file(str(out / "model.safetensors"))["w"], torch.arange(6.0))
+
+
+def test_a_companion_name_that_is_no_file_name_in_the_output_is_refused_before_anything_is_written(tmp_path):
+    src = model_folder(tmp_path / "src")
+    (src / "..\\..\\evil.json").write_text("{}")  # a legal POSIX name; a Windows path that climbs out
+    before = all_files(tmp_path)
+
+    with pytest.raises(mz.OutputError) as caught:
+        mz.convert(src, tmp_path / "out")
+
+    assert "'..\\\\..\\\\evil.json'" in str(caught.value) and "output folder" in str(caught.value)
+    assert all_files(tmp_path) == before
+
+
+@pytest.mark.parametrize("name, written", [
+    ("config.json", "config.json"),
+    ("../../escape.json", "escape.json"),
+    ("/etc/passwd", "passwd"),
+    ("sub/dir/tokenizer.json", "tokenizer.json"),
+])
+def test_an_output_name_is_reduced_to_its_base_name_inside_the_destination(tmp_path, name, written):
+    assert convert_module._output_path(tmp_path, name) == tmp_path / written
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "x/..", "a/", "a\\b", "..\\x", "a\0b"])
+def test_an_output_name_that_is_empty_dot_or_holds_a_separator_or_nul_is_refused(tmp_path, name):
+    with pytest.raises(mz.OutputError) as caught:
+        convert_module._output_path(tmp_path, name)
+
+    assert repr(name) in str(caught.value)
+
+
+def test_an_output_path_that_resolves_out_of_the_destination_is_refused(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").symlink_to(tmp_path / "elsewhere.json")  # never there by construction: checked all the same
+
+    with pytest.raises(mz.OutputError) as caught:
+        convert_module._output_path(out, "config.json")
+
+    assert "outside the output folder" in str(caught.value)
+
+
+def test_shard_names_from_the_source_never_become_output_paths(tmp_path):
+    torch.manual_seed(2)
+    state = {f"layer{i}.weight": torch.randn(10, 10) for i in range(3)}
+    src = tmp_path / "src"
+    (src / "deep" / "er").mkdir(parents=True)
+    weight_map = {}
+    for number, (name, value) in enumerate(state.items()):
+        shard = f"./deep/er/{number}.safetensors" if number else "deep/part.safetensors"
+        write_safetensors({name: value}, src / shard)
+        weight_map[name] = shard
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    before = all_files(tmp_path)
+
+    report = mz.convert(src, tmp_path / "out", shard_size=500)
+
+    out = tmp_path / "out"
+    assert all_files(tmp_path) - before == all_files(out)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors",
+        "model.safetensors.index.json",
+    ]
+    assert report.copied == []
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "ABSOLUTE", "link.safetensors"])
+def test_a_source_index_naming_a_shard_out_of_its_folder_is_refused_and_nothing_is_written(tmp_path, shard):
+    outside = write_safetensors({"w": torch.ones(3)}, tmp_path / "outside.safetensors")
+    src = tmp_path / "src"
+    src.mkdir()
+    if shard == "link.safetensors":
+        (src / shard).symlink_to(outside)
+    shard = str(outside) if shard == "ABSOLUTE" else shard
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": shard}}))
+    before = all_files(tmp_path)
+
+    with pytest.raises(mz.CheckpointError) as caught:
+        mz.convert(src, tmp_path / "out")
+
+    assert "outside the checkpoint folder" in str(caught.value)
+    assert all_files(tmp_path) == before
+
+
+def expanded_file(path: Path, rows: int) -> Path:
+    """A torch file whose tensor 'w' is 4 stored floats repeated over ``rows`` rows (a stride of 0)."""
+    return write_torch({"w": torch.arange(4.0).expand(rows, 4), "b": torch.ones(3)}, path)
+
+
+def test_a_view_expanding_its_storage_past_the_limit_is_refused_before_anything_is_written(tmp_path):
+    src = write_torch({"w": torch.zeros(1).expand(400_000_000)}, tmp_path / "bomb.pt")  # 1.6 GB from 4 bytes
+    assert src.stat().st_size < 2000
+
+    with PeakMemory() as memory, pytest.raises(mz.ExpansionError) as caught:
+        mz.convert(src, tmp_path / "out.safetensors")
+
+    message = str(caught.value)
+    assert caught.value.path == str(src) and caught.value.tensor == "w"
+    assert "400,000,000x" in message and "limit of 16x" in message and "--allow-expansion" in message
+    assert memory.host_growth < 64 * 1024 * 1024
+    assert leftovers(tmp_path, {"bomb.pt"}) == []
+
+
+def test_ties_and_views_of_one_storage_are_not_expansion(tmp_path, monkeypatch):
+    monkeypatch.setattr(convert_module, "EXPANSION_ALLOWANCE", 0)  # any expanded tensor at all is refused
+    base = torch.randn(64, 32)
+    state = {"embed": base, "lm_head": base, "rows": base[8:40], "transposed": base.t(), "column": base[:, 3],
+             "every_other": base[::2]}
+    src = write_torch(state, tmp_path / "tied.pt")
+
+    mz.convert(src, tmp_path / "out.safetensors", dtype="fp64")  # a widening cast is no expansion either
+
+    written = load_file(str(tmp_path / "out.safetensors"))
+    for name, value in state.items():
+        assert torch.equal(written[name], value.double()), name
+
+
+def test_small_expanded_tensors_pass_until_what_they_add_reaches_the_allowance(tmp_path, monkeypatch):
+    monkeypatch.setattr(convert_module, "EXPANSION_ALLOWANCE", 10_000)
+    state = {f"mask{i}": torch.ones(1).expand(1000) for i in range(4)}  # 4000 bytes each from 4 stored
+    src = write_torch(state, tmp_path / "masks.pt")
+
+    with pytest.raises(mz.ExpansionError) as caught:
+        mz.convert(src, tmp_path / "out.safetensors")
+    first_two = write_torch({n: state[n] for n in ("mask0", "mask1")}, tmp_path / "two.pt")
+    mz.convert(first_two, tmp_path / "two.safetensors")
+
+    assert caught.value.tensor == "mask2"  # 3 x (4000 - 16 x 4) bytes passes 10,000
+    assert torch.equal(load_file(str(tmp_path / "two.safetensors"))["mask1"], torch.ones(1000))
+
+
+def test_cli_refuses_an_expanding_view_and_its_hint_writes_it_in_full(tmp_path):
+    src = expanded_file(tmp_path / "expanded.pt", rows=1_200_000)  # 19.2 MB from 16 bytes
+    dst = tmp_path / "out.safetensors"
+
+    refused = run_cli("convert", src, dst)
+    line = assert_one_error_line(refused, "'w'")
+    flag = next(word for word in line.replace(")", " ").split() if word.startswith("--allow-"))
+    assert str(src) in line and "1,200,000x" in line and not dst.exists()
+    allowed = run_cli("convert", src, dst, flag, "--json")
+
+    assert allowed.returncode == 0, allowed.stderr
+    assert json.loads(allowed.stdout)["bytes_written"] == 1_200_000 * 16 + 12
+    assert torch.equal(load_file(str(dst))["w"], torch.arange(4.0).expand(1_200_000, 4))

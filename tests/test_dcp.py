@@ -273,3 +273,55 @@ def test_blocks_that_do_not_tile_their_tensor_are_refused_naming_it(tmp_path, bl
         mz.open_checkpoint(folder)
 
     assert "tensor 'w'" in str(caught.value) and words in str(caught.value)
+
+
+@pytest.mark.parametrize("moved", [".metadata", "__0_0.distcp"])
+def test_a_metadata_or_chunk_file_symlinked_out_of_the_folder_is_refused_naming_the_link(tmp_path, moved):
+    folder = _save({"w": torch.randn(3, 4)}, tmp_path / "linked")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (folder / moved).rename(elsewhere / moved)
+    (folder / moved).symlink_to(elsewhere / moved)
+
+    with pytest.raises(mz.CheckpointError) as caught:
+        mz.open_checkpoint(folder)
+    done = subprocess.run([CLI, "convert", str(folder), str(tmp_path / "out")], capture_output=True, text=True)
+
+    message = str(caught.value)
+    assert f"'{moved}'" in message and str(elsewhere / moved) in message and "outside the checkpoint folder" in message
+    assert done.returncode == 1 and done.stdout == "" and not (tmp_path / "out").exists()
+    assert done.stderr.count("\n") == 1 and f"'{moved}'" in done.stderr and "outside the checkpoint folder" in done.stderr
+
+
+def test_a_chunk_file_symlinked_within_the_folder_still_loads(tmp_path):
+    tensors = {"w": torch.randn(3, 4), "b": torch.arange(5)}
+    folder = _save(dict(tensors), tmp_path / "inside")
+    (folder / "data").mkdir()
+    (folder / "__0_0.distcp").rename(folder / "data" / "__0_0.distcp")
+    (folder / "__0_0.distcp").symlink_to("data/__0_0.distcp")
+
+    loaded, _ = mz.load_model(folder)
+
+    for name, value in tensors.items():
+        assert torch.equal(loaded[name], value), name
+
+
+@pytest.mark.parametrize("relative", ["../elsewhere/__0_0.distcp", "ABSOLUTE"])
+def test_a_chunk_path_leading_out_of_the_folder_is_refused_and_convert_writes_nothing(tmp_path, relative):
+    folder = _save({"w": torch.randn(3, 4)}, tmp_path / "escaping")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "__0_0.distcp").write_bytes((folder / "__0_0.distcp").read_bytes())  # a real chunk file, outside
+    relative = str(elsewhere / "__0_0.distcp") if relative == "ABSOLUTE" else relative
+
+    def change(metadata) -> None:
+        for where in metadata.storage_data.values():
+            where.relative_path = relative
+
+    _rewrite_metadata(folder, change)
+
+    with pytest.raises(mz.CheckpointError) as caught:
+        mz.convert(folder, tmp_path / "out")
+
+    assert f"'{relative}'" in str(caught.value) and "not a file of this folder" in str(caught.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "escaping"]

@@ -334,8 +334,10 @@ def test_an_expanded_tensor_stays_a_view_of_its_few_stored_values(tmp_path):
 def test_converting_an_expansion_too_large_to_allocate_is_an_allocation_error(tmp_path):
     path = write_torch({"huge": torch.zeros(1).expand(2**40)}, tmp_path / "huge.pt")  # 4 TiB once written out
 
-    with pytest.raises(mz.AllocationError) as caught:
+    with pytest.raises(mz.ExpansionError, match="'huge'.*allow_expansion"):  # refused by default, test_convert.py
         mz.convert(path, tmp_path / "out.safetensors")
+    with pytest.raises(mz.AllocationError) as caught:  # allowed, it still cannot be allocated
+        mz.convert(path, tmp_path / "out.safetensors", allow_expansion=True)
 
     assert "'huge'" in str(caught.value) and "out of memory" in str(caught.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["huge.pt"]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -110,3 +112,59 @@ def test_a_repo_in_no_known_layout_fetches_all_its_safetensors(served):
     folder = hub.resolve(REPO)
 
     assert fetched == ["weights.safetensors"] and (folder / "weights.safetensors").is_file()
+
+
+@pytest.fixture
+def cached(tmp_path, monkeypatch):
+    """A fake hub that lays files out as huggingface_hub's cache does: snapshot entries link to ../../blobs/<hash>."""
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    repo = tmp_path / "cache" / f"models--{REPO.replace('/', '--')}"
+    snapshot = repo / "snapshots" / ("c0ffee" * 6 + "c0ff")
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=None):
+        for file in sorted(remote.iterdir()):
+            if any(fnmatch.fnmatch(file.name, pattern) for pattern in allow_patterns) and not (snapshot / file.name).exists():
+                blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+                shutil.copy(file, blob)
+                (snapshot / file.name).symlink_to(f"../../blobs/{blob.name}")
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    return remote, snapshot
+
+
+def test_a_cached_repo_whose_files_link_to_its_blobs_converts_with_its_companions(cached, tmp_path):
+    remote, snapshot = cached
+    state = _state()
+    _write_sharded(remote, state)
+    (remote / "tokenizer.json").write_text('{"version": "1.0"}')
+
+    report = mz.convert(REPO, tmp_path / "out")
+
+    out = tmp_path / "out"
+    assert report.copied == ["config.json", "tokenizer.json"]
+    for name in report.copied:
+        assert (out / name).read_text() == (remote / name).read_text() and not (out / name).is_symlink(), name
+    assert all((snapshot / name).is_symlink() for name in ("config.json", "model.safetensors.index.json"))
+    converted, _ = mz.load_tensors(out)
+    loaded, _ = mz.load_model(REPO)  # its config.json, a link to a blob, is read to decide what to build
+    for name, value in state.items():
+        assert torch.equal(converted[name], value) and torch.equal(loaded[name], value), name
+
+
+def test_a_cached_snapshot_file_linking_out_of_its_repo_is_refused(cached, tmp_path):
+    remote, snapshot = cached
+    save_file(_state(), remote / "model.safetensors")
+    secret = tmp_path / "cache" / "models--other--repo" / "blobs" / "0000"
+    secret.parent.mkdir(parents=True)
+    secret.write_text("{}")
+    snapshot.joinpath("tokenizer.json").symlink_to(os.path.relpath(secret, snapshot))
+
+    with pytest.raises(mz.CheckpointError) as caught:
+        mz.convert(REPO, tmp_path / "out")
+
+    assert "'tokenizer.json'" in str(caught.value) and str(secret) in str(caught.value)
+    assert not (tmp_path / "out").exists()

@@ -15,6 +15,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, UnsupportedFormat
 from ..fileio import open_for_reading
 from ..gcpause import gc_paused
 from .base import Checkpoint, TensorInfo
+from .confine import allowed_roots, confine
 from .index import SAFETENSORS_INDEX_NAME, read_sharded
 from .safetensors import read_header
 
@@ -197,11 +198,12 @@ _FOLDER_RULES: tuple[Callable[[Path], bool], ...] = (
 
 
 def pick_from_folder(folder: Path) -> Path:
-    """The one checkpoint a Hugging Face-style folder holds."""
+    """The one checkpoint a Hugging Face-style folder holds; refused where it is a symlink leading out of the folder."""
     files = sorted(p for p in folder.iterdir() if p.is_file())
     for rule in _FOLDER_RULES:
         group = [p for p in files if rule(p)]
         if len(group) == 1:
+            confine(group[0], allowed_roots(folder), what=f"{group[0].name!r}", about=folder)
             return group[0]
         if len(group) > 1:
             raise CheckpointError(
@@ -237,8 +239,10 @@ def _what_folder_holds(files: list[Path]) -> str:
     if not files:
         return "no files at all"
     described = []
+    roots = allowed_roots(files[0].parent)
     for path in files[:5]:
         try:
+            confine(path, roots, what=path.name, about=path)  # a link out of the folder is named, never read
             foreign = _foreign_format(_head(path), path)
         except (OSError, CheckpointError):  # unreadable: named as it is
             foreign = None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import math
 import os
 import pickle
@@ -34,6 +35,8 @@ import torch
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError
 from . import DCP_METADATA_NAME
 from .base import TensorInfo
+from .pickle_budget import check_budget
+from .confine import allowed_roots, confine, leaves_folder
 from .sealed import Sealed, sealed_call
 from .torchpickle import STATE_DICT_KEYS, TRAINING_STATE_KEYS, first_line
 from .torchzip import read_embedded_tensor
@@ -119,8 +122,9 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
 
 def _read_metadata(path: Path) -> Any:
     try:
-        with open(path, "rb") as handle:
-            return _MetadataUnpickler(handle, path).load()
+        data = path.read_bytes()
+        check_budget(data, path=path, what="DCP metadata")
+        return _MetadataUnpickler(io.BytesIO(data), path).load()
     except (CheckpointError, OSError):
         raise
     except Exception as exc:  # a damaged pickle raises anything: it is the file's fault
@@ -128,8 +132,14 @@ def _read_metadata(path: Path) -> Any:
 
 
 def read_dcp(folder: Path) -> dict[str, TensorInfo]:
-    """Every tensor of the DCP checkpoint in ``folder``, its chunks located and checked; no tensor data read."""
+    """Every tensor of the DCP checkpoint in ``folder``, its chunks located and checked; no tensor data read.
+
+    ``.metadata`` and every chunk file must lie in the folder: a symlink
+    leading out of it is refused, as in a shard index.
+    """
     path = folder / DCP_METADATA_NAME
+    data_files = _DataFiles(folder, path)
+    confine(path, data_files.roots, what=f"'{DCP_METADATA_NAME}'", about=folder)
     metadata = _read_metadata(path)
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"holds a {type(metadata).__name__}, not DCP metadata", path=path)
@@ -148,7 +158,7 @@ def read_dcp(folder: Path) -> dict[str, TensorInfo]:
             raise CheckpointError(f"the metadata describes {fqn!r} as a {type(entry).__name__}", path=path)
         shape = _sizes(getattr(entry, "size", None), f"tensor '{fqn}'", path)
         dtype = _field(_field(entry, "properties", object, f"tensor '{fqn}'", path), "dtype", torch.dtype, f"tensor '{fqn}'", path)
-        chunks = [_chunk(folder, path, fqn, shape, dtype, chunk, storage)
+        chunks = [_chunk(data_files, path, fqn, shape, dtype, chunk, storage)
                   for chunk in _field(entry, "chunks", list, f"tensor '{fqn}'", path)]
         tensors[names[fqn]] = _assemble(names[fqn], shape, chunks, path)
     return tensors
@@ -189,7 +199,29 @@ def _names(metadata: Any) -> dict[str, str]:
             if not (fqn in nested and nested[fqn][0] in TRAINING_STATE_KEYS)}
 
 
-def _chunk(folder: Path, metadata_path: Path, fqn: str, shape: tuple[int, ...], dtype: Any, chunk: Any,
+class _DataFiles:
+    """The folder's chunk files by the name the metadata gives them, each checked once to lie in the folder."""
+
+    def __init__(self, folder: Path, metadata_path: Path) -> None:
+        self.folder = folder
+        self.metadata_path = metadata_path
+        self.roots = allowed_roots(folder)
+        self._checked: dict[str, Path] = {}
+
+    def get(self, relative: str, fqn: str) -> Path:
+        path = self._checked.get(relative)
+        if path is not None:
+            return path
+        path = self.folder / relative
+        if leaves_folder(relative) or not path.is_file():
+            raise CheckpointError(f"the chunk of '{fqn}' is in '{relative}', which is not a file of this folder",
+                                  path=self.metadata_path)
+        confine(path, self.roots, what=f"the chunk file '{relative}' of '{fqn}'", about=self.metadata_path)
+        self._checked[relative] = path
+        return path
+
+
+def _chunk(data_files: _DataFiles, metadata_path: Path, fqn: str, shape: tuple[int, ...], dtype: Any, chunk: Any,
            storage: dict) -> tuple[tuple, TensorInfo]:
     what = f"a chunk of tensor '{fqn}'"
     offsets = _sizes(getattr(chunk, "offsets", None), what, metadata_path)
@@ -206,9 +238,7 @@ def _chunk(folder: Path, metadata_path: Path, fqn: str, shape: tuple[int, ...], 
             f"tensor '{fqn}' is stored transformed ({', '.join(map(str, transforms))}); only plain "
             "torch.save chunks are read", path=metadata_path)
     relative = _field(where, "relative_path", str, f"the storage of {what}", metadata_path)
-    data_path = folder / relative
-    if Path(relative).is_absolute() or ".." in Path(relative).parts or not data_path.is_file():
-        raise CheckpointError(f"the chunk of '{fqn}' is in '{relative}', which is not a file of this folder", path=metadata_path)
+    data_path = data_files.get(relative, fqn)
     start = _field(where, "offset", int, f"the storage of {what}", metadata_path)
     length = _field(where, "length", int, f"the storage of {what}", metadata_path)
     if start < 0 or length <= 0 or start + length > os.path.getsize(data_path):

@@ -12,6 +12,7 @@ from typing import Callable
 
 from ..errors import CheckpointError, CheckpointNotFoundError, summarize_names
 from .base import TensorInfo
+from .confine import allowed_roots, confine, leaves_folder
 
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
 
@@ -36,43 +37,31 @@ def read_index(index_path: Path) -> tuple[dict[str, str], dict]:
     return weight_map, metadata if isinstance(metadata, dict) else {}
 
 
-def _allowed_roots(folder: Path) -> list[Path]:
-    """Where shard files may really live: the folder, and for a hub cache snapshot its repo's blobs."""
-    roots = [folder]
-    if folder.parent.name == "snapshots":
-        roots.append(folder.parent.parent / "blobs")
-    return roots
-
-
 def resolve_shards(index_path: Path, weight_map: dict[str, str]) -> dict[str, Path]:
     """Shard file name -> path, refusing any path or symlink that leaves the folder.
 
     A shard name must be a relative path below the index's folder. A symlink
     may point into the folder or, in a Hugging Face cache snapshot, into the
-    repo's ``blobs/`` (that is how the cache stores files); nowhere else.
+    repo's ``blobs/`` (that is how the cache stores files); nowhere else
+    (see :mod:`materialize.checkpoint.confine`).
     """
     folder = index_path.parent.resolve()
-    roots = _allowed_roots(folder)
+    roots = allowed_roots(folder)
     shards: dict[str, Path] = {}
     missing: list[str] = []
     for shard_name in dict.fromkeys(weight_map.values()):
-        candidate = Path(shard_name)
-        if candidate.is_absolute() or ".." in candidate.parts or not shard_name.strip():
+        if leaves_folder(shard_name):
             raise CheckpointError(f"shard path {shard_name!r} points outside the checkpoint folder", path=index_path)
-        path = folder / candidate
+        path = folder / shard_name
         try:
             present = path.is_file()
-            target = path.resolve()
-        except (OSError, ValueError) as exc:  # a name too long for the file system, a loop, a NUL byte
+        except (OSError, ValueError) as exc:  # a name too long for the file system, a NUL byte
             reason = exc.strerror if isinstance(exc, OSError) else str(exc)
             raise CheckpointError(f"shard path {shard_name[:80]!r} cannot be used: {reason}", path=index_path) from None
         if not present:
             missing.append(shard_name)
             continue
-        if not any(target.is_relative_to(root) for root in roots):
-            raise CheckpointError(
-                f"shard {shard_name!r} is a symlink to {target}, outside the checkpoint folder", path=index_path
-            )
+        confine(path, roots, what=f"shard {shard_name!r}", about=index_path)
         shards[shard_name] = path
     if missing:
         raise CheckpointNotFoundError(

@@ -33,7 +33,12 @@ Item = Callable[[Any, Any], None]  # a key and its value, set in a dict
 
 
 def negative_layouts(data: bytes) -> list[tuple[Any, Any, Any]]:
-    """(offset, size, stride) of every rebuilt tensor where any of them is negative."""
+    """(offset, size, stride) of every rebuilt tensor where any of them is negative.
+
+    A tensor's layout can also be set after its rebuild, by pickle's BUILD
+    (``Tensor.__setstate__`` with ``(storage, offset, size, stride)``, which
+    both torch's readers apply): every BUILD state of that shape is read too.
+    """
     found = []
 
     def call(function: str, args: Any) -> Any:
@@ -42,8 +47,43 @@ def negative_layouts(data: bytes) -> list[tuple[Any, Any, Any]]:
             found.append(layout)
         return _OPAQUE
 
+    def build(state: Any) -> None:
+        layout = _layout(state) if isinstance(state, tuple) and len(state) == 4 else None
+        if layout is not None:
+            found.append(layout)
+
+    _walk(data, call, build=build)
+    return found
+
+
+# Calls that allocate memory from a count the file gives (bytearray(3_000_000_000), torch.FloatTensor(n, m),
+# torch.UntypedStorage(n)) rather than from data it holds; torch.save never writes them with a count.
+def _allocates(function: str) -> bool:
+    module, _, name = function.partition(" ")
+    return name == "bytearray" and module in ("builtins", "__builtin__") or (
+        module.split(".")[0] == "torch" and name.endswith(("Tensor", "Storage")))
+
+
+def counted_allocations(data: bytes) -> list[str]:
+    """The globals the pickle calls with a number among their arguments, where such a call allocates that many
+    bytes or elements (:func:`_allocates`), as far as the walk reads."""
+    found: list[str] = []
+
+    def call(function: str, args: Any) -> Any:
+        if _allocates(function) and _holds_a_number(args):
+            found.append(function.replace(" ", "."))
+        return args if function == "torch Size" else _OPAQUE  # a size's numbers stay counts
+
     _walk(data, call)
     return found
+
+
+def _holds_a_number(args: Any, depth: int = 0) -> bool:
+    if isinstance(args, int):
+        return True
+    if isinstance(args, tuple) and depth < 4:
+        return any(_holds_a_number(item, depth + 1) for item in args)
+    return False
 
 
 class _Quantized:
@@ -70,8 +110,9 @@ def quantized_tensors(data: bytes) -> tuple[int, list[str]]:
     return calls, names
 
 
-def _walk(data: bytes, call: Call, item: Optional[Item] = None) -> None:
-    """Follow ``data``'s opcodes on a stack of plain values: each REDUCE goes to ``call``, each dict item to ``item``."""
+def _walk(data: bytes, call: Call, item: Optional[Item] = None, build: Optional[Callable[[Any], None]] = None) -> None:
+    """Follow ``data``'s opcodes on a stack of plain values: each REDUCE and NEWOBJ goes to ``call``, each dict
+    item to ``item``, each BUILD's state to ``build``."""
     stack: list[Any] = []
     marks: list[int] = []
     memo: dict[int, Any] = {}
@@ -120,14 +161,21 @@ def _walk(data: bytes, call: Call, item: Optional[Item] = None) -> None:
                 global_name = function[1] if isinstance(function, tuple) and len(function) == 2 and function[0] == "global" else ""
                 stack.append(call(global_name, args))
             elif name == "NEWOBJ":
-                del stack[-2:]
+                args = stack.pop()
+                cls = stack.pop()
+                global_name = cls[1] if isinstance(cls, tuple) and len(cls) == 2 and cls[0] == "global" else ""
+                call(global_name, args)
                 stack.append(_OPAQUE)
             elif name == "SETITEM":
                 key, value = stack[-2:]
                 del stack[-2:]
                 if item is not None:
                     item(key, value)
-            elif name in ("BUILD", "APPEND"):
+            elif name == "BUILD":
+                state = stack.pop()
+                if build is not None:
+                    build(state)
+            elif name == "APPEND":
                 stack.pop()
             elif name == "SETITEMS":
                 start = marks.pop()

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError
 from .base import TensorInfo
+from .pickle_budget import check_budget
 from .torchpickle import StorageRef, first_line, read_payload, tensor_info
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
@@ -155,6 +156,7 @@ class _PlainDataUnpickler(pickle.Unpickler):
 
 def _small_pickle(path: Path, handle: BinaryIO, what: str) -> Any:
     data = _pickle_bytes(path, handle, what, limit=_MAX_SMALL_PICKLE)
+    check_budget(data, path=path, what=f"its {what}")
     try:
         return _PlainDataUnpickler(io.BytesIO(data), encoding="utf-8").load()
     except Exception as exc:  # plain data only: anything else is damage or a trap

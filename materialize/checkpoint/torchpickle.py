@@ -16,6 +16,8 @@ import io
 import math
 import pickle
 import re
+import reprlib
+import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -24,7 +26,8 @@ from torch import _weights_only_unpickler, nn
 
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError, first_line, summarize_names
 from .base import TensorInfo, is_extra_state, make_info
-from .pickle_scan import negative_layouts, quantized_tensors
+from .pickle_budget import check_budget
+from .pickle_scan import counted_allocations, negative_layouts, quantized_tensors
 from .sealed import Unchangeable, sealed_call
 from .standins import (
     INERT_GLOBALS, CalledStandIn, StandIn, is_module_state, is_numpy_array, module_state, stand_in_class,
@@ -39,6 +42,18 @@ TRAINING_STATE_KEYS = ("optimizer", "optimizers", "optim", "optimizer_states", "
                        "dataloader", "train_state", "callbacks", "loops", "scaler", "scaler_state_dict", "rng_state")
 
 
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlevel, _BRIEF.maxstring, _BRIEF.maxother = 3, 60, 60
+
+
+def _brief(value: Any) -> str:
+    """A value of the file, for an error message: a few levels and items of it, whatever its size."""
+    try:
+        return _BRIEF.repr(value)
+    except Exception:  # a stand-in's or a hostile object's repr may fail: the message must not
+        return f"<{type(value).__name__}>"
+
+
 class StorageRef:
     def __init__(self, key: str, nbytes: int) -> None:
         self.key = key
@@ -48,7 +63,7 @@ class StorageRef:
 def persistent_loader(path: Path, refs: dict[int, StorageRef]):
     def persistent_load(saved_id: Any) -> Any:
         if not (isinstance(saved_id, tuple) and len(saved_id) == 5):
-            raise CheckpointError(f"unexpected persistent id {saved_id!r} in data.pkl", path=path)
+            raise CheckpointError(f"unexpected persistent id {_brief(saved_id)} in data.pkl", path=path)
         _, storage_type, key, _location, numel = saved_id
         if isinstance(storage_type, _StorageKind):  # the plain path's (first: asking a class for it is slower)
             dtype = storage_type.dtype
@@ -57,7 +72,7 @@ def persistent_loader(path: Path, refs: dict[int, StorageRef]):
         else:
             dtype = getattr(storage_type, "_dtype", None) or getattr(storage_type, "dtype", None)
         if not isinstance(dtype, torch.dtype) or type(numel) is not int or numel < 0:
-            raise CheckpointError(f"malformed storage record {key!r} in data.pkl", path=path)
+            raise CheckpointError(f"malformed storage record {_brief(key)} in data.pkl", path=path)
         storage = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
         refs[storage._cdata] = StorageRef(str(key), numel * dtype.itemsize)
         return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
@@ -105,11 +120,12 @@ def _plain_globals() -> dict[str, Any]:
         "_codecs.encode": codecs.encode,
         "builtins.set": set,
         "builtins.complex": complex,
-        "builtins.bytearray": bytearray,
+        "builtins.bytearray": sealed_call(_bytearray_of_data),
         "collections.Counter": sealed_call(collections.Counter),
         "torch._utils._rebuild_parameter_with_state": sealed_call(torch._utils._rebuild_parameter_with_state),
     }
-    beside.update({f"__builtin__.{kind.__name__}": kind for kind in (set, complex, bytearray)})  # protocol 2's names
+    beside.update({f"__builtin__.{kind.__name__}": kind for kind in (set, complex)})  # protocol 2's names
+    beside["__builtin__.bytearray"] = beside["builtins.bytearray"]
     return {
         **rebuilds,
         "torch._utils._rebuild_parameter": sealed_call(torch._utils._rebuild_parameter),
@@ -117,6 +133,18 @@ def _plain_globals() -> dict[str, Any]:
         **beside,
         **named,
     }
+
+
+def _bytearray_of_data(*args: Any) -> bytearray:
+    """``bytearray`` of the bytes a file holds; given a count (``bytearray(3_000_000_000)``, a few bytes of a
+    pickle asking for gigabytes), not plain: the weights-only path refuses it by name."""
+    if args and not isinstance(args[0], (bytes, bytearray, str)):
+        raise _NotPlain("bytearray of a count")
+    return bytearray(*args)
+
+
+# What each plain rebuild made, by thread: (tensor, offset, size, stride), checked once the pickle is read.
+_MADE = threading.local()
 
 
 def _plain_rebuild(rebuild: Callable[..., torch.Tensor], *, dtype_given: bool) -> Callable[..., torch.Tensor]:
@@ -127,7 +155,9 @@ def _plain_rebuild(rebuild: Callable[..., torch.Tensor], *, dtype_given: bool) -
     tensor mode on every call, most of its cost. A negative layout, which
     meta storages would quietly accept, sends the file to the weights-only
     path, whose opcode scan (:func:`.pickle_scan.negative_layouts`) refuses
-    it with the layout named.
+    it with the layout named. So does a layout changed after the rebuild (a
+    BUILD on the tensor calls ``Tensor.__setstate__``, which sets it anew),
+    found when the pickle is read (:func:`_layouts_kept`).
     """
     def rebuild_checked(storage: Any, storage_offset: int, size: tuple, stride: tuple, requires_grad: bool,
                         backward_hooks: Any, *rest: Any) -> torch.Tensor:
@@ -140,6 +170,7 @@ def _plain_rebuild(rebuild: Callable[..., torch.Tensor], *, dtype_given: bool) -
         tensor = torch.empty((0,), dtype=dtype, device="meta").set_(storage._untyped_storage, storage_offset, size, stride)
         if requires_grad:
             tensor.requires_grad = True
+        _MADE.tensors.append((tensor, storage_offset, size, stride))
         return tensor
 
     return rebuild_checked
@@ -174,10 +205,20 @@ def _unpickle_plain(
 ) -> Any:
     unpickler = _PlainStateUnpickler(io.BytesIO(data), encoding="utf-8")
     unpickler.persistent_load = persistent(path, refs)
+    _MADE.tensors = []
     try:
-        return unpickler.load()
+        loaded = unpickler.load()
+        return loaded if _layouts_kept(_MADE.tensors) else _NOT_PLAIN
     except Exception:  # not plain, or not well-formed: the weights-only path (which starts from clear refs) says which
         return _NOT_PLAIN
+    finally:
+        _MADE.tensors = []
+
+
+def _layouts_kept(made: list[tuple[torch.Tensor, int, tuple, tuple]]) -> bool:
+    """Whether every tensor still has the layout its rebuild gave it (no BUILD set another)."""
+    return all(tensor.storage_offset() == offset and tensor.stride() == stride and tensor.shape == size
+               for tensor, offset, size, stride in made)
 
 
 _NOT_PLAIN = object()
@@ -214,6 +255,7 @@ def unpickle(
         unpickler: Any = _TrustedUnpickler(io.BytesIO(data), encoding="utf-8")
         unpickler.persistent_load = persistent(path, refs)
         return _load(path, unpickler, trust_pickle=True, what=what), False
+    check_budget(data, path=path, what=what)
     plain = _unpickle_plain(path, data, refs, persistent)
     if plain is not _NOT_PLAIN:
         return plain, True
@@ -226,6 +268,11 @@ def unpickle(
             "(CLI: --trust-pickle) if you trust the file", path=path)
     if protocol == 3:  # torch's reader warns at protocol 3's mark, then reads the opcodes it knows all the same
         data = pickle.PROTO + bytes([2]) + data[2:]
+    allocations = counted_allocations(data)
+    if allocations:  # torch's reader would make them: gigabytes asked for by a few bytes
+        raise CheckpointError(
+            f"{what} calls {allocations[0]} with a count, which would allocate memory the file does not hold; "
+            "torch.save never writes that", path=path)
     stand_ins: dict[str, Any] = {}  # stand-in classes, and the inert globals let through as themselves
     while True:
         refs.clear()
@@ -306,6 +353,9 @@ def read_payload(
     except CheckpointError as error:
         error.path = error.path or str(path)
         raise
+    except (TypeError, AttributeError, ValueError, RecursionError) as exc:  # objects the file made, misbehaving
+        raise CheckpointError(f"{what} holds a malformed structure: {type(exc).__name__}: {first_line(exc)}",
+                              path=path) from None
     hostile = [] if layouts_checked else negative_layouts(data)
     if hostile:
         offset, size, stride = hostile[0]
@@ -346,16 +396,20 @@ def _partitioned_by_zero3(unpickled: Any, payload: dict[str, torch.Tensor]) -> l
     """Parameters a DeepSpeed model-states file records a shape for but holds empty (ZeRO-3 partitions them)."""
     if not isinstance(unpickled, dict) or "ds_version" not in unpickled:
         return []
-    groups = unpickled.get("param_shapes")
+    groups = dict.get(unpickled, "param_shapes")
     groups = groups if isinstance(groups, list) else [groups]
-    return [name for group in groups if isinstance(group, dict) for name, shape in group.items()
-            if isinstance(shape, tuple) and math.prod(shape) > 0 and name in payload and payload[name].numel() == 0]
+    return [name for group in groups if isinstance(group, dict) for name, shape in dict.items(group)
+            if isinstance(shape, tuple) and _is_shape(shape) and math.prod(shape) > 0 and name in payload and payload[name].numel() == 0]
+
+
+def _is_shape(value: tuple) -> bool:
+    return all(type(size) is int for size in value)
 
 
 def _outline(obj: Any) -> str:
     """What an object without weights is, in a few words: a dict by its keys, else by its type."""
     if isinstance(obj, dict):
-        keys = [str(key) for key in obj]
+        keys = [key if isinstance(key, str) else _brief(key) for key in obj]
         return f"a dict of {len(keys)} entries ({summarize_names(keys, limit=6)})"
     return f"a {type(obj).__name__}"
 
@@ -391,7 +445,7 @@ def find_payload(obj: Any) -> tuple[dict[str, torch.Tensor], Optional[nn.Module]
         return dict(module_state(obj)), None, {}
     if isinstance(obj, dict):
         for key in STATE_DICT_KEYS:
-            nested = obj.get(key)
+            nested = dict.get(obj, key)  # not obj.get: a file can set an OrderedDict's attributes (BUILD)
             if isinstance(nested, nn.Module):
                 return _module_tensors(nested), nested, {}
             if is_module_state(nested):
@@ -423,7 +477,7 @@ def _gather(mapping: dict, prefix: str, entries: dict[str, torch.Tensor], arrays
     if id(mapping) in seen:  # a pickle can make a dict that holds itself
         return
     seen.add(id(mapping))
-    for key, value in mapping.items():
+    for key, value in dict.items(mapping):
         name = prefix + str(key)
         if isinstance(value, torch.Tensor):
             pairs = [(name, value)]
@@ -471,6 +525,10 @@ def tensor_info(
 
     if tensor.layout != torch.strided or tensor.is_quantized:
         raise fail(f"has layout {tensor.layout}; only dense tensors are supported")
+    if tensor.is_conj() or tensor.is_neg():  # torch.load resolves the bit on use; the bytes alone are not the values
+        bit, resolve = ("conjugate", "resolve_conj") if tensor.is_conj() else ("negative", "resolve_neg")
+        raise fail(f"was saved as a lazy view with the {bit} bit set, whose values are not its stored bytes; this "
+                   f"loader reads stored bytes only: re-save it as tensor.{resolve}()")
     ref = refs.get(tensor.untyped_storage()._cdata)
     if ref is None:
         raise fail("its storage is not a record of this file")

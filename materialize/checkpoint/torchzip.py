@@ -58,8 +58,9 @@ def _record_offsets(
                 raise CheckpointError(f"zip record {name!r} is marked as a directory (corrupt zip)", path=path)
             if info.volume != 0:
                 raise CheckpointError(f"zip record {name!r} claims to be on another disk (corrupt zip)", path=path)
-            if info.compress_type != zipfile.ZIP_STORED and name.startswith(data_dir):
-                raise CheckpointError(f"storage record {name[len(data_dir):]!r} is compressed; torch writes them stored", path=path)
+            if info.compress_type != zipfile.ZIP_STORED:  # a few compressed bytes could inflate to gigabytes
+                what = f"storage record {name[len(data_dir):]!r}" if name.startswith(data_dir) else f"zip record {name!r}"
+                raise CheckpointError(f"{what} is compressed; torch writes every record stored", path=path)
             raw_name = _raw_name(info)
             # One positional read of the header and the name it must repeat: no buffer refilled per record.
             header = os.pread(fd, _LOCAL_HEADER.size + len(raw_name), base + info.header_offset)

@@ -1,0 +1,346 @@
+"""Bounds on what a pickle may build, checked on its opcodes before any of it is unpickled.
+
+A pickle of a few kilobytes can describe a structure that is exponentially
+large when walked: each memo GET is a second reference to an object already
+built, so a chain of tuples that each hold the previous one twice is 2**n
+objects to whoever hashes it (a dict key), prints it (an error message) or
+walks it (finding a state dict in it). Unpickling itself hashes dict keys and
+set items, in C, where nothing can interrupt it, so the bound is checked
+before: :func:`check_budget` follows the opcodes on a model of the stack and
+the memo, then counts, for every container the pickle builds, how many
+objects a walk of it meets (an object once per reference to it) and how deep
+it nests. Both are bounded:
+
+- :data:`MAX_DEPTH` containers inside one another (deeper structures make
+  Python's recursive ``repr``, comparisons and our own walks fail);
+- :data:`OBJECTS_PER_BYTE` objects per byte of the pickle, plus
+  :data:`OBJECTS_FLOOR`: a pickle that shares nothing builds at most one
+  object per opcode, at least a byte each; torch's own saves share only
+  globals, strings and tied tensors, and stay near one per byte.
+
+The count is over the whole stack and memo model, mutations included (a list
+filled after it was referenced still counts what it holds in the end), so the
+order in which a hostile pickle builds its structure does not matter. The
+scan costs about as much as a second unpickling at C speed; see docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import pickletools
+import struct
+from pathlib import Path
+from typing import Optional, Union
+
+from ..errors import BudgetError
+
+MAX_DEPTH = 200
+OBJECTS_PER_BYTE = 16
+OBJECTS_FLOOR = 1 << 20
+
+
+# How each opcode's argument is laid out: a fixed width, a length prefix of 1, 4 or 8 bytes, one line, two lines.
+_FIXED, _PREFIX1, _PREFIX4, _PREFIX8, _LINE, _TWO_LINES, _NONE = range(7)
+_PREFIX_KIND = {-2: _PREFIX1, -3: _PREFIX4, -4: _PREFIX4, -5: _PREFIX8}
+
+# What each opcode does to the stack, as far as the count is concerned.
+(_ATOM, _NEW_CONTAINER, _MARK, _FROM_MARK, _FROM_TOP, _INTO_TOP, _INTO_TOP_FROM_MARK, _CALL, _PUT, _MEMOIZE, _GET,
+ _POP, _POP_MARK, _DUP, _KEEP, _STOP, _CALL_FROM_MARK) = range(17)
+_EFFECTS = {
+    "EMPTY_LIST": (_NEW_CONTAINER, 0), "EMPTY_TUPLE": (_NEW_CONTAINER, 0), "EMPTY_DICT": (_NEW_CONTAINER, 0),
+    "EMPTY_SET": (_NEW_CONTAINER, 0),
+    "MARK": (_MARK, 0),
+    "TUPLE": (_FROM_MARK, 0), "LIST": (_FROM_MARK, 0), "DICT": (_FROM_MARK, 0), "FROZENSET": (_FROM_MARK, 0),
+    "TUPLE1": (_FROM_TOP, 1), "TUPLE2": (_FROM_TOP, 2), "TUPLE3": (_FROM_TOP, 3),
+    "APPEND": (_INTO_TOP, 1), "SETITEM": (_INTO_TOP, 2), "BUILD": (_INTO_TOP, 1),
+    "APPENDS": (_INTO_TOP_FROM_MARK, 0), "SETITEMS": (_INTO_TOP_FROM_MARK, 0), "ADDITEMS": (_INTO_TOP_FROM_MARK, 0),
+    "REDUCE": (_CALL, 2), "NEWOBJ": (_CALL, 2), "NEWOBJ_EX": (_CALL, 3), "BINPERSID": (_CALL, 1),
+    "STACK_GLOBAL": (_CALL, 2), "OBJ": (_CALL_FROM_MARK, 0), "INST": (_CALL_FROM_MARK, 0),
+    "PUT": (_PUT, 0), "BINPUT": (_PUT, 0), "LONG_BINPUT": (_PUT, 0), "MEMOIZE": (_MEMOIZE, 0),
+    "GET": (_GET, 0), "BINGET": (_GET, 0), "LONG_BINGET": (_GET, 0),
+    "POP": (_POP, 0), "POP_MARK": (_POP_MARK, 0), "DUP": (_DUP, 0),
+    "PROTO": (_KEEP, 0), "FRAME": (_KEEP, 0), "READONLY_BUFFER": (_KEEP, 0), "STOP": (_STOP, 0),
+}
+
+
+def _opcode_table() -> list[Optional[tuple[int, int, int, int]]]:
+    """(argument layout, its width, stack effect, effect's count) for each opcode byte; None where none is defined."""
+    table: list[Optional[tuple[int, int, int, int]]] = [None] * 256
+    for op in pickletools.opcodes:
+        arg = op.arg
+        if arg is None:
+            layout, width = _NONE, 0
+        elif arg.n > 0:
+            layout, width = _FIXED, arg.n
+        elif arg.name == "stringnl_noescape_pair":
+            layout, width = _TWO_LINES, 0
+        elif arg.n == pickletools.UP_TO_NEWLINE:
+            layout, width = _LINE, 0
+        else:
+            layout, width = _PREFIX_KIND[arg.n], 0
+        effect, count = _EFFECTS.get(op.name, (_ATOM, 0))
+        table[ord(op.code)] = (layout, width, effect, count)
+    return table
+
+
+_TABLE = _opcode_table()
+# Opcode byte -> its whole length, for opcodes that push one immutable value and have a fixed-width argument
+# (BININT1, NEWFALSE, ...): the scan's fast path. An empty tuple is such a value too.
+_ATOM_WIDTHS = [1 + entry[1] if entry and entry[2] == _ATOM and entry[0] in (_NONE, _FIXED) else 0 for entry in _TABLE]
+_ATOM_WIDTHS[ord(")")] = 1
+
+
+_CAP = 1 << 62  # counts stop growing here: past any limit, and still a machine-sized int
+
+
+class _Node:
+    """A container (or a call's result) the pickle builds: what it holds (atoms are ``None``), and, as far as
+    the scan has seen, how many objects a walk of it meets and how deep it nests."""
+
+    __slots__ = ("items", "objects", "depth", "used")
+
+    def __init__(self, items: list) -> None:
+        self.items = items
+        self.used = False  # held by another container: a later change to this one leaves that one's count stale
+        objects = depth = 1
+        for child in items:
+            if child is None:
+                objects += 1
+            else:
+                child.used = True
+                objects += child.objects
+                if child.depth >= depth:
+                    depth = child.depth + 1
+        self.objects = objects if objects < _CAP else _CAP
+        self.depth = depth
+
+
+Value = Union[_Node, None]
+
+
+def check_budget(data: bytes, *, path: Union[str, Path], what: str) -> None:
+    """Refuse ``data`` (a pickle) if unpickling it would build past :data:`MAX_DEPTH` or the object count.
+
+    Malformed pickles end the scan without a verdict: the unpickler that
+    follows reports them. Raises :class:`BudgetError` naming the file and the limit.
+    """
+    limit = OBJECTS_PER_BYTE * len(data) + OBJECTS_FLOOR
+    objects, depth = _scan(data, limit)
+    if depth > MAX_DEPTH:
+        raise BudgetError(
+            f"{what} nests containers more than {MAX_DEPTH} deep, the limit for an unpickled structure", path=path)
+    if objects > limit:
+        raise BudgetError(
+            f"{what} refers to its objects so many times over that walking it would meet more than {limit:,} "
+            f"objects (the limit: {OBJECTS_PER_BYTE} per byte of a {len(data):,}-byte pickle, plus {OBJECTS_FLOOR:,})",
+            path=path)
+
+
+def _scan(data: bytes, limit: int) -> tuple[int, int]:
+    """The most objects a walk of any one container of the pickle meets, and the deepest nesting.
+
+    Counted as the containers are built, each from what it holds (a
+    container held twice counts twice), which is exact as long as no
+    container changes after another took it in. torch's saves never do; a
+    pickle that does (a cycle, a list filled after it was referenced) is
+    counted again at the end, by :func:`_measure`. The scan stops early,
+    with the count past the limit, once an exact count passes it.
+    """
+    table = _TABLE
+    atom_widths = _ATOM_WIDTHS
+    stack: list[Value] = []
+    marks: list[int] = []
+    memo: dict[int, Value] = {}
+    nodes: list[_Node] = []
+    end = len(data)
+    pos = 0
+    unpack_from = struct.unpack_from
+    stale = False
+    most = deepest = 0
+    try:
+        while pos < end:
+            code = data[pos]
+            # The opcodes of torch's saves, most frequent first: LONG_BINPUT, BININT1, BINGET.
+            if code == 0x72:
+                memo[unpack_from("<I", data, pos + 1)[0]] = stack[-1]
+                pos += 5
+                continue
+            width = atom_widths[code]
+            if width:
+                stack.append(None)
+                pos += width
+                continue
+            if code == 0x68:
+                stack.append(memo[data[pos + 1]])
+                pos += 2
+                continue
+            if code == 0x58:  # BINUNICODE
+                stack.append(None)
+                pos += 5 + unpack_from("<I", data, pos + 1)[0]
+                continue
+            if code == 0x28:  # MARK
+                marks.append(len(stack))
+                pos += 1
+                continue
+            entry = table[code]
+            if entry is None:
+                break
+            layout, width, effect, count = entry
+            start = pos + 1
+            if layout == _NONE:
+                pos = start
+            elif layout == _FIXED:
+                pos = start + width
+            elif layout == _PREFIX4:
+                pos = start + 4 + unpack_from("<I", data, start)[0]
+            elif layout == _PREFIX1:
+                pos = start + 1 + data[start]
+            elif layout == _PREFIX8:
+                pos = start + 8 + unpack_from("<Q", data, start)[0]
+            elif layout == _LINE:
+                pos = data.index(b"\n", start) + 1
+            else:
+                pos = data.index(b"\n", data.index(b"\n", start) + 1) + 1
+            if pos > end:
+                break
+            if effect == _ATOM:
+                stack.append(None)
+                continue
+            if effect == _PUT:
+                memo[_memo_index(data, width, start, pos)] = stack[-1]
+                continue
+            if effect == _GET:
+                stack.append(memo[_memo_index(data, width, start, pos)])
+                continue
+            if effect == _MARK:
+                marks.append(len(stack))
+                continue
+            if effect == _FROM_TOP or effect == _CALL:
+                if len(stack) < count:
+                    break
+                node = _Node(stack[-count:])
+                del stack[-count:]
+                nodes.append(node)
+                stack.append(node)
+            elif effect == _FROM_MARK or effect == _CALL_FROM_MARK:
+                mark = marks.pop()
+                node = _Node(stack[mark:])
+                del stack[mark:]
+                nodes.append(node)
+                stack.append(node)
+            elif effect == _NEW_CONTAINER:
+                node = _Node([])
+                nodes.append(node)
+                stack.append(node)
+                continue
+            elif effect == _INTO_TOP or effect == _INTO_TOP_FROM_MARK:
+                mark = len(stack) - count if effect == _INTO_TOP else marks.pop()
+                items = stack[mark:]
+                del stack[mark:]
+                node = _filled(stack, nodes, items)
+                stale = stale or node.used
+            elif effect == _MEMOIZE:
+                memo[len(memo)] = stack[-1]
+                continue
+            elif effect == _POP:
+                if stack and (not marks or marks[-1] < len(stack)):
+                    stack.pop()
+                elif marks:
+                    marks.pop()
+                continue
+            elif effect == _POP_MARK:
+                del stack[marks.pop():]
+                continue
+            elif effect == _DUP:
+                stack.append(stack[-1])
+                continue
+            elif effect == _STOP:
+                break
+            else:
+                continue
+            if node.objects > most:
+                most = node.objects
+            if node.depth > deepest:
+                deepest = node.depth
+            if not stale and (most > limit or deepest > MAX_DEPTH):
+                return most, deepest
+    except (IndexError, KeyError, ValueError, struct.error):
+        pass  # malformed: the unpickler says how
+    if stale:
+        return _measure(nodes, limit)
+    return most, deepest
+
+
+def _memo_index(data: bytes, width: int, start: int, end: int) -> int:
+    if width == 1:
+        return data[start]
+    if width == 4:
+        return struct.unpack_from("<I", data, start)[0]
+    return int(data[start:end - 1])  # PUT and GET: the index as a decimal line
+
+
+def _filled(stack: list[Value], nodes: list[_Node], items: list[Value]) -> _Node:
+    """The container on top of the stack, given ``items``; an atom there (a global given state) becomes one."""
+    top = stack[-1]
+    if top is None:
+        top = _Node([])
+        nodes.append(top)
+        stack[-1] = top
+    added = _Node(items)  # what the items add, less the one object it counts for itself
+    top.items.extend(items)
+    top.objects = min(top.objects + added.objects - 1, _CAP)
+    if added.depth > top.depth:
+        top.depth = added.depth
+    return top
+
+
+def _measure(nodes: list[_Node], limit: int) -> tuple[int, int]:
+    """The most objects a walk of any one container meets, and the deepest nesting, each capped past ``limit``.
+
+    One pass over the graph: every container's count and depth are computed
+    once (memoized), so the pass is linear however often containers are
+    referenced. A container met again while it is being counted (a cycle)
+    counts as one object, as walks that remember what they saw treat it.
+    """
+    counted: dict[int, tuple[int, int]] = {}
+    in_progress: set[int] = set()
+    most = deepest = 0
+    cap = limit + 1
+    for root in nodes:
+        if id(root) in counted:
+            continue
+        work: list[tuple[_Node, int]] = [(root, 0)]
+        in_progress.add(id(root))
+        while work:
+            node, index = work[-1]
+            while index < len(node.items):
+                child = node.items[index]
+                index += 1
+                if child is not None and id(child) not in counted and id(child) not in in_progress:
+                    work[-1] = (node, index)
+                    work.append((child, 0))
+                    in_progress.add(id(child))
+                    break
+            else:
+                objects, depth = 1, 1
+                for child in node.items:
+                    if child is None:
+                        objects += 1
+                    else:
+                        known = counted.get(id(child))
+                        if known is not None:
+                            objects += known[0]
+                            if known[1] >= depth:
+                                depth = known[1] + 1
+                        else:  # a cycle back to a container being counted
+                            objects += 1
+                if objects > cap:
+                    objects = cap
+                counted[id(node)] = (objects, depth)
+                in_progress.discard(id(node))
+                work.pop()
+                if objects > most:
+                    most = objects
+                if depth > deepest:
+                    deepest = depth
+                continue
+    return most, deepest

@@ -5,7 +5,8 @@
 #   make bench-strided  experts saved transposed or interleaved, 1 GB
 #   make bench-dcp  the 1.9 GB checkpoint as a dcp.save training save, against dcp.load
 #   make bench-sharded  the 1.9 GB checkpoint into an FSDP2 model on 2 ranks, against set_model_state_dict
-#   make fuzz   fuzz the header, index and zip readers (FUZZ_SECONDS, default 600)
+#   make fuzz   fuzz the header, index, zip and pickle readers (FUZZ_SECONDS, default 600; each input under
+#               FUZZ_INPUT_SECONDS, FUZZ_MEMORY_MB of address space, FUZZ_INPUT_MEMORY_MB of peak growth)
 #
 # The environment is locked: every package of test, demo and bench is installed at the exact version
 # requirements-lock.txt names, so an upstream release changes nothing here until it is taken on purpose.
@@ -25,6 +26,9 @@ BENCH_STAMP := $(VENV)/.bench-installed
 CONFIG ?= configs/bench-llama-1b.toml
 
 FUZZ_SECONDS ?= 600
+FUZZ_INPUT_SECONDS ?= 10
+FUZZ_MEMORY_MB ?= 3072
+FUZZ_INPUT_MEMORY_MB ?= 1024
 
 .PHONY: demo test bench bench-strided bench-dcp bench-sharded fuzz venv clean lock test-latest test-oldest
 
@@ -102,7 +106,8 @@ bench-sharded: $(BENCH_STAMP)
 	$(PY) -m bench.sharded --config $(CONFIG)
 
 fuzz: $(STAMP)
-	$(PY) -m fuzz.run --seconds $(FUZZ_SECONDS)
+	$(PY) -m fuzz.run --seconds $(FUZZ_SECONDS) --input-seconds $(FUZZ_INPUT_SECONDS) --memory-mb $(FUZZ_MEMORY_MB) \
+		--input-memory-mb $(FUZZ_INPUT_MEMORY_MB)
 
 clean:
 	rm -rf $(VENV) .venv-lock .venv-latest .venv-oldest .venv-oldest-hf data .pytest_cache

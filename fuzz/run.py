@@ -1,6 +1,7 @@
-"""Run every fuzz target in ``tests/fuzz_targets.py`` for a time budget.
+"""Run every fuzz target in ``tests/fuzz_targets.py`` for a time budget, each input under a time and a memory limit.
 
     python -m fuzz.run --seconds 120          # the budget is split evenly across targets
+    python -m fuzz.run --seconds 60 --target torch_pickle_ops --input-seconds 5 --memory-mb 2048
     python -m fuzz.run --replay fuzz/crashes/safetensors_structured-0123abcd4567.bin
 
 Hypothesis generates the inputs (no atheris, no native fuzzer). Unlike a
@@ -11,6 +12,27 @@ spent. Each kept input is written to ``fuzz/crashes/<case>-<hash>.bin``; it is
 the whole input file, so it can become a case in tests/test_bad_inputs.py or
 an ``@example`` as it is.
 
+Limits. Each target is fuzzed in a child process (multiprocessing, spawn),
+whose address space is capped with ``RLIMIT_AS`` (``--memory-mb``, default
+3072): an input that makes a load allocate without bound gets a
+``MemoryError`` (recorded like any other exception that is not a
+``MaterializeError``) instead of the kernel's OOM killer. Before each input
+the child writes it to ``fuzz/crashes/.current-<case>.bin`` and stamps its
+start in shared memory; the parent watches. An input still running after
+``--input-seconds`` (default 10) is a hang: the parent has the child dump its
+Python stack (faulthandler, SIGUSR1), kills it, keeps the input as
+``<case>-hang-<hash>.bin`` (the stack beside it, ``.traceback.txt``) and
+starts a new child for the rest of the target's time. A child that dies
+(killed by a signal: a segfault, an abort, the OOM killer) leaves its input
+as ``<case>-died-<hash>.bin``. An input that fits under the cap but makes
+resident memory rise more than ``--input-memory-mb`` (default 1024; the peak
+is measured per input through /proc/self/clear_refs) is counted, and the
+first few are kept as ``<case>-memory-<hash>.bin``: a load that takes
+gigabytes for a small file and then succeeds (or fails cleanly) is found
+too, though nothing raised. Hangs,
+deaths and memory use are failures, never known bugs. ``--replay`` runs saved
+inputs under the same limits, one child each.
+
 Failures that match ``fuzz_targets.KNOWN_BUGS`` (bugs pinned by xfail tests
 in tests/test_fuzz_short.py) are tagged as known. Exit status 1 when anything
 failed; with ``--ignore-known``, only when something new failed.
@@ -19,28 +41,51 @@ failed; with ``--ignore-known``, only when something new failed.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
+import importlib
+import multiprocessing
+import os
+import pickle
+import resource
+import signal
 import sys
 import time
 import traceback
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Mapping, Optional
 
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+from hypothesis import seed as hypothesis_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 CRASH_DIR = Path(__file__).resolve().parent / "crashes"
 # The targets live beside the tests that also run them; pytest imports them
 # as the top-level module ``fuzz_targets`` (tests/ has no __init__.py), so
-# the runner imports them the same way.
+# the runner imports them the same way (when it needs them: a child that
+# runs a test's own probe target does without torch).
 sys.path.insert(0, str(ROOT / "tests"))
 
-import fuzz_targets  # noqa: E402
+DEFAULT_INPUT_SECONDS = 10.0
+DEFAULT_MEMORY_MB = 3072
+DEFAULT_INPUT_MEMORY_MB = 1024
+_KEPT_OVER_MEMORY = 5  # inputs kept per case for going over input_memory_mb (all are counted)
+_POLL = 0.05  # how often the parent looks at its child
+_STACK_DUMP_WAIT = 1.0  # how long a hung child gets to write its stack before it is killed
+_MIN_RESTART_SECONDS = 1.0  # less time than this left for a target: no new child
+_SPAWN = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads or torch state inherited
+
+
+def _fuzz_targets() -> Any:
+    import fuzz_targets
+
+    return fuzz_targets
 
 
 class _TimeUp(Exception):
-    """Raised from inside the test body once the target's time is spent.
+    """Raised from inside the test body once the target's time (or example count) is spent.
 
     Hypothesis has no public "stop now" call. Raising from the body makes
     hypothesis treat the example as failing; with only the generate phase
@@ -52,13 +97,56 @@ class _TimeUp(Exception):
     """
 
 
+@dataclass(frozen=True)
+class Limits:
+    input_seconds: float = DEFAULT_INPUT_SECONDS  # wall-clock time one input may run
+    memory_mb: int = DEFAULT_MEMORY_MB  # the child's address space (RLIMIT_AS); 0: no limit
+    input_memory_mb: int = DEFAULT_INPUT_MEMORY_MB  # resident memory one input may add at its peak; 0: not measured
+
+
+@dataclass
+class Finding:
+    """One distinct failure: the smallest input seen to raise it, and what it raised."""
+
+    data: bytes
+    type_name: str
+    place: str
+    message: str
+    known_test: Optional[str]  # the xfail test of fuzz_targets.KNOWN_BUGS that pins it, if it is one
+
+
+@dataclass
+class Stop:
+    """An input the parent had to stop: it ran past the time limit (a hang) or its child died."""
+
+    kind: str  # "hang", "died", or "memory" (an input that went over input_memory_mb, and ran on)
+    data: Optional[bytes]  # None: the child died between inputs
+    detail: str
+    path: Optional[Path] = None
+    stack_path: Optional[Path] = None
+
+
 @dataclass
 class Outcome:
     examples: int = 0
     failures: int = 0
     known: int = 0  # failures that are one of fuzz_targets.KNOWN_BUGS
-    # _signature(exception) -> (the smallest input that raised it, the exception)
-    distinct: dict[tuple[str, str], tuple[bytes, BaseException]] = field(default_factory=dict)
+    # _signature(exception) -> the smallest input that raised it
+    distinct: dict[tuple[str, str], Finding] = field(default_factory=dict)
+    hangs: list[Stop] = field(default_factory=list)
+    deaths: list[Stop] = field(default_factory=list)
+    over_memory: int = 0  # inputs whose peak resident memory grew past input_memory_mb
+    memory: list[Stop] = field(default_factory=list)  # the first _KEPT_OVER_MEMORY of them
+    errors: list[str] = field(default_factory=list)  # a child that failed outside any input (the runner's fault)
+    children: int = 0
+
+    @property
+    def new_failures(self) -> int:
+        return self.failures - self.known + len(self.hangs) + len(self.deaths) + self.over_memory + len(self.errors)
+
+    @property
+    def all_failures(self) -> int:
+        return self.failures + len(self.hangs) + len(self.deaths) + self.over_memory + len(self.errors)
 
 
 def _signature(exc: BaseException) -> tuple[str, str]:
@@ -76,12 +164,106 @@ def _signature(exc: BaseException) -> tuple[str, str]:
     return type(exc).__name__, " -> ".join(dict.fromkeys(places))
 
 
-def fuzz_case(case: fuzz_targets.FuzzCase, seconds: float) -> Outcome:
-    outcome = Outcome()
-    deadline = time.monotonic() + seconds
+def find_case(ref: str) -> Any:
+    """A case of ``fuzz_targets.CASES`` by name, or ``module:attribute`` (a test's own case, with name, target, inputs)."""
+    if ":" in ref:
+        module, attribute = ref.split(":", 1)
+        return getattr(importlib.import_module(module), attribute)
+    for case in _fuzz_targets().CASES:
+        if case.name == ref:
+            return case
+    raise KeyError(f"no fuzz case named {ref!r}")
+
+
+def _known_test(exc: BaseException) -> Optional[str]:
+    if "fuzz_targets" not in sys.modules:  # a probe target's child: no known bugs to match
+        return None
+    bug = sys.modules["fuzz_targets"].known_bug(exc)
+    return bug.test if bug is not None else None
+
+
+# ---------------------------------------------------------------- the child
+
+
+class _Shared:
+    """What the child tells the parent through shared memory: when its current input started, and its counts."""
+
+    def __init__(self) -> None:
+        self.started = _SPAWN.RawValue("d", 0.0)  # time.monotonic() at the current input's start; 0: between inputs
+        self.examples = _SPAWN.RawValue("q", 0)
+        self.failures = _SPAWN.RawValue("q", 0)
+        self.known = _SPAWN.RawValue("q", 0)
+        self.grown = _SPAWN.RawValue("q", 0)  # replay: how far the input raised resident memory
+
+
+def _status(*fields: str) -> list[int]:
+    """Fields of /proc/self/status, in bytes (0 where there is none)."""
+    found = dict.fromkeys(fields, 0)
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                name = line.split(":", 1)[0]
+                if name in found:
+                    found[name] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return list(found.values())
+
+
+def _vm_bytes() -> int:
+    return _status("VmSize")[0]
+
+
+def _reset_peak() -> Optional[int]:
+    """Reset the resident-memory high-water mark (Linux 4.0+); the resident memory now, or None where that cannot be done."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+    except OSError:
+        return None
+    return _status("VmRSS")[0]
+
+
+def _peak_growth(before: Optional[int]) -> int:
+    """How far resident memory rose above ``before`` at its peak since _reset_peak."""
+    return 0 if before is None else max(0, _status("VmHWM")[0] - before)
+
+
+def _apply_limits(memory_mb: int) -> None:
+    """In the child: cap the address space, no core files, Ctrl-C left to the parent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+    if memory_mb:
+        limit = memory_mb * 2**20
+        if _vm_bytes() >= limit:
+            raise SystemExit(f"--memory-mb {memory_mb} is below what the child already maps "
+                             f"({_vm_bytes() // 2**20} MiB after its imports); give it more")
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+
+
+def _open_stack_file(path: Path) -> Any:
+    """faulthandler writes the child's Python stack here on a fatal signal, and when the parent sends SIGUSR1."""
+    handle = open(path, "w")
+    faulthandler.enable(handle)
+    faulthandler.register(signal.SIGUSR1, file=handle, all_threads=True)
+    return handle
+
+
+def _worker(ref: str, deadline: float, max_examples: Optional[int], seed: Optional[int], limits: Limits,
+            current: str, stack: str, shared: _Shared, conn: Any) -> None:
+    case = find_case(ref)  # its imports (torch) before the limit, which is for the inputs
+    _apply_limits(limits.memory_mb)
+    stack_file = _open_stack_file(Path(stack))  # noqa: F841 (kept open for faulthandler)
+    warnings.simplefilter("ignore")  # zipfile's duplicate names, torch's pickle protocol: noise here
+    current_path = Path(current)
+    best: dict[tuple[str, str], int] = {}  # signature -> size of the input last sent for it
+
+    def more() -> bool:
+        return time.monotonic() < deadline and (max_examples is None or shared.examples.value < max_examples)
 
     @settings(
-        max_examples=10**9,
+        max_examples=max_examples or 10**9,
         deadline=None,
         database=None,
         phases=[Phase.generate],
@@ -91,87 +273,357 @@ def fuzz_case(case: fuzz_targets.FuzzCase, seconds: float) -> Outcome:
     )
     @given(case.inputs)
     def run(data: bytes) -> None:
-        if time.monotonic() >= deadline:
+        if not more():
             raise _TimeUp
-        outcome.examples += 1
+        current_path.write_bytes(data)  # first the input, then the stamp: a stamped input is always on disk
+        resident = _reset_peak() if limits.input_memory_mb else None
+        shared.started.value = time.monotonic()
+        shared.examples.value += 1
+        reports = []
         try:
             case.target(data)
         except Exception as exc:  # every exception that is not a MaterializeError is a finding
-            outcome.failures += 1
-            outcome.known += fuzz_targets.known_bug(exc) is not None
+            shared.failures.value += 1
+            known = _known_test(exc)
+            shared.known.value += known is not None
             key = _signature(exc)
-            if key not in outcome.distinct or len(data) < len(outcome.distinct[key][0]):
-                outcome.distinct[key] = (data, exc)
+            if key not in best or len(data) < best[key]:
+                best[key] = len(data)
+                text = str(exc).strip()
+                reports.append(("fail", key, data, type(exc).__name__, key[1], text.splitlines()[0][:160] if text else "", known))
+        finally:
+            shared.started.value = 0.0
+        grown = _peak_growth(resident)
+        if limits.input_memory_mb and grown > limits.input_memory_mb * 2**20:
+            reports.append(("memory", data, grown))
+        for report in reports:  # sent outside the timed span: a hang can never be cut mid-message
+            conn.send(report)
 
-    # A run also ends when hypothesis believes the strategy is exhausted;
-    # start over (new random seed) until the time is spent.
-    while time.monotonic() < deadline:
-        try:
-            run()
-        except _TimeUp:
-            break
-    return outcome
+    attempt = 0
+    try:
+        # A run also ends when hypothesis believes the strategy is exhausted;
+        # start over (new seed) until the time or the examples are spent.
+        while more():
+            runner = run if seed is None else hypothesis_seed(seed + attempt)(run)
+            attempt += 1
+            try:
+                runner()
+            except _TimeUp:
+                break
+    except BaseException:  # the strategy or the runner itself failed, outside any input
+        conn.send(("error", traceback.format_exc()))
+        raise SystemExit(3)
+    conn.send(("done",))
 
 
-def save_crash(case_name: str, data: bytes) -> Path:
-    CRASH_DIR.mkdir(parents=True, exist_ok=True)
-    path = CRASH_DIR / f"{case_name}-{hashlib.sha1(data).hexdigest()[:12]}.bin"
+def _replay_worker(ref: str, path: str, limits: Limits, stack: str, shared: _Shared) -> None:
+    case = find_case(ref)
+    _apply_limits(limits.memory_mb)
+    stack_file = _open_stack_file(Path(stack))  # noqa: F841
+    warnings.simplefilter("ignore")
+    data = Path(path).read_bytes()
+    resident = _reset_peak()
+    shared.started.value = time.monotonic()
+    try:
+        case.target(data)
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    shared.grown.value = _peak_growth(resident)
+    os._exit(0)
+
+
+# ---------------------------------------------------------------- the parent
+
+
+def _save(directory: Path, stem: str, data: bytes) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{stem}-{hashlib.sha1(data).hexdigest()[:12]}.bin"
     path.write_bytes(data)
     return path
 
 
-def replay(paths: list[str]) -> int:
-    """Run saved inputs again through the target their file name names."""
+def _stack_text(stack: Path) -> str:
+    try:
+        return stack.read_text(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _describe_exit(code: Optional[int]) -> str:
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = " (the kernel's OOM killer, or a kill from outside)" if -code == signal.SIGKILL else ""
+        return f"killed by {name}{hint}"
+    return f"exited with status {code}"
+
+
+def _kill(process: Any, *, stack: Optional[Path] = None) -> None:
+    """Kill the child; with ``stack``, first have it write its Python stack there (faulthandler, on SIGUSR1)."""
+    if stack is not None and process.is_alive():
+        before = stack.stat().st_size if stack.exists() else 0
+        try:
+            os.kill(process.pid, signal.SIGUSR1)
+        except OSError:
+            pass
+        waited_until = time.monotonic() + _STACK_DUMP_WAIT  # the dump takes milliseconds; the child goes on hanging
+        while time.monotonic() < waited_until and process.is_alive():
+            size = stack.stat().st_size if stack.exists() else 0
+            if size > before:
+                time.sleep(_POLL)  # let it finish writing
+                if (stack.stat().st_size if stack.exists() else 0) == size:
+                    break
+            else:
+                time.sleep(_POLL / 5)
+    if process.is_alive():
+        process.kill()
+    process.join()
+
+
+def fuzz_case(
+    ref: str, seconds: float, *, limits: Limits = Limits(), directory: Path = CRASH_DIR,
+    max_examples: Optional[int] = None, seed: Optional[int] = None, restart: bool = True,
+) -> Outcome:
+    """Fuzz one case in child processes, each input under ``limits``; hangs and deaths saved in ``directory`` at once.
+
+    ``ref`` is a name of ``fuzz_targets.CASES`` or ``module:attribute``. With
+    ``max_examples``, stop after that many inputs; with ``seed``, the inputs
+    are the same on every run (each new child takes the next seed). Without
+    ``restart``, the first hang or death ends the case.
+    """
+    case = find_case(ref)
+    directory.mkdir(parents=True, exist_ok=True)
+    current = directory / f".current-{case.name}.bin"
+    stack = directory / f".stack-{case.name}.txt"
+    deadline = time.monotonic() + seconds
+    outcome = Outcome()
+    while time.monotonic() < deadline - (_MIN_RESTART_SECONDS if outcome.children else 0):
+        if max_examples is not None and outcome.examples >= max_examples:
+            break
+        left = None if max_examples is None else max_examples - outcome.examples
+        stopped = _run_child(case, ref, deadline, left, None if seed is None else seed + 1000 * outcome.children,
+                             limits, current, stack, directory, outcome)
+        if stopped is None or outcome.errors or not restart:
+            break
+    return outcome
+
+
+def _run_child(case: Any, ref: str, deadline: float, max_examples: Optional[int], seed: Optional[int],
+               limits: Limits, current: Path, stack: Path, directory: Path, outcome: Outcome) -> Optional[Stop]:
+    """One child, watched until it finishes; returns the hang or death that ended it early, if one did."""
+    shared = _Shared()
+    receive, send = _SPAWN.Pipe(duplex=False)
+    current.unlink(missing_ok=True)
+    process = _SPAWN.Process(
+        target=_worker, name=f"fuzz-{case.name}", daemon=True,
+        args=(ref, deadline, max_examples, seed, limits, str(current), str(stack), shared, send),
+    )
+    process.start()
+    send.close()  # the child holds the only writing end: its death is an EOF here
+    outcome.children += 1
+    done = False
+    stopped: Optional[Stop] = None
+    pipe_open = True
+
+    def drain(wait: float) -> None:
+        nonlocal done, pipe_open
+        while pipe_open and receive.poll(wait):
+            wait = 0
+            try:
+                message = receive.recv()
+            except (EOFError, OSError, pickle.UnpicklingError):
+                pipe_open = False
+                return
+            if message[0] == "fail":
+                _, key, data, type_name, place, text, known = message
+                if key not in outcome.distinct or len(data) < len(outcome.distinct[key].data):
+                    outcome.distinct[key] = Finding(data, type_name, place, text, known)
+            elif message[0] == "memory":
+                _, data, grown = message
+                outcome.over_memory += 1
+                if len(outcome.memory) < _KEPT_OVER_MEMORY:
+                    stop = Stop("memory", data, f"resident memory rose {grown / 2**20:.0f} MiB during this input "
+                                                f"(more than {limits.input_memory_mb} MiB), and it went on")
+                    stop.path = _save(directory, f"{case.name}-memory", data)
+                    outcome.memory.append(stop)
+            elif message[0] == "error":
+                outcome.errors.append(message[1])
+            elif message[0] == "done":
+                done = True
+
+    try:
+        while True:
+            drain(_POLL)
+            if not pipe_open:
+                time.sleep(_POLL)
+            if done:
+                process.join(30)
+                break
+            if not process.is_alive():
+                drain(0)
+                if done or outcome.errors:
+                    break
+                if not shared.started.value and not shared.examples.value:
+                    outcome.errors.append(f"the child {_describe_exit(process.exitcode)} before its first input")
+                    break
+                data = current.read_bytes() if shared.started.value and current.exists() else None
+                stopped = Stop("died", data, _describe_exit(process.exitcode))
+                break
+            started = shared.started.value
+            if started and time.monotonic() - started > limits.input_seconds:
+                data = current.read_bytes() if current.exists() else b""
+                _kill(process, stack=stack)
+                stopped = Stop("hang", data, f"still running after {limits.input_seconds:g} s, killed")
+                break
+            if not started and time.monotonic() > deadline + limits.input_seconds + 60:
+                # Between inputs and far past its time: the strategy or the runner is stuck, not a target.
+                _kill(process, stack=stack)
+                outcome.errors.append(f"the child stopped making progress outside any input:\n{_stack_text(stack)}")
+                break
+    finally:
+        if process.is_alive():
+            _kill(process)
+        receive.close()
+    outcome.examples += shared.examples.value
+    outcome.failures += shared.failures.value
+    outcome.known += shared.known.value
+    if stopped is not None:
+        if stopped.data is not None:
+            stopped.path = _save(directory, f"{case.name}-{stopped.kind}", stopped.data)
+            text = _stack_text(stack)
+            if text:
+                stopped.stack_path = stopped.path.with_suffix(".traceback.txt")
+                stopped.stack_path.write_text(text + "\n")
+        (outcome.hangs if stopped.kind == "hang" else outcome.deaths).append(stopped)
+    return stopped
+
+
+def save_crash(case_name: str, data: bytes, directory: Path = CRASH_DIR) -> Path:
+    return _save(directory, case_name, data)
+
+
+def describe(case: Any, outcome: Outcome, directory: Path = CRASH_DIR) -> list[str]:
+    """The report of one case: its counts, then each distinct failure, hang and death with its saved input."""
+    def shown(path: Path) -> str:
+        return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+    lines = [f"{case.name}: {outcome.examples} examples, {outcome.failures} failures "
+             f"({outcome.known} of known bugs; {len(outcome.distinct)} distinct), "
+             f"{len(outcome.hangs)} hangs, {len(outcome.deaths)} deaths, {outcome.over_memory} over the memory budget"]
+    for finding in outcome.distinct.values():
+        path = save_crash(case.name, finding.data, directory)
+        tag = f"known bug, pinned by {finding.known_test}" if finding.known_test else "NEW"
+        lines.append(f"  FAIL {case.target.__name__}: {finding.type_name} at {finding.place}: {finding.message}")
+        lines.append(f"       [{tag}] input ({len(finding.data)} bytes): {shown(path)}")
+    for stop in outcome.hangs + outcome.deaths + outcome.memory:
+        label = {"hang": "HANG", "died": "DIED", "memory": "MEMORY"}[stop.kind]
+        if stop.path is None:
+            lines.append(f"  {label} {case.target.__name__}: {stop.detail}, between inputs (no input to keep)")
+            continue
+        lines.append(f"  {label} {case.target.__name__}: {stop.detail}")
+        lines.append(f"       [NEW] input ({len(stop.data or b'')} bytes): {shown(stop.path)}")
+        if stop.stack_path is not None:
+            lines.append(f"       its Python stack: {shown(stop.stack_path)}")
+    if outcome.over_memory > len(outcome.memory):
+        lines.append(f"  MEMORY: {outcome.over_memory - len(outcome.memory)} more inputs over the budget (not kept)")
+    for error in outcome.errors:
+        lines.append(f"  ERROR outside any input (a runner or strategy fault, not the target's):")
+        lines.extend("       " + line for line in error.strip().splitlines()[-12:])
+    return lines
+
+
+def _case_of(path: Path) -> str:
+    """``<case>-<hash>.bin``, ``<case>-hang-<hash>.bin``, ``<case>-died-<hash>.bin`` -> ``<case>`` (names hold no '-')."""
+    return path.name.split("-", 1)[0]
+
+
+def replay(paths: list[str], *, limits: Limits = Limits(), cases: Optional[Mapping[str, str]] = None) -> int:
+    """Run saved inputs again, each in a child under ``limits``, through the target their file name names.
+
+    ``cases`` maps case names to ``module:attribute`` references (for cases
+    outside ``fuzz_targets.CASES``, as the runner's own tests use).
+    """
     status = 0
     for name in paths:
         path = Path(name)
-        case_name = path.name.rsplit("-", 1)[0]
-        target = fuzz_targets.TARGETS.get(case_name)
-        if target is None:
+        case_name = _case_of(path)
+        ref = (cases or {}).get(case_name, case_name)
+        try:
+            find_case(ref)
+        except KeyError:
             print(f"{path}: no target named {case_name!r}", file=sys.stderr)
             status = 1
             continue
-        try:
-            target(path.read_bytes())
-        except Exception:
-            print(f"{path}: FAILS")
-            traceback.print_exc()
-            status = 1
-        else:
-            print(f"{path}: passes")
+        verdict = _replay_one(ref, path, limits)
+        print(f"{path}: {verdict}", flush=True)
+        status |= verdict != "passes"
     return status
 
 
+def _replay_one(ref: str, path: Path, limits: Limits) -> str:
+    shared = _Shared()
+    CRASH_DIR.mkdir(parents=True, exist_ok=True)
+    stack = CRASH_DIR / f".stack-replay-{os.getpid()}.txt"
+    process = _SPAWN.Process(target=_replay_worker, args=(ref, str(path), limits, str(stack), shared), daemon=True)
+    process.start()
+    try:
+        while process.is_alive():
+            process.join(_POLL)
+            started = shared.started.value
+            if started and process.is_alive() and time.monotonic() - started > limits.input_seconds:
+                _kill(process, stack=stack)
+                text = _stack_text(stack)
+                return f"HANGS (still running after {limits.input_seconds:g} s, killed)" + (f"; its stack:\n{text}" if text else "")
+        if process.exitcode == 0:
+            grown = shared.grown.value / 2**20
+            if limits.input_memory_mb and grown > limits.input_memory_mb:
+                return f"USES TOO MUCH MEMORY (resident memory rose {grown:.0f} MiB, more than {limits.input_memory_mb} MiB)"
+            return "passes"
+        if process.exitcode == 1:
+            return "FAILS (traceback above)"
+        text = _stack_text(stack)
+        return f"DIES ({_describe_exit(process.exitcode)})" + (f"; its stack:\n{text}" if text else "")
+    finally:
+        if process.is_alive():
+            _kill(process)
+        stack.unlink(missing_ok=True)
+
+
 def main(argv: list[str] | None = None) -> int:
+    fuzz_targets = _fuzz_targets()
     parser = argparse.ArgumentParser(prog="python -m fuzz.run", description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=60.0, help="total time budget, split across targets")
     parser.add_argument("--target", action="append", choices=[case.name for case in fuzz_targets.CASES],
                         help="fuzz only this case (repeatable)")
-    parser.add_argument("--replay", nargs="+", metavar="FILE", help="re-run saved inputs instead of fuzzing")
+    parser.add_argument("--input-seconds", type=float, default=DEFAULT_INPUT_SECONDS,
+                        help="wall-clock limit of one input; past it the input is kept as a hang (default %(default)s)")
+    parser.add_argument("--memory-mb", type=int, default=DEFAULT_MEMORY_MB,
+                        help="address-space limit (RLIMIT_AS) of the process running the inputs, MiB; 0: none "
+                             "(default %(default)s)")
+    parser.add_argument("--input-memory-mb", type=int, default=DEFAULT_INPUT_MEMORY_MB,
+                        help="resident memory one input may add at its peak; an input past it is kept as a memory "
+                             "failure (it runs on); 0: not measured (default %(default)s)")
+    parser.add_argument("--replay", nargs="+", metavar="FILE", help="re-run saved inputs (under the same limits) instead of fuzzing")
     parser.add_argument("--ignore-known", action="store_true",
                         help="exit 0 when every failure is one of fuzz_targets.KNOWN_BUGS (pinned by xfail tests)")
     args = parser.parse_args(argv)
+    limits = Limits(input_seconds=args.input_seconds, memory_mb=args.memory_mb, input_memory_mb=args.input_memory_mb)
     if args.replay:
-        return replay(args.replay)
+        return replay(args.replay, limits=limits)
 
-    # zipfile warns about the duplicate record names some torch inputs hold; noise here.
-    warnings.simplefilter("ignore")
     cases = [case for case in fuzz_targets.CASES if not args.target or case.name in args.target]
     share = args.seconds / len(cases)
     failures = new_failures = 0
     for case in cases:
-        outcome = fuzz_case(case, share)
-        failures += outcome.failures
-        new_failures += outcome.failures - outcome.known
-        print(f"{case.name}: {outcome.examples} examples, {outcome.failures} failures "
-              f"({outcome.known} of known bugs; {len(outcome.distinct)} distinct)", flush=True)
-        for data, exc in outcome.distinct.values():
-            path = save_crash(case.name, data)
-            message = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
-            bug = fuzz_targets.known_bug(exc)
-            tag = f"known bug, pinned by {bug.test}" if bug else "NEW"
-            print(f"  FAIL {case.target.__name__}: {type(exc).__name__} at {_signature(exc)[1]}: {message}", flush=True)
-            print(f"       [{tag}] input ({len(data)} bytes): {path.relative_to(ROOT)}", flush=True)
+        outcome = fuzz_case(case.name, share, limits=limits)
+        failures += outcome.all_failures
+        new_failures += outcome.new_failures
+        for line in describe(case, outcome):
+            print(line, flush=True)
     return 1 if (new_failures if args.ignore_known else failures) else 0
 
 

@@ -46,23 +46,32 @@ def _file_size(path: Path) -> int:
 
 
 def _check_infos_inside(ckpt: mz.Checkpoint, *, folder: Path | None = None) -> None:
-    """Every TensorInfo is a real tensor whose bytes lie inside its file, and that file inside ``folder``."""
+    """Every TensorInfo is a real tensor whose bytes lie inside its file, and that file inside ``folder``.
+
+    A tensor assembled from pieces (DCP chunks) is checked piece by piece.
+    """
     for name, info in ckpt.items():
-        size = _file_size(Path(info.path))
-        assert all(d >= 0 for d in info.shape), f"{name}: negative dimension in shape {info.shape}"
-        assert info.stride is None or all(s >= 0 for s in info.stride), f"{name}: negative stride {info.stride}"
-        assert info.offset >= 0, f"{name}: negative offset {info.offset}"
-        if info.numel and info.stride is not None:
-            # The span read must cover the last element the strides reach.
-            reach = (sum((d - 1) * s for d, s in zip(info.shape, info.stride)) + 1) * info.itemsize
-            assert info.read_nbytes >= reach, f"{name}: reads {info.read_nbytes} bytes, elements reach {reach}"
-        assert info.read_nbytes >= 0, f"{name}: negative byte count {info.read_nbytes}"
-        assert info.offset + info.read_nbytes <= size, (
-            f"{name}: bytes [{info.offset}, {info.offset + info.read_nbytes}) outside {info.path} ({size} bytes)"
-        )
-        if folder is not None:
-            real = Path(info.path).resolve()
-            assert real.is_relative_to(folder.resolve()), f"{name}: {info.path} resolves to {real}, outside {folder}"
+        pieces = getattr(info, "pieces", None)
+        for one in [piece.info for piece in pieces] if pieces else [info]:
+            _check_info_inside(name, one, folder)
+
+
+def _check_info_inside(name: str, info: Any, folder: Path | None) -> None:
+    size = _file_size(Path(info.path))
+    assert all(d >= 0 for d in info.shape), f"{name}: negative dimension in shape {info.shape}"
+    assert info.stride is None or all(s >= 0 for s in info.stride), f"{name}: negative stride {info.stride}"
+    assert info.offset >= 0, f"{name}: negative offset {info.offset}"
+    if info.numel and info.stride is not None:
+        # The span read must cover the last element the strides reach.
+        reach = (sum((d - 1) * s for d, s in zip(info.shape, info.stride)) + 1) * info.itemsize
+        assert info.read_nbytes >= reach, f"{name}: reads {info.read_nbytes} bytes, elements reach {reach}"
+    assert info.read_nbytes >= 0, f"{name}: negative byte count {info.read_nbytes}"
+    assert info.offset + info.read_nbytes <= size, (
+        f"{name}: bytes [{info.offset}, {info.offset + info.read_nbytes}) outside {info.path} ({size} bytes)"
+    )
+    if folder is not None:
+        real = Path(info.path).resolve()
+        assert real.is_relative_to(folder.resolve()), f"{name}: {info.path} resolves to {real}, outside {folder}"
 
 
 def _load_both_ways(path: Path) -> list[dict[str, torch.Tensor]]:
@@ -642,6 +651,706 @@ def torch_zip_records(draw: st.DrawFn) -> bytes:
     return buffer.getvalue()
 
 
+# ---------------------------------------------------------------- targets: pickles rewritten opcode by opcode
+#
+# The pickle is read into a list of opcodes, edited, and written again: it
+# stays well formed (every opcode the unpickler meets is complete, the stack
+# balances, every memo GET names an object memoized before it), so the
+# inputs reach the unpickler's classes, calls and BUILDs and the checks behind
+# them, not its parse errors. An opcode is ``(name, argument)`` as
+# pickletools names them; ``("RAW", (bytes, label))`` is a ready-made value
+# (a deep nesting, an expansion chain) written as it is.
+
+Op = tuple[str, Any]
+
+_OPCODES = {opcode.name: opcode for opcode in pickletools.opcodes}
+
+
+def _encode_long(value: int, width: str) -> bytes:
+    encoded = pickle.encode_long(value)
+    return struct.pack(width, len(encoded)) + encoded
+
+
+def _encode_text(value: Any, encoding: str, width: str) -> bytes:
+    raw = value if isinstance(value, bytes) else value.encode(encoding, "surrogatepass")
+    return struct.pack(width, len(raw)) + raw
+
+
+_ARGUMENTS: dict[str, Callable[[Any], bytes]] = {
+    "uint1": lambda v: struct.pack("<B", v),
+    "uint2": lambda v: struct.pack("<H", v),
+    "int4": lambda v: struct.pack("<i", v),
+    "uint4": lambda v: struct.pack("<I", v),
+    "uint8": lambda v: struct.pack("<Q", v),
+    "float8": lambda v: struct.pack(">d", v),
+    "long1": lambda v: _encode_long(v, "<B"),
+    "long4": lambda v: _encode_long(v, "<i"),
+    "unicodestring1": lambda v: _encode_text(v, "utf-8", "<B"),
+    "unicodestring4": lambda v: _encode_text(v, "utf-8", "<I"),
+    "unicodestring8": lambda v: _encode_text(v, "utf-8", "<Q"),
+    "bytes1": lambda v: _encode_text(v, "latin-1", "<B"),
+    "bytes4": lambda v: _encode_text(v, "latin-1", "<I"),
+    "bytes8": lambda v: _encode_text(v, "latin-1", "<Q"),
+    "bytearray8": lambda v: _encode_text(bytes(v), "latin-1", "<Q"),
+    "string1": lambda v: _encode_text(v, "latin-1", "<B"),
+    "string4": lambda v: _encode_text(v, "latin-1", "<i"),
+    "stringnl_noescape_pair": lambda v: "\n".join(v.split(" ", 1)).encode("utf-8") + b"\n",
+}
+
+
+def pickle_ops(pkl: bytes) -> list[Op]:
+    """A pickle's opcodes, FRAMEs dropped and MEMOIZEs written as the BINPUTs they mean, so opcodes can move freely."""
+    ops: list[Op] = []
+    memo: set[int] = set()
+    for opcode, arg, _position in pickletools.genops(pkl):
+        if opcode.name == "FRAME":
+            continue
+        if opcode.name == "MEMOIZE":
+            arg = len(memo)
+            ops.extend(_put(arg))
+            memo.add(arg)
+            continue
+        if opcode.name in ("BINPUT", "LONG_BINPUT", "PUT"):
+            memo.add(arg)
+        ops.append((opcode.name, arg))
+    return ops
+
+
+def encode_ops(ops: list[Op]) -> bytes:
+    out = bytearray()
+    for name, arg in ops:
+        if name == "RAW":
+            out += arg[0]
+            continue
+        opcode = _OPCODES[name]
+        out += opcode.code.encode("latin-1")
+        if opcode.arg is not None:
+            out += _ARGUMENTS[opcode.arg.name](arg)
+    return bytes(out)
+
+
+# Values, as opcodes.
+
+
+def _int(value: int) -> list[Op]:
+    if 0 <= value < 256:
+        return [("BININT1", value)]
+    if 0 <= value < 65536:
+        return [("BININT2", value)]
+    if -(2**31) <= value < 2**31:
+        return [("BININT", value)]
+    return [("LONG1", value)]
+
+
+def _str(value: str) -> list[Op]:
+    return [("BINUNICODE", value)]
+
+
+def _get(index: int) -> list[Op]:
+    return [("BINGET", index)] if index < 256 else [("LONG_BINGET", index)]
+
+
+def _put(index: int) -> list[Op]:
+    return [("BINPUT", index)] if index < 256 else [("LONG_BINPUT", index)]
+
+
+def _tuple(items: list[list[Op]]) -> list[Op]:
+    flat = [op for item in items for op in item]
+    if not items:
+        return [("EMPTY_TUPLE", None)]
+    if len(items) <= 3:
+        return flat + [(f"TUPLE{len(items)}", None)]
+    return [("MARK", None)] + flat + [("TUPLE", None)]
+
+
+def _list(items: list[list[Op]]) -> list[Op]:
+    if not items:
+        return [("EMPTY_LIST", None)]
+    return [("EMPTY_LIST", None), ("MARK", None)] + [op for item in items for op in item] + [("APPENDS", None)]
+
+
+def _dict(pairs: list[tuple[list[Op], list[Op]]]) -> list[Op]:
+    if not pairs:
+        return [("EMPTY_DICT", None)]
+    return [("EMPTY_DICT", None), ("MARK", None)] + [op for k, v in pairs for op in k + v] + [("SETITEMS", None)]
+
+
+def _call(module: str, name: str, args: list[list[Op]]) -> list[Op]:
+    return [("GLOBAL", f"{module} {name}")] + _tuple(args) + [("REDUCE", None)]
+
+
+@dataclass
+class _Value:
+    start: int  # the first opcode of the value; it ends where it is recorded
+    label: str  # "global:<module>.<name>", "call:<callee>", "new:<class>", "str:<text>", "dict", "persid", ...
+    items: list[tuple[int, int]] | None = None  # a tuple's elements, as (start, end) spans
+
+
+@dataclass
+class _Analysis:
+    values: dict[int, _Value]  # end -> the value completed by that opcode
+    puts: list[tuple[int, int]]  # (position, memo index) of each PUT
+    memo_labels: dict[int, str]
+    fresh: int  # the first memo index nothing uses
+
+    def memoized_before(self, position: int) -> list[int]:
+        return sorted({index for at, index in self.puts if at < position})
+
+    def puts_in(self, start: int, end: int) -> list[int]:
+        return [index for at, index in self.puts if start <= at <= end]
+
+    def after_puts(self, end: int, ops: list[Op]) -> int:
+        """The position just past ``end`` and the PUTs that memoize its value."""
+        position = end + 1
+        while position < len(ops) and ops[position][0] in ("BINPUT", "LONG_BINPUT", "PUT"):
+            position += 1
+        return position
+
+    def spans(self, *, prefix: str = "") -> list[tuple[int, int]]:
+        return [(value.start, end) for end, value in self.values.items() if value.label.startswith(prefix)]
+
+
+_MARK_BUILDERS = {"TUPLE": "tuple", "LIST": "list", "DICT": "dict", "FROZENSET": "frozenset", "OBJ": "obj", "INST": "inst"}
+_MARK_FILLERS = {"APPENDS", "SETITEMS", "ADDITEMS"}
+_FAR_MEMO = 2**15  # memo indices from here up are _m_huge_memo_index's; fresh ones are taken below
+
+
+@dataclass
+class _Mark:
+    position: int
+
+
+def _analyze(ops: list[Op]) -> _Analysis:
+    """Run the opcodes on a stack of value descriptions: where each value starts and ends, and what it is."""
+    stack: list[Any] = []
+    values: dict[int, _Value] = {}
+    puts: list[tuple[int, int]] = []
+    memo_labels: dict[int, str] = {}
+    fresh = 0
+
+    def done(end: int, value: _Value) -> None:
+        values[end] = value
+        stack.append(value)
+
+    for position, (name, arg) in enumerate(ops):
+        if name == "RAW":
+            fresh = max(fresh, arg[2])
+            done(position, _Value(position, arg[1]))
+            continue
+        if name in ("BINPUT", "LONG_BINPUT", "PUT"):
+            puts.append((position, arg))
+            memo_labels[arg] = stack[-1].label if stack and isinstance(stack[-1], _Value) else "?"
+            if arg < _FAR_MEMO:
+                fresh = max(fresh, arg + 1)
+            continue
+        if name in ("BINGET", "LONG_BINGET", "GET"):
+            done(position, _Value(position, memo_labels.get(arg, "?")))
+            continue
+        if name == "MARK":
+            stack.append(_Mark(position))
+            continue
+        if name in _MARK_BUILDERS or name in _MARK_FILLERS or name == "POP_MARK":
+            items = []
+            while not isinstance(stack[-1], _Mark):
+                items.append(stack.pop())
+            mark = stack.pop()
+            items.reverse()
+            if name in _MARK_FILLERS:
+                container = stack.pop()
+                done(position, _Value(container.start, container.label))
+            elif name != "POP_MARK":  # each element runs up to the next one's start (its PUTs included)
+                ends = [item.start - 1 for item in items[1:]] + [position - 1]
+                done(position, _Value(mark.position, _MARK_BUILDERS[name], [(i.start, e) for i, e in zip(items, ends)]))
+            continue
+        opcode = _OPCODES[name]
+        popped = [stack.pop() for _ in opcode.stack_before][::-1]
+        if not opcode.stack_after:
+            continue
+        start = popped[0].start if popped else position
+        if name == "GLOBAL":
+            label = "global:" + arg.replace(" ", ".")
+        elif name == "STACK_GLOBAL":
+            label = "global:" + ".".join(v.label.removeprefix("str:") for v in popped)
+        elif name in ("REDUCE", "NEWOBJ", "NEWOBJ_EX"):
+            label = ("call:" if name == "REDUCE" else "new:") + popped[0].label.removeprefix("global:")
+        elif name in ("BUILD", "APPEND", "SETITEM"):
+            label = popped[0].label
+        elif isinstance(arg, str) and "unicode" in opcode.arg.name:
+            label = "str:" + arg
+        elif name.startswith("TUPLE"):
+            label = "tuple"
+        elif name == "BINPERSID":
+            label = "persid"
+        elif name in ("EMPTY_DICT", "EMPTY_LIST", "EMPTY_TUPLE", "EMPTY_SET"):
+            label = name.removeprefix("EMPTY_").lower()
+        else:
+            label = name.lower()
+        items = None
+        if name.startswith("TUPLE") and popped:
+            ends = [p.start for p in popped[1:]] + [position]
+            items = [(p.start, e - 1) for p, e in zip(popped, ends)]
+        for _ in opcode.stack_after:
+            done(position, _Value(start, label, items))
+    return _Analysis(values, puts, memo_labels, fresh)
+
+
+def _replace(ops: list[Op], analysis: _Analysis, start: int, end: int, new: list[Op]) -> list[Op]:
+    """``ops[start:end+1]`` replaced by ``new``; the memo indices the old value's opcodes set now name the new value."""
+    remember = [op for index in analysis.puts_in(start, end) for op in _put(index)]
+    return ops[:start] + new + remember + ops[end + 1:]
+
+
+class _Fresh:
+    """Memo indices nothing in the pickle uses yet."""
+
+    def __init__(self, first: int) -> None:
+        self.next = first
+
+    def __call__(self) -> int:
+        self.next += 1
+        return self.next - 1
+
+
+# Hostile values. Each is a list of opcodes that pushes exactly one value.
+
+_HOSTILE_INTS = [0, 1, 2, 3, -1, -2, 2**31 - 1, 2**31, 2**32, 2**62, 2**63 - 1, 2**63, 2**64, -(2**31), -(2**63), -(2**64),
+                 2**100]
+
+
+def _chain(kind: str, depth: int, fresh: _Fresh) -> list[Op]:
+    """A value whose level n holds level n-1 twice: 2**depth elements when walked, hashed or printed; a few bytes here.
+
+    Tuples are built in place ((t, t) from t and a memo GET of it); lists and
+    dicts, which pickle fills after creating them, as the list of all levels.
+    """
+    if kind == "tuple":
+        ops: list[Op] = [("EMPTY_TUPLE", None)]
+        for _ in range(depth):
+            index = fresh()
+            ops += _put(index) + _get(index) + [("TUPLE2", None)]
+        return ops
+    levels: list[Op] = []
+    previous = fresh()
+    levels += _int(7) + _put(previous)
+    for level in range(depth):
+        index = fresh()
+        shape = kind if kind != "mixed" else ("list", "dict", "tuple")[level % 3]
+        if shape == "list":
+            levels += _list([_get(previous), _get(previous)])
+        elif shape == "dict":
+            levels += _dict([(_str("a"), _get(previous)), (_str("b"), _get(previous))])
+        else:
+            levels += _get(previous) + _get(previous) + [("TUPLE2", None)]
+        levels += _put(index)
+        previous = index
+    return [("EMPTY_LIST", None), ("MARK", None)] + levels + [("APPENDS", None)]
+
+
+def _deep(kind: str, depth: int) -> Op:
+    """A container nested ``depth`` levels deep, as one ready-made value."""
+    if kind == "tuple":
+        raw = pickle.EMPTY_TUPLE + pickle.TUPLE1 * depth
+    elif kind == "list":
+        raw = pickle.EMPTY_LIST * (depth + 1) + pickle.APPEND * depth
+    elif kind == "dict":
+        key = encode_ops(_str("k"))
+        raw = (pickle.EMPTY_DICT + key) * depth + pickle.EMPTY_DICT + pickle.SETITEM * depth
+    else:  # lists and tuples in turn, [([([...],)],)]: each level's list made first, then each wrapped and appended
+        raw = pickle.EMPTY_LIST * (depth // 2 + 1) + (pickle.TUPLE1 + pickle.APPEND) * (depth // 2)
+    return ("RAW", (raw, f"deep-{kind}", 0))
+
+
+_CHAIN_DEPTHS = st.sampled_from([2, 5, 12, 20, 26, 32, 48, 64])
+_DEEP_DEPTHS = st.sampled_from([20, 300, 999, 1001, 3000, 20_000, 100_000])
+
+
+@dataclass(frozen=True)
+class _Flavour:
+    """What one kind of pickle holds: the globals its reader allows, and names its objects take."""
+
+    calls: Callable[[st.DrawFn, "_Context"], list[Op]]
+    attributes: tuple[str, ...]
+    keys: tuple[str, ...]
+
+
+@dataclass
+class _Context:
+    ops: list[Op]
+    analysis: _Analysis
+    fresh: _Fresh
+    flavour: _Flavour
+    position: int  # where the value being made will stand: only memo entries made before it may be named
+
+    def memoized(self) -> list[int]:
+        return self.analysis.memoized_before(self.position)
+
+
+def _hostile_value(draw: st.DrawFn, context: _Context, *, hashable: bool = False) -> list[Op]:
+    kinds = ["chain", "deep", "small", "call", "get"] if not hashable else ["chain", "deep", "small", "get"]
+    kind = draw(st.sampled_from(kinds))
+    if kind == "chain":
+        return _chain("tuple" if hashable else draw(st.sampled_from(["tuple", "list", "dict", "mixed"])),
+                      draw(_CHAIN_DEPTHS), context.fresh)
+    if kind == "deep":
+        return [_deep("tuple" if hashable else draw(st.sampled_from(["tuple", "list", "dict", "mixed"])),
+                      draw(_DEEP_DEPTHS))]
+    if kind == "get" and context.memoized():
+        return _get(draw(st.sampled_from(context.memoized())))
+    if kind == "call":
+        return context.flavour.calls(draw, context)
+    return draw(st.sampled_from([
+        _int(draw(st.sampled_from(_HOSTILE_INTS))), [("NONE", None)], [("NEWTRUE", None)], _str(""),
+        _str("x" * 300), [("BINFLOAT", float("nan"))], _tuple([]), _list([]) if not hashable else _tuple([_int(1)]),
+    ]))
+
+
+def _hostile_ints(draw: st.DrawFn, context: _Context) -> list[Op]:
+    """A size or stride: a tuple of hostile integers, or something that is not one at all."""
+    if draw(st.sampled_from([True, True, True, False])):
+        return _tuple([_int(v) for v in draw(st.lists(st.sampled_from(_HOSTILE_INTS), max_size=4))])
+    return _hostile_value(draw, context)
+
+
+def _state(draw: st.DrawFn, context: _Context) -> list[Op]:
+    """The state a BUILD gives an object: a dict of attributes, a (dict, slots) pair, or anything."""
+    attributes = lambda: _dict([(_str(draw(st.sampled_from(context.flavour.attributes))), _hostile_value(draw, context))
+                                for _ in range(draw(st.integers(1, 2)))])
+    kind = draw(st.sampled_from(["dict", "dict", "slots", "pair", "value"]))
+    if kind == "dict":
+        return attributes()
+    if kind == "slots":
+        return _tuple([[("NONE", None)], attributes()])
+    if kind == "pair":
+        return _tuple([attributes(), attributes()])
+    return _hostile_value(draw, context)
+
+
+def _torch_calls(draw: st.DrawFn, context: _Context) -> list[Op]:
+    """A call of a global torch's readers allow, with arguments it was never meant to get."""
+    value = lambda: _hostile_value(draw, context)
+    huge = lambda: _int(draw(st.sampled_from([2**31, 2**33, 2**40, 2**62, 2**63 - 1, -1, 10**6])))
+    tensors = [i for i in context.memoized() if context.analysis.memo_labels.get(i, "").startswith("call:torch._utils")]
+    tensor = lambda: _get(draw(st.sampled_from(tensors))) if tensors else value()
+    pairs = lambda: _list([_tuple([_hostile_value(draw, context, hashable=True), value()])])
+    calls = {
+        "bytearray": lambda: _call("builtins", "bytearray", [huge()]),
+        "bytearray_of": lambda: _call("builtins", "bytearray", [value()]),
+        "set": lambda: _call("builtins", "set", [_list([_hostile_value(draw, context, hashable=True)])]),
+        "complex": lambda: _call("builtins", "complex", [draw(st.sampled_from([_str("1e999999j"), _str("nan+infj"), huge()]))]),
+        "ordered_dict": lambda: _call("collections", "OrderedDict", [draw(st.sampled_from([pairs(), value()]))]),
+        "counter": lambda: _call("collections", "Counter", [value()]),
+        "size": lambda: _call("torch", "Size", [_hostile_ints(draw, context)]),
+        "device": lambda: _call("torch", "device", [_str(draw(st.sampled_from(["cuda", "meta", "cpu", "xla:1"]))), huge()]),
+        "encode": lambda: _call("_codecs", "encode", [_str("ab" * draw(st.sampled_from([1, 1000]))),
+                                                     _str(draw(st.sampled_from(["latin1", "rot13", "zlib_codec", "hex", "utf-16"])))]),
+        "parameter": lambda: _call("torch._utils", "_rebuild_parameter", [tensor(), [("NEWTRUE", None)], value()]),
+        "parameter_with_state": lambda: _call("torch._utils", "_rebuild_parameter_with_state",
+                                              [tensor(), [("NEWFALSE", None)], _call("collections", "OrderedDict", []),
+                                               _state(draw, context)]),
+    }
+    return calls[draw(st.sampled_from(sorted(calls)))]()
+
+
+_TORCH_FLAVOUR = _Flavour(
+    calls=_torch_calls,
+    attributes=("__dict__", "__class__", "dtype", "shape", "requires_grad", "_backward_hooks", "__setstate__", "grad",
+                "__call__", "_metadata", "data", "x"),
+    keys=("weight", "row", "extra", "model", "state_dict", "module", "_metadata", ""),
+)
+
+
+# The mutations: each takes the opcodes and returns them edited (or unchanged, where it finds no place to act).
+
+
+def _m_build_after_global(draw: st.DrawFn, context: _Context) -> list[Op]:
+    """A BUILD right after a global: its attributes set (a class, a function, a storage kind, a dtype)."""
+    spans = context.analysis.spans(prefix="global:")
+    if not spans:
+        return context.ops
+    _start, end = draw(st.sampled_from(spans))
+    at = context.analysis.after_puts(end, context.ops)
+    context.position = at
+    return context.ops[:at] + _state(draw, context) + [("BUILD", None)] + context.ops[at:]
+
+
+_REBUILT = ("call:torch._utils._rebuild", "new:torch.distributed.checkpoint")
+
+
+def _m_build_after_object(draw: st.DrawFn, context: _Context) -> list[Op]:
+    """A BUILD on a rebuilt tensor (torch: ``set_`` with the state's storage, offset, size and stride) or a record."""
+    spans = [span for prefix in _REBUILT for span in context.analysis.spans(prefix=prefix)]
+    if not spans:
+        return context.ops
+    start, end = draw(st.sampled_from(spans))
+    at = context.analysis.after_puts(end, context.ops)
+    context.position = at
+    ops = context.ops
+    kind = draw(st.sampled_from(["set", "set", "state", "legacy", "empty"]))
+    storages = [e for e, v in context.analysis.values.items() if start <= v.start and e <= end and v.label == "persid"]
+    if kind == "set" and storages:
+        storage_index = context.fresh()
+        hostile = lambda: _int(draw(st.sampled_from(_HOSTILE_INTS)))
+        state = _tuple([_get(storage_index), hostile(), _hostile_ints(draw, context), _hostile_ints(draw, context)])
+        ops = ops[:at] + state + [("BUILD", None)] + ops[at:]
+        persid = storages[0]
+        return ops[:persid + 1] + _put(storage_index) + ops[persid + 1:]  # the storage memoized, for the state's GET
+    if kind == "legacy":  # what Tensor.__setstate__ takes: (requires_grad, unused, backward hooks)
+        state = _tuple([[("NEWTRUE", None)], [("NONE", None)], _hostile_value(draw, context)])
+    elif kind == "empty":
+        state = _tuple([])
+    else:
+        state = _state(draw, context)
+    return ops[:at] + state + [("BUILD", None)] + ops[at:]
+
+
+def _m_shared_reference(draw: st.DrawFn, context: _Context) -> list[Op]:
+    """A value replaced by a memo GET of an object memoized before it (maybe one still being built: a cycle)."""
+    spans = context.analysis.spans()
+    start, end = draw(st.sampled_from(spans))
+    earlier = context.analysis.memoized_before(start)
+    if not earlier:
+        return context.ops
+    return _replace(context.ops, context.analysis, start, end, _get(draw(st.sampled_from(earlier))))
+
+
+def _m_replace_value(draw: st.DrawFn, context: _Context) -> list[Op]:
+    """A value replaced by a hostile one: an expansion chain, a deep nesting, a hostile call, a shared reference."""
+    start, end = draw(st.sampled_from(context.analysis.spans()))
+    context.position = start
+    return _replace(context.ops, context.analysis, start, end, _hostile_value(draw, context))
+
+
+def _m_add_item(draw: st.DrawFn, context: _Context) -> list[Op]:
+    """One more item in a dict (its key maybe a chain or a deep tuple) or one more element of a list."""
+    fillers = [end for end, value in context.analysis.values.items()
+               if context.ops[end][0] in ("SETITEMS", "SETITEM", "APPENDS", "APPEND")]
+    if not fillers:
+        return context.ops
+    end = draw(st.sampled_from(fillers))
+    at = end + 1
+    context.position = at
+    if context.ops[end][0] in ("APPENDS", "APPEND"):
+        new = _hostile_value(draw, context) + [("APPEND", None)]
+    else:
+        key = draw(st.sampled_from(["name", "name", "hostile"]))
+        key_ops = (_str(draw(st.sampled_from(context.flavour.keys))) if key == "name"
+                   else _hostile_value(draw, context, hashable=True))
+        new = key_ops + _hostile_value(draw, context) + [("SETITEM", None)]
+    return context.ops[:at] + new + context.ops[at:]
+
+
+def _m_tensor_arguments(draw: st.DrawFn, context: _Context) -> list[Op]:
+    """One argument of a tensor rebuild replaced (negative strides, huge sizes, hooks), or a metadata dict added."""
+    rebuilds = [(end, value) for end, value in context.analysis.values.items() if value.label.startswith(_REBUILT[0])]
+    if not rebuilds:
+        return context.ops
+    end, _value = draw(st.sampled_from(rebuilds))
+    args_end = end - 1  # REDUCE's opcode follows its arguments' tuple (and the PUTs that memoize it)
+    while context.ops[args_end][0] in ("BINPUT", "LONG_BINPUT", "PUT"):
+        args_end -= 1
+    args = context.analysis.values.get(args_end)
+    if args is None or not args.items:
+        return context.ops
+    context.position = args.start
+    if draw(st.sampled_from([False, False, True])):
+        metadata = draw(st.sampled_from([
+            [("neg", True)], [("conj", True)], [("neg", True), ("conj", True)], [("neg", 1)], [("bogus", True)], [],
+        ]))
+        value = _dict([(_str(k), [("NEWTRUE", None)] if v is True else _int(v)) for k, v in metadata])
+        if draw(st.booleans()):
+            value = _hostile_value(draw, context)
+        if context.ops[args_end][0] != "TUPLE":
+            return context.ops
+        return context.ops[:args_end] + value + context.ops[args_end:]  # a seventh argument: metadata
+    number = draw(st.integers(0, len(args.items) - 1))
+    start, stop = args.items[number]
+    if number in (2, 3):  # size, stride
+        new = _hostile_ints(draw, context)
+    elif number == 1:  # storage offset
+        new = _int(draw(st.sampled_from(_HOSTILE_INTS)))
+    else:
+        new = _hostile_value(draw, context)
+    return _replace(context.ops, context.analysis, start, stop, new)
+
+
+def _m_integer(draw: st.DrawFn, context: _Context) -> list[Op]:
+    """An integer (a size, an offset, a length) given a hostile value."""
+    ints = [end for end, value in context.analysis.values.items() if context.ops[end][0] in _INT_OPCODES]
+    if not ints:
+        return context.ops
+    end = draw(st.sampled_from(ints))
+    return _replace(context.ops, context.analysis, end, end, _int(draw(st.sampled_from(_HOSTILE_INTS))))
+
+
+def _m_huge_memo_index(draw: st.DrawFn, context: _Context) -> list[Op]:
+    """A memo index moved far up (its PUT and GETs alike): C's unpickler grows its memo table to match (16 bytes an index)."""
+    if not context.analysis.puts:
+        return context.ops
+    _at, old = draw(st.sampled_from(context.analysis.puts))
+    new = draw(st.sampled_from([_FAR_MEMO, 2**24, 2**27, 2**31 - 1, 2**32 - 1]))
+    out = []
+    for name, arg in context.ops:
+        if name in ("BINPUT", "LONG_BINPUT") and arg == old:
+            out += _put(new)
+        elif name in ("BINGET", "LONG_BINGET") and arg == old:
+            out += _get(new)
+        else:
+            out.append((name, arg))
+    return out
+
+
+_TORCH_MUTATIONS = weighted(
+    (2, st.just(_m_build_after_global)),
+    (3, st.just(_m_build_after_object)),
+    (3, st.just(_m_shared_reference)),
+    (3, st.just(_m_replace_value)),
+    (3, st.just(_m_add_item)),
+    (4, st.just(_m_tensor_arguments)),
+    (1, st.just(_m_integer)),
+    (1, st.just(_m_huge_memo_index)),
+)
+
+
+def _mutated_ops(draw: st.DrawFn, base: list[Op], flavour: _Flavour, mutations: st.SearchStrategy) -> list[Op]:
+    ops = base
+    for _ in range(draw(st.integers(1, 3))):
+        analysis = _analyze(ops)
+        context = _Context(ops, analysis, _Fresh(analysis.fresh), flavour, position=len(ops))
+        ops = draw(mutations)(draw, context)
+    return ops
+
+
+@functools.cache
+def _torch_records() -> tuple[tuple[str, bytes], ...]:
+    with zipfile.ZipFile(io.BytesIO(torch_base_file())) as archive:
+        return tuple((info.filename, archive.read(info.filename)) for info in archive.infolist())
+
+
+@functools.cache
+def _torch_base_ops() -> tuple[Op, ...]:
+    (pkl,) = [content for filename, content in _torch_records() if filename.endswith("/data.pkl")]
+    return tuple(pickle_ops(pkl))
+
+
+def torch_file_with_pickle(pkl: bytes) -> bytes:
+    """The base file with ``pkl`` as its data.pkl, re-zipped (fresh CRCs) as torch_zip_records does.
+
+    Each record dated 1980-01-01, so the same pickle always makes the same file (and the same saved name).
+    """
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_STORED) as archive:
+        for filename, content in _torch_records():
+            archive.writestr(zipfile.ZipInfo(filename), pkl if filename.endswith("/data.pkl") else content)
+    return buffer.getvalue()
+
+
+@st.composite
+def torch_pickle_opcodes(draw: st.DrawFn) -> bytes:
+    """The base file whose data.pkl had a few opcode-level edits: BUILDs, shared references, expansion chains,
+    deep nesting, hostile calls of the globals the readers allow, rebuilt tensors' arguments."""
+    ops = _mutated_ops(draw, list(_torch_base_ops()), _TORCH_FLAVOUR, _TORCH_MUTATIONS)
+    return torch_file_with_pickle(encode_ops(ops))
+
+
+# ---------------------------------------------------------------- target: DCP metadata pickle
+
+
+@functools.cache
+def _dcp_files() -> dict[str, bytes]:
+    """A genuine single-process ``dcp.save`` folder's files: a nested model state dict and training state beside it."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {
+        "model": {
+            "embed.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+            "norm.bias": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+            "counts": torch.tensor([1, 2, 3], dtype=torch.int64),
+            "empty": torch.zeros(0, 2),
+        },
+        "optim": {"lr": torch.tensor(0.1), "step": 3},
+        "epoch": 2,
+    }
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: dcp.save warns, then saves as one process
+        dcp.save(state, checkpoint_id=tmp)
+        return {path.name: path.read_bytes() for path in Path(tmp).iterdir()}
+
+
+def dcp_metadata(data: bytes) -> None:
+    """``data`` is the ``.metadata`` of a DCP folder whose data files are genuine; beside the folder, a data file outside it."""
+    files = _dcp_files()
+    with tempfile.TemporaryDirectory(prefix="fuzz-dcp-") as tmp:
+        root = Path(tmp).resolve()
+        folder = root / "ckpt"
+        folder.mkdir()
+        for name, content in files.items():
+            (folder / name).write_bytes(data if name == ".metadata" else content)
+            if name != ".metadata":
+                (root / name).write_bytes(content)  # the same chunks, outside: a relative path must never reach them
+        try:
+            ckpt = mz.open_checkpoint(folder)
+        except mz.MaterializeError:
+            return
+        with ckpt:
+            _check_infos_inside(ckpt, folder=folder)
+            infos = dict(ckpt.items())
+        for tensors in _load_both_ways(folder):
+            assert set(tensors) == set(infos)
+            for name, tensor in tensors.items():
+                assert tensor.dtype == infos[name].dtype and tuple(tensor.shape) == infos[name].shape, name
+
+
+def _dcp_calls(draw: st.DrawFn, context: _Context) -> list[Op]:
+    """A call of a global the DCP metadata reader allows, with arguments it was never meant to get."""
+    value = lambda: _hostile_value(draw, context)
+    module = "torch.distributed.checkpoint.metadata"
+    record = draw(st.sampled_from(["Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                                   "MetadataIndex", "TensorProperties", "StorageMeta"]))
+    calls = {
+        "size": lambda: _call("torch", "Size", [_hostile_ints(draw, context)]),
+        "layout": lambda: _call("torch.serialization", "_get_layout", [draw(st.sampled_from([_str("torch.strided"), value()]))]),
+        "path": lambda: _call("pathlib", draw(st.sampled_from(["PosixPath", "PurePosixPath", "WindowsPath"])),
+                              [_str(draw(st.sampled_from(["..", "/etc", "../__0_0.distcp", "/", "x" * 5000]))), value()]),
+        "ordered_dict": lambda: _call("collections", "OrderedDict", [value()]),
+        "memory_format": lambda: _call(module, "_MEM_FORMAT_ENCODING", [value()]),
+        "record_new": lambda: [("GLOBAL", f"{module} {record}")] + _tuple([value()]) + [("NEWOBJ", None)],
+        "record_call": lambda: _call(module, record, [value()]),
+        "storage_info": lambda: [("GLOBAL", "torch.distributed.checkpoint.filesystem _StorageInfo"), ("EMPTY_TUPLE", None),
+                                 ("NEWOBJ", None)] + _state(draw, context) + [("BUILD", None)],
+    }
+    return calls[draw(st.sampled_from(sorted(calls)))]()
+
+
+_DCP_FLAVOUR = _Flavour(
+    calls=_dcp_calls,
+    attributes=("state_dict_metadata", "storage_data", "planner_data", "storage_meta", "size", "chunks", "properties",
+                "dtype", "offsets", "sizes", "fqn", "offset", "index", "relative_path", "length", "transform_descriptors",
+                "__dict__", "__class__", "__setstate__"),
+    keys=("model.embed.weight", "model.counts", "optim.step", "epoch", "", "model"),
+)
+
+_DCP_MUTATIONS = weighted(
+    (1, st.just(_m_build_after_global)),
+    (2, st.just(_m_build_after_object)),
+    (3, st.just(_m_shared_reference)),
+    (3, st.just(_m_replace_value)),
+    (3, st.just(_m_add_item)),
+    (3, st.just(_m_integer)),
+    (1, st.just(_m_huge_memo_index)),
+)
+
+
+@functools.cache
+def _dcp_base_ops() -> tuple[Op, ...]:
+    return tuple(pickle_ops(_dcp_files()[".metadata"]))
+
+
+@st.composite
+def dcp_pickle_opcodes(draw: st.DrawFn) -> bytes:
+    """A genuine DCP ``.metadata`` with a few opcode-level edits, as torch_pickle_opcodes makes them."""
+    return encode_ops(_mutated_ops(draw, list(_dcp_base_ops()), _DCP_FLAVOUR, _DCP_MUTATIONS))
+
+
 # ---------------------------------------------------------------- the registry the runner and tests use
 
 
@@ -659,6 +1368,8 @@ CASES = [
     FuzzCase("shard_index_structured", shard_index, structured_index()),
     FuzzCase("torch_zip_bytes", torch_zip, mutated_torch_bytes()),
     FuzzCase("torch_zip_records", torch_zip, torch_zip_records()),
+    FuzzCase("torch_pickle_ops", torch_zip, torch_pickle_opcodes()),
+    FuzzCase("dcp_pickle_ops", dcp_metadata, dcp_pickle_opcodes()),
 ]
 TARGETS = {case.name: case.target for case in CASES}
 

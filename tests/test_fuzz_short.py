@@ -4,7 +4,10 @@
 given. Here each gets a few hundred examples, and each bug found so far is
 pinned by an ``xfail(strict=True)`` test whose ``@example`` reproduces it:
 when the library is fixed the test XPASSes, which fails the suite until its
-xfail mark and its ``KNOWN_BUGS`` entry are removed.
+xfail mark and its ``KNOWN_BUGS`` entry are removed. The pickle-opcode
+targets, whose inputs can hang a reader or make it allocate without bound,
+run as the long run runs them: in a child process, each input under a time
+and a memory limit.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import io
 import json
 import struct
+import sys
 import tempfile
 import zipfile
 from pathlib import Path
@@ -34,10 +38,13 @@ from fuzz_targets import (
     torch_zip_records,
 )
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the fuzz package, whichever way pytest was started
+from fuzz import run as fuzz_run  # noqa: E402
+
 # A mutated pickle may announce any protocol; torch warns about it, which is noise here.
 pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
 
-# A few hundred examples per target: about 20 s for the whole file on 2 cores.
+# A few hundred examples per target: about 15 s for these on 2 cores (the pickle targets below, 10-20 s more).
 SHORT = settings(
     max_examples=300,
     derandomize=True,  # the same inputs on every CI run; `make fuzz` is where new ones are explored
@@ -95,6 +102,37 @@ def test_torch_files_with_flipped_inserted_or_deleted_bytes_open_and_load_or_rai
 @given(data=torch_zip_records())
 def test_torch_files_with_edited_records_open_and_load_or_raise_a_materialize_error(data):
     run_tolerating_known_bugs(torch_zip, data)
+
+
+# Pickles rewritten opcode by opcode (expansion chains, deep nesting, shared references, hostile calls and
+# BUILDs) can make a reader hang or allocate without bound, so these run in a child process under the fuzz
+# runner's limits (fuzz/run.py), as `make fuzz` runs them: an input past the time limit, one that kills its
+# process, or one whose peak memory goes past the per-input budget fails the test (its input is kept under
+# the test's tmp_path, named in the message), instead of stalling or sinking the suite. Fewer examples than
+# above: a child costs a couple of seconds to start, and these inputs are slower.
+PICKLE_LIMITS = fuzz_run.Limits(input_seconds=10, memory_mb=3072, input_memory_mb=1024)
+
+
+@pytest.mark.parametrize(("case", "examples"), [("torch_pickle_ops", 100), ("dcp_pickle_ops", 40)])
+def test_pickles_rewritten_opcode_by_opcode_open_and_load_or_raise_a_materialize_error_within_the_limits(
+    case, examples, tmp_path
+):
+    outcome = fuzz_run.fuzz_case(case, 300, limits=PICKLE_LIMITS, directory=tmp_path, max_examples=examples,
+                                 seed=0, restart=False)  # the same inputs on every run; the first hang ends it
+
+    report = "\n".join(fuzz_run.describe(fuzz_run.find_case(case), outcome, tmp_path))
+    assert outcome.new_failures == 0, report
+    assert outcome.examples == examples, report
+
+
+# Inputs the fuzzer found breaking a reader, kept as they were found (tests/fuzz_findings/README.md says
+# what each did), replayed through their target under the same limits: a regression is a failure here.
+FINDINGS = sorted((Path(__file__).parent / "fuzz_findings").glob("*.bin"))
+
+
+@pytest.mark.parametrize("finding", FINDINGS, ids=lambda path: path.name)
+def test_each_kept_fuzz_finding_replays_within_the_limits(finding, capsys):
+    assert fuzz_run.replay([str(finding)], limits=PICKLE_LIMITS) == 0, capsys.readouterr().out
 
 
 def test_every_known_bug_names_a_test_of_this_file():

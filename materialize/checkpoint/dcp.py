@@ -38,7 +38,8 @@ from .base import TensorInfo
 from .pickle_budget import check_budget
 from .confine import allowed_roots, confine, leaves_folder
 from .sealed import Sealed, sealed_call
-from .torchpickle import STATE_DICT_KEYS, TRAINING_STATE_KEYS, first_line
+from .safetensors import shape_fits_int64
+from .torchpickle import STATE_DICT_KEYS, TRAINING_STATE_KEYS, brief as _brief, first_line
 from .torchzip import read_embedded_tensor
 
 
@@ -174,7 +175,9 @@ def _field(obj: Any, name: str, kind: Any, what: str, path: Path) -> Any:
 
 def _sizes(value: Any, what: str, path: Path) -> tuple[int, ...]:
     if not isinstance(value, (tuple, list)) or not all(type(v) is int and v >= 0 for v in value):
-        raise CheckpointError(f"DCP metadata is malformed: {what} has sizes or offsets {value!r}", path=path)
+        raise CheckpointError(f"DCP metadata is malformed: {what} has sizes or offsets {_brief(value)}", path=path)
+    if not shape_fits_int64(list(value)):
+        raise CheckpointError(f"DCP metadata is malformed: {what} has sizes or offsets past 2**63", path=path)
     return tuple(value)
 
 

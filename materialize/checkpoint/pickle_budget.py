@@ -124,7 +124,11 @@ def check_budget(data: bytes, *, path: Union[str, Path], what: str) -> None:
     follows reports them. Raises :class:`BudgetError` naming the file and the limit.
     """
     limit = OBJECTS_PER_BYTE * len(data) + OBJECTS_FLOOR
-    objects, depth = _scan(data, limit)
+    objects, depth, memo_index = _scan(data, limit)
+    if memo_index > len(data):
+        raise BudgetError(
+            f"{what} stores an object at memo index {memo_index:,}, past any a {len(data):,}-byte pickle can use "
+            "(Python's unpickler allocates memory up to the index)", path=path)
     if depth > MAX_DEPTH:
         raise BudgetError(
             f"{what} nests containers more than {MAX_DEPTH} deep, the limit for an unpickled structure", path=path)
@@ -135,8 +139,14 @@ def check_budget(data: bytes, *, path: Union[str, Path], what: str) -> None:
             path=path)
 
 
-def _scan(data: bytes, limit: int) -> tuple[int, int]:
-    """The most objects a walk of any one container of the pickle meets, and the deepest nesting.
+def _scan(data: bytes, limit: int) -> tuple[int, int, int]:
+    """The most objects a walk of any one container of the pickle meets, the deepest nesting, and the memo
+    index where the scan stopped at one past the pickle's length (0 if none).
+
+    A pickle numbers the objects it keeps for later (its memo) itself;
+    numbers beyond its length are no pickler's, and Python's C unpickler
+    allocates its memo table up to the largest (16 bytes each: 64 GiB for
+    one opcode naming 2**32 - 1).
 
     Counted as the containers are built, each from what it holds (a
     container held twice counts twice), which is exact as long as no
@@ -161,7 +171,10 @@ def _scan(data: bytes, limit: int) -> tuple[int, int]:
             code = data[pos]
             # The opcodes of torch's saves, most frequent first: LONG_BINPUT, BININT1, BINGET.
             if code == 0x72:
-                memo[unpack_from("<I", data, pos + 1)[0]] = stack[-1]
+                index = unpack_from("<I", data, pos + 1)[0]
+                if index > end:
+                    return most, deepest, index
+                memo[index] = stack[-1]
                 pos += 5
                 continue
             width = atom_widths[code]
@@ -206,7 +219,10 @@ def _scan(data: bytes, limit: int) -> tuple[int, int]:
                 stack.append(None)
                 continue
             if effect == _PUT:
-                memo[_memo_index(data, width, start, pos)] = stack[-1]
+                index = _memo_index(data, width, start, pos)
+                if index > end:
+                    return most, deepest, index
+                memo[index] = stack[-1]
                 continue
             if effect == _GET:
                 stack.append(memo[_memo_index(data, width, start, pos)])
@@ -262,12 +278,12 @@ def _scan(data: bytes, limit: int) -> tuple[int, int]:
             if node.depth > deepest:
                 deepest = node.depth
             if not stale and (most > limit or deepest > MAX_DEPTH):
-                return most, deepest
+                return most, deepest, 0
     except (IndexError, KeyError, ValueError, struct.error):
         pass  # malformed: the unpickler says how
     if stale:
-        return _measure(nodes, limit)
-    return most, deepest
+        return (*_measure(nodes, limit), 0)
+    return most, deepest, 0
 
 
 def _memo_index(data: bytes, width: int, start: int, end: int) -> int:

@@ -27,6 +27,7 @@ from torch import _weights_only_unpickler, nn
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError, first_line, summarize_names
 from .base import TensorInfo, is_extra_state, make_info
 from .pickle_budget import check_budget
+from .safetensors import shape_fits_int64
 from .pickle_scan import counted_allocations, negative_layouts, quantized_tensors
 from .sealed import Unchangeable, sealed_call
 from .standins import (
@@ -46,7 +47,7 @@ _BRIEF = reprlib.Repr()
 _BRIEF.maxlevel, _BRIEF.maxstring, _BRIEF.maxother = 3, 60, 60
 
 
-def _brief(value: Any) -> str:
+def brief(value: Any) -> str:
     """A value of the file, for an error message: a few levels and items of it, whatever its size."""
     try:
         return _BRIEF.repr(value)
@@ -63,7 +64,7 @@ class StorageRef:
 def persistent_loader(path: Path, refs: dict[int, StorageRef]):
     def persistent_load(saved_id: Any) -> Any:
         if not (isinstance(saved_id, tuple) and len(saved_id) == 5):
-            raise CheckpointError(f"unexpected persistent id {_brief(saved_id)} in data.pkl", path=path)
+            raise CheckpointError(f"unexpected persistent id {brief(saved_id)} in data.pkl", path=path)
         _, storage_type, key, _location, numel = saved_id
         if isinstance(storage_type, _StorageKind):  # the plain path's (first: asking a class for it is slower)
             dtype = storage_type.dtype
@@ -72,7 +73,7 @@ def persistent_loader(path: Path, refs: dict[int, StorageRef]):
         else:
             dtype = getattr(storage_type, "_dtype", None) or getattr(storage_type, "dtype", None)
         if not isinstance(dtype, torch.dtype) or type(numel) is not int or numel < 0:
-            raise CheckpointError(f"malformed storage record {_brief(key)} in data.pkl", path=path)
+            raise CheckpointError(f"malformed storage record {brief(key)} in data.pkl", path=path)
         storage = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
         refs[storage._cdata] = StorageRef(str(key), numel * dtype.itemsize)
         return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
@@ -409,7 +410,7 @@ def _is_shape(value: tuple) -> bool:
 def _outline(obj: Any) -> str:
     """What an object without weights is, in a few words: a dict by its keys, else by its type."""
     if isinstance(obj, dict):
-        keys = [key if isinstance(key, str) else _brief(key) for key in obj]
+        keys = [key if isinstance(key, str) else brief(key) for key in obj]
         return f"a dict of {len(keys)} entries ({summarize_names(keys, limit=6)})"
     return f"a {type(obj).__name__}"
 
@@ -545,6 +546,8 @@ def tensor_info(
     storage_offset = tensor.storage_offset()
     if storage_offset < 0 or any(d < 0 for d in shape) or any(st < 0 for st in stride):
         raise fail(f"has a negative size, stride or offset ({list(shape)}, {list(stride)}, {storage_offset})")
+    if not shape_fits_int64(list(shape)):  # even empty: torch.empty computes its strides
+        raise fail(f"has shape {list(shape)}, larger than any tensor can be (dimensions past 2**63)")
     start = storage_offset * itemsize
     contiguous = tensor.is_contiguous()
     numel = math.prod(shape)

@@ -259,7 +259,7 @@ def with_whole_load(error: AllocationError, device: torch.device, needed: int) -
 
 def empty_destination(
     shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device,
-    name: Optional[str] = None, path: Optional[Path] = None,
+    name: Optional[str] = None, path: Optional[Path] = None, stride: Optional[tuple[int, ...]] = None,
 ) -> torch.Tensor:
     """Allocate a tensor that is about to be filled completely; running out of memory names it.
 
@@ -275,7 +275,8 @@ def empty_destination(
             reason = f"out of memory: more than this machine's RAM and swap together, {format_bytes(limit)}"
             raise _out_of_memory(shape, dtype, device, name, path, reason)
     try:
-        tensor = torch.empty(shape, dtype=dtype, device=device)
+        tensor = (torch.empty(shape, dtype=dtype, device=device) if stride is None
+                  else torch.empty_strided(shape, stride, dtype=dtype, device=device))
     except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
         if not isinstance(exc, MemoryError) and "alloc" not in str(exc).lower():
             raise

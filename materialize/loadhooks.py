@@ -61,6 +61,10 @@ class Replayed:
     # Load code that did not run on names: "module (Class, which raised ...)" for code that needed values,
     # "module (Class overrides load_state_dict, ...)" for code a load never calls.
     unrun: list[str] = field(default_factory=list)
+    # Load code that needs checkpoint values: (the module's prefix, what it is, the names it read on stand-ins).
+    # It raised on them (``int(state_dict.pop(key))``), or read a name it then left where no tensor of the
+    # model takes it (torch's CustomState: a param saved as ``serialized = param + 1`` and copied back).
+    needs_values: list[tuple[str, str, list[str]]] = field(default_factory=list)
 
 
 def replay_load_hooks(
@@ -83,13 +87,19 @@ def replay_load_hooks(
     stand_ins = {id(stand_in): name for name, stand_in in state.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the code's notes on meta copies and old versions are not the user's
+        reads: list[tuple[str, nn.Module, list[str], str]] = []
         for prefix, module in adapting:
             mark = state.mark()
+            state.read = []
             try:
                 _run_load_code(module, state, f"{prefix}." if prefix else "")
             except Exception as error:  # noqa: BLE001 - any failure means: it needs values, not names
                 state.undo_to(mark)
-                unrun.append(f"{prefix or '<root>'} ({type(module).__name__}, which raised {described(error)})")
+                raised = f"{type(module).__name__}, which raised {described(error)}"
+                unrun.append(f"{prefix or '<root>'} ({raised})")
+                reads.append((prefix, module, state.read, raised))
+            else:
+                reads.append((prefix, module, state.read, ""))
     renamed: dict[str, TensorInfo] = {}
     moves: dict[str, str] = {}
     derived: list[str] = []
@@ -113,7 +123,14 @@ def replay_load_hooks(
     renamed.update((name, info) for name, info in sources.items() if is_extra_state(name))
     kept = {id(info) for info in renamed.values()}
     dropped = [info for name, info in sources.items() if id(info) not in kept]
-    return Replayed(renamed, dropped, moves, unrun)
+    needs_values = []
+    for prefix, module, read, raised in reads:
+        left_unused = [key for key in read if key in renamed and key not in model_names]
+        if raised or left_unused:
+            code = "._load_from_state_dict" if _own_override(module) else "'s load_state_dict pre-hook"
+            what = f"{type(module).__name__}{code}" + (f" ({raised})" if raised else "")
+            needs_values.append((prefix, what, left_unused))
+    return Replayed(renamed, dropped, moves, unrun, needs_values)
 
 
 def post_hooked(modules: list[tuple[str, nn.Module]]) -> list[nn.Module]:
@@ -255,6 +272,15 @@ class _Journaled(OrderedDict):
     def __init__(self, entries: Iterable[tuple[Any, Any]]) -> None:
         super().__init__(entries)
         self._journal: list[tuple[Any, Any]] = []
+        self.read: list[Any] = []  # the names the code at hand looked up
+
+    def __getitem__(self, key: Any) -> Any:
+        self.read.append(key)
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.read.append(key)
+        return super().get(key, default)
 
     def mark(self) -> int:
         return len(self._journal)
@@ -280,6 +306,7 @@ class _Journaled(OrderedDict):
         super().__delitem__(key)
 
     def pop(self, key: Any, *default: Any) -> Any:
+        self.read.append(key)
         if key in self:
             self._note(key)
         return super().pop(key, *default)

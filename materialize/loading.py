@@ -27,9 +27,10 @@ from .keymap import KeyMapLike
 from .loadhooks import run_post_hooks
 from .mapping import FileMaps
 from .memory import PeakMemory
-from .meta import is_lazy
+from .checkpoint.base import contiguous_strides
+from .meta import is_lazy, shared_memory_asked
 from .modtree import named_modules
-from .planning import DtypeRule, Entry, InitFn, Plan, Tolerated, initializer_of, make_plan
+from .planning import DtypeRule, Entry, InitFn, Plan, Tolerated, initializer_of, make_plan, raise_for_mismatch
 from .report import Report
 from .sanitizer import CountingFiles, audit, nonfinite, poison
 from .sharded import is_dtensor, local_of
@@ -161,12 +162,24 @@ def load(
         )
     if report.untied and is_hf_model(model):
         forget_ties(model, report.untied)
+    _refresh_flat_weights(model)
     run_post_hooks(the_plan.post_hooked, report.missing, report.unexpected)
+    if the_plan.strict_after_hooks:  # what the hooks left unforgiven fails the load, as in load_state_dict
+        the_plan.missing, the_plan.unexpected, the_plan.mismatched = report.missing, report.unexpected, []
+        raise_for_mismatch(the_plan, report.checkpoint, True, [])
     if placement is not None and placement.needs_dispatch:
         from accelerate import dispatch_model
 
         dispatch_model(model, device_map=placement.for_accelerate())
     return report
+
+
+def _refresh_flat_weights(model: nn.Module) -> None:
+    """RNNs keep a list of their weight tensors (``_flat_weights``, which cuDNN's ``flatten_parameters`` reads);
+    torch refreshes it wherever it replaces them (``_apply``), and so does a load."""
+    for module in model.modules():
+        if isinstance(module, nn.RNNBase):
+            module._init_flat_weights()
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -338,8 +351,10 @@ def _materialize_entry(
     else:
         tensor = empty_destination(
             entry.local_shape, dtype=entry.dtype, device=entry.device, name=entry.name,
-            path=source.path if source is not None else None,
+            path=source.path if source is not None else None, stride=_asked_strides(original, entry),
         )
+        if tensor.device.type == "cpu" and shared_memory_asked(original):
+            tensor.share_memory_()  # empty yet: moving it costs no copy of values
     sharded = entry.shard is not None
     local = local_of(tensor) if sharded else tensor  # what this process fills: a DTensor's shard on this rank
     if check and view is None and entry.action != "keep":
@@ -347,8 +362,7 @@ def _materialize_entry(
     if sharded and not is_dtensor(tensor):
         tensor = entry.shard.wrap(tensor)
     if tensor is not original and isinstance(original, nn.Parameter):
-        grad = original.requires_grad and (tensor.is_floating_point() or tensor.is_complex())
-        tensor = nn.Parameter(tensor, requires_grad=grad)
+        tensor = _parameter_like(original, tensor)
     entry.hold(tensor, undo)
     if entry.action != "load" or view is not None:
         return []
@@ -357,7 +371,49 @@ def _materialize_entry(
     return [Job(local.detach() if local.requires_grad else local, source)]
 
 
+def _parameter_like(original: nn.Parameter, tensor: torch.Tensor) -> nn.Parameter:
+    """``tensor`` as a parameter of ``original``'s class, with its ``requires_grad`` and Python attributes.
+
+    As ``load_state_dict`` keeps a model's own parameter objects: a
+    subclass (Megatron's, a ``__torch_function__`` one) stays that class, and
+    attributes a script set (``p.no_decay = True``, ``tensor_model_parallel``)
+    stay set. The object is made as ``nn.Parameter`` makes one
+    (``Tensor._make_subclass``), without the subclass's own ``__new__`` or
+    ``__init__``: the original was already built by them.
+    """
+    grad = original.requires_grad and (tensor.is_floating_point() or tensor.is_complex())
+    kind = original.cls_to_become if is_lazy(original) else type(original)  # a lazy one becomes what it would
+    made = nn.Parameter(tensor, requires_grad=grad) if kind is nn.Parameter else torch.Tensor._make_subclass(kind, tensor, grad)
+    if original.__dict__:
+        made.__dict__.update(original.__dict__)
+    return made
+
+
+def _asked_strides(original: torch.Tensor, entry: Entry) -> Optional[tuple[int, ...]]:
+    """The strides a meta tensor asked for (a channels_last weight), where they lay its elements out densely;
+    None for contiguous ones."""
+    if entry.shard is not None or is_lazy(original) or tuple(original.shape) != entry.local_shape:
+        return None
+    stride = tuple(original.stride())
+    # Exactly: a 1x1 convolution's channels_last weight counts as contiguous, but its strides are not.
+    return None if stride == contiguous_strides(entry.local_shape) or not _dense(original) else stride
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether a tensor's strides lay out its elements one after another in some dimension order (no gap, no overlap)."""
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda pair: pair[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _reusable(original: torch.Tensor, entry: Entry) -> bool:
+    """Whether the model's own (real) tensor can be filled in place: kept, as load_state_dict keeps it, whatever
+    its strides (a channels_last weight is filled as a box of a strided view is)."""
     if original.is_meta or is_lazy(original) or entry.split_from_tie:  # a name split off a tie needs memory of its own
         return False
     local = local_of(original)
@@ -366,7 +422,7 @@ def _reusable(original: torch.Tensor, entry: Entry) -> bool:
         and local.device == entry.device
         and local.dtype == entry.dtype
         and tuple(local.shape) == entry.local_shape
-        and local.is_contiguous()
+        and (local.is_contiguous() or _dense(local))
     )
 
 

@@ -10,6 +10,7 @@ any thread is inside :func:`meta_init` and acting only in those threads.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Callable, Optional
@@ -51,7 +52,12 @@ def _to_meta_parameter(module: nn.Module, name: str, param: Optional[nn.Paramete
     meta = param.detach().to("meta")
     if type(param) is nn.Parameter:
         return nn.Parameter(meta, requires_grad=param.requires_grad)
-    return param.__class__(meta, requires_grad=param.requires_grad)
+    # A subclass is remade as nn.Parameter makes one, not through its own __new__/__init__ (which ran
+    # already, with arguments of the caller's that defaults would replace), and keeps its attributes.
+    moved = torch.Tensor._make_subclass(type(param), meta, param.requires_grad)
+    if param.__dict__:
+        moved.__dict__.update(param.__dict__)
+    return moved
 
 
 def _to_meta_buffer(module: nn.Module, name: str, buffer: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -130,7 +136,13 @@ class _SkipInPlaceOnMeta(TorchFunctionMode):
         target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
         in_place = name.endswith("_") and not name.endswith("__") and isinstance(target, torch.Tensor)
         if in_place and target.is_meta:
+            if name in _METADATA_IN_PLACE:  # what the tensor is, not what it holds: it takes effect
+                return func(*args, **kwargs)
+            if name == "share_memory_":  # meta has no memory to share: the load shares the memory it allocates
+                _ask_shared_memory(target)
             return target
+        if name in _MOVES and isinstance(target, torch.Tensor) and target.is_meta:
+            return _stay_on_meta(name, target, args[1:], kwargs)
         try:
             return func(*args, **kwargs)
         except RuntimeError as error:  # the common path pays nothing for what follows
@@ -149,6 +161,37 @@ class _SkipInPlaceOnMeta(TorchFunctionMode):
         # on zeros) meets meta weights; most kernels then answer on meta, but torch's Python
         # decompositions (group_norm) refuse mixed devices. On meta, every op answers.
         return func(*(_on_meta(value) for value in args), **{key: _on_meta(value) for key, value in kwargs.items()})
+
+
+# In-place ops that change a tensor's attributes, shape or strides, not its values: they run on meta (at no
+# cost: no kernel computes anything), so a constructor's requires_grad_(False) freezes what it froze.
+_METADATA_IN_PLACE = frozenset({
+    "requires_grad_", "resize_", "resize_as_", "as_strided_", "transpose_", "t_", "squeeze_", "unsqueeze_",
+    "swapdims_", "swapaxes_", "detach_", "rename_",
+})
+# Moves off meta (a constructor ending in self.to(device), .cuda(), .cpu()): a meta tensor stays on meta, with
+# the dtype and memory format asked for; where it then lives is the load's device=.
+_MOVES = frozenset({"to", "cuda", "cpu"})
+# id -> a weak reference (a WeakSet would compare tensors with ==, which tensors answer elementwise).
+_shared_memory_asked: dict[int, "weakref.ref[torch.Tensor]"] = {}
+
+
+def _ask_shared_memory(tensor: torch.Tensor) -> None:
+    key = id(tensor)
+    _shared_memory_asked[key] = weakref.ref(tensor, lambda _: _shared_memory_asked.pop(key, None))
+
+
+def shared_memory_asked(tensor: torch.Tensor) -> bool:
+    """Whether a constructor under :func:`meta_init` called ``share_memory_()`` on this meta tensor."""
+    ref = _shared_memory_asked.get(id(tensor))
+    return ref is not None and ref() is tensor
+
+
+def _stay_on_meta(name: str, tensor: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+    if name != "to":
+        return tensor
+    _, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    return tensor.to(device="meta", dtype=dtype or tensor.dtype, memory_format=memory_format or torch.preserve_format)
 
 
 # What torch says when an op needs a meta tensor's value: .item(), bool(), .tolist(), a copy out of it.

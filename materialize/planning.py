@@ -150,6 +150,9 @@ class Plan:
     # "<module>._extra_state" -> (the module, its source): a plain value, or a checkpoint tensor to read.
     extra_states: dict[str, tuple[nn.Module, object]] = field(default_factory=dict)
     post_hooked: list[nn.Module] = field(default_factory=list)  # run once loaded (see loadhooks.post_hooked)
+    # A strict load of a model with load post-hooks: missing and unexpected names are judged after the hooks
+    # ran, as load_state_dict judges them (a hook may forgive a name), so the load goes on without them.
+    strict_after_hooks: bool = False
     renamed_by_model: dict[str, str] = field(default_factory=dict)  # by the model's own load code (see loadhooks)
 
     def of(self, action: Action) -> list[Entry]:
@@ -316,6 +319,16 @@ def _float_dtype_of_loads(entries: list[Entry]) -> Optional[torch.dtype]:
     return weights.most_common(1)[0][0] if weights else None
 
 
+def _float_dtypes_loaded_by_module(entries: list[Entry]) -> dict[int, torch.dtype]:
+    """id(module) -> the float dtype of the first tensor loaded into it."""
+    found: dict[int, torch.dtype] = {}
+    for entry in entries:
+        if entry.action == "load" and entry.dtype.is_floating_point:
+            for owner in entry.owners:
+                found.setdefault(id(owner.module), entry.dtype)
+    return found
+
+
 def make_plan(
     model: nn.Module,
     ckpt: Checkpoint,
@@ -372,15 +385,20 @@ def make_plan(
     if tolerated is not None:
         _set_aside_tolerated(plan, strays, tolerated)
     _match_extra_states(plan, extra_state_owners, saved_tensors, ckpt, rename, strict, tolerated)
-    _raise_for_mismatch(plan, ckpt, strict, replayed.unrun)
+    _refuse_load_code_needing_values(plan, ckpt, replayed.needs_values)
+    plan.strict_after_hooks = strict and bool(plan.post_hooked)
+    raise_for_mismatch(plan, ckpt.path, strict and not plan.strict_after_hooks, replayed.unrun)
     _raise_for_unmappable_disk(plan, ckpt)
 
     follow = dtype or _float_dtype_of_loads(plan.entries)
+    loaded_beside = _float_dtypes_loaded_by_module(plan.entries) if dtype is None else {}
     for entry in plan.of("init"):
         # Computed buffers (never saved, like a rotary inv_freq) keep the dtype their module gives them.
         computed = not any(owner.persistent for owner in entry.owners)
         if follow is not None and entry.dtype.is_floating_point and not computed:
-            entry.dtype = follow
+            # A bias the checkpoint lacks takes the dtype its module's weight was loaded in; the
+            # checkpoint's dominant one only where its module loaded nothing.
+            entry.dtype = loaded_beside.get(id(entry.owners[0].module), follow)
     if dtype_rule is not None:
         for entry in plan.entries:
             if entry.action != "keep" and entry.dtype.is_floating_point:
@@ -496,7 +514,7 @@ def _entry(
         if tensor.device.type == "meta":
             entry.action = "init"
         if all(owner.persistent for owner in owners) and not _counter_older_saves_lack(owners):
-            plan.missing.append(names[0])
+            plan.missing.extend(names)  # every name of a tie, as load_state_dict lists them
     return entry
 
 
@@ -508,7 +526,36 @@ def _counter_older_saves_lack(owners: list[Owner]) -> bool:
                for owner in owners)
 
 
-def _raise_for_mismatch(plan: Plan, ckpt: Checkpoint, strict: bool, unrun: list[str]) -> None:
+def _refuse_load_code_needing_values(plan: Plan, ckpt: Checkpoint, needs_values: list[tuple[str, str, list[str]]]) -> None:
+    """Refuse, strict or not, a load whose names disagree where a module's own load code needs values to agree.
+
+    ``load_state_dict`` runs such code on the values (torch's CustomState
+    test saves ``serialized = param + 1`` and copies ``serialized - 1`` back;
+    a versioned module reads ``int(state_dict.pop("format_version"))``). A
+    load that reads bytes straight into the model cannot, and skipping what
+    the code would consume, or initializing what it would fill, gives another
+    model than the user's, silently: so it is an error, naming the code.
+    """
+    for prefix, what, read in needs_values:
+        inside = f"{prefix}." if prefix else ""
+        # Anything under the module may be the code's to take: it sees, and may rename, its children's names too.
+        missing = [name for name in plan.missing if name.startswith(inside)]
+        unexpected = [name for name in plan.unexpected if name.startswith(inside) or name in read]
+        if not (missing or unexpected or read):
+            continue
+        names = summarize_names(unexpected + missing, limit=4)
+        raise KeyMismatchError(
+            f"the model's own load code, {what} of '{prefix or '<root>'}', computes from checkpoint values "
+            f"({names or summarize_names(read, limit=4)}), which a load reading bytes straight into the model "
+            "cannot run; skipping what it reads would load another model than yours. Load this checkpoint with "
+            "torch instead: build the model on the CPU and call model.load_state_dict(torch.load(path, "
+            "weights_only=True))",
+            path=ckpt.path, missing=missing, unexpected=unexpected,
+        )
+
+
+def raise_for_mismatch(plan: Plan, path: object, strict: bool, unrun: list[str]) -> None:
+    """Raise what a load of ``plan`` disagrees on: shapes always, missing and unexpected names when ``strict``."""
     shapes = [f"{n} (model {list(m)}, checkpoint {list(c)})" for n, m, c in plan.mismatched]
     problems = []
     if strict and plan.missing:
@@ -531,7 +578,7 @@ def _raise_for_mismatch(plan: Plan, ckpt: Checkpoint, strict: bool, unrun: list[
     ) else ""
     raise error(
         "model and checkpoint disagree: " + "; ".join(problems) + hint,
-        path=ckpt.path,
+        path=path,
         missing=plan.missing,
         unexpected=plan.unexpected,
         mismatched=[n for n, _, _ in plan.mismatched],
@@ -571,12 +618,13 @@ def _init_modules(model: nn.Module, plan: Plan, init: Optional[InitFn], ckpt: Ch
     """The modules that own a tensor to initialize, each once, in model order."""
     wanted: dict[int, nn.Module] = {}
     computed_only: dict[int, bool] = {}  # the module's tensors to initialize are all buffers it computes
-    for entry in plan.of("init"):
+    to_fill = [entry for entry in plan.of("init") if math.prod(entry.local_shape) > 0]  # an empty one is made whole
+    for entry in to_fill:
         owner = entry.owners[0].module
         wanted[id(owner)] = owner
         computed = not any(o.is_parameter or o.persistent for o in entry.owners)
         computed_only[id(owner)] = computed_only.get(id(owner), True) and computed
-    uninitializable = [entry.name for entry in plan.of("init") if init is None
+    uninitializable = [entry.name for entry in to_fill if init is None
                        and initializer_of(entry.owners[0].module, computed_only[id(entry.owners[0].module)]) is None]
     if uninitializable:
         raise InitError(

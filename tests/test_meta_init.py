@@ -283,3 +283,54 @@ def test_the_cli_says_which_op_of_a_model_asked_a_meta_tensors_value(tmp_path):
     assert result.returncode == 1
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: ") and "meta_init" in lines[0] and "allclose()" in lines[0]
+
+
+class _AttributesInConstructor(nn.Module):
+    """A constructor that changes what its tensors are, not what they hold, then moves itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+        self.backbone.requires_grad_(False)
+        self.head.weight.share_memory_()  # for workers that read it (Hogwild-style training)
+        self.to("cpu")
+
+
+def test_metadata_ops_of_a_constructor_take_effect_and_value_ops_are_skipped(tmp_path):
+    torch.manual_seed(0)
+    reference = _AttributesInConstructor()
+    save_file(reference.state_dict(), str(tmp_path / "m.safetensors"))
+    with mz.meta_init():
+        model = _AttributesInConstructor()  # self.to("cpu") keeps meta tensors on meta
+    assert model.head.weight.is_meta and not model.backbone.weight.requires_grad
+
+    mz.load(model, tmp_path / "m.safetensors")
+
+    assert [p.requires_grad for p in model.parameters()] == [p.requires_grad for p in reference.parameters()]
+    assert model.head.weight.is_shared() and not model.head.bias.is_shared()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+
+
+class _TaggedParameter(nn.Parameter):
+    def __new__(cls, data: torch.Tensor, tag: str = "default") -> "_TaggedParameter":
+        made = super().__new__(cls, data)
+        made.tag = tag
+        return made
+
+
+def test_a_parameter_subclass_keeps_what_its_constructor_was_given_through_meta_init_and_the_load(tmp_path):
+    class Gated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = _TaggedParameter(torch.ones(3), tag="gate")
+
+    save_file({"gate": torch.arange(3.0)}, str(tmp_path / "m.safetensors"))
+    with mz.meta_init():
+        model = Gated()
+    assert type(model.gate) is _TaggedParameter and model.gate.tag == "gate"
+
+    mz.load(model, tmp_path / "m.safetensors")
+
+    assert type(model.gate) is _TaggedParameter and model.gate.tag == "gate"
+    assert torch.equal(model.gate, torch.arange(3.0))

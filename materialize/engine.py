@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from .checkpoint import TensorInfo
-from .checkpoint.base import contiguous_strides
+from .checkpoint.base import contiguous_strides, make_info
 from .errors import CastOverflowError
 from .fileio import MAX_IOVECS, DirectReads, FileSet, Part, byte_view
 from .hostmem import prefault
@@ -125,6 +125,7 @@ def stream(
     for job in _pieces_of_stacks(jobs):
         if job.info.numel == 0:
             continue
+        job = _flattened_if_same_dense_layout(job)
         if not job.info.contiguous or not job.dest.is_contiguous():
             strided.append(job)  # a box of the destination (a tensor-parallel chunk) is filled as a strided view is
         elif not job.dest.is_cpu:
@@ -154,6 +155,18 @@ def stream(
     if strided:
         _run_strided(strided, files, tracker, threads, checked)
     return tracker.done
+
+
+def _flattened_if_same_dense_layout(job: Job) -> Job:
+    """A job whose destination has the strides of its dense strided source (a column-major tensor into a
+    column-major one) as the contiguous copy it is: both lay out their elements in the same order."""
+    info, dest = job.info, job.dest
+    if info.stride is None or info.view_shape is not None or info.span_nbytes != info.nbytes:
+        return job
+    if tuple(dest.shape) != info.shape or tuple(dest.stride()) != info.stride:
+        return job
+    flat = make_info(info.name, info.dtype_name, info.itemsize, (info.numel,), info.path, info.offset, storage=info.storage)
+    return Job(dest.as_strided((info.numel,), (1,)), flat)
 
 
 def _pieces_of_stacks(jobs: Iterable[Job]) -> Iterator[Job]:

@@ -555,6 +555,26 @@ def test_shard_index_without_weight_map_names_the_index(tmp_path):
     assert "weight_map" in str(caught.value)
 
 
+def test_an_index_that_is_the_bare_name_to_file_map_loads_as_accelerate_reads_it(tmp_path):
+    # accelerate's load_checkpoint_in_model takes {"name": "file"} without "weight_map" around it.
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    save_file({"a": torch.arange(3.0)}, str(folder / "s1.safetensors"))
+    save_file({"b": torch.ones(2, 2)}, str(folder / "s2.safetensors"))
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"b": "s2.safetensors", "a": "s1.safetensors"}), encoding="utf-8")
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(torch.zeros(3))
+    model.b = torch.nn.Parameter(torch.zeros(2, 2))
+
+    report = mz.load(model, index)
+
+    assert sorted(report.loaded) == ["a", "b"]
+    assert torch.equal(model.a, torch.arange(3.0)) and torch.equal(model.b, torch.ones(2, 2))
+
+
 def test_corrupt_shard_behind_an_index_names_the_shard_file(tmp_path):
     folder = tmp_path / "ckpt"
     folder.mkdir()

@@ -597,3 +597,21 @@ def test_an_empty_state_dict_is_an_empty_checkpoint(tmp_path):
     tensors, report = mz.load_tensors(write_torch({}, tmp_path / "empty.pt"))
 
     assert tensors == {} and report.loaded == []
+
+
+def test_load_tensors_keeps_saved_dense_strides_as_torch_load_does_and_reads_them_straight_in(tmp_path):
+    # facenet-pytorch's weights are saved column-major: torch.load gives them back so.
+    torch.manual_seed(0)
+    state = {"column_major": torch.randn(2048, 1024).t(), "permuted": torch.randn(3, 4, 5).permute(2, 0, 1),
+             "row_major": torch.randn(5, 3)}
+    path = write_torch(state, tmp_path / "m.pt")
+    expected = torch.load(path, weights_only=True)
+
+    tensors, report = mz.load_tensors(path)
+
+    for name, value in expected.items():
+        assert tensors[name].stride() == value.stride(), name
+        assert torch.equal(tensors[name], value), name
+    assert report.host_growth_bytes < 1.5 * sum(t.nbytes for t in expected.values())  # no second copy
+    cast, _ = mz.load_tensors(path, dtype="bf16")
+    assert cast["column_major"].stride() == (1, 1024) and torch.equal(cast["column_major"], expected["column_major"].bfloat16())

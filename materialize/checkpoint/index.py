@@ -29,11 +29,14 @@ def read_index(index_path: Path) -> tuple[dict[str, str], dict]:
     except (RecursionError, ValueError) as exc:  # nesting past the recursion limit; integers past 4300 digits
         raise CheckpointError(f"index JSON cannot be parsed safely: {type(exc).__name__}", path=index_path) from None
     weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if weight_map is None and isinstance(document, dict) and document and all(
+            isinstance(value, str) for value in document.values()):
+        weight_map = document  # accelerate's load_checkpoint_in_model also takes the name -> file map bare
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
         raise CheckpointError("index has no 'weight_map' object of tensor name to shard file", path=index_path)
-    metadata = document.get("metadata") or {}
+    metadata = (document.get("metadata") or {}) if weight_map is not document else {}
     return weight_map, metadata if isinstance(metadata, dict) else {}
 
 

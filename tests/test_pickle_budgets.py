@@ -258,7 +258,7 @@ def test_the_scan_accepts_what_torch_save_writes_and_counts_a_shared_chain_exact
     torch.save(state, buffer)
     pickle_budget.check_budget(_data_pkl(buffer.getvalue()), path="genuine.pt", what="data.pkl")
 
-    objects, depth = pickle_budget._scan(PROTO2 + doubling_tuples(10) + pickle.STOP, limit=10**9)
+    objects, depth, _ = pickle_budget._scan(PROTO2 + doubling_tuples(10, first=0) + pickle.STOP, limit=10**9)
     assert (objects, depth) == (2**11 - 1, 10)  # the innermost None counts one, nests none
-    late_objects, late_depth = pickle_budget._scan(PROTO2 + doubling_lists_filled_late(10) + pickle.STOP, limit=10**9)
+    late_objects, late_depth, _ = pickle_budget._scan(PROTO2 + doubling_lists_filled_late(10, first=0) + pickle.STOP, limit=10**9)
     assert (late_objects, late_depth) == (2**11 - 1, 11)

@@ -150,7 +150,7 @@ def read_dcp(folder: Path) -> dict[str, TensorInfo]:
         fqn = _field(index, "fqn", str, "a storage index", path)
         offset = getattr(index, "offset", None)
         storage[fqn, None if offset is None else _sizes(offset, f"the storage index of '{fqn}'", path)] = where
-    names = _names(metadata)
+    names = _names(metadata, path)
     tensors = {}
     for fqn, entry in entries.items():
         if isinstance(entry, BytesStorageMetadata) or fqn not in names:
@@ -184,7 +184,7 @@ def _sizes(value: Any, what: str, path: Path) -> tuple[int, ...]:
 # What training saves beside the model (torchtitan's top-level "optimizer", "lr_scheduler", ...).
 
 
-def _names(metadata: Any) -> dict[str, str]:
+def _names(metadata: Any, metadata_path: Path) -> dict[str, str]:
     """DCP key -> checkpoint name: the nested model state dict's own names where there is one, as in torch files.
 
     Without one, every entry but the training state saved beside the model
@@ -194,6 +194,12 @@ def _names(metadata: Any) -> dict[str, str]:
     paths = getattr(metadata, "planner_data", None)
     paths = paths if isinstance(paths, dict) else {}
     nested = {fqn: path for fqn, path in paths.items() if isinstance(path, tuple) and len(path) > 1}
+    for fqn, path in nested.items():  # a name is made of them: anything else prints as an object's address
+        odd = next((part for part in path if type(part) not in (str, int)), None)
+        if odd is not None:
+            raise CheckpointError(
+                f"DCP metadata is malformed: the planner path of {_brief(fqn)} holds a {type(odd).__name__}, "
+                "not a key or an index", path=metadata_path)
     for key in STATE_DICT_KEYS:
         under = {fqn: ".".join(map(str, path[1:])) for fqn, path in nested.items() if path[0] == key}
         if under:

@@ -62,6 +62,8 @@ class StorageRef:
 
 
 def persistent_loader(path: Path, refs: dict[int, StorageRef]):
+    dtypes: dict[str, torch.dtype] = {}  # storage key -> the dtype it was first named with
+
     def persistent_load(saved_id: Any) -> Any:
         if not (isinstance(saved_id, tuple) and len(saved_id) == 5):
             raise CheckpointError(f"unexpected persistent id {brief(saved_id)} in data.pkl", path=path)
@@ -74,6 +76,11 @@ def persistent_loader(path: Path, refs: dict[int, StorageRef]):
             dtype = getattr(storage_type, "_dtype", None) or getattr(storage_type, "dtype", None)
         if not isinstance(dtype, torch.dtype) or type(numel) is not int or numel < 0:
             raise CheckpointError(f"malformed storage record {brief(key)} in data.pkl", path=path)
+        first = dtypes.setdefault(str(key), dtype)
+        if first != dtype:  # torch.load would read it as the first dtype named; torch.save never writes this
+            raise CheckpointError(
+                f"storage record data/{key} is named as {first} and as {dtype}; torch.save never writes one storage "
+                "with two dtypes", path=path)
         storage = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
         refs[storage._cdata] = StorageRef(str(key), numel * dtype.itemsize)
         return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)

@@ -13,9 +13,12 @@ REFRESH_SECONDS = 0.1
 
 
 class ProgressLine:
+    """Bytes done and the read's rate: its clock starts at the first call (the load calls with 0 bytes done
+    as reading starts), not when the line is made, before the model was built and the checkpoint opened."""
+
     def __init__(self, stream: TextIO = sys.stderr) -> None:
         self.stream = stream
-        self.started = time.perf_counter()
+        self.started: Optional[float] = None
         self._last = 0.0
         self._lock = threading.Lock()
         self._shown = False
@@ -23,6 +26,8 @@ class ProgressLine:
     def __call__(self, done: int, total: int) -> None:
         now = time.perf_counter()
         with self._lock:
+            if self.started is None:
+                self.started = now
             if now - self._last < REFRESH_SECONDS and done < total:
                 return
             self._last = now

@@ -163,6 +163,8 @@ def convert(
         temporary = destination.parent / f".{destination.name}.partial-{os.getpid()}"
         try:
             written, copied = _write_all(ckpt, companions, shards, temporary, single_file, allow_overflow, progress)
+            if cast is not None and "config.json" in copied:
+                _config_says_dtype(temporary / "config.json", cast)
             _move_into_place(temporary, destination)
         except BaseException as exc:
             _remove(temporary)
@@ -278,6 +280,31 @@ def _write_file(ckpt: Checkpoint, items: list[_Item], path: Path, allow_overflow
             advanced(sum(item.nbytes for item in batch))
         out.flush()
         os.fsync(out.fileno())
+
+
+def _config_says_dtype(path: Path, dtype: torch.dtype) -> None:
+    """A copied Hugging Face ``config.json`` says the dtype written (``from_pretrained`` loads in it): its
+    ``dtype`` / ``torch_dtype`` fields, the nested configs' (``text_config``) too; ``dtype`` if it had none."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return  # not a config this code understands: copied as it was
+    if not isinstance(config, dict):
+        return
+    name = str(dtype).removeprefix("torch.")
+
+    def set_dtype(node: dict) -> bool:
+        found = False
+        for key, value in node.items():
+            if key in ("dtype", "torch_dtype") and (value is None or isinstance(value, str)):
+                node[key], found = name, True
+            elif isinstance(value, dict):
+                found = set_dtype(value) or found
+        return found
+
+    if not set_dtype(config):
+        config["dtype"] = name
+    path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
 def _companions(source: object) -> list[tuple[Path, str]]:

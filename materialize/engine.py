@@ -89,6 +89,8 @@ class _Progress:
         self.done = 0
         self._callback = callback
         self._lock = threading.Lock()
+        if callback is not None and total:
+            callback(0, total)  # reading starts now: a rate shown from here on is the read's own
 
     def add(self, nbytes: int) -> None:
         with self._lock:

@@ -153,6 +153,8 @@ class Plan:
     # A strict load of a model with load post-hooks: missing and unexpected names are judged after the hooks
     # ran, as load_state_dict judges them (a hook may forgive a name), so the load goes on without them.
     strict_after_hooks: bool = False
+    # Parameters on meta: the model was built by meta_init (or on meta), and its real buffers follow them.
+    built_on_meta: bool = False
     renamed_by_model: dict[str, str] = field(default_factory=dict)  # by the model's own load code (see loadhooks)
 
     def of(self, action: Action) -> list[Entry]:
@@ -364,7 +366,8 @@ def make_plan(
     to_ckpt = as_older_weight_norm(replayed.sources, model_names)
 
     plan = Plan(path=str(ckpt.path), device=device, entries=[], post_hooked=post_hooked(modules),
-                renamed_by_model=replayed.renamed)
+                renamed_by_model=replayed.renamed,
+                built_on_meta=any(tensor.is_meta for tensor, named in groups if named[0][1].is_parameter))
     for tensor, named in groups:
         if len(named) == 1:
             units = [((named[0][0],), [named[0][1]], to_ckpt.get(named[0][0]))]
@@ -504,11 +507,15 @@ def _entry(
             entry.source = region(info, spec.offsets, spec.local_shape)
         wants_cast = dtype is not None and info.dtype.is_floating_point
         entry.dtype = dtype if wants_cast else info.dtype
+        follows_checkpoint = tensor.is_meta or is_lazy(tensor) or (plan.built_on_meta and not owners[0].is_parameter)
         if dtype is None and info.dtype.is_floating_point and tensor.dtype.is_floating_point and (
-                spec is not None or not (tensor.is_meta or is_lazy(tensor))):
+                spec is not None or not follows_checkpoint):
             # A DTensor keeps the dtype it was sharded with: FSDP2 recorded it (its fp32 master
             # weights, which a mixed-precision policy casts from), and so did the model's author.
             # So does a real tensor, as load_state_dict keeps it: the model was made in that dtype.
+            # Not a buffer meta_init kept real in a model built on meta: the model is one dtype
+            # decision, and its parameters take the checkpoint's (batch-norm statistics beside bf16
+            # weights would fail the forward pass).
             entry.dtype = tensor.dtype
     else:
         if tensor.device.type == "meta":

@@ -97,6 +97,26 @@ def test_a_small_folder_output_is_one_model_safetensors(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]
 
 
+def test_a_converted_folder_s_config_says_the_dtype_written_so_from_pretrained_loads_it_so(tmp_path):
+    # The config was copied as it was ("dtype": "float32"): transformers then loaded the bf16 folder in fp32.
+    transformers = pytest.importorskip("transformers")
+    model, _ = _tiny("gpt2")
+    src = _save(model, tmp_path / "fp32", as_bin=False, dtype=torch.float32)
+    config = json.loads((src / "config.json").read_text())
+    config["extra_settings"] = {"dtype": "float32", "note": "nested configs (text_config, say) have it too"}
+    (src / "config.json").write_text(json.dumps(config))
+
+    mz.convert(src, tmp_path / "bf16", dtype="bf16")
+    mz.convert(src, tmp_path / "same")
+
+    written = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert written["extra_settings"]["dtype"] == "bfloat16"
+    assert written.get("dtype", written.get("torch_dtype")) == "bfloat16"
+    assert (tmp_path / "same" / "config.json").read_bytes() == (src / "config.json").read_bytes()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")
+    assert {p.dtype for p in reloaded.parameters()} == {torch.bfloat16}
+
+
 def test_a_hugging_face_bin_folder_becomes_a_safetensors_folder_that_transformers_loads(tmp_path):
     transformers = pytest.importorskip("transformers")
     model, inputs = _tiny("gpt2")

@@ -748,3 +748,35 @@ def test_a_tie_read_rearranged_is_loaded_whole_then_compared(tmp_path, equal):
     deinterleaved = state["lm_head.weight"].reshape(-1, 2, embedding.shape[1]).transpose(0, 1).reshape(embedding.shape)
     assert torch.equal(model.lm_head.weight, deinterleaved)
     assert (report.tied if equal else report.untied) == [["model.embed_tokens.weight", "lm_head.weight"]]
+
+
+def test_a_model_built_on_meta_is_one_dtype_decision_its_real_buffers_follow_its_parameters(tmp_path):
+    # A bf16 checkpoint into a conv net built under meta_init: bf16 weights beside fp32 batch-norm
+    # statistics (kept real by meta_init) made the forward pass fail.
+    class ConvBN(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+            self.bn = nn.BatchNorm2d(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.bn(self.conv(x))
+
+    torch.manual_seed(0)
+    trained = ConvBN()
+    trained.bn.running_mean.uniform_()
+    state = {k: v.bfloat16() if v.is_floating_point() else v for k, v in trained.state_dict().items()}
+    torch.save(state, tmp_path / "bf16.pt")
+    with mz.meta_init():
+        model = ConvBN()
+
+    plan = mz.plan(model, mz.open_checkpoint(tmp_path / "bf16.pt"))
+    mz.load(model, tmp_path / "bf16.pt")
+
+    assert {e.name: e.dtype for e in plan.entries}["bn.running_mean"] == torch.bfloat16
+    assert {k: v.dtype for k, v in model.state_dict().items()} == {k: v.dtype for k, v in state.items()}
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    assert model.eval()(torch.randn(1, 3, 8, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    real = ConvBN()  # a real model keeps its own dtype, as load_state_dict does
+    mz.load(real, tmp_path / "bf16.pt")
+    assert {v.dtype for v in real.state_dict().values()} == {torch.float32, torch.int64}

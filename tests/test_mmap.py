@@ -57,3 +57,49 @@ def test_mapped_tensors_outlive_the_checkpoint_object(tmp_path):
         tensors, _ = mz.load_tensors(ckpt, mmap=True)
 
     assert torch.equal(tensors["w"], state["w"])
+
+
+def _sparse_safetensors(path, nbytes: int) -> None:
+    """One uint8 tensor of ``nbytes`` whose data is a hole in the file: nothing is written."""
+    import json
+    import os
+    import struct
+
+    header = json.dumps({"huge": {"dtype": "U8", "shape": [nbytes], "data_offsets": [0, nbytes]}}).encode()
+    header += b" " * (-len(header) % 8)
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(header)) + header)
+    os.truncate(path, 8 + len(header) + nbytes)
+
+
+def test_a_file_larger_than_ram_and_swap_loads_mapped_as_the_refusal_says(tmp_path):
+    # The mission's case: the copy is refused, its hint (--mmap) maps the file, whatever its size.
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from materialize.hostmem import ram_and_swap_bytes
+
+    limit = ram_and_swap_bytes() or 2**35
+    path = tmp_path / "huge.safetensors"
+    _sparse_safetensors(path, limit + 8 * 2**30)
+    cli = str(Path(sys.executable).parent / "materialize")
+
+    refused = subprocess.run([cli, str(path)], capture_output=True, text=True)
+    assert refused.returncode == 1 and "--mmap" in refused.stderr
+
+    mapped = subprocess.run([cli, str(path), "--mmap", "--json"], capture_output=True, text=True)
+    assert mapped.returncode == 0, mapped.stderr
+    assert json.loads(mapped.stdout)["mapped"] == ["huge"]
+
+    tensors, report = mz.load_tensors(path, mmap=True)
+    huge = tensors["huge"]
+    assert report.mapped == ["huge"] and huge.numel() == limit + 8 * 2**30
+    assert int(huge[-4096:].sum()) == 0  # read from the file's hole
+    huge[:8] = 7  # copy-on-write: one page of memory, the file untouched
+    assert int(huge[:8].sum()) == 56
+    with open(path, "rb") as handle:
+        handle.seek(path.stat().st_size - huge.numel())
+        assert handle.read(8) == bytes(8)
+    assert report.host_growth_bytes < 256 * 2**20

@@ -32,7 +32,7 @@ def one_line(error: BaseException, *, inspecting: bool = False) -> str:
     """
     if isinstance(error, mz.MaterializeError):
         hint = next(h for cls, h in HINTS if isinstance(error, cls))
-        if inspecting and "materialize inspect" in hint:
+        if "materialize inspect" in hint and (inspecting or not _inspect_would_work(error)):
             hint = ""
         return _flatten(str(error)) + hint
     if isinstance(error, MemoryError):
@@ -41,6 +41,19 @@ def one_line(error: BaseException, *, inspecting: bool = False) -> str:
         where = f"{error.filename}: " if error.filename else ""
         return f"{where}{os.strerror(error.errno or errno.EIO)}"
     return f"unexpected {type(error).__name__}: {_flatten(str(error))} (rerun with --debug for the traceback)"
+
+
+def _inspect_would_work(error: mz.MaterializeError) -> bool:
+    """Whether ``materialize inspect`` opens the file the error is about: a hint is only given where it helps
+    (a file damaged in its headers fails there with the same error)."""
+    path = getattr(error, "path", None)
+    if not path:
+        return False
+    try:
+        mz.open_checkpoint(path).close()
+    except Exception:  # noqa: BLE001 - whatever inspect would meet, the hint would not help
+        return False
+    return True
 
 
 def _flatten(text: str) -> str:

@@ -85,6 +85,8 @@ model_options = [
     click.option("--max-memory", type=MAX_MEMORY, default=None, help="Budget per device for --device-map, e.g. 0=70GiB,cpu=100GiB."),
     click.option("--dtype", type=DTYPE, default=None, help="Cast floating tensors; default auto keeps the checkpoint's dtypes."),
     click.option("--strict/--no-strict", default=True, show_default=True, help="Missing or unexpected tensors are an error; --no-strict initializes missing ones."),
+    click.option("--ignore-mismatched-sizes", is_flag=True,
+                 help="Initialize, instead of loading, tensors whose checkpoint shape differs (a new head)."),
     click.option("--strip-prefix", metavar="PREFIX", help="Remove PREFIX from checkpoint names (e.g. 'model.')."),
     click.option("--add-prefix", metavar="PREFIX", help="Prepend PREFIX to checkpoint names."),
     click.option("--rename", "renames", type=RENAME, multiple=True, help="Regex rename of checkpoint names, applied in order after --strip-prefix."),
@@ -142,7 +144,7 @@ def main() -> None:
 def load_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, device: str, device_map: Any,
                  max_memory: Any,
                  dtype: "Optional[torch.dtype]", mmap: bool, staging_bytes: Optional[int], strict: bool,
-                 strip_prefix: Optional[str], add_prefix: Optional[str], renames: tuple, revision: Optional[str],
+                 ignore_mismatched_sizes: bool, strip_prefix: Optional[str], add_prefix: Optional[str], renames: tuple, revision: Optional[str],
                  trust_pickle: bool, as_json: bool, debug: bool, check: bool, check_finite: bool,
                  allow_overflow: bool, direct_io: bool) -> None:
     """(default) Build the model on meta and materialize CHECKPOINT into it.
@@ -156,6 +158,7 @@ def load_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, 
             _, report = mz.load_model(
                 checkpoint, model=model_spec, model_args=dict(model_args), revision=revision, trust_pickle=trust_pickle,
                 device=device, dtype=dtype, strict=strict, mmap=mmap, staging_bytes=staging_bytes, progress=progress,
+                ignore_mismatched_sizes=ignore_mismatched_sizes,
                 device_map=device_map, max_memory=max_memory, check=check, check_finite=check_finite,
                 allow_overflow=allow_overflow, key_map=key_map_from(strip_prefix, add_prefix, renames),
                 direct_io=direct_io,
@@ -219,7 +222,8 @@ def _inspect_text(ckpt: mz.Checkpoint) -> str:
 @with_options(model_options + load_only_options)
 def plan_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, device: str, device_map: Any,
                  max_memory: Any,
-                 dtype: "Optional[torch.dtype]", strict: bool, strip_prefix: Optional[str], add_prefix: Optional[str],
+                 dtype: "Optional[torch.dtype]", strict: bool, ignore_mismatched_sizes: bool,
+                 strip_prefix: Optional[str], add_prefix: Optional[str],
                  renames: tuple, revision: Optional[str], trust_pickle: bool, as_json: bool, debug: bool,
                  mmap: bool, staging_bytes: Optional[int], check: bool, check_finite: bool,
                  allow_overflow: bool, direct_io: bool) -> None:
@@ -230,6 +234,7 @@ def plan_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, 
             model_spec, checkpoint, model_args=dict(model_args), revision=revision, trust_pickle=trust_pickle,
             device=device, dtype=dtype, strict=strict, key_map=key_map_from(strip_prefix, add_prefix, renames),
             device_map=device_map, max_memory=max_memory, mmap=mmap, staging_bytes=staging_bytes,
+            ignore_mismatched_sizes=ignore_mismatched_sizes,
         )
         _emit(as_json, the_plan.to_dict(), _plan_text(the_plan.to_dict()))
 

@@ -87,6 +87,7 @@ def load(
     check_finite: bool = False,
     progress: Optional[ProgressFn] = None,
     direct_io: bool = False,
+    ignore_mismatched_sizes: bool = False,
 ) -> Report:
     """Materialize ``model`` on ``device`` from ``checkpoint``, each tensor allocated once.
 
@@ -114,6 +115,12 @@ def load(
             ``module.`` or ``_orig_mod.`` prefix on every checkpoint name is
             stripped when the model has none.
         init: ``fn(module)`` used instead of ``reset_parameters()``.
+        ignore_mismatched_sizes: a checkpoint tensor of another shape than
+            the model's (fine-tuning with a new head: a classifier for 10
+            classes, a checkpoint's for 1000) is left out and the model's
+            initialized instead, as ``from_pretrained`` does with the same
+            option; listed in ``report.reinitialized``. Otherwise it is a
+            :class:`ShapeMismatchError`.
         trust_pickle: see :func:`open_checkpoint`.
         mmap: on CPU, make loaded tensors copy-on-write views of the files
             instead of copies (zero-copy: the load reads only headers, pages
@@ -154,7 +161,7 @@ def load(
         placement = _placement(model, ckpt, device_map, max_memory, cast)
         the_plan = make_plan(
             model, ckpt, device=target, dtype=cast, strict=strict, key_map=key_map, init=init, placement=placement,
-            dtype_rule=dtype_rule, tolerated=tolerated,
+            dtype_rule=dtype_rule, tolerated=tolerated, ignore_mismatched_sizes=ignore_mismatched_sizes,
         )
         report = execute(
             the_plan, ckpt, init=init, mmap=mmap, staging_bytes=staging_bytes, allow_overflow=allow_overflow,
@@ -286,6 +293,7 @@ def execute(
         missing=list(the_plan.missing),
         unexpected=list(the_plan.unexpected),
         ignored=list(the_plan.ignored),
+        reinitialized=list(the_plan.reinitialized),
         tied=[list(entry.names) for index, entry in enumerate(the_plan.entries)
               if len(entry.names) > 1 and index not in compared] + retied,
         untied=untied,

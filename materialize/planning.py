@@ -155,6 +155,9 @@ class Plan:
     strict_after_hooks: bool = False
     # Parameters on meta: the model was built by meta_init (or on meta), and its real buffers follow them.
     built_on_meta: bool = False
+    # ignore_mismatched_sizes: checkpoint tensors of another shape than the model's (a new head), left out and
+    # initialized by their module instead, by name.
+    reinitialized: list[str] = field(default_factory=list)
     renamed_by_model: dict[str, str] = field(default_factory=dict)  # by the model's own load code (see loadhooks)
 
     def of(self, action: Action) -> list[Entry]:
@@ -187,6 +190,7 @@ class Plan:
             "missing": self.missing,
             "unexpected": self.unexpected,
             "ignored": self.ignored,
+            "reinitialized": self.reinitialized,
             "mismatched": [
                 {"name": n, "model_shape": list(m), "checkpoint_shape": list(c)} for n, m, c in self.mismatched
             ],
@@ -343,8 +347,15 @@ def make_plan(
     placement: Optional[Callable[[str], Union[torch.device, str]]] = None,
     dtype_rule: Optional[DtypeRule] = None,
     tolerated: Optional[Tolerated] = None,
+    ignore_mismatched_sizes: bool = False,
 ) -> Plan:
     """Match, group and place every tensor of ``model``; raise what a load would hit.
+
+    ``ignore_mismatched_sizes`` (as ``from_pretrained``'s): a checkpoint
+    tensor whose shape differs from the model's (a classifier for another
+    number of classes) is not loaded; the model's tensor is initialized by
+    its module instead (a real model keeps its own values), and named in
+    ``plan.reinitialized`` and the report, never silently.
 
     ``placement`` maps a tensor name to its device or ``"disk"`` (see
     :mod:`materialize.devicemap`); without one everything goes to ``device``.
@@ -376,7 +387,12 @@ def make_plan(
         if len(units) > 1:
             plan.tie_checks.append(tuple(len(plan.entries) + i for i in range(len(units))))
         for index, (names, owners, info) in enumerate(units):
-            entry = _entry(plan, tensor, names, owners, info, ckpt, device, dtype, placement, tolerated)
+            reinit = (info is not None and ignore_mismatched_sizes and not is_lazy(tensor)
+                      and info.shape != tuple(tensor.shape))
+            entry = _entry(plan, tensor, names, owners, None if reinit else info, ckpt, device, dtype, placement, tolerated)
+            if reinit:  # not missing: the checkpoint holds it, in another shape
+                plan.reinitialized.extend(names)
+                plan.missing[:] = [name for name in plan.missing if name not in names]
             entry.split_from_tie = index > 0
             plan.entries.append(entry)
 
@@ -580,9 +596,13 @@ def raise_for_mismatch(plan: Plan, path: object, strict: bool, unrun: list[str])
         problems.append(f"the model's own load code, which could not run on names alone, may rename some of these: "
                         f"{summarize_names(unrun)}")
     error = ShapeMismatchError if (shapes and len(problems) == 1) else KeyMismatchError
-    hint = "; pass strict=False (CLI: --no-strict) to initialize missing and skip unexpected tensors" if (
-        strict and (plan.missing or plan.unexpected)
-    ) else ""
+    remedies = []
+    if shapes:  # what --no-strict alone would not get past
+        remedies.append("ignore_mismatched_sizes=True (CLI: --ignore-mismatched-sizes) to initialize the tensors "
+                        "of another shape instead (a new head)")
+    if strict and (plan.missing or plan.unexpected):
+        remedies.append("strict=False (CLI: --no-strict) to initialize missing and skip unexpected tensors")
+    hint = "; pass " + ", and ".join(remedies) if remedies else ""
     raise error(
         "model and checkpoint disagree: " + "; ".join(problems) + hint,
         path=path,

@@ -23,6 +23,7 @@ class Report:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)  # in the checkpoint, and declared by the model as not loaded
+    reinitialized: list[str] = field(default_factory=list)  # in the checkpoint in another shape (ignore_mismatched_sizes)
     tied: list[list[str]] = field(default_factory=list)
     untied: list[list[str]] = field(default_factory=list)  # tied by the model, loaded apart: the checkpoint's values differ
     dtypes: dict[str, int] = field(default_factory=dict)
@@ -51,6 +52,7 @@ class Report:
             "missing": self.missing,
             "unexpected": self.unexpected,
             "ignored": self.ignored,
+            "reinitialized": self.reinitialized,
             "tied": self.tied,
             "untied": self.untied,
             "dtypes": self.dtypes,
@@ -76,6 +78,7 @@ class Report:
             *((("untied (checkpoint differs)", str(len(self.untied))),) if self.untied else ()),
             ("unexpected (skipped)", str(len(self.unexpected))),
             *((("ignored (as the model declares)", str(len(self.ignored))),) if self.ignored else ()),
+            *((("reinitialized (other shape)", str(len(self.reinitialized))),) if self.reinitialized else ()),
             ("dtypes", ", ".join(f"{name} x{count}" for name, count in sorted(self.dtypes.items())) or "-"),
             ("model size", format_bytes(self.model_bytes)),
             *((f"  on {place}", format_bytes(n)) for place, n in self.bytes_by_device.items() if len(self.bytes_by_device) > 1),

@@ -62,6 +62,7 @@ def plan(
     max_memory: Optional[Mapping[Union[int, str], Union[int, str]]] = None,
     mmap: bool = False,
     staging_bytes: Optional[int] = None,
+    ignore_mismatched_sizes: bool = False,
 ) -> Plan:
     """What :func:`load` would do, without reading any tensor data.
 
@@ -82,7 +83,7 @@ def plan(
         the_plan = make_plan(
             skeleton, ckpt, device=target, dtype=cast, strict=strict, key_map=key_map, init=init,
             placement=_placement(skeleton, ckpt, device_map, max_memory, cast), dtype_rule=dtype_rule,
-            tolerated=tolerated,
+            tolerated=tolerated, ignore_mismatched_sizes=ignore_mismatched_sizes,
         )
     the_plan.fits = fit_report(the_plan, mmap=mmap, staging_bytes=staging_bytes)
     return the_plan
@@ -202,7 +203,7 @@ def load_model(
         if skeleton is None:
             if load_options.get("device_map") is not None:
                 raise ModelRequiredError("a device map needs a model to place: pass one (CLI: --model SPEC)", path=ckpt.path)
-            for option in ("strict", "key_map", "init", "device_map", "max_memory", "check"):
+            for option in ("strict", "key_map", "init", "device_map", "max_memory", "check", "ignore_mismatched_sizes"):
                 load_options.pop(option, None)
             return load_tensors(ckpt, **load_options)
         return skeleton, load(skeleton, ckpt, **load_options)

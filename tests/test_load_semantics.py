@@ -780,3 +780,34 @@ def test_a_model_built_on_meta_is_one_dtype_decision_its_real_buffers_follow_its
     real = ConvBN()  # a real model keeps its own dtype, as load_state_dict does
     mz.load(real, tmp_path / "bf16.pt")
     assert {v.dtype for v in real.state_dict().values()} == {torch.float32, torch.int64}
+
+
+@pytest.mark.parametrize("built", ["meta_init", "real"])
+def test_a_new_head_of_another_size_is_initialized_and_listed_with_ignore_mismatched_sizes(tmp_path, built):
+    class Classifier(nn.Module):
+        def __init__(self, classes: int) -> None:
+            super().__init__()
+            self.body = nn.Linear(8, 16)
+            self.head = nn.Linear(16, classes)
+
+    torch.manual_seed(0)
+    pretrained = Classifier(1000)
+    torch.save(pretrained.state_dict(), tmp_path / "imagenet.pt")
+    if built == "meta_init":
+        with mz.meta_init():
+            model = Classifier(10)
+    else:
+        model = Classifier(10)
+        own_head = model.head.weight.detach().clone()
+
+    with pytest.raises(mz.ShapeMismatchError, match="ignore_mismatched_sizes=True"):
+        mz.load(model, tmp_path / "imagenet.pt")
+    report = mz.load(model, tmp_path / "imagenet.pt", ignore_mismatched_sizes=True)
+
+    assert report.reinitialized == ["head.weight", "head.bias"] and report.missing == []
+    assert torch.equal(model.body.weight, pretrained.body.weight)
+    assert model.head.weight.shape == (10, 16) and not model.head.weight.is_meta
+    if built == "real":  # a real model keeps its own head, as from_pretrained leaves it initialized
+        assert torch.equal(model.head.weight, own_head)
+    assert mz.plan(Classifier(10), tmp_path / "imagenet.pt", ignore_mismatched_sizes=True).reinitialized == [
+        "head.weight", "head.bias"]

@@ -42,8 +42,8 @@ def _run(debug: bool, action: Callable[[], None], *, inspecting: bool = False) -
             action()
     except click.ClickException:
         raise  # usage errors keep click's own message and exit code 2
-    except mz.ModelRequiredError as error:
-        raise click.UsageError(error.reason) from None
+    except (mz.ModelRequiredError, mz.ModelSpecUsageError) as error:  # what was typed cannot be used: exit 2
+        raise click.UsageError(one_line(error)) from None
     except (mz.MaterializeError, OSError, MemoryError) as error:
         if debug:
             raise

@@ -109,6 +109,11 @@ class ModelRequiredError(ModelSpecError):
     """The operation needs a model and the source does not describe one."""
 
 
+class ModelSpecUsageError(ModelSpecError):
+    """The model spec as given cannot be used: not ``module:callable``, nothing to import, arguments the
+    factory rejects, a class that does not fit the folder's config. The CLI's usage error (exit 2)."""
+
+
 class AllocationError(MaterializeError, MemoryError):
     """A tensor's memory cannot be allocated on its device."""
 

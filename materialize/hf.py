@@ -25,7 +25,7 @@ from torch import nn
 from .checkpoint import TensorInfo
 from .checkpoint.base import is_extra_state
 from .checkpoint.confine import allowed_roots, confine
-from .errors import CheckpointError, ModelSpecError, first_line
+from .errors import CheckpointError, MaterializeError, ModelSpecError, ModelSpecUsageError, first_line
 from .meta import meta_init
 from .planning import DtypeRule, Tolerated
 from .stacking import Chunks, Deinterleave, Rearranged, StackSlot, Transposed
@@ -107,8 +107,15 @@ def build_hf(folder: Path, *, model_class: Optional[str] = None, dtype: Optional
     with meta_init(), _default_dtype(dtype or _config_dtype(config)):
         try:
             model = cls.from_config(config) if name.startswith("Auto") else cls(config)
-        except (ValueError, TypeError, KeyError) as exc:
-            raise ModelSpecError(f"{name} cannot be built from this config: {first_line(exc)}", path=folder / CONFIG_NAME) from None
+        except MaterializeError:
+            raise
+        except Exception as exc:  # a class that does not fit the config (LlamaForCausalLM on a Qwen2 config)
+            own = next(iter(getattr(config, "architectures", None) or []), None)
+            fits = (f"; its config names {own}: pass model='hf:{own}' (CLI: --model hf:{own})"
+                    if model_class and own and own != name and hasattr(transformers, own) else "")
+            raise (ModelSpecUsageError if model_class else ModelSpecError)(
+                f"{name} cannot be built from this config (model_type {getattr(config, 'model_type', '?')!r}): "
+                f"{type(exc).__name__}: {first_line(exc)}{fits}", path=folder / CONFIG_NAME) from None
     return model.eval()
 
 

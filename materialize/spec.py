@@ -25,7 +25,7 @@ from typing import Any, Union
 
 from torch import nn
 
-from .errors import ModelSpecError
+from .errors import MaterializeError, ModelSpecError, ModelSpecUsageError, first_line
 from .meta import meta_init
 
 if sys.version_info >= (3, 11):
@@ -67,17 +67,17 @@ def resolve_factory(spec: ModelSpec) -> tuple[Callable[..., nn.Module], dict[str
 def _import_callable(target: str) -> Callable[..., nn.Module]:
     module_name, sep, attr_path = target.partition(":")
     if not sep or not module_name or not attr_path:
-        raise ModelSpecError(f"model spec {target!r} must be 'package.module:callable' or a .toml config file")
+        raise ModelSpecUsageError(f"model spec {target!r} must be 'package.module:callable' or a .toml config file")
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ModelSpecError(f"model spec {target!r}: cannot import {module_name!r} ({exc})") from None
+        raise ModelSpecUsageError(f"model spec {target!r}: cannot import {module_name!r} ({exc})") from None
     for attr in attr_path.split("."):
         if not hasattr(obj, attr):
-            raise ModelSpecError(f"model spec {target!r}: {module_name!r} has no attribute {attr_path!r}")
+            raise ModelSpecUsageError(f"model spec {target!r}: {module_name!r} has no attribute {attr_path!r}")
         obj = getattr(obj, attr)
     if not callable(obj):
-        raise ModelSpecError(f"model spec {target!r} is not callable")
+        raise ModelSpecUsageError(f"model spec {target!r} is not callable")
     return obj
 
 
@@ -101,10 +101,17 @@ def build(spec: ModelSpec, **kwargs: Any) -> nn.Module:
     factory, args = resolve_factory(spec)
     args.update(kwargs)
     with meta_init():
+        name = getattr(factory, "__qualname__", factory)
         try:
             model = factory(**args)
         except TypeError as exc:
-            raise ModelSpecError(f"model factory {getattr(factory, '__qualname__', factory)!r} rejected its arguments: {exc}") from None
+            raise ModelSpecUsageError(f"model factory {name!r} rejected its arguments: {exc}") from None
+        except MaterializeError:
+            raise
+        except Exception as exc:  # the factory's own failure (a download attempted offline, say): say where and why
+            raise ModelSpecError(
+                f"model factory {name!r} failed while building the model: {type(exc).__name__}: {first_line(exc)}"
+            ) from None
     if not isinstance(model, nn.Module):
         raise ModelSpecError(f"model factory {getattr(factory, '__qualname__', factory)!r} returned {type(model).__name__}, not an nn.Module")
     return model

@@ -456,14 +456,16 @@ def test_shape_mismatch_names_the_tensor_and_both_shapes(tmp_path):
     assert "[32]" in line and "[31]" in line
 
 
-def test_model_spec_that_cannot_be_imported_is_one_error_line(tmp_path):
+def test_model_spec_that_cannot_be_imported_is_a_usage_error(tmp_path):
+    # The README: usage errors exit 2. A --model that names nothing importable is one.
     path = tmp_path / "tiny.safetensors"
     write_tiny_decoder_checkpoint(path)
 
     result = run_cli(path, "--model", "no_such_package.models:Thing")
 
-    line = assert_one_error_line(result, None)
-    assert "no_such_package" in line
+    assert result.returncode == 2 and result.stdout == ""
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: ") and "no_such_package" in last and "Traceback" not in result.stderr
 
 
 def test_invalid_toml_config_names_the_config_file(tmp_path):
@@ -642,3 +644,24 @@ def test_the_progress_rate_counts_from_the_start_of_the_read_not_from_the_comman
     calls = []
     materialize.load_tensors(tmp_path / "m.safetensors", progress=lambda done, total: calls.append(done))
     assert calls[0] == 0 and calls[-1] > 0  # the load says when reading starts
+
+
+def test_a_model_factory_that_fails_says_which_and_why_and_a_spec_that_cannot_be_used_is_a_usage_error(tmp_path):
+    path = tmp_path / "m.safetensors"
+    write_small_safetensors(path)
+    factory = tmp_path / "offline_models.py"
+    factory.write_text("def create(pretrained=True):\n"
+                       "    raise OSError(5, 'Input/output error', 'https://hub.example/weights.bin')\n")
+
+    failed = subprocess.run([materialize_command(), str(path), "--model", "offline_models:create"],
+                            capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    unusable = run_cli(path, "--model", "no_such_package.models:create")
+    wrong_args = subprocess.run([materialize_command(), str(path), "--model", "offline_models:create",
+                                 "--model-arg", "classes=3"],
+                                capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+
+    assert failed.returncode == 1
+    assert "model factory 'create' failed while building the model: OSError" in failed.stderr
+    assert "Input/output error" in failed.stderr and "weights.bin" in failed.stderr
+    assert unusable.returncode == 2 and "cannot import 'no_such_package.models'" in unusable.stderr
+    assert wrong_args.returncode == 2 and "rejected its arguments" in wrong_args.stderr

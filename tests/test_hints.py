@@ -141,6 +141,15 @@ def _existing_destination(tmp: Path) -> list[str]:
     return ["convert", str(tmp / "m.safetensors"), str(tmp / "out.safetensors")]
 
 
+def _class_that_does_not_fit(tmp: Path) -> list[str]:  # --model hf:LlamaForCausalLM on a Qwen2 folder
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(tmp / "qwen2")
+    return [str(tmp / "qwen2"), "--model", "hf:LlamaForCausalLM"]
+
+
 CASES = {
     "shape mismatch": Case(r"^--ignore-mismatched-sizes$", _shape_mismatch),
     "missing and unexpected": Case(r"^--no-strict$", _missing_and_stray),
@@ -154,6 +163,7 @@ CASES = {
     "values refused, headers sound": Case(r"^inspect$", _bad_values),
     "a plan without a model": Case(r"^--model SPEC$", _plan_without_model),
     "an existing destination": Case(r"^--overwrite$", _existing_destination),
+    "a model class that does not fit the folder": Case(r"^--model hf:Qwen2ForCausalLM$", _class_that_does_not_fit),
 }
 
 
@@ -162,6 +172,10 @@ def _followed(args: list[str], hint: str) -> list[str]:
         return ["inspect", next(a for a in args if Path(a).exists())]
     if hint == "--model SPEC":
         return [*args, *model_flags()]
+    flag, *value = shlex.split(hint)
+    if flag in args and value:  # a value offered for an option already given replaces it
+        at = args.index(flag)
+        return [*args[:at], flag, *value, *args[at + 2:]]
     return [*args, *shlex.split(hint)]
 
 

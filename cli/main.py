@@ -95,12 +95,14 @@ model_options = [
     click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout and nothing else there."),
     click.option("--debug", is_flag=True, help="Show the traceback of an error."),
 ]
-load_only_options = [
-    click.option("--check", is_flag=True, help="Sanitizer: poison fresh memory and prove every tensor was written exactly once."),
-    click.option("--check-finite", is_flag=True, help="Report tensors holding NaN or Inf."),
-    click.option("--allow-overflow", is_flag=True, help="Let a cast to a narrower float type turn large values into inf."),
+memory_options = [  # a plan's memory estimate depends on them too
     click.option("--mmap", is_flag=True, help="CPU only: tensors become copy-on-write views of the files (zero-copy)."),
     click.option("--staging-size", "staging_bytes", type=SIZE, default=None, help="Pinned host memory for GPU loads (default 64MiB)."),
+]
+load_only_options = [
+    click.option("--check", is_flag=True, help="Sanitizer: poison fresh memory and prove every tensor was written exactly once."),
+    click.option("--check-finite", is_flag=True, help="Fail (exit 1) if a tensor holds NaN or Inf, naming them."),
+    click.option("--allow-overflow", is_flag=True, help="Let a cast to a narrower float type turn large values into inf."),
     click.option("--direct-io", is_flag=True, help="Read around the page cache (O_DIRECT): for cold checkpoints on fast storage."),
 ]
 
@@ -140,7 +142,7 @@ def main() -> None:
 
 @main.command(DEFAULT_COMMAND)
 @checkpoint_argument
-@with_options(model_options + load_only_options)
+@with_options(model_options + memory_options + load_only_options)
 def load_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, device: str, device_map: Any,
                  max_memory: Any,
                  dtype: "Optional[torch.dtype]", mmap: bool, staging_bytes: Optional[int], strict: bool,
@@ -166,7 +168,14 @@ def load_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, 
         finally:
             if progress is not None:
                 progress.close()
-        _emit(as_json, report.to_dict(), str(report))
+        payload, text = report.to_dict(), str(report)
+        if check:  # a failed check raised; getting here is the verdict
+            payload["check"] = "passed"
+            text += "\ncheck                 passed: every tensor written exactly once, as planned, no poison left"
+        _emit(as_json, payload, text)
+        if check_finite and report.nonfinite:  # a check that finds what it looks for fails the command
+            raise mz.MaterializeError(f"NaN or Inf in {len(report.nonfinite)} tensor(s): "
+                                      f"{summarize_names(report.nonfinite)}", path=report.checkpoint)
 
     _run(debug, action)
 
@@ -219,14 +228,13 @@ def _inspect_text(ckpt: mz.Checkpoint) -> str:
 
 @main.command("plan")
 @checkpoint_argument
-@with_options(model_options + load_only_options)
+@with_options(model_options + memory_options)
 def plan_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, device: str, device_map: Any,
                  max_memory: Any,
                  dtype: "Optional[torch.dtype]", strict: bool, ignore_mismatched_sizes: bool,
                  strip_prefix: Optional[str], add_prefix: Optional[str],
                  renames: tuple, revision: Optional[str], trust_pickle: bool, as_json: bool, debug: bool,
-                 mmap: bool, staging_bytes: Optional[int], check: bool, check_finite: bool,
-                 allow_overflow: bool, direct_io: bool) -> None:
+                 mmap: bool, staging_bytes: Optional[int]) -> None:
     """What a load would do: per-device bytes, ties, missing and unexpected; reads no tensor data."""
 
     def action() -> None:

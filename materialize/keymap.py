@@ -49,6 +49,33 @@ class KeyMap:
             name = pattern.sub(replacement, name)
         return name
 
+    def describe(self) -> str:
+        """The rules in words: ``strip 'module.'``, ``add 'model.'``, ``'norm\\.1' -> 'norm1'``."""
+        parts = []
+        for pattern, replacement in self.rules:
+            text = pattern.pattern
+            if text == "^":
+                parts.append(f"add {replacement!r}")
+            elif text.startswith("^") and not replacement and re.escape(_unescaped(text[1:])) == text[1:]:
+                parts.append(f"strip {_unescaped(text[1:])!r}")
+            else:
+                parts.append(f"{text!r} -> {replacement!r}")
+        return ", ".join(parts)
+
+    def unmatched(self, names: Iterable[str]) -> list[str]:
+        """The rules (described) that match none of ``names``, each taken at its turn, after the rules before it."""
+        hit = [False] * len(self.rules)
+        for name in names:
+            for index, (pattern, replacement) in enumerate(self.rules):
+                renamed = pattern.sub(replacement, name)
+                hit[index] = hit[index] or renamed != name or (replacement == "" and pattern.search(name) is not None)
+                name = renamed
+        return [KeyMap((rule,)).describe() for rule, found in zip(self.rules, hit) if not found]
+
+
+def _unescaped(text: str) -> str:
+    return re.sub(r"\\(.)", r"\1", text)
+
 
 KeyMapLike = Union[KeyMap, Mapping[str, str], Callable[[str], str], None]
 

@@ -294,6 +294,7 @@ def execute(
         unexpected=list(the_plan.unexpected),
         ignored=list(the_plan.ignored),
         reinitialized=list(the_plan.reinitialized),
+        key_map=the_plan.key_map,
         tied=[list(entry.names) for index, entry in enumerate(the_plan.entries)
               if len(entry.names) > 1 and index not in compared] + retied,
         untied=untied,

@@ -30,7 +30,7 @@ from .errors import (
     ShardingError,
     summarize_names,
 )
-from .keymap import KeyMapLike, as_key_map, auto_strip_wrapper_prefix
+from .keymap import KeyMap, KeyMapLike, as_key_map, auto_strip_wrapper_prefix
 from .loadhooks import as_older_weight_norm, post_hooked, replay_load_hooks
 from .meta import is_lazy
 from .modtree import named_modules
@@ -158,6 +158,9 @@ class Plan:
     # ignore_mismatched_sizes: checkpoint tensors of another shape than the model's (a new head), left out and
     # initialized by their module instead, by name.
     reinitialized: list[str] = field(default_factory=list)
+    # How checkpoint names were renamed: the caller's key_map, or the wrapper prefix stripped (or base model's
+    # prefix added) automatically, in words; "" for none.
+    key_map: str = ""
     renamed_by_model: dict[str, str] = field(default_factory=dict)  # by the model's own load code (see loadhooks)
 
     def of(self, action: Action) -> list[Entry]:
@@ -191,6 +194,7 @@ class Plan:
             "unexpected": self.unexpected,
             "ignored": self.ignored,
             "reinitialized": self.reinitialized,
+            "key_map": self.key_map,
             "mismatched": [
                 {"name": n, "model_shape": list(m), "checkpoint_shape": list(c)} for n, m, c in self.mismatched
             ],
@@ -371,12 +375,18 @@ def make_plan(
     modules = named_modules(model, remove_duplicate=False)
     groups = _collect_groups(modules)
     model_names = {name for _, named in groups for name, _ in named}
+    if isinstance(key_map, KeyMap):
+        idle = key_map.unmatched(ckpt)
+        if idle:  # a typo, or a prefix the checkpoint does not have: a rename that renames nothing is not silent
+            raise KeyMismatchError(f"key_map rule {idle[0]} matches no checkpoint name "
+                                   f"(they read like {summarize_names(list(ckpt)[:3])})", path=ckpt.path)
     rename = as_key_map(key_map) if key_map is not None else auto_strip_wrapper_prefix(ckpt, model_names)
     to_ckpt = _through_wrappers(_map_checkpoint_names(ckpt, rename), model_names)
     replayed = replay_load_hooks(modules, to_ckpt, model_names, ckpt.path)
     to_ckpt = as_older_weight_norm(replayed.sources, model_names)
 
     plan = Plan(path=str(ckpt.path), device=device, entries=[], post_hooked=post_hooked(modules),
+                key_map=rename.describe() if isinstance(rename, KeyMap) else "",
                 renamed_by_model=replayed.renamed,
                 built_on_meta=any(tensor.is_meta for tensor, named in groups if named[0][1].is_parameter))
     for tensor, named in groups:

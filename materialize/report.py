@@ -24,6 +24,7 @@ class Report:
     unexpected: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)  # in the checkpoint, and declared by the model as not loaded
     reinitialized: list[str] = field(default_factory=list)  # in the checkpoint in another shape (ignore_mismatched_sizes)
+    key_map: str = ""  # how checkpoint names were renamed (a wrapper's "module." stripped, say), in words
     tied: list[list[str]] = field(default_factory=list)
     untied: list[list[str]] = field(default_factory=list)  # tied by the model, loaded apart: the checkpoint's values differ
     dtypes: dict[str, int] = field(default_factory=dict)
@@ -53,6 +54,7 @@ class Report:
             "unexpected": self.unexpected,
             "ignored": self.ignored,
             "reinitialized": self.reinitialized,
+            "key_map": self.key_map,
             "tied": self.tied,
             "untied": self.untied,
             "dtypes": self.dtypes,
@@ -79,6 +81,7 @@ class Report:
             ("unexpected (skipped)", str(len(self.unexpected))),
             *((("ignored (as the model declares)", str(len(self.ignored))),) if self.ignored else ()),
             *((("reinitialized (other shape)", str(len(self.reinitialized))),) if self.reinitialized else ()),
+            *((("names renamed", self.key_map),) if self.key_map else ()),
             ("dtypes", ", ".join(f"{name} x{count}" for name, count in sorted(self.dtypes.items())) or "-"),
             ("model size", format_bytes(self.model_bytes)),
             *((f"  on {place}", format_bytes(n)) for place, n in self.bytes_by_device.items() if len(self.bytes_by_device) > 1),

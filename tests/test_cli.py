@@ -665,3 +665,46 @@ def test_a_model_factory_that_fails_says_which_and_why_and_a_spec_that_cannot_be
     assert "Input/output error" in failed.stderr and "weights.bin" in failed.stderr
     assert unusable.returncode == 2 and "cannot import 'no_such_package.models'" in unusable.stderr
     assert wrong_args.returncode == 2 and "rejected its arguments" in wrong_args.stderr
+
+
+def test_check_prints_its_verdict_and_check_finite_fails_on_what_it_finds(tmp_path):
+    clean, dirty = tmp_path / "clean.safetensors", tmp_path / "dirty.safetensors"
+    save_file({"w": torch.ones(3)}, str(clean))
+    save_file({"w": torch.tensor([1.0, float("nan")]), "ok": torch.ones(2)}, str(dirty))
+
+    checked = run_cli(clean, "--check")
+    checked_json = run_cli(clean, "--check", "--json")
+    finite = run_cli(dirty, "--check-finite")
+
+    assert checked.returncode == 0 and "check                 passed" in checked.stdout
+    assert json.loads(checked_json.stdout)["check"] == "passed"
+    assert finite.returncode == 1 and "NaN/Inf in" in finite.stdout
+    assert finite.stderr.strip() == f"Error: {dirty}: NaN or Inf in 1 tensor(s): w"
+
+
+def test_a_prefix_that_matches_nothing_is_an_error_and_a_renaming_done_is_reported(tmp_path):
+    path = tmp_path / "wrapped.pt"
+    torch.save({f"module.{k}": v for k, v in torch.nn.Linear(2, 2).state_dict().items()}, path)
+    factory = tmp_path / "linear_model.py"
+    factory.write_text("import torch\n\ndef create():\n    return torch.nn.Linear(2, 2)\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+
+    def run_here(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([materialize_command(), str(path), "--model", "linear_model:create", *args],
+                              capture_output=True, text=True, cwd=tmp_path, env=env)
+
+    typo = run_here("--strip-prefix", "modul.")
+    automatic = run_here("--json")
+    planned = subprocess.run([materialize_command(), "plan", str(path), "--model", "linear_model:create", "--json"],
+                             capture_output=True, text=True, cwd=tmp_path, env=env)
+
+    assert typo.returncode == 1 and "strip 'modul.' matches no checkpoint name" in typo.stderr
+    assert json.loads(automatic.stdout)["key_map"] == "strip 'module.'"
+    assert json.loads(planned.stdout)["key_map"] == "strip 'module.'"
+
+
+def test_plan_offers_only_the_options_it_uses():
+    shown = subprocess.run([materialize_command(), "plan", "--help"], capture_output=True, text=True).stdout
+
+    assert "--mmap" in shown and "--staging-size" in shown
+    assert not any(flag in shown for flag in ("--check ", "--check-finite", "--allow-overflow", "--direct-io"))

@@ -52,6 +52,9 @@ def resolve_factory(spec: ModelSpec) -> tuple[Callable[..., nn.Module], dict[str
     if callable(spec):
         return spec, {}
     text = os.fspath(spec)
+    family, _, name = text.partition(":")
+    if family in MODEL_FAMILIES and name:
+        return MODEL_FAMILIES[family](name), {}
     if text.endswith(".toml") or Path(text).is_file():
         config = read_config(text)
         model = config.get("model")
@@ -62,6 +65,42 @@ def resolve_factory(spec: ModelSpec) -> tuple[Callable[..., nn.Module], dict[str
             raise ModelSpecError("[model.args] must be a table", path=text)
         return _import_callable(model["factory"]), dict(args)
     return _import_callable(text), {}
+
+
+def _timm(name: str) -> Callable[..., nn.Module]:
+    def create(**args: Any) -> nn.Module:
+        timm = _import_family("timm", "timm")
+        if not timm.is_model(name):
+            raise ModelSpecUsageError(f"timm has no model {name!r} (timm.list_models() lists them)")
+        return timm.create_model(name, **{"pretrained": False, **args})
+
+    create.__qualname__ = f"timm.create_model({name!r})"
+    return create
+
+
+def _torchvision(name: str) -> Callable[..., nn.Module]:
+    def create(**args: Any) -> nn.Module:
+        models = _import_family("torchvision", "torchvision.models")
+        if name not in models.list_models():
+            raise ModelSpecUsageError(f"torchvision has no model {name!r} (torchvision.models.list_models() lists them)")
+        return models.get_model(name, **{"weights": None, **args})
+
+    create.__qualname__ = f"torchvision.models.get_model({name!r})"
+    return create
+
+
+def _import_family(package: str, module: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ModelSpecUsageError(f"'{package}:' models need {package} installed (pip install {package}): {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - a build that does not fit the installed torch fails on import
+        raise ModelSpecError(f"{package} cannot be imported here: {type(exc).__name__}: {first_line(exc)}") from None
+
+
+# "family:name" model specs: the family's own factory, given --model-arg values, never downloading weights
+# (pretrained=False, weights=None unless asked): the checkpoint is what the load reads.
+MODEL_FAMILIES: dict[str, Callable[[str], Callable[..., nn.Module]]] = {"timm": _timm, "torchvision": _torchvision}
 
 
 def _import_callable(target: str) -> Callable[..., nn.Module]:

@@ -163,9 +163,7 @@ def _flattened_if_same_dense_layout(job: Job) -> Job:
     """A job whose destination has the strides of its dense strided source (a column-major tensor into a
     column-major one) as the contiguous copy it is: both lay out their elements in the same order."""
     info, dest = job.info, job.dest
-    if info.stride is None or info.view_shape is not None or info.span_nbytes != info.nbytes:
-        return job
-    if tuple(dest.shape) != info.shape or tuple(dest.stride()) != info.stride:
+    if not info.dense_strided or tuple(dest.shape) != info.shape or tuple(dest.stride()) != info.stride:
         return job
     flat = make_info(info.name, info.dtype_name, info.itemsize, (info.numel,), info.path, info.offset, storage=info.storage)
     return Job(dest.as_strided((info.numel,), (1,)), flat)

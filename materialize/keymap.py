@@ -67,9 +67,8 @@ class KeyMap:
         hit = [False] * len(self.rules)
         for name in names:
             for index, (pattern, replacement) in enumerate(self.rules):
-                renamed = pattern.sub(replacement, name)
-                hit[index] = hit[index] or renamed != name or (replacement == "" and pattern.search(name) is not None)
-                name = renamed
+                hit[index] = hit[index] or pattern.search(name) is not None
+                name = pattern.sub(replacement, name)
         return [KeyMap((rule,)).describe() for rule, found in zip(self.rules, hit) if not found]
 
 

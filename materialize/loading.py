@@ -28,7 +28,7 @@ from .loadhooks import run_post_hooks
 from .mapping import FileMaps
 from .memory import PeakMemory
 from .checkpoint.base import contiguous_strides
-from .meta import is_lazy, shared_memory_asked
+from .meta import is_lazy, parameter_like, shared_memory_asked
 from .modtree import named_modules
 from .planning import DtypeRule, Entry, InitFn, Plan, Tolerated, initializer_of, make_plan, raise_for_mismatch
 from .report import Report
@@ -371,31 +371,13 @@ def _materialize_entry(
     if sharded and not is_dtensor(tensor):
         tensor = entry.shard.wrap(tensor)
     if tensor is not original and isinstance(original, nn.Parameter):
-        tensor = _parameter_like(original, tensor)
+        tensor = parameter_like(original, tensor, original.requires_grad and (tensor.is_floating_point() or tensor.is_complex()))
     entry.hold(tensor, undo)
     if entry.action != "load" or view is not None:
         return []
     assert source is not None
     # Reader threads run with autograd on: a tensor that requires grad is filled through a detached alias.
     return [Job(local.detach() if local.requires_grad else local, source)]
-
-
-def _parameter_like(original: nn.Parameter, tensor: torch.Tensor) -> nn.Parameter:
-    """``tensor`` as a parameter of ``original``'s class, with its ``requires_grad`` and Python attributes.
-
-    As ``load_state_dict`` keeps a model's own parameter objects: a
-    subclass (Megatron's, a ``__torch_function__`` one) stays that class, and
-    attributes a script set (``p.no_decay = True``, ``tensor_model_parallel``)
-    stay set. The object is made as ``nn.Parameter`` makes one
-    (``Tensor._make_subclass``), without the subclass's own ``__new__`` or
-    ``__init__``: the original was already built by them.
-    """
-    grad = original.requires_grad and (tensor.is_floating_point() or tensor.is_complex())
-    kind = original.cls_to_become if is_lazy(original) else type(original)  # a lazy one becomes what it would
-    made = nn.Parameter(tensor, requires_grad=grad) if kind is nn.Parameter else torch.Tensor._make_subclass(kind, tensor, grad)
-    if original.__dict__:
-        made.__dict__.update(original.__dict__)
-    return made
 
 
 def _asked_strides(original: torch.Tensor, entry: Entry) -> Optional[tuple[int, ...]]:

@@ -41,16 +41,17 @@ _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswit
 
 
 def _private_map(fd: int, path: Path) -> mmap.mmap:
+    writable = mmap.PROT_READ | mmap.PROT_WRITE
     try:
-        return mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    except OSError as error:
-        if error.errno != errno.ENOMEM:
-            raise CheckpointError(f"cannot be mapped: {error.strerror}", path=path) from None
-    warnings.warn(MaterializeWarning(
-        f"{path}: mapped read-only: the kernel's strict overcommit accounting (vm.overcommit_memory=2) will not "
-        "let a copy-on-write mapping of it count against its commit limit; its tensors can be read, and writing "
-        "to one would crash the process"), stacklevel=4)
-    try:
+        try:
+            return mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE, prot=writable)
+        except OSError as error:
+            if error.errno != errno.ENOMEM:
+                raise
+        warnings.warn(MaterializeWarning(
+            f"{path}: mapped read-only: the kernel's strict overcommit accounting (vm.overcommit_memory=2) will "
+            "not let a copy-on-write mapping of it count against its commit limit; its tensors can be read, and "
+            "writing to one would crash the process"), stacklevel=4)
         return mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
     except OSError as error:
         raise CheckpointError(f"cannot be mapped: {error.strerror}", path=path) from None

@@ -49,15 +49,26 @@ def is_lazy(tensor: torch.Tensor) -> bool:
 def _to_meta_parameter(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> Optional[nn.Parameter]:
     if not _depth_flags() or param is None or is_lazy(param) or param.device.type == "meta":
         return None
-    meta = param.detach().to("meta")
-    if type(param) is nn.Parameter:
-        return nn.Parameter(meta, requires_grad=param.requires_grad)
-    # A subclass is remade as nn.Parameter makes one, not through its own __new__/__init__ (which ran
-    # already, with arguments of the caller's that defaults would replace), and keeps its attributes.
-    moved = torch.Tensor._make_subclass(type(param), meta, param.requires_grad)
-    if param.__dict__:
-        moved.__dict__.update(param.__dict__)
-    return moved
+    return parameter_like(param, param.detach().to("meta"), param.requires_grad)
+
+
+def parameter_like(original: nn.Parameter, tensor: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+    """``tensor`` as a parameter of ``original``'s class (what a lazy one becomes), with its Python attributes.
+
+    As ``load_state_dict`` keeps a model's own parameter objects: a
+    subclass (Megatron's, a ``__torch_function__`` one) stays that class, and
+    attributes a script set (``p.no_decay = True``, ``tensor_model_parallel``)
+    stay set. A subclass is made as ``nn.Parameter`` makes one
+    (``Tensor._make_subclass``), not through its own ``__new__`` or
+    ``__init__``: they ran already, with the caller's arguments, which
+    defaults would replace.
+    """
+    kind = original.cls_to_become if is_lazy(original) else type(original)
+    made = (nn.Parameter(tensor, requires_grad=requires_grad) if kind is nn.Parameter
+            else torch.Tensor._make_subclass(kind, tensor, requires_grad))
+    if original.__dict__:
+        made.__dict__.update(original.__dict__)
+    return made
 
 
 def _to_meta_buffer(module: nn.Module, name: str, buffer: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

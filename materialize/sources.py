@@ -139,9 +139,8 @@ def load_tensors(
                 return view
             # Saved strides that lay the elements out densely (a transposed or column-major save) are kept, as
             # torch.load keeps them: the file's bytes are then the tensor's memory, read straight in.
-            dense = info.stride is not None and info.view_shape is None and info.span_nbytes == info.nbytes
             tensor = empty_destination(info.shape, dtype=wanted, device=target, name=info.name, path=info.path,
-                                       stride=info.stride if dense else None)
+                                       stride=info.stride if info.dense_strided else None)
             jobs.append(Job(tensor, info))
             return tensor
 

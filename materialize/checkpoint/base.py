@@ -77,6 +77,12 @@ class TensorInfo:
         return self.stride is None
 
     @property
+    def dense_strided(self) -> bool:
+        """A strided view whose elements fill its span one after another in some dimension order (a
+        transposed or column-major save): its stored bytes are that tensor's memory as they are."""
+        return self.stride is not None and self.view_shape is None and self.span_nbytes == self.nbytes
+
+    @property
     def read_nbytes(self) -> int:
         """Bytes that must be read from the file to rebuild the tensor."""
         return self.nbytes if self.stride is None else (self.span_nbytes or 0)
@@ -96,6 +102,19 @@ def make_info(
     info.__dict__.update(name=name, dtype_name=dtype_name, itemsize=itemsize, shape=shape, path=path, offset=offset,
                          stride=stride, span_nbytes=span_nbytes, storage=storage)
     return info
+
+
+def shape_fits_int64(shape: list) -> bool:
+    """Whether torch can describe the shape: each dimension, and the strides they multiply into, below 2**63."""
+    limit = 2**63
+    extent = 1
+    for dim in shape:
+        if dim >= limit:
+            return False
+        extent *= max(dim, 1)
+        if extent >= limit:
+            return False
+    return True
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -34,11 +34,10 @@ import torch
 
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError
 from . import DCP_METADATA_NAME
-from .base import TensorInfo
+from .base import TensorInfo, shape_fits_int64
 from .pickle_budget import check_budget
 from .confine import allowed_roots, confine, leaves_folder
 from .sealed import Sealed, sealed_call
-from .safetensors import shape_fits_int64
 from .torchpickle import STATE_DICT_KEYS, TRAINING_STATE_KEYS, brief as _brief, first_line
 from .torchzip import read_embedded_tensor
 

@@ -43,8 +43,9 @@ _FIXED, _PREFIX1, _PREFIX4, _PREFIX8, _LINE, _TWO_LINES, _NONE = range(7)
 _PREFIX_KIND = {-2: _PREFIX1, -3: _PREFIX4, -4: _PREFIX4, -5: _PREFIX8}
 
 # What each opcode does to the stack, as far as the count is concerned.
-(_ATOM, _NEW_CONTAINER, _MARK, _FROM_MARK, _FROM_TOP, _INTO_TOP, _INTO_TOP_FROM_MARK, _CALL, _PUT, _MEMOIZE, _GET,
- _POP, _POP_MARK, _DUP, _KEEP, _STOP, _CALL_FROM_MARK) = range(17)
+# A call's result counts as a container of its callable and arguments (it may keep them), as a tuple of its items.
+(_ATOM, _NEW_CONTAINER, _MARK, _FROM_MARK, _FROM_TOP, _INTO_TOP, _INTO_TOP_FROM_MARK, _PUT, _MEMOIZE, _GET,
+ _POP, _POP_MARK, _DUP, _KEEP, _STOP) = range(15)
 _EFFECTS = {
     "EMPTY_LIST": (_NEW_CONTAINER, 0), "EMPTY_TUPLE": (_NEW_CONTAINER, 0), "EMPTY_DICT": (_NEW_CONTAINER, 0),
     "EMPTY_SET": (_NEW_CONTAINER, 0),
@@ -53,8 +54,8 @@ _EFFECTS = {
     "TUPLE1": (_FROM_TOP, 1), "TUPLE2": (_FROM_TOP, 2), "TUPLE3": (_FROM_TOP, 3),
     "APPEND": (_INTO_TOP, 1), "SETITEM": (_INTO_TOP, 2), "BUILD": (_INTO_TOP, 1),
     "APPENDS": (_INTO_TOP_FROM_MARK, 0), "SETITEMS": (_INTO_TOP_FROM_MARK, 0), "ADDITEMS": (_INTO_TOP_FROM_MARK, 0),
-    "REDUCE": (_CALL, 2), "NEWOBJ": (_CALL, 2), "NEWOBJ_EX": (_CALL, 3), "BINPERSID": (_CALL, 1),
-    "STACK_GLOBAL": (_CALL, 2), "OBJ": (_CALL_FROM_MARK, 0), "INST": (_CALL_FROM_MARK, 0),
+    "REDUCE": (_FROM_TOP, 2), "NEWOBJ": (_FROM_TOP, 2), "NEWOBJ_EX": (_FROM_TOP, 3), "BINPERSID": (_FROM_TOP, 1),
+    "STACK_GLOBAL": (_FROM_TOP, 2), "OBJ": (_FROM_MARK, 0), "INST": (_FROM_MARK, 0),
     "PUT": (_PUT, 0), "BINPUT": (_PUT, 0), "LONG_BINPUT": (_PUT, 0), "MEMOIZE": (_MEMOIZE, 0),
     "GET": (_GET, 0), "BINGET": (_GET, 0), "LONG_BINGET": (_GET, 0),
     "POP": (_POP, 0), "POP_MARK": (_POP_MARK, 0), "DUP": (_DUP, 0),
@@ -230,14 +231,14 @@ def _scan(data: bytes, limit: int) -> tuple[int, int, int]:
             if effect == _MARK:
                 marks.append(len(stack))
                 continue
-            if effect == _FROM_TOP or effect == _CALL:
+            if effect == _FROM_TOP:
                 if len(stack) < count:
                     break
                 node = _Node(stack[-count:])
                 del stack[-count:]
                 nodes.append(node)
                 stack.append(node)
-            elif effect == _FROM_MARK or effect == _CALL_FROM_MARK:
+            elif effect == _FROM_MARK:
                 mark = marks.pop()
                 node = _Node(stack[mark:])
                 del stack[mark:]

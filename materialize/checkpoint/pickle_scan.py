@@ -2,7 +2,7 @@
 
 Tensors are rebuilt on meta storages, and meta quietly turns a negative
 stride into a positive one, so the rebuilt tensor cannot show a hostile
-layout: :func:`negative_layouts` reads the arguments of every
+layout: :func:`hostile_calls` reads the arguments of every
 ``_rebuild_tensor`` call as written. A quantized tensor cannot be rebuilt
 on meta at all: :func:`quantized_tensors` finds them and the names they
 are stored under, for the refusal to name them (protocols 4 and 5 name
@@ -32,30 +32,6 @@ Call = Callable[[str, Any], Any]  # (the global called, its arguments) -> what t
 Item = Callable[[Any, Any], None]  # a key and its value, set in a dict
 
 
-def negative_layouts(data: bytes) -> list[tuple[Any, Any, Any]]:
-    """(offset, size, stride) of every rebuilt tensor where any of them is negative.
-
-    A tensor's layout can also be set after its rebuild, by pickle's BUILD
-    (``Tensor.__setstate__`` with ``(storage, offset, size, stride)``, which
-    both torch's readers apply): every BUILD state of that shape is read too.
-    """
-    found = []
-
-    def call(function: str, args: Any) -> Any:
-        layout = _layout(args) if function in _REBUILDS else None
-        if layout is not None:
-            found.append(layout)
-        return _OPAQUE
-
-    def build(state: Any) -> None:
-        layout = _layout(state) if isinstance(state, tuple) and len(state) == 4 else None
-        if layout is not None:
-            found.append(layout)
-
-    _walk(data, call, build=build)
-    return found
-
-
 # Calls that allocate memory from a count the file gives (bytearray(3_000_000_000), torch.FloatTensor(n, m),
 # torch.UntypedStorage(n)) rather than from data it holds; torch.save never writes them with a count.
 def _allocates(function: str) -> bool:
@@ -64,18 +40,35 @@ def _allocates(function: str) -> bool:
         module.split(".")[0] == "torch" and name.endswith(("Tensor", "Storage")))
 
 
-def counted_allocations(data: bytes) -> list[str]:
-    """The globals the pickle calls with a number among their arguments, where such a call allocates that many
-    bytes or elements (:func:`_allocates`), as far as the walk reads."""
-    found: list[str] = []
+def hostile_calls(data: bytes) -> tuple[list[tuple[Any, Any, Any]], list[str]]:
+    """What no torch.save writes, found in one walk of the opcodes, as far as it reads.
+
+    First, (offset, size, stride) of every rebuilt tensor where any of them
+    is negative. A tensor's layout can also be set after its rebuild, by
+    pickle's BUILD (``Tensor.__setstate__`` with ``(storage, offset, size,
+    stride)``, which both torch's readers apply): every BUILD state of that
+    shape is read too. Second, the globals called with a number among their
+    arguments where such a call allocates that many bytes or elements
+    (:func:`_allocates`).
+    """
+    layouts: list[tuple[Any, Any, Any]] = []
+    allocations: list[str] = []
 
     def call(function: str, args: Any) -> Any:
+        layout = _layout(args) if function in _REBUILDS else None
+        if layout is not None:
+            layouts.append(layout)
         if _allocates(function) and _holds_a_number(args):
-            found.append(function.replace(" ", "."))
+            allocations.append(function.replace(" ", "."))
         return args if function == "torch Size" else _OPAQUE  # a size's numbers stay counts
 
-    _walk(data, call)
-    return found
+    def build(state: Any) -> None:
+        layout = _layout(state) if isinstance(state, tuple) and len(state) == 4 else None
+        if layout is not None:
+            layouts.append(layout)
+
+    _walk(data, call, build=build)
+    return layouts, allocations
 
 
 def _holds_a_number(args: Any, depth: int = 0) -> bool:

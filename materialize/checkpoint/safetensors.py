@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from ..fileio import open_for_reading
-from .base import TensorInfo, make_info
+from .base import TensorInfo, make_info, shape_fits_int64
 
 # The format's own reference reader caps headers at 100 MB; a larger length
 # is refused before any allocation.
@@ -153,19 +153,6 @@ def _numel_of_shape(shape: object) -> "int | None":
             return None
         numel *= dim
     return numel
-
-
-def shape_fits_int64(shape: list) -> bool:
-    """Whether torch can describe the shape: each dimension, and the strides they multiply into, below 2**63."""
-    limit = 2**63
-    extent = 1
-    for dim in shape:
-        if dim >= limit:
-            return False
-        extent *= max(dim, 1)
-        if extent >= limit:
-            return False
-    return True
 
 
 def _short(value: object) -> str:

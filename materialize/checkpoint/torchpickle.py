@@ -25,10 +25,9 @@ import torch
 from torch import _weights_only_unpickler, nn
 
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError, first_line, summarize_names
-from .base import TensorInfo, is_extra_state, make_info
+from .base import TensorInfo, is_extra_state, make_info, shape_fits_int64
 from .pickle_budget import check_budget
-from .safetensors import shape_fits_int64
-from .pickle_scan import counted_allocations, negative_layouts, quantized_tensors
+from .pickle_scan import hostile_calls, quantized_tensors
 from .sealed import Unchangeable, sealed_call
 from .standins import (
     INERT_GLOBALS, CalledStandIn, StandIn, is_module_state, is_numpy_array, module_state, stand_in_class,
@@ -162,7 +161,7 @@ def _plain_rebuild(rebuild: Callable[..., torch.Tensor], *, dtype_given: bool) -
     straight onto its storage: torch's own rebuild also looks for a fake
     tensor mode on every call, most of its cost. A negative layout, which
     meta storages would quietly accept, sends the file to the weights-only
-    path, whose opcode scan (:func:`.pickle_scan.negative_layouts`) refuses
+    path, whose opcode scan (:func:`.pickle_scan.hostile_calls`) refuses
     it with the layout named. So does a layout changed after the rebuild (a
     BUILD on the tensor calls ``Tensor.__setstate__``, which sets it anew),
     found when the pickle is read (:func:`_layouts_kept`).
@@ -246,13 +245,16 @@ _STAND_IN_SCOPE = getattr(torch.serialization, "safe_globals", None)  # torch 2.
 def unpickle(
     path: Path, data: bytes, refs: dict[int, StorageRef], *, trust_pickle: bool,
     persistent: Callable[[Path, dict[int, StorageRef]], Any] = persistent_loader, what: str = "data.pkl",
-) -> tuple[Any, bool]:
+) -> tuple[Any, list[tuple[Any, Any, Any]]]:
     """The object ``torch.save`` was given, its tensors on meta; classes torch does not allow become stand-ins.
 
-    Also says whether the tensors' layouts were checked on the way (see
-    :func:`read_payload`). A plain state dict is read at C speed
-    (:class:`_PlainStateUnpickler`), checking layouts as it rebuilds;
-    anything else goes through torch's weights-only unpickler.
+    Also the negative layouts (offset, size, stride) its tensors were given,
+    which meta storages would quietly accept (see :func:`read_payload`). A
+    plain state dict is read at C speed (:class:`_PlainStateUnpickler`),
+    checking layouts as it rebuilds; anything else goes through torch's
+    weights-only unpickler, after one walk of the opcodes
+    (:func:`.pickle_scan.hostile_calls`) that finds them and refuses counted
+    allocations before anything is built.
     Each class the weights-only unpickler refuses is given a stand-in (see
     :mod:`.standins`) and the pickle is read again, up to a bound; a call of
     anything it names is refused. While a read runs, torch's allowlist (one
@@ -262,11 +264,11 @@ def unpickle(
     if trust_pickle:
         unpickler: Any = _TrustedUnpickler(io.BytesIO(data), encoding="utf-8")
         unpickler.persistent_load = persistent(path, refs)
-        return _load(path, unpickler, trust_pickle=True, what=what), False
+        return _load(path, unpickler, trust_pickle=True, what=what), hostile_calls(data)[0]
     check_budget(data, path=path, what=what)
     plain = _unpickle_plain(path, data, refs, persistent)
     if plain is not _NOT_PLAIN:
-        return plain, True
+        return plain, []  # its rebuilds checked the layouts on the way
     protocol = data[1] if len(data) > 1 and data[0] == pickle.PROTO[0] else 2
     if protocol >= 4:
         raise UnsupportedFormatError(
@@ -276,7 +278,7 @@ def unpickle(
             "(CLI: --trust-pickle) if you trust the file", path=path)
     if protocol == 3:  # torch's reader warns at protocol 3's mark, then reads the opcodes it knows all the same
         data = pickle.PROTO + bytes([2]) + data[2:]
-    allocations = counted_allocations(data)
+    layouts, allocations = hostile_calls(data)
     if allocations:  # torch's reader would make them: gigabytes asked for by a few bytes
         raise CheckpointError(
             f"{what} calls {allocations[0]} with a count, which would allocate memory the file does not hold; "
@@ -288,9 +290,9 @@ def unpickle(
         unpickler.persistent_load = persistent(path, refs)
         try:
             if not stand_ins:
-                return _load(path, unpickler, trust_pickle=False, what=what), False
+                return _load(path, unpickler, trust_pickle=False, what=what), layouts
             with _STAND_IN_SCOPE(list(stand_ins.values())):
-                return _load(path, unpickler, trust_pickle=False, what=what), False
+                return _load(path, unpickler, trust_pickle=False, what=what), layouts
         except _RefusedGlobal as refused:
             if _STAND_IN_SCOPE is None or refused.name in stand_ins or len(stand_ins) >= _MAX_STAND_INS:
                 raise refused.error from None
@@ -355,7 +357,7 @@ def read_payload(
     of its modules that are not tensors (see :func:`find_payload`); hostile layouts refused."""
     if b"_rebuild_qtensor" in data:  # torch cannot make one on meta: it would fail deep inside, warning
         _refuse_quantized(path, data)
-    unpickled, layouts_checked = unpickle(path, data, refs, trust_pickle=trust_pickle, persistent=persistent, what=what)
+    unpickled, hostile = unpickle(path, data, refs, trust_pickle=trust_pickle, persistent=persistent, what=what)
     try:
         payload, module, extra_states = find_payload(unpickled)
     except CheckpointError as error:
@@ -364,7 +366,6 @@ def read_payload(
     except (TypeError, AttributeError, ValueError, RecursionError) as exc:  # objects the file made, misbehaving
         raise CheckpointError(f"{what} holds a malformed structure: {type(exc).__name__}: {first_line(exc)}",
                               path=path) from None
-    hostile = [] if layouts_checked else negative_layouts(data)
     if hostile:
         offset, size, stride = hostile[0]
         raise CheckpointError(
@@ -424,10 +425,10 @@ def _outline(obj: Any) -> str:
 
 def read_bare_tensor(path: Path, data: bytes, refs: dict[int, StorageRef], *, what: str) -> torch.Tensor:
     """The one tensor (on meta) a pickle holds, as ``torch.save(tensor)`` writes it; anything else is refused."""
-    unpickled, layouts_checked = unpickle(path, data, refs, trust_pickle=False)
+    unpickled, hostile = unpickle(path, data, refs, trust_pickle=False)
     if not isinstance(unpickled, torch.Tensor):
         raise CheckpointError(f"{what} holds a {type(unpickled).__name__}, not a tensor", path=path)
-    if not layouts_checked and negative_layouts(data):
+    if hostile:
         raise CheckpointError(f"{what} has a negative size, stride or offset", path=path)
     return unpickled
 

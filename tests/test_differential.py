@@ -983,6 +983,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, make_input, steps:
     model.train()
     for step in range(steps):
         optimizer.zero_grad()
+        torch.manual_seed(100 + step)  # dropout and drop-path draw from it: both models draw the same
         outputs = [t for t in flat_outputs(model(*make_input(torch.Generator().manual_seed(100 + step))))
                    if t.is_floating_point()]
         loss = sum(t.as_subclass(torch.Tensor).float().square().mean() for t in outputs if t.requires_grad)

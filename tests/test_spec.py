@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -143,98 +140,3 @@ def test_a_folder_whose_config_json_is_not_transformers_loads_as_its_tensors(con
         assert torch.equal(tensors[name], value), name
     with pytest.raises(mz.ModelSpecError, match=r"config.json.*names no model_type or architectures.*--model SPEC"):
         mz.load_model(folder, model="hf:AutoModel")
-
-
-# timm and torchvision are not installed here: timm imports torchvision, whose wheels reachable from this
-# machine are CUDA builds that fail to import on the CPU torch ("operator torchvision::nms does not exist").
-# So the shorthands' plumbing runs against stand-in packages of the same interface (create_model / get_model,
-# is_model / list_models), and the comparison with the real libraries runs where they import.
-_STAND_IN_TIMM = '''
-import torch
-from torch import nn
-asked = []
-def is_model(name):
-    return name == "tinynet"
-def create_model(name, pretrained=True, num_classes=1000, **kwargs):
-    asked.append(pretrained)
-    if pretrained:
-        raise OSError(5, "Input/output error: would download weights")
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(num_classes))
-'''
-_STAND_IN_TORCHVISION = '''
-import torch
-from torch import nn
-def list_models():
-    return ["tinynet"]
-def get_model(name, weights="DEFAULT", num_classes=1000):
-    if weights is not None:
-        raise OSError(5, "Input/output error: would download weights")
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, num_classes))
-'''
-
-
-@pytest.fixture
-def stand_in_families(tmp_path, monkeypatch):
-    (tmp_path / "timm.py").write_text(_STAND_IN_TIMM)
-    (tmp_path / "torchvision").mkdir()
-    (tmp_path / "torchvision" / "__init__.py").write_text("")
-    (tmp_path / "torchvision" / "models.py").write_text(_STAND_IN_TORCHVISION)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    names = ("timm", "torchvision", "torchvision.models")
-    before = {name: sys.modules.pop(name) for name in names if name in sys.modules}
-    yield tmp_path
-    for name in names:  # the stand-ins go; whatever was imported before comes back
-        sys.modules.pop(name, None)
-    sys.modules.update(before)
-
-
-@pytest.mark.parametrize("family", ["timm", "torchvision"])
-def test_a_family_shorthand_builds_its_model_without_weights_and_passes_model_args(stand_in_families, tmp_path, family):
-    import importlib
-
-    module = importlib.import_module("timm" if family == "timm" else "torchvision.models")
-    make = (lambda: module.create_model("tinynet", pretrained=False, num_classes=10)) if family == "timm" else \
-        (lambda: module.get_model("tinynet", weights=None, num_classes=10))
-    eager = make()
-    if family == "timm":
-        eager(torch.zeros(1, 3, 6, 6))  # sizes its lazy layer
-    torch.save(eager.state_dict(), tmp_path / "trained.pt")
-
-    model = mz.build(f"{family}:tinynet", num_classes=10)
-    report = mz.load(model, tmp_path / "trained.pt")
-
-    assert report.missing == [] and report.unexpected == []
-    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in eager.state_dict().items()}
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in eager.state_dict().items())
-    with pytest.raises(mz.ModelSpecUsageError, match="has no model 'nosuchnet'"):
-        mz.build(f"{family}:nosuchnet")
-
-
-def test_a_family_shorthand_from_the_cli_takes_model_args(stand_in_families, tmp_path):
-    module = __import__("torchvision.models", fromlist=["get_model"])
-    torch.save(module.get_model("tinynet", weights=None, num_classes=3).state_dict(), tmp_path / "m.pt")
-    env = {**os.environ, "PYTHONPATH": str(stand_in_families)}
-    cli = str(Path(sys.executable).parent / "materialize")
-
-    done = subprocess.run([cli, str(tmp_path / "m.pt"), "--model", "torchvision:tinynet", "--model-arg", "num_classes=3",
-                           "--json"], capture_output=True, text=True, env=env)
-    wrong = subprocess.run([cli, str(tmp_path / "m.pt"), "--model", "torchvision:tinynet"],
-                           capture_output=True, text=True, env=env)
-
-    assert done.returncode == 0 and sorted(json.loads(done.stdout)["loaded"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
-    assert wrong.returncode == 1 and "--ignore-mismatched-sizes" in wrong.stderr  # 1000 classes against 3
-
-
-def test_the_real_timm_resnet_through_its_shorthand_equals_the_eager_model(tmp_path):
-    timm = pytest.importorskip("timm", reason="timm imports torchvision, which does not import on this CPU torch")
-    torch.manual_seed(0)
-    eager = timm.create_model("resnet18", pretrained=False, num_classes=7).eval()
-    torch.save(eager.state_dict(), tmp_path / "resnet18.pt")
-
-    model = mz.build("timm:resnet18", num_classes=7)
-    mz.load(model, tmp_path / "resnet18.pt")
-
-    x = torch.randn(1, 3, 64, 64)
-    assert torch.equal(model.eval()(x), eager(x))

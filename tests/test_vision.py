@@ -2,16 +2,15 @@
 
 Each model is compared with the oracle of ``tests/test_differential.py``: the same model built eagerly that
 took the same file with ``load_state_dict`` (values, dtypes, strides, ``requires_grad``, classes, modules'
-attributes, a forward pass and a few SGD steps). torchvision imports here through ``tests/vision.py`` (its
-PyPI wheels are CUDA builds whose compiled ops do not load beside the CPU torch); the models never call
-those ops. Both libraries are test dependencies of the locked environment; the venvs of ``make
-test-oldest`` install neither, and these tests skip there.
+attributes, a forward pass and a few SGD steps). Both libraries are test dependencies of the locked
+environment, installed apart in ``.venv/vision`` and imported through ``tests/vision.py`` (PyPI's
+torchvision is a CUDA build whose compiled ops do not load beside the CPU torch; the models never call
+them). The venvs of ``make test-oldest`` install neither, and these tests skip there.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 
 import materialize as mz
 from test_differential import Case, compare_models, differences
-from vision import compiled_ops_load, import_torchvision, pythonpath_with_shim
+from vision import compiled_ops_load, import_torchvision, pythonpath_with_shim, pythonpath_without_shim
 
 if import_torchvision() is None:
     pytest.skip("torchvision is not installed (make test-oldest's venvs)", allow_module_level=True)
@@ -184,7 +183,7 @@ def test_an_unknown_family_name_or_a_failing_factory_says_which_and_why(family, 
 @pytest.mark.skipif(compiled_ops_load(), reason="torchvision's compiled ops load here: its import does not fail")
 def test_a_torchvision_that_does_not_fit_this_torch_is_named_in_the_error(tmp_path):
     torch.save({}, tmp_path / "empty.pt")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # no shim: what a user of this torch sees
+    env = pythonpath_without_shim()  # what a user of this torch and this torchvision sees
 
     done = cli(str(tmp_path / "empty.pt"), "--model", "timm:resnet18", env=env)
 

@@ -33,12 +33,12 @@ import torch
 
 from .checkpoint import TensorInfo
 from .checkpoint.base import contiguous_strides, make_info
-from .errors import CastOverflowError
+from .errors import AllocationError, CastOverflowError
 from .fileio import MAX_IOVECS, DirectReads, FileSet, Part, byte_view
 from .hostmem import prefault
 from .scatter import RowScatter, row_scatter
 from .stacking import Stacked, piece_destination
-from .transfer import Completion, Staging, wait_all
+from .transfer import Completion, CopyStartError, Staging, on_callers_streams, wait_all
 
 DIRECT_CHUNK_BYTES = 16 * 1024 * 1024
 CAST_CHUNK_BYTES = 2 * 1024 * 1024  # per reader thread: stays in cache between read and cast
@@ -472,7 +472,14 @@ def run_staged(
         for (job, start, stop), at in fill:
             source = slots[index][at: at + stop - start].view(job.info.dtype)
             pairs.append((job.dest.view(-1)[start // job.info.itemsize: stop // job.info.itemsize], source))
-        copies[index].append(staging.copy_all(pairs))
+        try:
+            copies[index].append(staging.copy_all(pairs))
+        except CopyStartError as failed:  # the copies before it have landed
+            (job, _, _), _ = fill[failed.index]
+            if isinstance(failed.cause, torch.OutOfMemoryError):  # a cast's temporary on the device
+                raise AllocationError(f"out of memory on {job.dest.device} for the temporary of a cast while "
+                                      "copying it in", path=job.info.path, tensor=job.info.name) from None
+            raise failed.cause
         on_bytes(sum(stop - start for (_, start, stop), _ in fill))
 
     pool = ThreadPoolExecutor(max_workers=reader_threads, thread_name_prefix="materialize-stage")
@@ -541,6 +548,7 @@ def _run_strided(jobs: list[Job], files: FileSet, tracker: _Progress, threads: i
     own reused temporary of one block (up to :data:`STRIDED_BLOCK_BYTES`).
     """
     local = threading.local()
+    callers_stream = on_callers_streams({job.dest.device for job in jobs})
 
     def read_block(job: Job, layout: _StridedLayout, first: int, last: int) -> None:
         info = job.info
@@ -560,7 +568,8 @@ def _run_strided(jobs: list[Job], files: FileSet, tracker: _Progress, threads: i
             span = (sum((size - 1) * step for size, step in zip(target.shape, target.stride())) + 1) * target.element_size()
             if span >= PREFAULT_MIN_BYTES:
                 prefault(target.data_ptr(), span)  # one call, not a fault per page inside the copy
-        _copy_block(target, view)
+        with callers_stream(target.device):  # synchronous from pageable memory: the block is free after it
+            _copy_block(target, view)
         count = layout.shape[layout.outer]
         tracker.add(info.read_nbytes * last // count - info.read_nbytes * first // count)
 

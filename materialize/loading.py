@@ -17,7 +17,7 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .devicemap import DeviceMapLike, Placement, compute_device_map
 from .dtypes import dtype_name, parse_dtype
 from .engine import Job, ProgressFn, stream
-from .errors import AllocationError, SanitizerError
+from .errors import AllocationError, MaterializeError, SanitizerError, summarize_names
 from .extrastate import extra_state_reads, hand_over
 from .fileio import DirectReads
 from .gcpause import gc_paused
@@ -152,7 +152,9 @@ def load(
 
     Tied parameters stay one tensor. Real buffers absent from the checkpoint
     move to ``device`` unchanged. If the load fails, every tensor the model
-    had before is put back, so the model is left as it was.
+    had before is put back (the same objects) and those the load allocated
+    are freed; values already written into a real model's own tensors, filled
+    in place, stay written, and the error names those tensors.
     """
     target = resolve_device(device if device is not None else model_device(model))
     cast = parse_dtype(dtype)
@@ -250,7 +252,9 @@ def execute(
         return stream(jobs, files, staging_factory=lambda device: staging_for(device, staging_bytes),
                       allow_overflow=allow_overflow, progress=progress)
 
-    with PeakMemory(the_plan.device) as memory, torch.no_grad():
+    devices_written = [the_plan.device, *(entry.device for entry in the_plan.entries)]  # a device map's, a mesh's
+    in_place: list[str] = []  # the model's own tensors, once the reads into them have begun
+    with PeakMemory(devices_written) as memory, torch.no_grad():
         try:
             compared_in_file = compared_before_allocating(the_plan, mmap)
             jobs = [
@@ -263,6 +267,8 @@ def execute(
                     init(module)
                 else:
                     initializer_of(module, computed_only=True)()  # planning made sure the module has one
+            in_place = [entry.name for entry in the_plan.entries
+                        if entry.action == "load" and not entry.original.is_meta and entry.held() is entry.original]
             bytes_read = read(jobs + extra_jobs, progress)
             ties = TieSettling(the_plan, compared_in_file, read, undo, allow_overflow=allow_overflow,
                                allocate=lambda entry: _materialize_entry(entry, undo, None, False, [], check))
@@ -279,6 +285,7 @@ def execute(
             hand_over(the_plan, extra_states)  # last: a module's state is no tensor the undo can put back
         except BaseException as error:
             _undo(undo)
+            _tell_what_stays_overwritten(error, in_place)
             if isinstance(error, AllocationError) and error.tensor is not None:
                 with_whole_load(error, *_needs_where(the_plan, error.tensor, mmap, staging_bytes))
             raise
@@ -302,6 +309,20 @@ def execute(
         bytes_by_device=the_plan.bytes_by_device,
         nonfinite=nonfinite((entry.name, local_of(tensor)) for entry, tensor in registered) if check_finite else [],
     )
+
+
+def _tell_what_stays_overwritten(error: BaseException, in_place: list[str]) -> None:
+    """A failed load puts back every tensor it replaced, but not the values it wrote into the model's own
+    tensors (a real model's, filled in place as load_state_dict fills them: a copy to roll back to would be
+    a second model in memory). The error says which they are."""
+    if not in_place:
+        return
+    note = (f"the model's own tensors filled in place may now hold part of the checkpoint's values "
+            f"({len(in_place)}: {summarize_names(in_place, 4)}): load them again")
+    if isinstance(error, MaterializeError):
+        error.reason += f"; {note}"
+    elif hasattr(error, "add_note"):  # Python 3.11+: shown under the traceback
+        error.add_note(note)
 
 
 def _needs_where(plan: Plan, name: str, mmap: bool, staging_bytes: Optional[int]) -> tuple[torch.device, int]:
@@ -328,6 +349,7 @@ def _report(
         peak_host_bytes=memory.peak_host,
         host_growth_bytes=memory.host_growth,
         peak_device_bytes=memory.peak_device,
+        peak_device_bytes_by_device=memory.peak_by_device,
         **outcome,
     )
 

@@ -1,14 +1,23 @@
-"""Peak memory during a load: anonymous host memory, and the device's own counter.
+"""Peak memory during a load: anonymous host memory, and each GPU's allocator counters.
 
 Host memory is sampled from ``RssAnon`` (Linux) so pages of the checkpoint
 held in the page cache or mapped from it do not count: only memory the
 process itself allocated does.
+
+Device memory is the growth over what was allocated when the load began, on
+every GPU the load writes to, read from the caching allocator's counters
+(:func:`materialize.transfer.device_memory_counters`). The caller's own peak
+statistics are never reset: where the load's peak passes the peak the
+process had already reached, the allocator's peak is the load's, exactly
+(always so in a fresh process); otherwise the load's peak is sampled with the
+host memory, a lower bound that can miss a spike shorter than a sample.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from collections.abc import Iterable
+from typing import Optional, Protocol
 
 import torch
 
@@ -27,14 +36,27 @@ def anon_rss_bytes() -> Optional[int]:
     return None
 
 
-class PeakMemory:
-    """Context manager sampling peak anonymous host memory on a background thread."""
+class DeviceCounters(Protocol):
+    """A device allocator's counters, read without changing them."""
 
-    def __init__(self, device: Optional[torch.device] = None) -> None:
-        self.device = device
+    def allocated(self, device: torch.device) -> int: ...
+
+    def peak(self, device: torch.device) -> int: ...
+
+
+class PeakMemory:
+    """Context manager sampling peak anonymous host memory, and the device memory a load adds on each GPU."""
+
+    def __init__(self, devices: Iterable[torch.device] = (), counters: Optional[DeviceCounters] = None) -> None:
+        self.devices = list(dict.fromkeys(d for d in devices if d.type != "cpu"))
+        self._counters = counters
         self.start_host: Optional[int] = None
         self.peak_host: Optional[int] = None
-        self.peak_device: Optional[int] = None
+        self.peak_device: Optional[int] = None  # the largest growth on any one device
+        self.peak_by_device: dict[str, int] = {}
+        self._start_device: dict[torch.device, int] = {}
+        self._peak_before: dict[torch.device, int] = {}
+        self._sampled: dict[torch.device, int] = {}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -46,15 +68,24 @@ class PeakMemory:
         current = anon_rss_bytes()
         if current is not None and (self.peak_host is None or current > self.peak_host):
             self.peak_host = current
+        for device in self._sampled:
+            self._sampled[device] = max(self._sampled[device], self._counters.allocated(device))
 
     def __enter__(self) -> "PeakMemory":
+        if self.devices and self._counters is None:
+            from .transfer import device_memory_counters
+
+            self._counters = device_memory_counters()
+        for device in self.devices:
+            self._start_device[device] = self._counters.allocated(device)
+            self._peak_before[device] = self._counters.peak(device)
+            if self._peak_before[device] > self._start_device[device]:  # a load peak below it would not show
+                self._sampled[device] = self._start_device[device]
         self.start_host = anon_rss_bytes()
         self.peak_host = self.start_host
-        if self.start_host is not None:
+        if self.start_host is not None or self._sampled:
             self._thread = threading.Thread(target=self._sample, name="materialize-memory", daemon=True)
             self._thread.start()
-        if self.device is not None and self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -62,8 +93,12 @@ class PeakMemory:
         if self._thread is not None:
             self._thread.join()
         self._observe()
-        if self.device is not None and self.device.type == "cuda":
-            self.peak_device = torch.cuda.max_memory_allocated(self.device)
+        for device in self.devices:
+            peak = self._counters.peak(device)
+            top = peak if peak > self._peak_before[device] else self._sampled.get(device, peak)
+            self.peak_by_device[str(device)] = max(0, top - self._start_device[device])
+        if self.peak_by_device:
+            self.peak_device = max(self.peak_by_device.values())
 
     @property
     def host_growth(self) -> Optional[int]:

@@ -34,7 +34,8 @@ class Report:
     seconds: float = 0.0
     peak_host_bytes: Optional[int] = None
     host_growth_bytes: Optional[int] = None
-    peak_device_bytes: Optional[int] = None
+    peak_device_bytes: Optional[int] = None  # the most the load added on any one GPU (see memory.PeakMemory)
+    peak_device_bytes_by_device: dict[str, int] = field(default_factory=dict)
 
     @property
     def gb_per_second(self) -> float:
@@ -66,6 +67,7 @@ class Report:
             "peak_host_bytes": self.peak_host_bytes,
             "host_growth_bytes": self.host_growth_bytes,
             "peak_device_bytes": self.peak_device_bytes,
+            "peak_device_bytes_by_device": self.peak_device_bytes_by_device,
         }
 
     def __str__(self) -> str:
@@ -93,6 +95,8 @@ class Report:
         ]
         if self.peak_device_bytes is not None:
             rows.append(("peak device memory", format_bytes(self.peak_device_bytes)))
+            if len(self.peak_device_bytes_by_device) > 1:
+                rows += [(f"  on {place}", format_bytes(n)) for place, n in self.peak_device_bytes_by_device.items()]
         width = max(len(label) for label, _ in rows)
         lines = [f"{label.ljust(width)}  {value}" for label, value in rows]
         if self.initialized:

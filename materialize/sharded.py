@@ -44,10 +44,15 @@ class ShardSpec:
     local_shape: tuple[int, ...]
     global_shape: tuple[int, ...]
     global_stride: tuple[int, ...]
+    local_device: Optional[torch.device] = None  # where this rank's shard already lives, if it is real
 
     @property
     def device(self) -> torch.device:
-        """The mesh's device on this rank (a CUDA mesh: the current device, as DTensor expects)."""
+        """Where this rank's shard is filled: where it already lives if it is real (a rank that never called
+        ``set_device`` still owns the GPU its shard is on), else the mesh's device on this rank (a CUDA mesh:
+        the current device, as ``fully_shard`` takes it)."""
+        if self.local_device is not None and self.local_device.type != "meta":
+            return self.local_device
         kind = self.mesh.device_type
         if kind == "cpu":
             return torch.device("cpu")
@@ -97,7 +102,8 @@ def shard_spec(tensor: torch.Tensor, name: str, path: Optional[Path] = None) -> 
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     local_shape, offsets = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
-    return ShardSpec(mesh, placements, tuple(offsets), tuple(local_shape), tuple(tensor.shape), tuple(tensor.stride()))
+    return ShardSpec(mesh, placements, tuple(offsets), tuple(local_shape), tuple(tensor.shape), tuple(tensor.stride()),
+                     local_device=tensor.to_local().device)
 
 
 def region(info: TensorInfo, offsets: Sequence[int], sizes: Sequence[int]) -> TensorInfo:

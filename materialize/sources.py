@@ -125,7 +125,7 @@ def load_tensors(
     target = resolve_device(device if device is not None else "cpu")
     cast = parse_dtype(dtype)
     started = time.perf_counter()
-    with _opened(checkpoint, trust_pickle) as ckpt, PeakMemory(target) as memory:
+    with _opened(checkpoint, trust_pickle) as ckpt, PeakMemory([target]) as memory:
         made: dict[str, torch.Tensor] = {}
         jobs = []
         maps = FileMaps() if mmap and target.type == "cpu" else None

@@ -12,8 +12,10 @@ mid-stream.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional, Protocol
+from contextlib import nullcontext
+from typing import ContextManager, Optional, Protocol
 
 import torch
 
@@ -43,8 +45,19 @@ class Staging(ABC):
         """Start ``dest.copy_(src)`` (casting if dtypes differ); ``src`` is a slot view."""
 
     def copy_all(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Completion:
-        """Start the copies out of one slot fill, ``(dest, src)`` each; done when all of them are."""
-        return _AllDone([self.copy(dest, src) for dest, src in pairs])
+        """Start the copies out of one slot fill, ``(dest, src)`` each; done when all of them are.
+
+        If starting one fails, the copies already started are waited on before the error is raised: a caller
+        that frees destinations or reuses the slot on an error must find nothing still writing.
+        """
+        started: list[Completion] = []
+        try:
+            for dest, src in pairs:
+                started.append(self.copy(dest, src))
+        except BaseException as exc:
+            _wait_quietly(started)
+            raise CopyStartError(len(started), exc) from exc if isinstance(exc, Exception) else exc
+        return _AllDone(started)
 
     def begin(self) -> None:
         """Called once before the first copy."""
@@ -67,6 +80,23 @@ def wait_all(completions: list[Completion]) -> None:
             first_error = first_error or exc
     if first_error is not None:
         raise first_error
+
+
+class CopyStartError(Exception):
+    """Starting the copy of pair ``index`` of a slot fill failed with ``cause``; the copies started before it
+    have all completed."""
+
+    def __init__(self, index: int, cause: Exception) -> None:
+        super().__init__(f"copy {index} of a slot fill could not start: {cause}")
+        self.index, self.cause = index, cause
+
+
+def _wait_quietly(completions: list[Completion]) -> None:
+    """Wait for every completion, their own errors dropped (one already being raised says what went wrong)."""
+    try:
+        wait_all(completions)
+    except BaseException:
+        pass
 
 
 class _AllDone:
@@ -119,20 +149,29 @@ class CudaStaging(Staging):
         # One event for a whole fill: a slot of small tensors paid an event, a stream switch and a
         # record per tensor, several times the cost of starting the copy itself.
         event = torch.cuda.Event()
-        with torch.cuda.stream(self.stream):
-            for dest, src in pairs:
-                if dest.dtype == src.dtype:
-                    dest.copy_(src, non_blocking=True)
-                else:
-                    # A CPU-to-GPU copy_ that also casts converts on the CPU, on this
-                    # (the main) thread, into pageable memory, then copies at pageable
-                    # speed; moving the slot's bytes as they are and casting on the GPU
-                    # avoids both. The temporary belongs to this stream, so the
-                    # caching allocator reuses it only after the cast has run.
-                    raw = torch.empty(src.shape, dtype=src.dtype, device=dest.device)
-                    raw.copy_(src, non_blocking=True)
-                    dest.copy_(raw)
+        index = 0
+        try:
+            with torch.cuda.stream(self.stream):
+                for index, (dest, src) in enumerate(pairs):
+                    if dest.dtype == src.dtype:
+                        dest.copy_(src, non_blocking=True)
+                    else:
+                        # A CPU-to-GPU copy_ that also casts converts on the CPU, on this
+                        # (the main) thread, into pageable memory, then copies at pageable
+                        # speed; moving the slot's bytes as they are and casting on the GPU
+                        # avoids both. The temporary belongs to this stream, so the
+                        # caching allocator reuses it only after the cast has run.
+                        raw = torch.empty(src.shape, dtype=src.dtype, device=dest.device)
+                        raw.copy_(src, non_blocking=True)
+                        dest.copy_(raw)
+        except BaseException as exc:
+            # Copies queued before an error (out of memory for a cast's temporary, Ctrl-C) are waited for,
+            # so nothing writes a destination that the error path then frees, nor reads the slot after it
+            # is released.
             event.record(self.stream)
+            event.synchronize()
+            raise CopyStartError(index, exc) from exc if isinstance(exc, Exception) else exc
+        event.record(self.stream)
         # Event.wait() orders streams; the ring needs the host to block, hence synchronize().
         return _EventCompletion(event)
 
@@ -162,6 +201,35 @@ def staging_for(device: torch.device, staging_bytes: Optional[int] = None) -> St
     if device.type == "cuda":
         return CudaStaging(device, slot_bytes=slot_bytes)
     return ThreadStaging(slot_bytes=slot_bytes)
+
+
+class _CudaCounters:
+    """The CUDA caching allocator's counters of one device (see :class:`materialize.memory.PeakMemory`)."""
+
+    def __init__(self) -> None:
+        # Reading a device's counters before CUDA is initialized gives zeros (and resetting them fails): a fresh
+        # process asked for cuda:1 has touched no CUDA yet.
+        torch.cuda.init()
+
+    def allocated(self, device: torch.device) -> int:
+        return torch.cuda.memory_allocated(device)
+
+    def peak(self, device: torch.device) -> int:
+        return torch.cuda.max_memory_allocated(device)
+
+
+def device_memory_counters() -> _CudaCounters:
+    """The allocator counters of the GPUs, read by the peak-memory measurement."""
+    return _CudaCounters()
+
+
+def on_callers_streams(devices: "set[torch.device]") -> Callable[[torch.device], ContextManager[object]]:
+    """A context that puts copies made on other threads (reader threads) on the calling thread's current
+    stream of their device: a thread's current stream is its own, the default one, so a caller working
+    under ``torch.cuda.stream(s)`` would otherwise find copies it does not wait for. Taken on the calling
+    thread."""
+    streams = {device: torch.cuda.current_stream(device) for device in devices if device.type == "cuda"}
+    return lambda device: torch.cuda.stream(streams[device]) if device in streams else nullcontext()
 
 
 def resolve_device(device: "str | torch.device") -> torch.device:

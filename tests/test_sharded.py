@@ -216,3 +216,16 @@ def test_a_sharded_tie_differing_in_one_ranks_rows_only_is_refused_on_every_rank
     for rank in ranks:  # the first rank going on alone would hang at its next collective
         assert rank["error"] == "ShardingError" and rank["left_as_was"], rank
         assert "lm_head.weight" in rank["message"] and "different values" in rank["message"]
+
+
+def test_a_real_shard_is_filled_where_it_lives_not_on_the_current_device():
+    # A rank that never called torch.cuda.set_device has current device 0; its real shard on GPU 1 stays there.
+    from types import SimpleNamespace
+
+    from materialize.sharded import ShardSpec
+
+    def spec(mesh_type: str, local: torch.device) -> ShardSpec:
+        return ShardSpec(SimpleNamespace(device_type=mesh_type), (), (0,), (2,), (4,), (1,), local_device=local)
+
+    assert spec("cuda", torch.device("cuda", 1)).device == torch.device("cuda", 1)  # no CUDA call made
+    assert spec("cpu", torch.device("meta")).device == torch.device("cpu")  # on meta: the mesh's device

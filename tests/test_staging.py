@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -237,3 +240,51 @@ def test_small_tensors_share_slots_and_no_slot_is_refilled_while_copied_out(tmp_
         assert torch.equal(dests[name], value.to(dests[name].dtype)), name
     assert staging.copies == 60 + 4  # one copy per tensor, the big one in four slot-sized pieces
     assert files.reads < 25 and files.violations == 0  # 61 tensors in far fewer slot fills
+
+
+class SlowStaging(ThreadStaging):
+    """Copies that take a while to land; starting the ``fail_at``-th copy fails as a cast's temporary would
+    on a full GPU (torch.OutOfMemoryError), after the copies before it in the same fill have started."""
+
+    def __init__(self, slot_bytes: int, num_slots: int, fail_at: int, delay: float = 0.02) -> None:
+        super().__init__(slot_bytes=slot_bytes, num_slots=num_slots)
+        self._worker = ThreadPoolExecutor(max_workers=4, thread_name_prefix="slow-copy")  # several in flight
+        self.fail_at, self.delay = fail_at, delay
+        self.started = self.landed = 0
+        self._lock = threading.Lock()
+
+    def copy(self, dest, src):
+        if self.started == self.fail_at:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        self.started += 1
+
+        def land():
+            time.sleep(self.delay)
+            dest.copy_(src)
+            with self._lock:
+                self.landed += 1
+
+        return _Done(self._worker.submit(land))
+
+
+def test_an_error_starting_a_fills_copies_returns_only_once_the_copies_started_have_landed(tmp_path):
+    state = {f"t{i:02d}": torch.randn(16) for i in range(12)}  # 64 bytes each: several tensors to a slot
+    path = write_safetensors(state, tmp_path / "m.safetensors")
+    staging = SlowStaging(slot_bytes=512, num_slots=2, fail_at=9)  # the second fill, after two of its copies
+
+    with mz.open_checkpoint(path) as ckpt:
+        dests, jobs = _jobs(ckpt)
+        for dest in dests.values():
+            dest.zero_()
+        with pytest.raises(mz.AllocationError, match=r"out of memory on cpu for the temporary of a cast") as raised:
+            run_staged(jobs, ckpt.files, staging, lambda n: None, reader_threads=2)
+        landed_at_return = staging.landed
+        values_at_return = {name: dest.clone() for name, dest in dests.items()}
+        time.sleep(10 * staging.delay)
+
+    assert landed_at_return == staging.started == 9  # nothing was still writing when the error came back
+    assert staging.landed == landed_at_return
+    assert all(torch.equal(dests[name], value) for name, value in values_at_return.items())
+    assert raised.value.tensor == "t09"  # the copy that could not start, named
+    assert isinstance(raised.value, MemoryError)
+    staging.close()

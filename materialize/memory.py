@@ -48,7 +48,7 @@ class PeakMemory:
     """Context manager sampling peak anonymous host memory, and the device memory a load adds on each GPU."""
 
     def __init__(self, devices: Iterable[torch.device] = (), counters: Optional[DeviceCounters] = None) -> None:
-        self.devices = list(dict.fromkeys(d for d in devices if d.type != "cpu"))
+        self.devices = list(dict.fromkeys(d for d in devices if d.type == "cuda"))
         self._counters = counters
         self.start_host: Optional[int] = None
         self.peak_host: Optional[int] = None

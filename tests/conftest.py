@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +110,20 @@ def run_ranks(scenario: str, checkpoint: Path, workdir: Path, world: int = 2) ->
         assert "crash" not in result, result.get("crash")
         results.append(result)
     return results
+
+
+def hub_cache(tmp_path: Path, folder: Path, repo_id: str) -> Path:
+    """A Hugging Face cache holding one repo snapshot, laid out as huggingface_hub does."""
+    cache = tmp_path / "hub"
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for number, file in enumerate(sorted(folder.iterdir())):
+        blob = repo / "blobs" / f"{number:040d}"
+        shutil.copy(file, blob)
+        os.symlink(os.path.relpath(blob, snapshot), snapshot / file.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return cache

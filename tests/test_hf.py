@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import materialize as mz
+
+from conftest import hub_cache
 
 transformers = pytest.importorskip("transformers")
 
@@ -252,23 +253,6 @@ def _cli_json_report(folder: Path) -> dict:
     return json.loads(done.stdout)
 
 
-def _hub_cache(tmp_path: Path, folder: Path, repo_id: str) -> Path:
-    """A Hugging Face cache holding one repo snapshot, laid out as huggingface_hub does."""
-    cache = tmp_path / "hub"
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    snapshot = repo / "snapshots" / commit
-    (repo / "blobs").mkdir(parents=True)
-    snapshot.mkdir(parents=True)
-    for number, file in enumerate(sorted(folder.iterdir())):
-        blob = repo / "blobs" / f"{number:040d}"
-        shutil.copy(file, blob)
-        os.symlink(os.path.relpath(blob, snapshot), snapshot / file.name)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    return cache
-
-
 def _offline_env(cache: Path) -> dict:
     return {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
 
@@ -276,7 +260,7 @@ def _offline_env(cache: Path) -> dict:
 def test_hub_repo_id_loads_from_the_local_cache_offline(tmp_path):
     source, _ = _tiny("llama")
     folder = _save(source, tmp_path / "llama", as_bin=False, dtype=torch.bfloat16)
-    cache = _hub_cache(tmp_path, folder, "tiny-org/tiny-llama")
+    cache = hub_cache(tmp_path, folder, "tiny-org/tiny-llama")
 
     done = subprocess.run([CLI, "tiny-org/tiny-llama", "--json"], capture_output=True, text=True, env=_offline_env(cache))
 
@@ -794,7 +778,7 @@ def test_an_auto_class_spec_builds_from_the_folders_config(tmp_path):
 def test_build_and_load_model_take_a_hub_id_from_the_cache(tmp_path):
     source, _ = _tiny("bert")
     folder = _save(source, tmp_path / "bert", as_bin=False, dtype=torch.float32)
-    cache = _hub_cache(tmp_path, folder, "tiny-org/tiny-bert")
+    cache = hub_cache(tmp_path, folder, "tiny-org/tiny-bert")
     script = (
         "import materialize as mz, torch\n"
         "skeleton = mz.build('tiny-org/tiny-bert')\n"

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 t0 = time.perf_counter()
 import torch
 import materialize as mz
-import materialize.engine as engine
+import materialize.io.engine as engine
 print(f"import {time.perf_counter()-t0:.2f}s", flush=True)
 path = sys.argv[1]
 t = time.perf_counter(); torch.empty(1, device="cuda"); torch.cuda.synchronize(); print(f"cuda init {time.perf_counter()-t:.3f}s")

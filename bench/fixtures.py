@@ -18,7 +18,7 @@ import torch
 import materialize as mz
 from materialize.dtypes import dtype_name
 from materialize.fixtures import INDEX_NAME, write_sharded_checkpoint
-from materialize.spec import read_config
+from materialize.skeleton.spec import read_config
 
 SAMPLE_EVERY = 7
 _SAFETENSORS_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}

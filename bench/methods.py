@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from materialize.memory import PeakMemory
+from materialize.io.peak import PeakMemory
 
 from .fixtures import crc
 
@@ -153,7 +153,7 @@ def fresh_memory(path: Path, *, scale: int, threads: int) -> dict[str, torch.Ten
 
     No reading, no converting: what any method pays for its destination alone.
     """
-    from materialize.hostmem import prefault
+    from materialize.io.hostmem import prefault
 
     nbytes = scale * sum(file.stat().st_size for file in _checkpoint_files(path))
     memory = torch.empty(nbytes, dtype=torch.uint8)
@@ -173,7 +173,7 @@ def read_everything(path: Path, *, threads: int, prefaulted: bool = False) -> di
     ``prefaulted``: each chunk's pages are faulted in by one ``madvise``
     before its read, as the engine does (a lower bar than plain reads).
     """
-    from materialize.hostmem import prefault
+    from materialize.io.hostmem import prefault
 
     files = _checkpoint_files(path)
     chunk = 64 * 1024 * 1024 if threads == 1 else 16 * 1024 * 1024

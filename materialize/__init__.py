@@ -22,18 +22,18 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "meta_init": "meta",
-    "build": "spec",
+    "meta_init": "skeleton.meta",
+    "build": "skeleton.spec",
     "open_checkpoint": "checkpoint",
     "Checkpoint": "checkpoint",
     "TensorInfo": "checkpoint",
     "load": "loading",
-    "load_model": "sources",
-    "load_tensors": "sources",
-    "plan": "sources",
-    "Plan": "planning",
+    "load_model": "api",
+    "load_tensors": "api",
+    "plan": "api",
+    "Plan": "planning.plan",
     "Report": "report",
-    "KeyMap": "keymap",
+    "KeyMap": "planning.keymap",
     "MaterializeError": "errors",
     "CheckpointError": "errors",
     "BudgetError": "errors",
@@ -103,10 +103,10 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         UnsafeCheckpointError,
         UnsupportedFormatError,
     )
-    from .keymap import KeyMap
+    from .planning.keymap import KeyMap
     from .loading import load
-    from .meta import meta_init
-    from .planning import Plan
+    from .skeleton.meta import meta_init
+    from .planning.plan import Plan
     from .report import Report
-    from .sources import load_model, load_tensors, plan
-    from .spec import build
+    from .api import load_model, load_tensors, plan
+    from .skeleton.spec import build

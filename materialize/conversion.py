@@ -46,16 +46,16 @@ from .checkpoint.confine import allowed_roots, confine
 from .checkpoint.index import SAFETENSORS_INDEX_NAME
 from .checkpoint.safetensors import SAFETENSORS_DTYPES
 from .dtypes import parse_dtype
-from .engine import Job, ProgressFn, stream
+from .io.engine import Job, ProgressFn, stream
 from .errors import ConvertWarning, ExpansionError, MaterializeError, OutputError, summarize_names
-from .fileio import byte_view
-from .gcpause import gc_paused
-from .hostmem import empty_destination
-from .loading import DtypeLike, _opened
-from .hub import resolve as resolve_source
+from .io.fileio import byte_view
+from .io.gcpause import gc_paused
+from .io.hostmem import empty_destination
+from .loading import DtypeLike, opened
+from .integrations.hub import resolve as resolve_source
 from .sizes import format_bytes, parse_size
-from .transfer import staging_for
-from .validate import check_bools
+from .io.transfer import staging_for
+from .io.validate import check_bools
 
 BATCH_BYTES = 256 * 1024 * 1024
 # A tensor may write up to MAX_EXPANSION times the bytes it reads (a cast from fp8 to fp32 is 4x) without
@@ -149,7 +149,7 @@ def convert(
     if (destination.exists() or destination.is_symlink()) and not overwrite:
         raise OutputError("already exists; remove it or pass overwrite=True (CLI: --overwrite)", path=destination)
     source = src if isinstance(src, Checkpoint) else resolve_source(src, revision=revision)
-    with _opened(source, trust_pickle) as ckpt:
+    with opened(source, trust_pickle) as ckpt:
         if ckpt.extra_states:
             warnings.warn(ConvertWarning(
                 f"{ckpt.path}: modules' extra state that is not a tensor ({summarize_names(list(ckpt.extra_states))}) "

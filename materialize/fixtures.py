@@ -27,7 +27,7 @@ from torch import nn
 from .checkpoint.index import SAFETENSORS_INDEX_NAME
 from .dtypes import parse_dtype
 from .sizes import parse_size
-from .spec import ModelSpec, build, read_config
+from .skeleton.spec import ModelSpec, build, read_config
 
 INDEX_NAME = SAFETENSORS_INDEX_NAME
 

@@ -12,31 +12,31 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from .capacity import expected_peak_host_bytes
+from .planning.capacity import expected_peak_host_bytes
 from .checkpoint import Checkpoint, open_checkpoint
-from .devicemap import DeviceMapLike, Placement, compute_device_map
+from .integrations.devicemap import DeviceMapLike, Placement, compute_device_map
 from .dtypes import dtype_name, parse_dtype
-from .engine import Job, ProgressFn, stream
+from .io.engine import Job, ProgressFn, stream
 from .errors import AllocationError, MaterializeError, SanitizerError, summarize_names
-from .extrastate import extra_state_reads, hand_over
-from .fileio import DirectReads
-from .gcpause import gc_paused
-from .hf import forget_ties, hf_dtype_rule, hf_init, hf_key_map, hf_tolerated, is_hf_model
-from .hostmem import admit_host_copies, empty_destination, with_whole_load
-from .keymap import KeyMapLike
-from .loadhooks import run_post_hooks
-from .mapping import FileMaps
-from .memory import PeakMemory
+from .planning.extrastate import extra_state_reads, hand_over
+from .io.fileio import DirectReads
+from .io.gcpause import gc_paused
+from .integrations.hf import forget_ties, hf_dtype_rule, hf_init, hf_key_map, hf_tolerated, is_hf_model
+from .io.hostmem import admit_host_copies, empty_destination, with_whole_load
+from .planning.keymap import KeyMapLike
+from .planning.loadhooks import run_post_hooks
+from .io.zerocopy import FileMaps
+from .io.peak import PeakMemory
 from .checkpoint.base import contiguous_strides
-from .meta import is_lazy, parameter_like, shared_memory_asked
-from .modtree import named_modules
-from .planning import DtypeRule, Entry, InitFn, Plan, Tolerated, initializer_of, make_plan, raise_for_mismatch
+from .skeleton.meta import is_lazy, parameter_like, shared_memory_asked
+from .skeleton.modtree import named_modules
+from .planning.plan import DtypeRule, Entry, InitFn, Plan, Tolerated, initializer_of, make_plan, raise_for_mismatch
 from .report import Report
 from .sanitizer import CountingFiles, audit, nonfinite, poison
-from .sharded import is_dtensor, local_of
-from .ties import TieSettling, compared_before_allocating
-from .transfer import resolve_device, staging_for
-from .validate import check_bools
+from .integrations.sharded import is_dtensor, local_of
+from .planning.ties import TieSettling, compared_before_allocating
+from .io.transfer import resolve_device, staging_for
+from .io.validate import check_bools
 
 CheckpointLike = Union[str, os.PathLike, Checkpoint]
 DeviceLike = Union[str, torch.device]
@@ -44,7 +44,7 @@ DtypeLike = Union[str, torch.dtype, None]
 
 
 @contextmanager
-def _opened(checkpoint: CheckpointLike, trust_pickle: bool) -> Iterator[Checkpoint]:
+def opened(checkpoint: CheckpointLike, trust_pickle: bool) -> Iterator[Checkpoint]:
     if isinstance(checkpoint, Checkpoint):
         yield checkpoint  # the caller owns it and closes it
         return
@@ -52,7 +52,7 @@ def _opened(checkpoint: CheckpointLike, trust_pickle: bool) -> Iterator[Checkpoi
         yield ckpt
 
 
-def _model_defaults(
+def model_defaults(
     model: nn.Module, key_map: KeyMapLike, init: Optional[InitFn]
 ) -> tuple[KeyMapLike, Optional[InitFn], Optional[DtypeRule], Optional[Tolerated]]:
     """transformers models bring their own key renames and init (unless the caller gave others), fp32 lists,
@@ -101,7 +101,7 @@ def load(
             buffers are on the CPU). DTensor tensors (a
             model sharded on meta by FSDP2 or tensor parallel) go to their
             mesh's device instead, each rank reading only its own shard
-            (see :mod:`materialize.sharded`).
+            (see :mod:`materialize.integrations.sharded`).
         dtype: cast floating tensors to this dtype; ``None`` keeps each
             tensor's checkpoint dtype where the model's is on meta (a real
             tensor keeps its own floating dtype, as ``load_state_dict``
@@ -158,9 +158,9 @@ def load(
     """
     target = resolve_device(device if device is not None else model_device(model))
     cast = parse_dtype(dtype)
-    key_map, init, dtype_rule, tolerated = _model_defaults(model, key_map, init)
-    with _opened(checkpoint, trust_pickle) as ckpt:
-        placement = _placement(model, ckpt, device_map, max_memory, cast)
+    key_map, init, dtype_rule, tolerated = model_defaults(model, key_map, init)
+    with opened(checkpoint, trust_pickle) as ckpt:
+        placement = placement_for(model, ckpt, device_map, max_memory, cast)
         the_plan = make_plan(
             model, ckpt, device=target, dtype=cast, strict=strict, key_map=key_map, init=init, placement=placement,
             dtype_rule=dtype_rule, tolerated=tolerated, ignore_mismatched_sizes=ignore_mismatched_sizes,
@@ -202,7 +202,7 @@ def model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _placement(
+def placement_for(
     model: nn.Module,
     ckpt: Checkpoint,
     device_map: Optional[DeviceMapLike],
@@ -212,11 +212,11 @@ def _placement(
     if device_map is None:
         return None
     # Sized as the tensors will be: the cast, or the checkpoint's own dtype (not the skeleton's).
-    sizing = dtype or _dominant_float_dtype(ckpt)
+    sizing = dtype or dominant_float_dtype(ckpt)
     return Placement(compute_device_map(model, device_map, max_memory=max_memory, dtype=sizing))
 
 
-def _dominant_float_dtype(ckpt: Checkpoint) -> Optional[torch.dtype]:
+def dominant_float_dtype(ckpt: Checkpoint) -> Optional[torch.dtype]:
     weights: Counter[str] = Counter()
     for info in ckpt.values():
         if info.dtype.is_floating_point:
@@ -292,7 +292,7 @@ def execute(
         finally:
             if bypass is not None:
                 bypass.close()
-    return _report(
+    return make_report(
         ckpt, the_plan.device, [local_of(tensor) for _, tensor in registered], bytes_read, started, memory,
         loaded=[e.name for e in the_plan.of("load")],
         initialized=[e.name for e in the_plan.of("init")],
@@ -333,7 +333,7 @@ def _needs_where(plan: Plan, name: str, mmap: bool, staging_bytes: Optional[int]
     return device, plan.bytes_by_device.get(str(device), 0)
 
 
-def _report(
+def make_report(
     ckpt: Checkpoint, device: torch.device, final: list[torch.Tensor], bytes_read: int, started: float,
     memory: PeakMemory, **outcome: Any,
 ) -> Report:

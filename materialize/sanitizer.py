@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 
 from .checkpoint import TensorInfo
-from .fileio import FileSet, Part
-from .meta import is_lazy
-from .planning import Entry, Plan
-from .sharded import local_of
-from .stacking import pieces_of
-from .validate import distinct_elements
+from .io.fileio import FileSet, Part
+from .skeleton.meta import is_lazy
+from .planning.plan import Entry, Plan
+from .integrations.sharded import local_of
+from .checkpoint.pieces import pieces_of
+from .io.validate import distinct_elements
 
 _FLOAT_POISON_BITS = {
     torch.float64: 0x7FF8A5A5A5A5A5A5,

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import materialize as mz
-from materialize.memory import PeakMemory
+from materialize.io.peak import PeakMemory
 
 LAYERS, WIDTH = 20, 2048  # 20 x 2048 x 2048 fp32 weights: 336 MB
 

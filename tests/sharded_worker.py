@@ -120,7 +120,7 @@ def stacked(checkpoint: str, mesh) -> dict:
     """Tensors assembled from several checkpoint tensors (experts stacked, parts concatenated), sharded by rows."""
     from safetensors.torch import load_file
 
-    from materialize.stacking import StackSlot
+    from materialize.planning.stacking import StackSlot
 
     model = nn.Module()
     with torch.device("meta"):

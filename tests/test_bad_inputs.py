@@ -856,7 +856,7 @@ def test_unreadable_file_raises_access_error_naming_the_file(tmp_path):
 # Imported before dropping root: the interpreter's own files may be unreadable to nobody.
 _AS_NOBODY = """
 import os, sys
-import materialize_cli.main as cli, materialize as mz, materialize.sources, materialize.loading
+import materialize_cli.main as cli, materialize as mz, materialize.api, materialize.loading
 import materialize.checkpoint.safetensors, materialize.report, materialize_cli._errors
 os.setgroups([]); os.setgid(65534); os.setuid(65534)
 cli.main(sys.argv[1:], prog_name="materialize")

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import materialize as mz
 from materialize import conversion as convert_module
-from materialize.memory import PeakMemory
+from materialize.io.peak import PeakMemory
 
 from conftest import write_safetensors, write_sharded, write_torch
 from test_cli import assert_one_error_line, run_cli

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import materialize as mz
-from materialize.transfer import DEFAULT_SLOT_BYTES, DEFAULT_SLOTS
+from materialize.io.transfer import DEFAULT_SLOT_BYTES, DEFAULT_SLOTS
 
 from conftest import reference_model, saved_state, tiny_skeleton, write_safetensors, write_torch
 
@@ -106,7 +106,7 @@ def test_stacked_experts_load_to_cuda_into_their_blocks(dtype, tmp_path):
 @pytest.mark.parametrize("dtype", [None, torch.float32], ids=["keep", "fp32"])
 @pytest.mark.parametrize("differ", [False, True], ids=["copies", "own-head"])
 def test_a_tie_saved_as_two_tensors_is_compared_on_the_gpu_as_loaded(dtype, differ, tmp_path, monkeypatch):
-    monkeypatch.setattr("materialize.ties.COMPARE_BLOCK_BYTES", 1024)
+    monkeypatch.setattr("materialize.planning.ties.COMPARE_BLOCK_BYTES", 1024)
     state = saved_state(reference_model(tie=True, dtype=torch.bfloat16))
     head = state["model.embed_tokens.weight"].clone()
     if differ:

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 import materialize as mz
-from materialize import transfer
-from materialize.transfer import CudaStaging
+from materialize.io import transfer
+from materialize.io.transfer import CudaStaging
 
 from conftest import write_safetensors, write_torch
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import materialize as mz
-from materialize import fileio
-from materialize.fileio import DirectReads
+from materialize.io import fileio
+from materialize.io.fileio import DirectReads
 from materialize.models.transformer import DecoderLM
 
 from conftest import TINY, reference_model, saved_state, write_safetensors, write_torch

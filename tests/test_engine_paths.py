@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import materialize as mz
-from materialize import engine
-from materialize import hostmem
-from materialize.hostmem import MIN_ADVISED_BYTES, advise_huge_pages
+from materialize.io import engine
+from materialize.io import hostmem
+from materialize.io.hostmem import MIN_ADVISED_BYTES, advise_huge_pages
 
 from conftest import write_safetensors, write_torch
 
@@ -103,7 +103,7 @@ def test_reader_threads_keep_reads_in_flight_on_small_machines(monkeypatch, core
 )
 def test_fresh_destinations_are_eligible_for_huge_pages(monkeypatch):
     monkeypatch.setattr(hostmem, "_huge_pages_pay", lambda: True)
-    tensor = torch.empty(4 * MIN_ADVISED_BYTES, dtype=torch.uint8)
+    tensor = _fresh_mapping(4 * MIN_ADVISED_BYTES)
 
     advise_huge_pages(tensor)
 
@@ -113,7 +113,7 @@ def test_fresh_destinations_are_eligible_for_huge_pages(monkeypatch):
 @pytest.mark.skipif(not THP_MODE.exists() or "[madvise]" not in THP_MODE.read_text(), reason="needs THP mode madvise")
 def test_no_huge_page_hint_where_free_memory_goes_back_to_the_host(monkeypatch):
     monkeypatch.setattr(hostmem, "_huge_pages_pay", lambda: False)
-    tensor = torch.empty(4 * MIN_ADVISED_BYTES, dtype=torch.uint8)
+    tensor = _fresh_mapping(4 * MIN_ADVISED_BYTES)
 
     advise_huge_pages(tensor)
 
@@ -134,6 +134,13 @@ def test_free_page_reporting_is_read_from_the_balloons_feature_bits(bits, report
 
 def test_no_balloon_means_no_free_page_reporting(tmp_path):
     assert hostmem.reports_free_memory_to_host(tmp_path / "absent") is False
+
+
+def _fresh_mapping(nbytes: int) -> torch.Tensor:
+    """Memory in a mapping of its own: torch.empty may reuse heap memory an earlier load in this process
+    advised for huge pages, whose flag stays with it."""
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
 def _vma_flag(address: int, flag: str) -> str:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import materialize as mz
-from materialize import hostmem
+from materialize.io import hostmem
 
 from conftest import (
     assert_state_equal,
@@ -403,7 +403,7 @@ def test_the_cli_prints_the_low_memory_warning_as_one_line_and_loads(tmp_path):
     state = {"big": torch.arange(2**20, dtype=torch.float32)}
     path = write_safetensors(state, tmp_path / "m.safetensors")
     as_if_little_is_free = (
-        "import sys, materialize.hostmem as h; real = h.meminfo_bytes; "
+        "import sys, materialize.io.hostmem as h; real = h.meminfo_bytes; "
         "h.meminfo_bytes = lambda *f: 2**20 if f == ('MemAvailable',) else real(*f); "
         "from materialize_cli.main import main; sys.argv[0] = 'materialize'; main()"
     )

@@ -328,7 +328,7 @@ def test_stacked_experts_are_read_into_their_blocks_and_cast(tmp_path):
     ("experts.*.w.*.weight", "experts.1.w.2.weight", None),  # two numbers: not a stacking this loader reads
 ])
 def test_the_expert_number_is_read_from_either_kind_of_pattern(pattern, name, number):
-    from materialize.hf import _expert_number
+    from materialize.integrations.hf import _expert_number
 
     assert _expert_number(pattern, name) == number
 
@@ -474,7 +474,7 @@ def _add_tensor(folder: Path, name: str, value: torch.Tensor) -> None:
 def test_conversions_that_move_bytes_around_are_refused_by_name(tmp_path, monkeypatch):
     from transformers.core_model_loading import Interleave, Transpose, WeightConverter
 
-    from materialize import hf
+    from materialize.integrations import hf
 
     source, _ = _tiny("llama")
     folder = _save(source, tmp_path / "llama", as_bin=False, dtype=torch.float32)
@@ -494,7 +494,8 @@ def test_conversions_that_move_bytes_around_are_refused_by_name(tmp_path, monkey
 def test_tensors_saved_transposed_are_read_block_by_block_into_place(tmp_path, monkeypatch, check_dims):
     from transformers.core_model_loading import Transpose, WeightConverter
 
-    from materialize import engine, hf
+    from materialize.io import engine
+    from materialize.integrations import hf
 
     source, inputs = _tiny("llama")
     folder = _save(source, tmp_path / "llama", as_bin=False, dtype=torch.float32)
@@ -520,7 +521,8 @@ def test_tensors_saved_transposed_are_read_block_by_block_into_place(tmp_path, m
 def test_tensors_saved_interleaved_or_rope_permuted_are_read_as_views_into_place(tmp_path, monkeypatch):
     from transformers.core_model_loading import Interleave, PermuteForRope, WeightConverter
 
-    from materialize import engine, hf
+    from materialize.io import engine
+    from materialize.integrations import hf
 
     source, inputs = _tiny("llama")
     folder = _save(source, tmp_path / "llama", as_bin=False, dtype=torch.float32)
@@ -550,7 +552,7 @@ def test_tensors_saved_interleaved_or_rope_permuted_are_read_as_views_into_place
 def test_a_fused_tensor_deinterleaved_into_halves_equals_transformers_ops(tmp_path, monkeypatch, dim):
     from transformers.core_model_loading import Chunk, Interleave, WeightConverter
 
-    from materialize import hf
+    from materialize.integrations import hf
 
     source, _ = _tiny("llama")
     folder = _save(source, tmp_path / "llama", as_bin=False, dtype=torch.float32)
@@ -649,7 +651,7 @@ def test_tensors_named_as_old_masks_but_not_shaped_or_placed_as_one_are_unexpect
 
 
 def test_old_mask_shape_rule_holds_where_the_model_declares_nothing_to_ignore(tmp_path, monkeypatch):
-    # The rule of materialize.hf for 4.x saves, independent of what the installed GPT-J declares.
+    # The rule of materialize.integrations.hf for 4.x saves, independent of what the installed GPT-J declares.
     source, _ = _tiny("gptj")
     folder = _save(source, tmp_path / "gptj", as_bin=False, dtype=torch.float32)
     anchor = next(iter(_saved(folder)))

@@ -104,7 +104,7 @@ def _overflowing_cast(tmp: Path) -> list[str]:
 
 
 def _larger_than_memory(tmp: Path) -> list[str]:
-    from materialize.hostmem import ram_and_swap_bytes
+    from materialize.io.hostmem import ram_and_swap_bytes
 
     nbytes = (ram_and_swap_bytes() or 2**35) + 2**30
     header = json.dumps({"huge": {"dtype": "U8", "shape": [nbytes], "data_offsets": [0, nbytes]}}).encode()

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 import materialize as mz
-from materialize import hub
+from materialize.integrations import hub
 
 REPO = "some-org/some-model"
 

@@ -573,7 +573,7 @@ class SharedBlock(nn.Module):
 
 
 def test_the_module_walk_is_torchs_for_shared_and_empty_children():
-    from materialize.modtree import named_modules
+    from materialize.skeleton.modtree import named_modules
 
     model = SharedBlock()
 
@@ -652,7 +652,7 @@ def _with_own_rows(state: dict[str, torch.Tensor], rows: slice) -> dict[str, tor
 
 @pytest.mark.parametrize("check", [False, True])
 def test_a_tie_that_differs_only_in_its_last_rows_is_loaded_apart_reading_each_byte_once(check, tmp_path, monkeypatch):
-    monkeypatch.setattr("materialize.ties.COMPARE_BLOCK_BYTES", 10 * TINY["hidden_size"] * 4)  # 10 rows a block
+    monkeypatch.setattr("materialize.planning.ties.COMPARE_BLOCK_BYTES", 10 * TINY["hidden_size"] * 4)  # 10 rows a block
     state = _with_own_rows(saved_state(reference_model(tie=True)), slice(-3, None))
     path = write_safetensors(state, tmp_path / "late.safetensors")
     model = tiny_skeleton(tie=True)
@@ -668,7 +668,7 @@ def test_a_tie_that_differs_only_in_its_last_rows_is_loaded_apart_reading_each_b
 
 @pytest.mark.parametrize("rows", [slice(0, 0), slice(40, 41)])
 def test_a_tie_is_compared_as_the_cast_makes_it(rows, tmp_path, monkeypatch):
-    monkeypatch.setattr("materialize.ties.COMPARE_BLOCK_BYTES", 16 * TINY["hidden_size"] * 2)
+    monkeypatch.setattr("materialize.planning.ties.COMPARE_BLOCK_BYTES", 16 * TINY["hidden_size"] * 2)
     state = _with_own_rows(saved_state(reference_model(tie=True, dtype=torch.bfloat16)), rows)
     path = write_safetensors(state, tmp_path / "bf16.safetensors")
     model = tiny_skeleton(tie=True)
@@ -684,7 +684,7 @@ def test_a_tie_is_compared_as_the_cast_makes_it(rows, tmp_path, monkeypatch):
 
 
 def test_a_differing_tie_whose_cast_overflows_is_refused_naming_it(tmp_path, monkeypatch):
-    monkeypatch.setattr("materialize.ties.COMPARE_BLOCK_BYTES", 16 * TINY["hidden_size"] * 4)
+    monkeypatch.setattr("materialize.planning.ties.COMPARE_BLOCK_BYTES", 16 * TINY["hidden_size"] * 4)
     state = saved_state(reference_model(tie=True))
     state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
     state["lm_head.weight"][50, 3] = 1e6  # beyond fp16, in a block after equal ones
@@ -700,7 +700,7 @@ def test_a_differing_tie_whose_cast_overflows_is_refused_naming_it(tmp_path, mon
 
 @pytest.mark.parametrize("differ", [False, True])
 def test_a_tie_saved_as_a_strided_copy_in_a_torch_file_is_compared_in_blocks(differ, tmp_path, monkeypatch):
-    monkeypatch.setattr("materialize.ties.COMPARE_BLOCK_BYTES", 7 * TINY["hidden_size"] * 4)
+    monkeypatch.setattr("materialize.planning.ties.COMPARE_BLOCK_BYTES", 7 * TINY["hidden_size"] * 4)
     state = saved_state(reference_model(tie=True))
     embedding = state["model.embed_tokens.weight"]
     head = embedding.t().contiguous().t()  # same values, column-major: a strided view of its own storage
@@ -731,7 +731,7 @@ def test_a_tie_restored_after_comparing_counts_its_memory_once(tmp_path):
 
 @pytest.mark.parametrize("equal", [True, False])
 def test_a_tie_read_rearranged_is_loaded_whole_then_compared(tmp_path, equal):
-    from materialize.stacking import Deinterleave, Rearranged
+    from materialize.planning.stacking import Deinterleave, Rearranged
 
     state = saved_state(reference_model(tie=True))
     embedding = state["model.embed_tokens.weight"]

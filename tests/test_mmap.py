@@ -79,7 +79,7 @@ def test_a_file_larger_than_ram_and_swap_loads_mapped_as_the_refusal_says(tmp_pa
     import sys
     from pathlib import Path
 
-    from materialize.hostmem import ram_and_swap_bytes
+    from materialize.io.hostmem import ram_and_swap_bytes
 
     limit = ram_and_swap_bytes() or 2**35
     path = tmp_path / "huge.safetensors"

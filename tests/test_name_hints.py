@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import materialize as mz
-from materialize.namehints import mismatch_hint
+from materialize.planning.namehints import mismatch_hint
 
 from test_cli import materialize_command
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from materialize.memory import PeakMemory
+from materialize.io.peak import PeakMemory
 
 GPU0, GPU1 = torch.device("cuda", 0), torch.device("cuda", 1)
 

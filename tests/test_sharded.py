@@ -11,9 +11,9 @@ from safetensors.torch import save_file
 
 import materialize as mz
 from materialize.checkpoint import TensorInfo
-from materialize.engine import Job, stream
-from materialize.sharded import region
-from materialize.stacking import Deinterleave, StackSlot, deinterleave, stack
+from materialize.io.engine import Job, stream
+from materialize.integrations.sharded import region
+from materialize.planning.stacking import Deinterleave, StackSlot, deinterleave, stack
 
 from conftest import reference_model, run_ranks, saved_state, write_safetensors
 
@@ -106,7 +106,7 @@ def test_experts_stacked_gate_and_up_sharded_along_any_dimension_read_those_valu
     (20, 8, (8, 6), None),  # crosses a row boundary without covering whole rows
 ])
 def test_a_run_of_a_stacked_tensor_is_placed_as_its_block(start, numel, shape, box):
-    from materialize.sharded import _run_as_box
+    from materialize.integrations.sharded import _run_as_box
 
     assert _run_as_box(start, numel, shape) == box
 def test_fsdp2_model_sharded_on_meta_loads_each_rank_its_rows_and_trains(tmp_path):
@@ -222,7 +222,7 @@ def test_a_real_shard_is_filled_where_it_lives_not_on_the_current_device():
     # A rank that never called torch.cuda.set_device has current device 0; its real shard on GPU 1 stays there.
     from types import SimpleNamespace
 
-    from materialize.sharded import ShardSpec
+    from materialize.integrations.sharded import ShardSpec
 
     def spec(mesh_type: str, local: torch.device) -> ShardSpec:
         return ShardSpec(SimpleNamespace(device_type=mesh_type), (), (0,), (2,), (4,), (1,), local_device=local)

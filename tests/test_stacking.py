@@ -12,8 +12,8 @@ import torch
 import materialize as mz
 from materialize.checkpoint import TensorInfo
 from materialize.loading import execute
-from materialize.planning import make_plan
-from materialize.stacking import (
+from materialize.planning.plan import make_plan
+from materialize.planning.stacking import (
     Chunks, Deinterleave, Rearranged, StackSlot, Transposed, cut, deinterleave, stack, transpose,
 )
 
@@ -178,7 +178,7 @@ def test_what_cannot_be_transposed_is_refused_naming_it(info, swap, words):
 
 @pytest.mark.parametrize("dtype", [None, torch.float64])
 def test_a_key_map_can_transpose_a_real_files_tensor_block_by_block(tmp_path, monkeypatch, dtype):
-    from materialize import engine
+    from materialize.io import engine
 
     saved = torch.randn(5, 7, 3)
     path = write_safetensors({"experts": saved}, tmp_path / "t.safetensors")
@@ -230,7 +230,8 @@ def _one_parameter_model(shape: tuple[int, ...]) -> torch.nn.Module:
 ])
 def test_a_rearranged_tensor_of_a_real_file_equals_the_conversion(tmp_path, monkeypatch, shape, rearrange, how,
                                                                   rows_from):
-    from materialize import engine, scatter
+    from materialize.io import engine
+    from materialize.io import scatter
 
     saved = torch.randn(shape)
     if rearrange.groups > 1:
@@ -334,7 +335,7 @@ def test_a_vector_cannot_be_concatenated_along_its_second_dimension(tmp_path):
 
 
 def test_strided_views_of_a_torch_file_are_read_exactly_block_by_block(tmp_path, monkeypatch):
-    from materialize import engine
+    from materialize.io import engine
 
     from conftest import write_torch
 
@@ -354,13 +355,13 @@ def test_strided_views_of_a_torch_file_are_read_exactly_block_by_block(tmp_path,
 
 
 def _interleaved_rows_checkpoint(tmp_path) -> tuple[Path, torch.Tensor, torch.Tensor]:
-    """Rows of 4 KB interleaved in pairs: read into place row by row (see materialize.scatter)."""
+    """Rows of 4 KB interleaved in pairs: read into place row by row (see materialize.io.scatter)."""
     saved = torch.randn(2, 16, 1024)
     return write_safetensors({"fused": saved}, tmp_path / "rows.safetensors"), saved, _interleaved(saved, 1, False)
 
 
 def test_rows_read_into_place_resume_where_a_read_stops_inside_a_row(tmp_path, monkeypatch):
-    from materialize import fileio
+    from materialize.io import fileio
 
     path, saved, expected = _interleaved_rows_checkpoint(tmp_path)
     calls = []

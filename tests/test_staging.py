@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import materialize as mz
-from materialize.engine import Job, run_staged
-from materialize.fileio import FileSet
-from materialize.transfer import ThreadStaging
+from materialize.io.engine import Job, run_staged
+from materialize.io.fileio import FileSet
+from materialize.io.transfer import ThreadStaging
 
 from conftest import write_safetensors
 

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from ..errors import CheckpointError, CheckpointNotFoundError, UnsupportedFormatError
-from ..fileio import open_for_reading
-from ..gcpause import gc_paused
-from .base import Checkpoint, TensorInfo
+from ..io.fileio import open_for_reading
+from ..io.gcpause import gc_paused
+from .base import DCP_DATA_SUFFIX, DCP_METADATA_NAME, Checkpoint, TensorInfo
 from .confine import allowed_roots, confine
 from .index import SAFETENSORS_INDEX_NAME, read_sharded
 from .safetensors import read_header
@@ -26,8 +26,6 @@ __all__ = ["Checkpoint", "TensorInfo", "open_checkpoint"]
 
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 TRAINING_CHECKPOINT_ENDINGS = (".ckpt", ".pth.tar", ".pt.tar")  # Lightning's; ImageNet scripts' model_best.pth.tar
-DCP_METADATA_NAME = ".metadata"
-DCP_DATA_SUFFIX = ".distcp"
 PathLike = Union[str, os.PathLike]
 
 
@@ -110,7 +108,7 @@ def _read_torch(
 
 
 def _open_dcp(folder: Path) -> Checkpoint:
-    from ..stacking import pieces_of
+    from .pieces import pieces_of
     from .dcp import read_dcp  # imports torch.distributed, which other formats do not need
 
     tensors = read_dcp(folder)

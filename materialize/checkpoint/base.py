@@ -10,11 +10,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..fileio import FileSet
+from ..io.fileio import FileSet
 
 if TYPE_CHECKING:  # reading headers must not import torch: `materialize inspect` stays fast
     import torch
     from torch import nn
+
+DCP_METADATA_NAME = ".metadata"  # a torch.distributed.checkpoint save: its metadata file
+DCP_DATA_SUFFIX = ".distcp"  # and its data files
 
 
 EXTRA_STATE = "_extra_state"  # the name torch's state_dict() gives what a module's get_extra_state() returns
@@ -41,7 +44,7 @@ class TensorInfo:
     file's tensor views: tensors with the same one shared a storage when saved.
     ``view_shape``, when set, is the shape ``stride`` describes: the tensor is
     those elements reshaped to ``shape`` (a rearranged checkpoint tensor, see
-    :func:`materialize.stacking.deinterleave`).
+    :func:`materialize.planning.stacking.deinterleave`).
     """
 
     name: str

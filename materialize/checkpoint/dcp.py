@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError
-from . import DCP_METADATA_NAME
+from .base import DCP_METADATA_NAME
 from .base import TensorInfo, shape_fits_int64
 from .pickle_budget import check_budget
 from .confine import allowed_roots, confine, leaves_folder
@@ -261,7 +261,7 @@ def _chunk(data_files: _DataFiles, metadata_path: Path, fqn: str, shape: tuple[i
 
 def _assemble(name: str, shape: tuple[int, ...], chunks: list[tuple[tuple, TensorInfo]], metadata_path: Path) -> TensorInfo:
     """One tensor from its chunks: the chunk itself if it is whole, else runs of rows or blocks; they must tile it exactly."""
-    from ..stacking import Piece, Stacked
+    from .pieces import Piece, Stacked
 
     if not chunks:
         raise CheckpointError(f"DCP metadata lists no chunk of tensor '{name}'", path=metadata_path)
@@ -291,7 +291,7 @@ def _assemble(name: str, shape: tuple[int, ...], chunks: list[tuple[tuple, Tenso
 
 def _blocks(name: str, shape: tuple[int, ...], chunks: list[tuple[tuple, TensorInfo]], metadata_path: Path) -> TensorInfo:
     """Chunks cut along any dimensions (tensor parallel): each a block of the tensor, read into its place."""
-    from ..stacking import Piece, Stacked
+    from .pieces import Piece, Stacked
 
     def describe(offsets: tuple, info: TensorInfo) -> str:
         return ", ".join(f"{o}:{o + n}" for o, n in zip(offsets, info.shape))

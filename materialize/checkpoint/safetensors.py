@@ -13,7 +13,7 @@ import struct
 from pathlib import Path
 
 from ..errors import CheckpointError
-from ..fileio import open_for_reading
+from ..io.fileio import open_for_reading
 from .base import TensorInfo, make_info, shape_fits_int64
 
 # The format's own reference reader caps headers at 100 MB; a larger length

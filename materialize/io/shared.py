@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .checkpoint import TensorInfo
-from .checkpoint.base import contiguous_strides
+from ..checkpoint import TensorInfo
+from ..checkpoint.base import contiguous_strides
 
 
 @dataclass(frozen=True)

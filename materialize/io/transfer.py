@@ -204,7 +204,7 @@ def staging_for(device: torch.device, staging_bytes: Optional[int] = None) -> St
 
 
 class _CudaCounters:
-    """The CUDA caching allocator's counters of one device (see :class:`materialize.memory.PeakMemory`)."""
+    """The CUDA caching allocator's counters of one device (see :class:`materialize.io.peak.PeakMemory`)."""
 
     def __init__(self) -> None:
         # Reading a device's counters before CUDA is initialized gives zeros (and resetting them fails): a fresh
@@ -234,7 +234,7 @@ def on_callers_streams(devices: "set[torch.device]") -> Callable[[torch.device],
 
 def resolve_device(device: "str | torch.device") -> torch.device:
     """Validate a device up front, so a load never fails after allocating."""
-    from .errors import DeviceError
+    from ..errors import DeviceError
 
     try:
         target = torch.device(device)

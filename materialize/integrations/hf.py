@@ -22,13 +22,13 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from .checkpoint import TensorInfo
-from .checkpoint.base import is_extra_state
-from .checkpoint.confine import allowed_roots, confine
-from .errors import CheckpointError, MaterializeError, ModelSpecError, ModelSpecUsageError, first_line
-from .meta import meta_init
-from .planning import DtypeRule, Tolerated
-from .stacking import Chunks, Deinterleave, Rearranged, StackSlot, Transposed
+from ..checkpoint import TensorInfo
+from ..checkpoint.base import is_extra_state
+from ..checkpoint.confine import allowed_roots, confine
+from ..errors import CheckpointError, MaterializeError, ModelSpecError, ModelSpecUsageError, first_line
+from ..skeleton.meta import meta_init
+from ..planning.plan import DtypeRule, Tolerated
+from ..planning.stacking import Chunks, Deinterleave, Rearranged, StackSlot, Transposed
 
 CONFIG_NAME = "config.json"
 HF_SPEC_PREFIX = "hf:"
@@ -133,7 +133,7 @@ def _unbuildable(folder: Path, reason: str) -> ModelSpecError:
         code = next((value for key, value in custom.items() if key.startswith("AutoModel")), next(iter(custom.values())))
         reason = f"its model is the repository's own code (auto_map: {code}), which is never run here"
     try:
-        from .checkpoint import pick_from_folder
+        from ..checkpoint import pick_from_folder
 
         alone = f" ({pick_from_folder(folder)})"
     except (OSError, CheckpointError):
@@ -286,7 +286,7 @@ def hf_tolerated(model: nn.Module) -> Tolerated:
 def _is_training_extra_state(model_name: str, modules: set[str]) -> bool:
     """A training framework's extra state saved beside a module of the model (TransformerEngine's FP8
     scaling metadata, ``<module>._extra_state``, in checkpoints exported from NeMo or Megatron): the
-    model's own module keeps none (a module that does takes it, see :mod:`materialize.extrastate`),
+    model's own module keeps none (a module that does takes it, see :mod:`materialize.planning.extrastate`),
     and from_pretrained leaves it out too."""
     return is_extra_state(model_name) and model_name.rpartition(".")[0] in modules
 
@@ -334,7 +334,7 @@ def hf_key_map(model: nn.Module) -> Callable[[str], Union[str, StackSlot, Chunks
     """Checkpoint name -> model name, with transformers' own renames and base-model prefix.
 
     transformers' tensor conversions that keep every byte in a contiguous
-    run are followed (see :mod:`materialize.stacking`): per-expert tensors
+    run are followed (see :mod:`materialize.planning.stacking`): per-expert tensors
     stacked into one (``MergeModulelist(dim=0)``, optionally followed by
     ``Concatenate(dim=1)``: Mixtral, Qwen-MoE, DeepSeek, OLMoE and the others
     sharing their layout) and tensors concatenated along their first or
@@ -459,7 +459,7 @@ def _leading_rows(operation: Any, target: str, model_shapes: dict[str, tuple[int
 
     transformers slices the saved tensor to the model's row count; so does
     this, as a run of the file. A saved tensor shorter than the model's is
-    an error naming both counts (see :func:`materialize.stacking.cut`).
+    an error naming both counts (see :func:`materialize.planning.stacking.cut`).
     """
     shape = model_shapes.get(target)
     if getattr(operation, "inverse", False) or not shape:

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.overrides import TorchFunctionMode
 
-from .errors import MetaInitError
+from ..errors import MetaInitError
 
 _state = threading.local()
 _install_lock = threading.Lock()

@@ -18,12 +18,12 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from .checkpoint import TensorInfo
-from .checkpoint.base import contiguous_strides
-from .engine import Job, check_cast_range
-from .errors import ShardingError
-from .planning import Entry, Plan
-from .sharded import ShardSpec, local_of, region
+from ..checkpoint import TensorInfo
+from ..checkpoint.base import contiguous_strides
+from ..io.engine import Job, check_cast_range
+from ..errors import ShardingError
+from .plan import Entry, Plan
+from ..integrations.sharded import ShardSpec, local_of, region
 
 Undo = list[tuple[nn.Module, str, bool, torch.Tensor]]
 

@@ -6,8 +6,8 @@ from collections.abc import Iterable
 
 import torch
 
-from .checkpoint import TensorInfo
-from .errors import CheckpointError
+from ..checkpoint import TensorInfo
+from ..errors import CheckpointError
 
 
 def distinct_elements(tensor: torch.Tensor) -> torch.Tensor:

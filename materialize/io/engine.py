@@ -9,12 +9,12 @@ Three paths, chosen per tensor:
   reader thread reading into its own small reused buffer and casting from it
   into the destination, so a cast never makes a full-size temporary;
 * staged: a GPU destination goes through the ring of a
-  :class:`~materialize.transfer.Staging`, one slot-sized chunk at a time;
+  :class:`~materialize.io.transfer.Staging`, one slot-sized chunk at a time;
 * strided: a non-contiguous view (saved so in a torch file, or a transposed
   checkpoint tensor) is read in blocks along its outermost dimension, each
   copied into place; the temporary is one block. Whole rows in another
   order (an interleave) are read straight into their places instead
-  (:mod:`materialize.scatter`).
+  (:mod:`materialize.io.scatter`).
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from typing import Optional
 
 import torch
 
-from .checkpoint import TensorInfo
-from .checkpoint.base import contiguous_strides, make_info
-from .errors import AllocationError, CastOverflowError
+from ..checkpoint import TensorInfo
+from ..checkpoint.base import contiguous_strides, make_info
+from ..errors import AllocationError, CastOverflowError
 from .fileio import MAX_IOVECS, DirectReads, FileSet, Part, byte_view
 from .hostmem import prefault
 from .scatter import RowScatter, row_scatter
-from .stacking import Stacked, piece_destination
+from ..checkpoint.pieces import Stacked, piece_destination
 from .transfer import Completion, CopyStartError, Staging, on_callers_streams, wait_all
 
 DIRECT_CHUNK_BYTES = 16 * 1024 * 1024
@@ -180,7 +180,7 @@ def _pieces_of_stacks(jobs: Iterable[Job]) -> Iterator[Job]:
 
 
 def _run_direct(jobs: list[Job], files: FileSet, tracker: _Progress, threads: int) -> None:
-    def read_run(run: list[Piece]) -> None:
+    def read_run(run: list[Span]) -> None:
         for job, start, stop in run:
             if stop - start >= PREFAULT_MIN_BYTES:
                 prefault(job.dest.data_ptr() + start, stop - start)
@@ -216,7 +216,7 @@ def check_cast_range(values: torch.Tensor, target: torch.dtype, info: TensorInfo
 def _run_cpu_cast(jobs: list[Job], files: FileSet, tracker: _Progress, threads: int, check_range: Optional[RangeCheck]) -> None:
     local = threading.local()
 
-    def cast_run(run: list[Piece]) -> None:
+    def cast_run(run: list[Span]) -> None:
         if not hasattr(local, "buffer"):
             local.buffer = torch.empty(CAST_CHUNK_BYTES + MAX_IOVECS * SLOT_ALIGNMENT, dtype=torch.uint8)
             local.view = byte_view(local.buffer)
@@ -238,11 +238,11 @@ class _CastSegment:
     source: torch.dtype
     target: torch.dtype
     start: int  # byte position in the buffer
-    pieces: list[tuple[Piece, int]]  # each with its byte position in the buffer
+    pieces: list[tuple[Span, int]]  # each with its byte position in the buffer
     end: int = 0
 
 
-def _cast_segments(run: list[Piece]) -> list[_CastSegment]:
+def _cast_segments(run: list[Span]) -> list[_CastSegment]:
     segments: list[_CastSegment] = []
     used = 0
     for piece in run:
@@ -307,10 +307,10 @@ def _check_segment(segment: _CastSegment, values: torch.Tensor, check_range: Ran
         raise
 
 
-Piece = tuple[Job, int, int]  # a job's source bytes [start, stop), whole elements
+Span = tuple[Job, int, int]  # a job's source bytes [start, stop), whole elements
 
 
-def _pieces(jobs: list[Job], chunk_bytes: int) -> list[Piece]:
+def _pieces(jobs: list[Job], chunk_bytes: int) -> list[Span]:
     """Every job cut into pieces of at most ``chunk_bytes`` (one element at least), files in order."""
     pieces = []
     # Files in order, large reads: the page cache and storage both prefer it.
@@ -324,14 +324,14 @@ def _pieces(jobs: list[Job], chunk_bytes: int) -> list[Piece]:
     return pieces
 
 
-def _file_runs(pieces: list[Piece], run_bytes: int) -> Iterator[list[Piece]]:
+def _file_runs(pieces: list[Span], run_bytes: int) -> Iterator[list[Span]]:
     """Pieces grouped into runs that follow each other in one file, each run within ``run_bytes`` (or one piece).
 
     Pieces at most :data:`GAP_BYTES` apart still make one run: a torch zip
     puts a record header between every two tensors, and a few bytes read
     for nothing cost less than a system call per tensor.
     """
-    run: list[Piece] = []
+    run: list[Span] = []
     run_size = 0
     for piece in pieces:
         job, start, stop = piece
@@ -349,7 +349,7 @@ def _file_runs(pieces: list[Piece], run_bytes: int) -> Iterator[list[Piece]]:
         yield run
 
 
-def _with_gaps(run: list[Piece], views: list[memoryview]) -> list[Part]:
+def _with_gaps(run: list[Span], views: list[memoryview]) -> list[Part]:
     """The parts of one read of ``run`` into ``views``, the bytes between pieces passed over."""
     parts: list[Part] = []
     end = None
@@ -369,7 +369,7 @@ def _single_threaded_kernels() -> None:
     torch.set_num_threads(1)
 
 
-def _run_in_tasks(work: Callable[[list[Piece]], None], pieces: list[Piece], threads: int, *, run_bytes: int) -> None:
+def _run_in_tasks(work: Callable[[list[Span]], None], pieces: list[Span], threads: int, *, run_bytes: int) -> None:
     """``work(run)`` for every run of ``pieces`` (see :func:`_file_runs`), over the reader threads.
 
     Pieces are handed to threads in tasks of about :data:`TASK_BYTES`, and
@@ -377,12 +377,12 @@ def _run_in_tasks(work: Callable[[list[Piece]], None], pieces: list[Piece], thre
     (experts, norms, biases) would otherwise pay a future, two thread
     hand-offs and a system call per tensor, more than reading it costs.
     """
-    def run_task(task: list[Piece]) -> None:
+    def run_task(task: list[Span]) -> None:
         for run in _file_runs(task, run_bytes):
             work(run)
 
     tasks: list[tuple] = []
-    task: list[Piece] = []
+    task: list[Span] = []
     task_bytes = 0
     for piece in pieces:
         task.append(piece)
@@ -409,7 +409,7 @@ def _run_parallel(function: Callable[..., None], tasks: list[tuple], threads: in
                 future.cancel()
 
 
-Fill = list[tuple[Piece, int]]  # the pieces one slot holds, each with its byte position in the slot
+Fill = list[tuple[Span, int]]  # the pieces one slot holds, each with its byte position in the slot
 
 
 def _fills(jobs: list[Job], slot_bytes: int) -> Iterator[Fill]:

@@ -30,9 +30,9 @@ from typing import Optional
 
 import torch
 
-from .errors import CheckpointError, MaterializeWarning
+from ..errors import CheckpointError, MaterializeWarning
 
-from .checkpoint import TensorInfo
+from ..checkpoint import TensorInfo
 from .fileio import open_for_reading
 
 

@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
-from .errors import CheckpointAccessError, CheckpointError, CheckpointNotFoundError
+from ..errors import CheckpointAccessError, CheckpointError, CheckpointNotFoundError
 
 if TYPE_CHECKING:
     import torch

@@ -11,38 +11,38 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from .capacity import fit_report
+from .planning.capacity import fit_report
 from .checkpoint import Checkpoint, TensorInfo
-from .devicemap import DeviceMapLike
+from .integrations.devicemap import DeviceMapLike
 from .dtypes import parse_dtype
-from .engine import Job, ProgressFn, stream
+from .io.engine import Job, ProgressFn, stream
 from .errors import AllocationError, ModelRequiredError, ModelSpecError
-from .gcpause import gc_paused
-from .hf import HF_SPEC_PREFIX, build_hf, is_hf_folder, is_transformers_folder
-from .hostmem import admit_host_copies, empty_destination, with_whole_load
-from .hub import resolve as resolve_source
-from .keymap import KeyMapLike
+from .io.gcpause import gc_paused
+from .integrations.hf import HF_SPEC_PREFIX, build_hf, is_hf_folder, is_transformers_folder
+from .io.hostmem import admit_host_copies, empty_destination, with_whole_load
+from .integrations.hub import resolve as resolve_source
+from .planning.keymap import KeyMapLike
 from .loading import (
     CheckpointLike,
     DeviceLike,
     DtypeLike,
-    _dominant_float_dtype,
-    _model_defaults,
-    _opened,
-    _placement,
-    _report,
+    dominant_float_dtype,
+    model_defaults,
+    opened,
+    placement_for,
+    make_report,
     load,
     model_device,
 )
-from .mapping import FileMaps
-from .memory import PeakMemory
-from .planning import InitFn, Plan, make_plan
+from .io.zerocopy import FileMaps
+from .io.peak import PeakMemory
+from .planning.plan import InitFn, Plan, make_plan
 from .report import Report
 from .sanitizer import nonfinite
-from .spec import ModelSpec, build
-from .transfer import resolve_device, staging_for
-from .shared import shared_spans
-from .validate import check_bools
+from .skeleton.spec import ModelSpec, build
+from .io.transfer import resolve_device, staging_for
+from .io.shared import shared_spans
+from .io.validate import check_bools
 
 
 @gc_paused
@@ -77,12 +77,12 @@ def plan(
     with _opened_with_skeleton(checkpoint, model, model_args, revision, trust_pickle, dtype) as (ckpt, skeleton):
         if skeleton is None:
             raise ModelRequiredError("a plan needs a model: pass one (CLI: --model SPEC)", path=ckpt.path)
-        key_map, init, dtype_rule, tolerated = _model_defaults(skeleton, key_map, init)
+        key_map, init, dtype_rule, tolerated = model_defaults(skeleton, key_map, init)
         cast = parse_dtype(dtype)
         target = resolve_device(device if device is not None else model_device(skeleton))
         the_plan = make_plan(
             skeleton, ckpt, device=target, dtype=cast, strict=strict, key_map=key_map, init=init,
-            placement=_placement(skeleton, ckpt, device_map, max_memory, cast), dtype_rule=dtype_rule,
+            placement=placement_for(skeleton, ckpt, device_map, max_memory, cast), dtype_rule=dtype_rule,
             tolerated=tolerated, ignore_mismatched_sizes=ignore_mismatched_sizes,
         )
     the_plan.fits = fit_report(the_plan, mmap=mmap, staging_bytes=staging_bytes)
@@ -125,7 +125,7 @@ def load_tensors(
     target = resolve_device(device if device is not None else "cpu")
     cast = parse_dtype(dtype)
     started = time.perf_counter()
-    with _opened(checkpoint, trust_pickle) as ckpt, PeakMemory([target]) as memory:
+    with opened(checkpoint, trust_pickle) as ckpt, PeakMemory([target]) as memory:
         made: dict[str, torch.Tensor] = {}
         jobs = []
         maps = FileMaps() if mmap and target.type == "cpu" else None
@@ -168,7 +168,7 @@ def load_tensors(
             allow_overflow=allow_overflow, progress=progress, direct_io=direct_io,
         )
         check_bools((ckpt[name], tensor) for name, tensor in tensors.items())
-    report = _report(
+    report = make_report(
         ckpt, target, list(tensors.values()), bytes_read, started, memory, loaded=list(tensors), mapped=mapped,
         nonfinite=nonfinite(tensors.items()) if check_finite else [],
     )
@@ -221,12 +221,12 @@ def _opened_with_skeleton(
 
     A transformers model is built in the dtype its floating tensors will
     load in (``dtype``, else the checkpoint's), as ``from_pretrained``
-    builds it (see :func:`~materialize.hf.build_hf`).
+    builds it (see :func:`~materialize.integrations.hf.build_hf`).
     """
     if not isinstance(source, Checkpoint):
         source = resolve_source(source, revision=revision)
     folder = None if isinstance(source, Checkpoint) else Path(source)
-    with _opened(source, trust_pickle) as ckpt:
+    with opened(source, trust_pickle) as ckpt:
         yield ckpt, _skeleton(model, model_args, folder, ckpt, dtype)
 
 
@@ -246,5 +246,5 @@ def _skeleton(
         return build(model, **dict(model_args or {}))
     if builds_hf or (folder is not None and is_transformers_folder(folder)):
         class_name = (model[len(HF_SPEC_PREFIX):] or None) if builds_hf else None
-        return build_hf(folder, model_class=class_name, dtype=parse_dtype(dtype) or _dominant_float_dtype(ckpt))
+        return build_hf(folder, model_class=class_name, dtype=parse_dtype(dtype) or dominant_float_dtype(ckpt))
     return ckpt.module

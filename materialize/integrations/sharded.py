@@ -28,10 +28,10 @@ from typing import Any, Optional
 
 import torch
 
-from .checkpoint import TensorInfo
-from .checkpoint.base import contiguous_strides
-from .errors import ShardingError
-from .stacking import Piece, Stacked
+from ..checkpoint import TensorInfo
+from ..checkpoint.base import contiguous_strides
+from ..errors import ShardingError
+from ..checkpoint.pieces import Piece, Stacked
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,10 @@ from typing import Literal, NamedTuple, Optional, Union
 import torch
 from torch import nn
 
-from .checkpoint import Checkpoint, TensorInfo
-from .checkpoint.base import EXTRA_STATE
-from .dtypes import dtype_name
-from .errors import (
+from ..checkpoint import Checkpoint, TensorInfo
+from ..checkpoint.base import EXTRA_STATE
+from ..dtypes import dtype_name
+from ..errors import (
     DeviceError,
     InitError,
     KeyMismatchError,
@@ -32,13 +32,12 @@ from .errors import (
 )
 from .keymap import KeyMap, KeyMapLike, as_key_map, auto_strip_wrapper_prefix
 from .loadhooks import as_older_weight_norm, post_hooked, replay_load_hooks
-from .meta import is_lazy
-from .modtree import named_modules
+from ..skeleton.meta import is_lazy
+from ..skeleton.modtree import named_modules
 from .namehints import mismatch_hint
-from .sharded import ShardSpec, region, shard_spec
-from .stacking import (
-    Chunks, Rearranged, Stacked, StackSlot, Transposed, cut, deinterleave, pieces_of, rows_of, stack, transpose,
-)
+from ..integrations.sharded import ShardSpec, region, shard_spec
+from ..checkpoint.pieces import Stacked, pieces_of
+from .stacking import Chunks, Rearranged, StackSlot, Transposed, cut, deinterleave, rows_of, stack, transpose
 
 Action = Literal["load", "init", "keep"]
 InitFn = Callable[[nn.Module], None]
@@ -96,7 +95,7 @@ class Entry:
     device: torch.device
     source: Optional[TensorInfo] = None  # for a sharded tensor, this rank's part of the checkpoint tensor
     on_disk: bool = False  # left in the checkpoint file, mapped copy-on-write
-    shard: Optional[ShardSpec] = None  # a DTensor: this rank's box of it (see materialize.sharded)
+    shard: Optional[ShardSpec] = None  # a DTensor: this rank's box of it (see materialize.integrations.sharded)
     split_from_tie: bool = False  # names of a tied tensor read from a checkpoint tensor of their own (see _tie_units)
 
     @property
@@ -234,7 +233,7 @@ def _collect_groups(modules: list[tuple[str, nn.Module]]) -> list[tuple[torch.Te
 
 
 def _map_checkpoint_names(ckpt: Checkpoint, rename: Callable[[str], object]) -> dict[str, TensorInfo]:
-    """Model name -> its source: one checkpoint tensor, several stacked, or a run of one (see :mod:`materialize.stacking`)."""
+    """Model name -> its source: one checkpoint tensor, several stacked, or a run of one (see :mod:`materialize.planning.stacking`)."""
     mapped: dict[str, TensorInfo] = {}
     slots: dict[str, list[tuple[StackSlot, TensorInfo]]] = {}
     for ckpt_name in ckpt:
@@ -362,11 +361,11 @@ def make_plan(
     ``plan.reinitialized`` and the report, never silently.
 
     ``placement`` maps a tensor name to its device or ``"disk"`` (see
-    :mod:`materialize.devicemap`); without one everything goes to ``device``.
+    :mod:`materialize.integrations.devicemap`); without one everything goes to ``device``.
     ``dtype_rule`` has the last word on each floating tensor's dtype
-    (transformers models keep some tensors in fp32: :func:`~materialize.hf.hf_dtype_rule`).
+    (transformers models keep some tensors in fp32: :func:`~materialize.integrations.hf.hf_dtype_rule`).
     ``tolerated`` names differences the model expects, neither missing nor
-    unexpected (see :func:`~materialize.hf.hf_tolerated`): such missing
+    unexpected (see :func:`~materialize.integrations.hf.hf_tolerated`): such missing
     tensors are initialized, such unexpected ones listed as ignored (and,
     with ``computed_buffers_stand``, so are checkpoint values of buffers the
     model computes). Without it, a non-persistent buffer the checkpoint holds
@@ -473,7 +472,7 @@ def _tie_units(named: list[tuple[str, Owner]], to_ckpt: dict[str, TensorInfo]
     config saying ``tie_word_embeddings`` over a checkpoint with its own
     ``lm_head``) stay tied only if their values are equal, as
     ``from_pretrained`` decides: the first is loaded, the others compared
-    with it (see :mod:`materialize.ties`). Names the
+    with it (see :mod:`materialize.planning.ties`). Names the
     checkpoint lacks go with the first source.
     """
     by_source: dict[object, tuple[list[str], list[Owner], TensorInfo]] = {}

@@ -6,7 +6,7 @@ process itself allocated does.
 
 Device memory is the growth over what was allocated when the load began, on
 every GPU the load writes to, read from the caching allocator's counters
-(:func:`materialize.transfer.device_memory_counters`). The caller's own peak
+(:func:`materialize.io.transfer.device_memory_counters`). The caller's own peak
 statistics are never reset: where the load's peak passes the peak the
 process had already reached, the allocator's peak is the load's, exactly
 (always so in a fresh process); otherwise the load's peak is sampled with the

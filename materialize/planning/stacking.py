@@ -27,16 +27,13 @@ a checkpoint tensor by returning :class:`Chunks`; :func:`cut` gives the parts.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-from .checkpoint import TensorInfo
-from .checkpoint.base import contiguous_strides
-from .errors import CheckpointError
-
-if TYPE_CHECKING:
-    import torch
+from ..checkpoint import TensorInfo
+from ..checkpoint.base import contiguous_strides
+from ..checkpoint.pieces import Piece, Stacked
+from ..errors import CheckpointError
 
 
 @dataclass(frozen=True)
@@ -81,51 +78,6 @@ class Chunks:
     interleaved: Optional["Deinterleave"] = None  # the whole tensor first: its two halves along that dim are the parts
 
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets and sizes of a block of a tensor
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One checkpoint tensor's place in an assembled one: a run of its elements, or a box of it."""
-
-    info: TensorInfo
-    start: int  # element offset of its run in the stacked tensor (when box is None)
-    box: Optional[Box] = None  # where it lies otherwise: a block cut along any dimensions (a tensor-parallel chunk)
-
-
-_contiguous_strides = functools.lru_cache(maxsize=1024)(contiguous_strides)  # experts share a handful of shapes
-
-
-def piece_destination(dest: torch.Tensor, piece: Piece) -> torch.Tensor:
-    """The part of ``dest`` (the assembled tensor's memory) that ``piece`` fills: contiguous for a run, maybe not for a box."""
-    if piece.box is None:
-        if dest.is_contiguous():  # one call, where view, slice and view again cost 2x for experts in their thousands
-            shape = piece.info.shape
-            return dest.as_strided(shape, _contiguous_strides(shape), dest.storage_offset() + piece.start)
-        return dest.view(-1)[piece.start: piece.start + piece.info.numel].view(piece.info.shape)
-    offsets, sizes = piece.box  # sizes are the piece's shape
-    return dest[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
-
-
-@dataclass(frozen=True)
-class Stacked(TensorInfo):
-    """A model tensor assembled from checkpoint tensors, described as one.
-
-    Its name, path and offset are its first piece's, for messages; it is
-    never one run of one file, so it is never read or mapped as a whole.
-    """
-
-    pieces: tuple[Piece, ...] = ()
-
-    @property
-    def contiguous(self) -> bool:
-        return False  # cannot stay mapped
-
-    @property
-    def read_nbytes(self) -> int:
-        return sum(piece.info.read_nbytes for piece in self.pieces)
-
-
 def rows_of(slot: StackSlot, info: TensorInfo) -> list[tuple[StackSlot, TensorInfo]]:
     """A slot ``along_rows`` as one slot per row of ``info`` along its first dimension, named ``NAME[row]``."""
     if not slot.along_rows:
@@ -141,10 +93,6 @@ def rows_of(slot: StackSlot, info: TensorInfo) -> list[tuple[StackSlot, TensorIn
                              offset=info.offset + row * row_bytes, storage=None))
         for row in range(info.shape[0])
     ]
-
-
-def pieces_of(source: TensorInfo) -> tuple[Piece, ...]:
-    return source.pieces if isinstance(source, Stacked) else (Piece(source, 0),)
 
 
 def stack(target: str, slots: list[tuple[StackSlot, TensorInfo]]) -> Stacked:

@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Optional, Union
 
-from .errors import CheckpointAccessError, CheckpointNotFoundError
+from ..errors import CheckpointAccessError, CheckpointNotFoundError
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
 CONFIG_PATTERNS = ["*.json"]

@@ -18,8 +18,8 @@ from typing import Optional
 
 import torch
 
-from .checkpoint import TensorInfo
-from .checkpoint.base import contiguous_strides
+from ..checkpoint import TensorInfo
+from ..checkpoint.base import contiguous_strides
 
 MIN_ROW_BYTES = 1024
 

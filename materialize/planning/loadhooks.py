@@ -45,10 +45,10 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys
 
-from .checkpoint import TensorInfo
-from .checkpoint.base import is_extra_state
-from .errors import KeyMismatchError, described
-from .meta import is_lazy
+from ..checkpoint import TensorInfo
+from ..checkpoint.base import is_extra_state
+from ..errors import KeyMismatchError, described
+from ..skeleton.meta import is_lazy
 
 
 @dataclass

@@ -25,7 +25,7 @@ from typing import Any, Union
 
 from torch import nn
 
-from .errors import MaterializeError, ModelSpecError, ModelSpecUsageError, first_line
+from ..errors import MaterializeError, ModelSpecError, ModelSpecUsageError, first_line
 from .meta import meta_init
 
 if sys.version_info >= (3, 11):
@@ -144,12 +144,12 @@ def build(spec: ModelSpec, **kwargs: Any) -> nn.Module:
     (``org/name``), builds its transformers model (needs the ``hf`` extra).
     """
     if not callable(spec):
-        from .hub import looks_like_repo_id, resolve
+        from ..integrations.hub import looks_like_repo_id, resolve
 
         if looks_like_repo_id(spec) and not os.fspath(spec).endswith(".toml"):
             spec = resolve(spec)
     if not callable(spec) and Path(os.fspath(spec)).is_dir():
-        from .hf import build_hf, is_hf_folder
+        from ..integrations.hf import build_hf, is_hf_folder
 
         if not is_hf_folder(Path(os.fspath(spec))):
             raise ModelSpecError("is a folder without config.json: not a model spec", path=spec)

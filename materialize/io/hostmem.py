@@ -37,9 +37,9 @@ from typing import Callable, Optional
 
 import torch
 
-from .dtypes import dtype_name
-from .errors import AllocationError, LowMemoryWarning
-from .sizes import format_bytes
+from ..dtypes import dtype_name
+from ..errors import AllocationError, LowMemoryWarning
+from ..sizes import format_bytes
 
 PAGE_BYTES = mmap.PAGESIZE
 HUGE_PAGE_BYTES = 2 * 1024 * 1024

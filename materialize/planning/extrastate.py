@@ -3,7 +3,7 @@
 A module that overrides ``get_extra_state`` saves what it returns beside its
 tensors, as ``<module>._extra_state``; ``load_state_dict`` gives it back to
 the module's ``set_extra_state``. Planning pairs each such module with its
-saved state (see :func:`materialize.planning.make_plan`): a checkpoint tensor,
+saved state (see :func:`materialize.planning.plan.make_plan`): a checkpoint tensor,
 read with the rest of the load, or a torch file's plain value, read with its
 header by the restricted unpickler. The handing-over comes last, once every
 tensor is in place, and a module that refuses its state puts back the states
@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from .checkpoint import TensorInfo
-from .checkpoint.standins import StandIn
-from .engine import Job
-from .errors import CheckpointError, described
-from .planning import Plan
+from ..checkpoint import TensorInfo
+from ..checkpoint.standins import StandIn
+from ..io.engine import Job
+from ..errors import CheckpointError, described
+from .plan import Plan
 
 
 def extra_state_reads(plan: Plan) -> tuple[list[Job], dict[str, torch.Tensor]]:

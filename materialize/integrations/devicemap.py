@@ -17,8 +17,8 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from .errors import DeviceError
-from .transfer import resolve_device
+from ..errors import DeviceError
+from ..io.transfer import resolve_device
 
 DISK = "disk"
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")

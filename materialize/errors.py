@@ -147,6 +147,29 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+def torchvision_mismatch(error: BaseException) -> str:
+    """Why an import failed on torchvision's own operators, where it did (the error or one it came from): its
+    compiled ops were built for another torch build (PyPI's CUDA wheels beside a CPU torch, say), so they did
+    not load and its import stopped. transformers imports torchvision wherever it can, so its model code
+    fails the same way. Empty otherwise."""
+    seen: set[int] = set()
+    cause: Optional[BaseException] = error
+    while cause is not None and id(cause) not in seen:
+        if "torchvision::" in str(cause):
+            import torch
+            from importlib import metadata
+
+            try:
+                installed = f"torchvision {metadata.version('torchvision')}"
+            except metadata.PackageNotFoundError:
+                installed = "torchvision"
+            return (f" ({installed} is installed beside torch {torch.__version__}; its compiled operators were "
+                    "built for another torch build)")
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return ""
+
+
 def described(error: BaseException) -> str:
     """An exception in one line: ``Type: first line of its message`` (its type alone where it has none)."""
     text = str(error).strip()

@@ -190,3 +190,17 @@ def test_a_torchvision_that_does_not_fit_this_torch_is_named_in_the_error(tmp_pa
     assert done.returncode == 1
     assert "timm cannot be imported here" in done.stderr and "torchvision::nms" in done.stderr
     assert f"torch {torch.__version__}" in done.stderr and "torchvision 0.28" in done.stderr
+
+
+@pytest.mark.skipif(compiled_ops_load(), reason="torchvision's compiled ops load here: its import does not fail")
+def test_a_hugging_face_model_whose_code_cannot_import_beside_that_torchvision_says_why(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=99)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny-llama")
+
+    done = cli(str(tmp_path / "tiny-llama"), env=pythonpath_without_shim())  # transformers finds that torchvision
+
+    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1
+    assert "config.json: transformers cannot import the code of this model" in done.stderr
+    assert f"torch {torch.__version__}" in done.stderr and "torchvision 0.28" in done.stderr

@@ -25,7 +25,7 @@ from torch import nn
 from ..checkpoint import TensorInfo
 from ..checkpoint.base import is_extra_state
 from ..checkpoint.confine import allowed_roots, confine
-from ..errors import CheckpointError, MaterializeError, ModelSpecError, ModelSpecUsageError, first_line
+from ..errors import CheckpointError, MaterializeError, ModelSpecError, ModelSpecUsageError, first_line, torchvision_mismatch
 from ..skeleton.meta import meta_init
 from ..planning.plan import DtypeRule, Tolerated
 from ..planning.stacking import Chunks, Deinterleave, Rearranged, StackSlot, Transposed
@@ -85,6 +85,14 @@ def build_hf(folder: Path, *, model_class: Optional[str] = None, dtype: Optional
     so that a load keeps them so (see :func:`hf_dtype_rule`). torch's default
     dtype is one per process: it is set for the length of the build.
     """
+    try:
+        return _build_hf(folder, model_class, dtype)
+    except ImportError as exc:  # transformers' lazy import of the model's code, or of what that code imports
+        raise ModelSpecError(f"transformers cannot import the code of this model: {first_line(exc)}"
+                             f"{torchvision_mismatch(exc)}", path=folder / CONFIG_NAME) from None
+
+
+def _build_hf(folder: Path, model_class: Optional[str], dtype: Optional[torch.dtype]) -> nn.Module:
     if not is_transformers_folder(folder):
         raise ModelSpecError(
             "names no model_type or architectures: not a transformers model's config "

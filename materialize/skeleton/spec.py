@@ -25,7 +25,7 @@ from typing import Any, Union
 
 from torch import nn
 
-from ..errors import MaterializeError, ModelSpecError, ModelSpecUsageError, first_line
+from ..errors import MaterializeError, ModelSpecError, ModelSpecUsageError, first_line, torchvision_mismatch
 from .meta import meta_init
 
 if sys.version_info >= (3, 11):
@@ -96,23 +96,8 @@ def _import_family(package: str, module: str) -> Any:
         raise ModelSpecUsageError(f"'{package}:' models need {package} installed (pip install {package}): {exc}") from None
     except Exception as exc:  # noqa: BLE001 - a build that does not fit the installed torch fails on import
         raise ModelSpecError(
-            f"{package} cannot be imported here: {type(exc).__name__}: {first_line(exc)}{_torchvision_mismatch(exc)}"
+            f"{package} cannot be imported here: {type(exc).__name__}: {first_line(exc)}{torchvision_mismatch(exc)}"
         ) from None
-
-
-def _torchvision_mismatch(exc: Exception) -> str:
-    """Why torchvision's own operators are missing: its compiled ops were built for another torch build (PyPI's
-    CUDA wheels beside a CPU torch, say), so they did not load and its import stopped."""
-    if "torchvision::" not in str(exc):
-        return ""
-    import torch
-    from importlib import metadata
-
-    try:
-        installed = f"torchvision {metadata.version('torchvision')}"
-    except metadata.PackageNotFoundError:
-        installed = "torchvision"
-    return f" ({installed} is installed beside torch {torch.__version__}; its compiled operators were built for another torch build)"
 
 
 # "family:name" model specs: the family's own factory, given --model-arg values, never downloading weights

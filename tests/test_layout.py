@@ -1,0 +1,77 @@
+"""The package keeps the shape docs/index.md describes: no import cycle, no private name imported across
+modules, and every module in a folder of the pipeline."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "materialize"
+FOLDERS = {"checkpoint", "skeleton", "planning", "io", "integrations", "models"}
+TOP_LEVEL = {"__init__", "api", "loading", "conversion", "sanitizer", "errors", "report", "dtypes", "sizes", "fixtures"}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(absolute module, names) of every import of the package's own code in ``path``, wherever it is made."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package.split(".")[: len(package.split(".")) - node.level + 1]
+            found.append((".".join(base + ([node.module] if node.module else [])), [a.name for a in node.names]))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("materialize"):
+            found.append((node.module, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            found += [(a.name, []) for a in node.names if a.name.startswith("materialize")]
+    return found
+
+
+def test_no_module_imports_itself_back_through_others():
+    graph = {}
+    for name, path in MODULES.items():
+        targets = set()
+        for module, names in imports(path):
+            targets |= {t for t in [module, *(f"{module}.{n}" for n in names)] if t in MODULES and t != name}
+        graph[name] = targets
+    cycles, state, stack = [], {}, []
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join(stack[stack.index(target):] + [target]))
+            elif target not in state:
+                visit(target)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+    assert cycles == []
+
+
+def test_no_private_name_is_imported_from_another_module():
+    private = [f"{module_name(path)} imports {module}.{n}" for path in MODULES.values()
+               for module, names in imports(path) for n in names if n.startswith("_") and n != "__version__"]
+
+    assert private == []
+
+
+def test_every_module_sits_in_a_folder_of_the_pipeline():
+    stray = [name for name in MODULES if name.count(".") == 1 and name.split(".")[1] not in TOP_LEVEL | FOLDERS]
+
+    assert stray == []
+    assert {name.split(".")[1] for name in MODULES if name.count(".") >= 2} <= FOLDERS

@@ -118,6 +118,16 @@ def key_map_from(strip_prefix: Optional[str], add_prefix: Optional[str], renames
     return sum(parts[1:], parts[0]) if parts else None
 
 
+def library_keywords(options: dict[str, Any]) -> dict[str, Any]:
+    """The library's keyword arguments for the options ``load`` and ``plan`` share (and those only ``load``
+    has): the same names, but for the model spec and its arguments, and the renames, which make one key map."""
+    keywords = dict(options)
+    keywords["key_map"] = key_map_from(keywords.pop("strip_prefix"), keywords.pop("add_prefix"), keywords.pop("renames"))
+    keywords["model"] = keywords.pop("model_spec")
+    keywords["model_args"] = dict(keywords.pop("model_args"))
+    return keywords
+
+
 def with_options(options: list) -> Callable:
     def decorate(function: Callable) -> Callable:
         for option in reversed(options):
@@ -143,12 +153,7 @@ def main() -> None:
 @main.command(DEFAULT_COMMAND)
 @checkpoint_argument
 @with_options(model_options + memory_options + load_only_options)
-def load_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, device: str, device_map: Any,
-                 max_memory: Any,
-                 dtype: "Optional[torch.dtype]", mmap: bool, staging_bytes: Optional[int], strict: bool,
-                 ignore_mismatched_sizes: bool, strip_prefix: Optional[str], add_prefix: Optional[str], renames: tuple, revision: Optional[str],
-                 trust_pickle: bool, as_json: bool, debug: bool, check: bool, check_finite: bool,
-                 allow_overflow: bool, direct_io: bool) -> None:
+def load_command(checkpoint: str, as_json: bool, debug: bool, **options: Any) -> None:
     """(default) Build the model on meta and materialize CHECKPOINT into it.
 
     CHECKPOINT is a file, a shard index, a folder (Hugging Face layout) or a hub repo id (org/name).
@@ -157,23 +162,16 @@ def load_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, 
     def action() -> None:
         progress = progress_for(not as_json)
         try:
-            _, report = mz.load_model(
-                checkpoint, model=model_spec, model_args=dict(model_args), revision=revision, trust_pickle=trust_pickle,
-                device=device, dtype=dtype, strict=strict, mmap=mmap, staging_bytes=staging_bytes, progress=progress,
-                ignore_mismatched_sizes=ignore_mismatched_sizes,
-                device_map=device_map, max_memory=max_memory, check=check, check_finite=check_finite,
-                allow_overflow=allow_overflow, key_map=key_map_from(strip_prefix, add_prefix, renames),
-                direct_io=direct_io,
-            )
+            _, report = mz.load_model(checkpoint, progress=progress, **library_keywords(options))
         finally:
             if progress is not None:
                 progress.close()
         payload, text = report.to_dict(), str(report)
-        if check:  # a failed check raised; getting here is the verdict
+        if options["check"]:  # a failed check raised; getting here is the verdict
             payload["check"] = "passed"
             text += "\ncheck                 passed: every tensor written exactly once, as planned, no poison left"
         _emit(as_json, payload, text)
-        if check_finite and report.nonfinite:  # a check that finds what it looks for fails the command
+        if options["check_finite"] and report.nonfinite:  # a check that finds what it looks for fails the command
             raise mz.MaterializeError(f"NaN or Inf in {len(report.nonfinite)} tensor(s): "
                                       f"{summarize_names(report.nonfinite)}", path=report.checkpoint)
 
@@ -229,21 +227,12 @@ def _inspect_text(ckpt: mz.Checkpoint) -> str:
 @main.command("plan")
 @checkpoint_argument
 @with_options(model_options + memory_options)
-def plan_command(checkpoint: str, model_spec: Optional[str], model_args: tuple, device: str, device_map: Any,
-                 max_memory: Any,
-                 dtype: "Optional[torch.dtype]", strict: bool, ignore_mismatched_sizes: bool,
-                 strip_prefix: Optional[str], add_prefix: Optional[str],
-                 renames: tuple, revision: Optional[str], trust_pickle: bool, as_json: bool, debug: bool,
-                 mmap: bool, staging_bytes: Optional[int]) -> None:
+def plan_command(checkpoint: str, as_json: bool, debug: bool, **options: Any) -> None:
     """What a load would do: per-device bytes, ties, missing and unexpected; reads no tensor data."""
 
     def action() -> None:
-        the_plan = mz.plan(
-            model_spec, checkpoint, model_args=dict(model_args), revision=revision, trust_pickle=trust_pickle,
-            device=device, dtype=dtype, strict=strict, key_map=key_map_from(strip_prefix, add_prefix, renames),
-            device_map=device_map, max_memory=max_memory, mmap=mmap, staging_bytes=staging_bytes,
-            ignore_mismatched_sizes=ignore_mismatched_sizes,
-        )
+        keywords = library_keywords(options)
+        the_plan = mz.plan(keywords.pop("model"), checkpoint, **keywords)
         _emit(as_json, the_plan.to_dict(), _plan_text(the_plan.to_dict()))
 
     _run(debug, action)

@@ -15,7 +15,8 @@ from .planning.capacity import fit_report
 from .checkpoint import Checkpoint, TensorInfo
 from .integrations.devicemap import DeviceMapLike
 from .dtypes import parse_dtype
-from .io.engine import Job, ProgressFn, stream
+from .io.engine import Job, stream
+from .io.fileio import reading
 from .errors import AllocationError, ModelRequiredError, ModelSpecError
 from .io.gcpause import gc_paused
 from .integrations.hf import HF_SPEC_PREFIX, build_hf, is_hf_folder, is_transformers_folder
@@ -37,6 +38,7 @@ from .loading import (
 from .io.zerocopy import FileMaps
 from .io.peak import PeakMemory
 from .planning.plan import InitFn, Plan, make_plan
+from .options import PlanOptions, ProgressFn
 from .report import Report
 from .sanitizer import nonfinite
 from .skeleton.spec import ModelSpec, build
@@ -77,14 +79,14 @@ def plan(
     with _opened_with_skeleton(checkpoint, model, model_args, revision, trust_pickle, dtype) as (ckpt, skeleton):
         if skeleton is None:
             raise ModelRequiredError("a plan needs a model: pass one (CLI: --model SPEC)", path=ckpt.path)
-        key_map, init, dtype_rule, tolerated = model_defaults(skeleton, key_map, init)
-        cast = parse_dtype(dtype)
-        target = resolve_device(device if device is not None else model_device(skeleton))
-        the_plan = make_plan(
-            skeleton, ckpt, device=target, dtype=cast, strict=strict, key_map=key_map, init=init,
-            placement=placement_for(skeleton, ckpt, device_map, max_memory, cast), dtype_rule=dtype_rule,
-            tolerated=tolerated, ignore_mismatched_sizes=ignore_mismatched_sizes,
+        options = PlanOptions(
+            device=resolve_device(device if device is not None else model_device(skeleton)), dtype=parse_dtype(dtype),
+            strict=strict, key_map=key_map, init=init, ignore_mismatched_sizes=ignore_mismatched_sizes,
+            device_map=device_map, max_memory=max_memory,
         )
+        options, dtype_rule, tolerated = model_defaults(skeleton, options)
+        the_plan = make_plan(skeleton, ckpt, options, placement=placement_for(skeleton, ckpt, options),
+                             dtype_rule=dtype_rule, tolerated=tolerated)
     the_plan.fits = fit_report(the_plan, mmap=mmap, staging_bytes=staging_bytes)
     return the_plan
 
@@ -163,10 +165,9 @@ def load_tensors(
                 with_whole_load(error, target, copies)
             raise
         tensors = {name: made[name] for name in ckpt}
-        bytes_read = stream(
-            jobs, ckpt.files, staging_factory=lambda device: staging_for(device, staging_bytes),
-            allow_overflow=allow_overflow, progress=progress, direct_io=direct_io,
-        )
+        with reading(ckpt.files, direct_io) as files:
+            bytes_read = stream(jobs, files, staging_factory=lambda device: staging_for(device, staging_bytes),
+                                allow_overflow=allow_overflow, progress=progress)
         check_bools((ckpt[name], tensor) for name, tensor in tensors.items())
     report = make_report(
         ckpt, target, list(tensors.values()), bytes_read, started, memory, loaded=list(tensors), mapped=mapped,

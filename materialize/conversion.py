@@ -46,7 +46,8 @@ from .checkpoint.confine import allowed_roots, confine
 from .checkpoint.index import SAFETENSORS_INDEX_NAME
 from .checkpoint.safetensors import SAFETENSORS_DTYPES
 from .dtypes import parse_dtype
-from .io.engine import Job, ProgressFn, stream
+from .io.engine import Job, stream
+from .options import ProgressFn
 from .errors import ConvertWarning, ExpansionError, MaterializeError, OutputError, summarize_names
 from .io.fileio import byte_view
 from .io.gcpause import gc_paused

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections import Counter
@@ -16,10 +17,10 @@ from .planning.capacity import expected_peak_host_bytes
 from .checkpoint import Checkpoint, open_checkpoint
 from .integrations.devicemap import DeviceMapLike, Placement, compute_device_map
 from .dtypes import dtype_name, parse_dtype
-from .io.engine import Job, ProgressFn, stream
+from .io.engine import Job, stream
 from .errors import AllocationError, MaterializeError, SanitizerError, summarize_names
 from .planning.extrastate import extra_state_reads, hand_over
-from .io.fileio import DirectReads
+from .io.fileio import FileSet, reading
 from .io.gcpause import gc_paused
 from .integrations.hf import forget_ties, hf_dtype_rule, hf_init, hf_key_map, hf_tolerated, is_hf_model
 from .io.hostmem import admit_host_copies, empty_destination, with_whole_load
@@ -31,6 +32,7 @@ from .checkpoint.base import contiguous_strides
 from .skeleton.meta import is_lazy, parameter_like, shared_memory_asked
 from .skeleton.modtree import named_modules
 from .planning.plan import DtypeRule, Entry, InitFn, Plan, Tolerated, initializer_of, make_plan, raise_for_mismatch
+from .options import PlanOptions, ProgressFn, ReadOptions
 from .report import Report
 from .sanitizer import CountingFiles, audit, nonfinite, poison
 from .integrations.sharded import is_dtensor, local_of
@@ -45,6 +47,7 @@ DtypeLike = Union[str, torch.dtype, None]
 
 @contextmanager
 def opened(checkpoint: CheckpointLike, trust_pickle: bool) -> Iterator[Checkpoint]:
+    """A path opened for the length of the block; an open :class:`Checkpoint` as it is (its caller closes it)."""
     if isinstance(checkpoint, Checkpoint):
         yield checkpoint  # the caller owns it and closes it
         return
@@ -53,18 +56,18 @@ def opened(checkpoint: CheckpointLike, trust_pickle: bool) -> Iterator[Checkpoin
 
 
 def model_defaults(
-    model: nn.Module, key_map: KeyMapLike, init: Optional[InitFn]
-) -> tuple[KeyMapLike, Optional[InitFn], Optional[DtypeRule], Optional[Tolerated]]:
+    model: nn.Module, options: PlanOptions
+) -> tuple[PlanOptions, Optional[DtypeRule], Optional[Tolerated]]:
     """transformers models bring their own key renames and init (unless the caller gave others), fp32 lists,
     and the missing and unexpected names they declare expected."""
     if not is_hf_model(model):
-        return key_map, init, None, None
-    return (
-        key_map if key_map is not None else hf_key_map(model),
-        init if init is not None else hf_init(model),
-        hf_dtype_rule(model),
-        hf_tolerated(model),
+        return options, None, None
+    options = dataclasses.replace(
+        options,
+        key_map=options.key_map if options.key_map is not None else hf_key_map(model),
+        init=options.init if options.init is not None else hf_init(model),
     )
+    return options, hf_dtype_rule(model), hf_tolerated(model)
 
 
 @gc_paused
@@ -156,19 +159,18 @@ def load(
     are freed; values already written into a real model's own tensors, filled
     in place, stay written, and the error names those tensors.
     """
-    target = resolve_device(device if device is not None else model_device(model))
-    cast = parse_dtype(dtype)
-    key_map, init, dtype_rule, tolerated = model_defaults(model, key_map, init)
+    options = PlanOptions(
+        device=resolve_device(device if device is not None else model_device(model)), dtype=parse_dtype(dtype),
+        strict=strict, key_map=key_map, init=init, ignore_mismatched_sizes=ignore_mismatched_sizes,
+        device_map=device_map, max_memory=max_memory,
+    )
+    read = ReadOptions(mmap=mmap, staging_bytes=staging_bytes, allow_overflow=allow_overflow, check=check,
+                       check_finite=check_finite, progress=progress, direct_io=direct_io)
+    options, dtype_rule, tolerated = model_defaults(model, options)
     with opened(checkpoint, trust_pickle) as ckpt:
-        placement = placement_for(model, ckpt, device_map, max_memory, cast)
-        the_plan = make_plan(
-            model, ckpt, device=target, dtype=cast, strict=strict, key_map=key_map, init=init, placement=placement,
-            dtype_rule=dtype_rule, tolerated=tolerated, ignore_mismatched_sizes=ignore_mismatched_sizes,
-        )
-        report = execute(
-            the_plan, ckpt, init=init, mmap=mmap, staging_bytes=staging_bytes, allow_overflow=allow_overflow,
-            check=check, check_finite=check_finite, progress=progress, direct_io=direct_io,
-        )
+        placement = placement_for(model, ckpt, options)
+        the_plan = make_plan(model, ckpt, options, placement=placement, dtype_rule=dtype_rule, tolerated=tolerated)
+        report = execute(the_plan, ckpt, read, init=options.init)
     if report.untied and is_hf_model(model):
         forget_ties(model, report.untied)
     _refresh_flat_weights(model)
@@ -202,18 +204,13 @@ def model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def placement_for(
-    model: nn.Module,
-    ckpt: Checkpoint,
-    device_map: Optional[DeviceMapLike],
-    max_memory: Optional[Mapping[Union[int, str], Union[int, str]]],
-    dtype: Optional[torch.dtype],
-) -> Optional[Placement]:
-    if device_map is None:
+def placement_for(model: nn.Module, ckpt: Checkpoint, options: PlanOptions) -> Optional[Placement]:
+    """Where each tensor goes under ``options.device_map``; None without one."""
+    if options.device_map is None:
         return None
     # Sized as the tensors will be: the cast, or the checkpoint's own dtype (not the skeleton's).
-    sizing = dtype or dominant_float_dtype(ckpt)
-    return Placement(compute_device_map(model, device_map, max_memory=max_memory, dtype=sizing))
+    sizing = options.dtype or dominant_float_dtype(ckpt)
+    return Placement(compute_device_map(model, options.device_map, max_memory=options.max_memory, dtype=sizing))
 
 
 def dominant_float_dtype(ckpt: Checkpoint) -> Optional[torch.dtype]:
@@ -227,26 +224,27 @@ def dominant_float_dtype(ckpt: Checkpoint) -> Optional[torch.dtype]:
 def execute(
     the_plan: Plan,
     ckpt: Checkpoint,
+    read_options: ReadOptions = ReadOptions(),
     *,
     init: Optional[InitFn] = None,
-    mmap: bool = False,
-    staging_bytes: Optional[int] = None,
-    allow_overflow: bool = False,
-    check: bool = False,
-    check_finite: bool = False,
-    progress: Optional[ProgressFn] = None,
-    direct_io: bool = False,
 ) -> Report:
-    """Carry out a plan made by :func:`make_plan` against ``ckpt``."""
+    """Carry out a plan made by :func:`make_plan` against ``ckpt``, reading as ``read_options`` says."""
+    with reading(ckpt.files, read_options.direct_io) as files:
+        return _execute(the_plan, ckpt, files, read_options, init)
+
+
+def _execute(the_plan: Plan, ckpt: Checkpoint, files: FileSet, read_options: ReadOptions,
+             init: Optional[InitFn]) -> Report:
+    mmap, staging_bytes, allow_overflow = read_options.mmap, read_options.staging_bytes, read_options.allow_overflow
+    check = read_options.check
     started = time.perf_counter()
     admit_host_copies(expected_peak_host_bytes(the_plan, mmap=mmap, staging_bytes=staging_bytes), ckpt.path)
     undo: list[tuple[nn.Module, str, bool, torch.Tensor]] = []
     wants_views = (mmap and the_plan.device.type == "cpu") or any(e.on_disk for e in the_plan.entries)
     maps = FileMaps() if wants_views else None
     mapped: list[str] = []
-    bypass = DirectReads(ckpt.files) if direct_io else None
     # Counted outermost: O_DIRECT reads go through the bounce buffer, never through the files they wrap.
-    files = CountingFiles(bypass or ckpt.files) if check else (bypass or ckpt.files)
+    files = CountingFiles(files) if check else files
 
     def read(jobs: list[Job], progress: Optional[ProgressFn] = None) -> int:
         return stream(jobs, files, staging_factory=lambda device: staging_for(device, staging_bytes),
@@ -269,7 +267,7 @@ def execute(
                     initializer_of(module, computed_only=True)()  # planning made sure the module has one
             in_place = [entry.name for entry in the_plan.entries
                         if entry.action == "load" and not entry.original.is_meta and entry.held() is entry.original]
-            bytes_read = read(jobs + extra_jobs, progress)
+            bytes_read = read(jobs + extra_jobs, read_options.progress)
             ties = TieSettling(the_plan, compared_in_file, read, undo, allow_overflow=allow_overflow,
                                allocate=lambda entry: _materialize_entry(entry, undo, None, False, [], check))
             retied, untied = ties.settle()
@@ -289,9 +287,6 @@ def execute(
             if isinstance(error, AllocationError) and error.tensor is not None:
                 with_whole_load(error, *_needs_where(the_plan, error.tensor, mmap, staging_bytes))
             raise
-        finally:
-            if bypass is not None:
-                bypass.close()
     return make_report(
         ckpt, the_plan.device, [local_of(tensor) for _, tensor in registered], bytes_read, started, memory,
         loaded=[e.name for e in the_plan.of("load")],
@@ -307,7 +302,8 @@ def execute(
         untied=untied,
         mapped=mapped,
         bytes_by_device=the_plan.bytes_by_device,
-        nonfinite=nonfinite((entry.name, local_of(tensor)) for entry, tensor in registered) if check_finite else [],
+        nonfinite=(nonfinite((entry.name, local_of(tensor)) for entry, tensor in registered)
+                   if read_options.check_finite else []),
     )
 
 

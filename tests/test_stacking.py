@@ -12,6 +12,7 @@ import torch
 import materialize as mz
 from materialize.checkpoint import TensorInfo
 from materialize.loading import execute
+from materialize.options import PlanOptions, ReadOptions
 from materialize.planning.plan import make_plan
 from materialize.planning.stacking import (
     Chunks, Deinterleave, Rearranged, StackSlot, Transposed, cut, deinterleave, stack, transpose,
@@ -65,8 +66,8 @@ def test_a_key_map_can_stack_tensors_of_a_real_file_into_a_plain_model(tmp_path)
         return StackSlot("gate_up", int(number), ("gate", "up").index(which))
 
     with mz.open_checkpoint(path) as ckpt:
-        plan = make_plan(model, ckpt, device=torch.device("cpu"), key_map=to_slot)
-        report = execute(plan, ckpt, check=True)
+        plan = make_plan(model, ckpt, PlanOptions(device=torch.device("cpu"), key_map=to_slot))
+        report = execute(plan, ckpt, ReadOptions(check=True))
 
     for e in range(3):
         assert torch.equal(model.gate_up[e], torch.cat([experts[f"experts.{e}.gate"], experts[f"experts.{e}.up"]]))

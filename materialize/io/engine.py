@@ -33,11 +33,12 @@ import torch
 
 from ..checkpoint import TensorInfo
 from ..checkpoint.base import contiguous_strides, make_info
+from ..checkpoint.pieces import Stacked, piece_destination
 from ..errors import AllocationError, CastOverflowError
-from .fileio import MAX_IOVECS, DirectReads, FileSet, Part, byte_view
+from ..options import ProgressFn
+from .fileio import MAX_IOVECS, FileSet, Part, byte_view
 from .hostmem import prefault
 from .scatter import RowScatter, row_scatter
-from ..checkpoint.pieces import Stacked, piece_destination
 from .transfer import Completion, CopyStartError, Staging, on_callers_streams, wait_all
 
 DIRECT_CHUNK_BYTES = 16 * 1024 * 1024
@@ -48,7 +49,6 @@ STRIDED_BLOCK_BYTES = 8 * 1024 * 1024  # the temporary of a strided read (see _r
 SLOT_ALIGNMENT = 64  # where a piece starts in a buffer or slot: any dtype can view it, and copies stay aligned
 GAP_BYTES = 4096  # bytes between two pieces that one read passes over rather than making two (see _file_runs)
 PREFAULT_MIN_BYTES = 256 * 1024  # smaller: the faults taken inside the read cost less than the call sparing them
-ProgressFn = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -107,21 +107,13 @@ def stream(
     progress: Optional[ProgressFn] = None,
     reader_threads: Optional[int] = None,
     allow_overflow: bool = False,
-    direct_io: bool = False,
 ) -> int:
     """Run every job; returns the number of bytes read from the files.
 
     Unless ``allow_overflow``, a cast that would turn finite values into inf
     (fp32 to fp16 above 65504, say) raises :class:`CastOverflowError`.
-    ``direct_io`` reads around the page cache (see :class:`DirectReads`).
+    ``files`` are read as given: :func:`materialize.io.fileio.reading` makes them direct reads.
     """
-    if direct_io:
-        bypass = DirectReads(files)
-        try:
-            return stream(jobs, bypass, staging_factory=staging_factory, progress=progress,
-                          reader_threads=reader_threads, allow_overflow=allow_overflow)
-        finally:
-            bypass.close()
     checked = None if allow_overflow else check_cast_range
     direct, cast, staged, strided = [], [], [], []
     for job in _pieces_of_stacks(jobs):

@@ -11,6 +11,8 @@ import ctypes
 import errno
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
@@ -199,6 +201,20 @@ def _sink_views(nbytes: int) -> list[memoryview]:
 
 DIRECT_ALIGNMENT = 4096  # covers 512-byte and 4 KiB logical blocks
 DIRECT_BOUNCE_BYTES = 8 * 1024 * 1024
+
+
+@contextmanager
+def reading(files: FileSet, direct_io: bool) -> Iterator[FileSet]:
+    """The files as a load reads them: as they are, or around the page cache where ``direct_io`` asks
+    (:class:`DirectReads`). The one place that option takes effect."""
+    if not direct_io:
+        yield files
+        return
+    bypass = DirectReads(files)
+    try:
+        yield bypass
+    finally:
+        bypass.close()
 
 
 class DirectReads(FileSet):

@@ -21,6 +21,7 @@ from torch import nn
 from ..checkpoint import Checkpoint, TensorInfo
 from ..checkpoint.base import EXTRA_STATE
 from ..dtypes import dtype_name
+from ..options import InitFn, PlanOptions
 from ..errors import (
     DeviceError,
     InitError,
@@ -30,7 +31,7 @@ from ..errors import (
     ShardingError,
     summarize_names,
 )
-from .keymap import KeyMap, KeyMapLike, as_key_map, auto_strip_wrapper_prefix
+from .keymap import KeyMap, as_key_map, auto_strip_wrapper_prefix
 from .loadhooks import as_older_weight_norm, post_hooked, replay_load_hooks
 from ..skeleton.meta import is_lazy
 from ..skeleton.modtree import named_modules
@@ -40,7 +41,6 @@ from ..checkpoint.pieces import Stacked, pieces_of
 from .stacking import Chunks, Rearranged, StackSlot, Transposed, cut, deinterleave, rows_of, stack, transpose
 
 Action = Literal["load", "init", "keep"]
-InitFn = Callable[[nn.Module], None]
 DtypeRule = Callable[[str, torch.dtype], torch.dtype]  # a model's own say: (name, the dtype it would get) -> its dtype
 
 
@@ -341,27 +341,22 @@ def _float_dtypes_loaded_by_module(entries: list[Entry]) -> dict[int, torch.dtyp
 def make_plan(
     model: nn.Module,
     ckpt: Checkpoint,
+    options: PlanOptions,
     *,
-    device: torch.device,
-    dtype: Optional[torch.dtype] = None,
-    strict: bool = True,
-    key_map: KeyMapLike = None,
-    init: Optional[InitFn] = None,
     placement: Optional[Callable[[str], Union[torch.device, str]]] = None,
     dtype_rule: Optional[DtypeRule] = None,
     tolerated: Optional[Tolerated] = None,
-    ignore_mismatched_sizes: bool = False,
 ) -> Plan:
     """Match, group and place every tensor of ``model``; raise what a load would hit.
 
-    ``ignore_mismatched_sizes`` (as ``from_pretrained``'s): a checkpoint
+    ``options.ignore_mismatched_sizes`` (as ``from_pretrained``'s): a checkpoint
     tensor whose shape differs from the model's (a classifier for another
     number of classes) is not loaded; the model's tensor is initialized by
     its module instead (a real model keeps its own values), and named in
     ``plan.reinitialized`` and the report, never silently.
 
     ``placement`` maps a tensor name to its device or ``"disk"`` (see
-    :mod:`materialize.integrations.devicemap`); without one everything goes to ``device``.
+    :mod:`materialize.integrations.devicemap`); without one everything goes to ``options.device``.
     ``dtype_rule`` has the last word on each floating tensor's dtype
     (transformers models keep some tensors in fp32: :func:`~materialize.integrations.hf.hf_dtype_rule`).
     ``tolerated`` names differences the model expects, neither missing nor
@@ -371,6 +366,8 @@ def make_plan(
     model computes). Without it, a non-persistent buffer the checkpoint holds
     is loaded: a plain model's checkpoint is taken to know best.
     """
+    device, dtype, strict, key_map, init = options.device, options.dtype, options.strict, options.key_map, options.init
+    ignore_mismatched_sizes = options.ignore_mismatched_sizes
     modules = named_modules(model, remove_duplicate=False)
     groups = _collect_groups(modules)
     model_names = {name for _, named in groups for name, _ in named}

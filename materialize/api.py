@@ -28,16 +28,15 @@ from .loading import (
     DeviceLike,
     DtypeLike,
     dominant_float_dtype,
-    model_defaults,
-    opened,
-    placement_for,
-    make_report,
     load,
+    make_report,
     model_device,
+    opened,
+    planned,
 )
 from .io.zerocopy import FileMaps
 from .io.peak import PeakMemory
-from .planning.plan import InitFn, Plan, make_plan
+from .planning.plan import InitFn, Plan
 from .options import PlanOptions, ProgressFn
 from .report import Report
 from .sanitizer import nonfinite
@@ -84,9 +83,7 @@ def plan(
             strict=strict, key_map=key_map, init=init, ignore_mismatched_sizes=ignore_mismatched_sizes,
             device_map=device_map, max_memory=max_memory,
         )
-        options, dtype_rule, tolerated = model_defaults(skeleton, options)
-        the_plan = make_plan(skeleton, ckpt, options, placement=placement_for(skeleton, ckpt, options),
-                             dtype_rule=dtype_rule, tolerated=tolerated)
+        the_plan, _, _ = planned(skeleton, ckpt, options)
     the_plan.fits = fit_report(the_plan, mmap=mmap, staging_bytes=staging_bytes)
     return the_plan
 

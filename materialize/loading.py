@@ -55,7 +55,7 @@ def opened(checkpoint: CheckpointLike, trust_pickle: bool) -> Iterator[Checkpoin
         yield ckpt
 
 
-def model_defaults(
+def _model_defaults(
     model: nn.Module, options: PlanOptions
 ) -> tuple[PlanOptions, Optional[DtypeRule], Optional[Tolerated]]:
     """transformers models bring their own key renames and init (unless the caller gave others), fp32 lists,
@@ -166,10 +166,8 @@ def load(
     )
     read = ReadOptions(mmap=mmap, staging_bytes=staging_bytes, allow_overflow=allow_overflow, check=check,
                        check_finite=check_finite, progress=progress, direct_io=direct_io)
-    options, dtype_rule, tolerated = model_defaults(model, options)
     with opened(checkpoint, trust_pickle) as ckpt:
-        placement = placement_for(model, ckpt, options)
-        the_plan = make_plan(model, ckpt, options, placement=placement, dtype_rule=dtype_rule, tolerated=tolerated)
+        the_plan, options, placement = planned(model, ckpt, options)
         report = execute(the_plan, ckpt, read, init=options.init)
     if report.untied and is_hf_model(model):
         forget_ties(model, report.untied)
@@ -204,7 +202,15 @@ def model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def placement_for(model: nn.Module, ckpt: Checkpoint, options: PlanOptions) -> Optional[Placement]:
+def planned(model: nn.Module, ckpt: Checkpoint, options: PlanOptions) -> tuple[Plan, PlanOptions, Optional[Placement]]:
+    """The plan of a load under ``options`` with the model's own defaults applied (a transformers model's key
+    map and init), those options, and where a device map places each tensor."""
+    options, dtype_rule, tolerated = _model_defaults(model, options)
+    placement = _placement_for(model, ckpt, options)
+    return make_plan(model, ckpt, options, placement=placement, dtype_rule=dtype_rule, tolerated=tolerated), options, placement
+
+
+def _placement_for(model: nn.Module, ckpt: Checkpoint, options: PlanOptions) -> Optional[Placement]:
     """Where each tensor goes under ``options.device_map``; None without one."""
     if options.device_map is None:
         return None
@@ -250,7 +256,7 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, files: FileSet, read_options: Rea
         return stream(jobs, files, staging_factory=lambda device: staging_for(device, staging_bytes),
                       allow_overflow=allow_overflow, progress=progress)
 
-    devices_written = [the_plan.device, *(entry.device for entry in the_plan.entries)]  # a device map's, a mesh's
+    devices_written = {the_plan.device, *(entry.device for entry in the_plan.entries)}  # a device map's, a mesh's
     in_place: list[str] = []  # the model's own tensors, once the reads into them have begun
     with PeakMemory(devices_written) as memory, torch.no_grad():
         try:

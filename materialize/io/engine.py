@@ -501,10 +501,7 @@ def run_staged(
 def _drain(pending: list[Completion], *, raise_errors: bool) -> None:
     """Wait for every completion in ``pending`` and empty it; the first error is raised after all are waited on."""
     try:
-        wait_all(pending)
-    except BaseException:
-        if raise_errors:
-            raise
+        wait_all(pending, raise_errors=raise_errors)
     finally:
         pending.clear()
 

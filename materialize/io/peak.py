@@ -52,7 +52,6 @@ class PeakMemory:
         self._counters = counters
         self.start_host: Optional[int] = None
         self.peak_host: Optional[int] = None
-        self.peak_device: Optional[int] = None  # the largest growth on any one device
         self.peak_by_device: dict[str, int] = {}
         self._start_device: dict[torch.device, int] = {}
         self._peak_before: dict[torch.device, int] = {}
@@ -97,8 +96,11 @@ class PeakMemory:
             peak = self._counters.peak(device)
             top = peak if peak > self._peak_before[device] else self._sampled.get(device, peak)
             self.peak_by_device[str(device)] = max(0, top - self._start_device[device])
-        if self.peak_by_device:
-            self.peak_device = max(self.peak_by_device.values())
+
+    @property
+    def peak_device(self) -> Optional[int]:
+        """The largest growth on any one device; None where no GPU was measured."""
+        return max(self.peak_by_device.values(), default=None)
 
     @property
     def host_growth(self) -> Optional[int]:

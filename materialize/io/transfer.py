@@ -55,8 +55,8 @@ class Staging(ABC):
             for dest, src in pairs:
                 started.append(self.copy(dest, src))
         except BaseException as exc:
-            _wait_quietly(started)
-            raise CopyStartError(len(started), exc) from exc if isinstance(exc, Exception) else exc
+            wait_all(started, raise_errors=False)
+            _raise_started(len(started), exc)
         return _AllDone(started)
 
     def begin(self) -> None:
@@ -69,16 +69,16 @@ class Staging(ABC):
         """Release the slots and any worker."""
 
 
-def wait_all(completions: list[Completion]) -> None:
+def wait_all(completions: list[Completion], *, raise_errors: bool = True) -> None:
     """Wait for every completion, even after one has failed (a slot is free only when nothing still reads it);
-    then raise the first error."""
+    then raise the first error, unless the caller is already raising one of its own."""
     first_error: Optional[BaseException] = None
     for completion in completions:
         try:
             completion.wait()
         except BaseException as exc:
             first_error = first_error or exc
-    if first_error is not None:
+    if first_error is not None and raise_errors:
         raise first_error
 
 
@@ -91,12 +91,11 @@ class CopyStartError(Exception):
         self.index, self.cause = index, cause
 
 
-def _wait_quietly(completions: list[Completion]) -> None:
-    """Wait for every completion, their own errors dropped (one already being raised says what went wrong)."""
-    try:
-        wait_all(completions)
-    except BaseException:
-        pass
+def _raise_started(index: int, error: BaseException) -> None:
+    """An error starting copy ``index`` of a fill, as a :class:`CopyStartError`; an interrupt as it is."""
+    if isinstance(error, Exception):
+        raise CopyStartError(index, error) from error
+    raise error
 
 
 class _AllDone:
@@ -170,7 +169,7 @@ class CudaStaging(Staging):
             # is released.
             event.record(self.stream)
             event.synchronize()
-            raise CopyStartError(index, exc) from exc if isinstance(exc, Exception) else exc
+            _raise_started(index, exc)
         event.record(self.stream)
         # Event.wait() orders streams; the ring needs the host to block, hence synchronize().
         return _EventCompletion(event)

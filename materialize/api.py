@@ -11,12 +11,12 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from .planning.capacity import fit_report
+from .io.capacity import fit_report
 from .checkpoint import Checkpoint, TensorInfo
 from .integrations.devicemap import DeviceMapLike
 from .dtypes import parse_dtype
-from .io.engine import Job, stream
-from .io.fileio import reading
+from .checkpoint.pieces import Job
+from .io.executor import reads
 from .errors import AllocationError, ModelRequiredError, ModelSpecError
 from .io.gcpause import gc_paused
 from .integrations.hf import HF_SPEC_PREFIX, build_hf, is_hf_folder, is_transformers_folder
@@ -34,16 +34,14 @@ from .loading import (
     opened,
     planned,
 )
-from .io.zerocopy import FileMaps
 from .io.peak import PeakMemory
 from .planning.plan import InitFn, Plan
-from .options import PlanOptions, ProgressFn
+from .options import PlanOptions, ProgressFn, ReadOptions
 from .report import Report
 from .sanitizer import nonfinite
 from .skeleton.spec import ModelSpec, build
-from .io.transfer import resolve_device, staging_for
+from .io.transfer import resolve_device
 from .io.shared import shared_spans
-from .io.validate import check_bools
 
 
 @gc_paused
@@ -123,16 +121,18 @@ def load_tensors(
     """
     target = resolve_device(device if device is not None else "cpu")
     cast = parse_dtype(dtype)
+    read_options = ReadOptions(mmap=mmap, staging_bytes=staging_bytes, allow_overflow=allow_overflow,
+                               check_finite=check_finite, progress=progress, direct_io=direct_io)
     started = time.perf_counter()
-    with opened(checkpoint, trust_pickle) as ckpt, PeakMemory([target]) as memory:
+    with opened(checkpoint, trust_pickle) as ckpt, PeakMemory([target]) as memory, \
+            reads(ckpt.files, read_options, maps=mmap and target.type == "cpu") as reader:
         made: dict[str, torch.Tensor] = {}
         jobs = []
-        maps = FileMaps() if mmap and target.type == "cpu" else None
         mapped: list[str] = []
 
         def materialize(info: TensorInfo) -> torch.Tensor:
             wanted = _loaded_dtype(info, cast)
-            view = maps.view(info) if maps is not None and wanted == info.dtype else None
+            view = reader.view(info) if wanted == info.dtype else None
             if view is not None:
                 mapped.append(info.name)
                 return view
@@ -162,12 +162,9 @@ def load_tensors(
                 with_whole_load(error, target, copies)
             raise
         tensors = {name: made[name] for name in ckpt}
-        with reading(ckpt.files, direct_io) as files:
-            bytes_read = stream(jobs, files, staging_factory=lambda device: staging_for(device, staging_bytes),
-                                allow_overflow=allow_overflow, progress=progress)
-        check_bools((ckpt[name], tensor) for name, tensor in tensors.items())
+        reader.read(jobs, progress=progress)
     report = make_report(
-        ckpt, target, list(tensors.values()), bytes_read, started, memory, loaded=list(tensors), mapped=mapped,
+        ckpt, target, list(tensors.values()), reader.bytes_read, started, memory, loaded=list(tensors), mapped=mapped,
         nonfinite=nonfinite(tensors.items()) if check_finite else [],
     )
     return tensors, report

@@ -46,8 +46,9 @@ from .checkpoint.confine import allowed_roots, confine
 from .checkpoint.index import SAFETENSORS_INDEX_NAME
 from .checkpoint.safetensors import SAFETENSORS_DTYPES
 from .dtypes import parse_dtype
-from .io.engine import Job, stream
-from .options import ProgressFn
+from .checkpoint.pieces import Job
+from .io.executor import Reads, reads
+from .options import ProgressFn, ReadOptions
 from .errors import ConvertWarning, ExpansionError, MaterializeError, OutputError, summarize_names
 from .io.fileio import byte_view
 from .io.gcpause import gc_paused
@@ -55,8 +56,6 @@ from .io.hostmem import empty_destination
 from .loading import DtypeLike, opened
 from .integrations.hub import resolve as resolve_source
 from .sizes import format_bytes, parse_size
-from .io.transfer import staging_for
-from .io.validate import check_bools
 
 BATCH_BYTES = 256 * 1024 * 1024
 # A tensor may write up to MAX_EXPANSION times the bytes it reads (a cast from fp8 to fp32 is 4x) without
@@ -163,7 +162,8 @@ def convert(
         shards = [items] if single_file or shard_bytes is None else _groups(items, shard_bytes)
         temporary = destination.parent / f".{destination.name}.partial-{os.getpid()}"
         try:
-            written, copied = _write_all(ckpt, companions, shards, temporary, single_file, allow_overflow, progress)
+            with reads(ckpt.files, ReadOptions(allow_overflow=allow_overflow)) as reader:
+                written, copied = _write_all(ckpt, companions, shards, temporary, single_file, reader, progress)
             if cast is not None and "config.json" in copied:
                 _config_says_dtype(temporary / "config.json", cast)
             _move_into_place(temporary, destination)
@@ -220,7 +220,7 @@ def _groups(items: list[_Item], limit: int) -> list[list[_Item]]:
 
 def _write_all(
     ckpt: Checkpoint, companions: list[tuple[Path, str]], shards: list[list[_Item]], temporary: Path,
-    single_file: bool, allow_overflow: bool, progress: Optional[ProgressFn],
+    single_file: bool, reader: Reads, progress: Optional[ProgressFn],
 ) -> tuple[list[str], list[str]]:
     total = sum(item.nbytes for shard in shards for item in shard)
     done = [0]
@@ -231,7 +231,7 @@ def _write_all(
             progress(done[0], total)
 
     if single_file:
-        _write_file(ckpt, shards[0], temporary, allow_overflow, advanced)
+        _write_file(ckpt, shards[0], temporary, reader, advanced)
         return [temporary.name], []
     temporary.mkdir()
     names = (
@@ -239,7 +239,7 @@ def _write_all(
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
     for name, shard in zip(names, shards):
-        _write_file(ckpt, shard, _output_path(temporary, name), allow_overflow, advanced)
+        _write_file(ckpt, shard, _output_path(temporary, name), reader, advanced)
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": total},
@@ -251,7 +251,7 @@ def _write_all(
     return names, [name for _, name in companions]
 
 
-def _write_file(ckpt: Checkpoint, items: list[_Item], path: Path, allow_overflow: bool, advanced) -> None:
+def _write_file(ckpt: Checkpoint, items: list[_Item], path: Path, reader: Reads, advanced) -> None:
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for item in items:
@@ -270,11 +270,7 @@ def _write_file(ckpt: Checkpoint, items: list[_Item], path: Path, allow_overflow
                                   path=item.info.path)
                 for item in batch
             ]
-            stream(
-                [Job(tensor, item.info) for tensor, item in zip(tensors, batch)], ckpt.files,
-                staging_factory=staging_for, allow_overflow=allow_overflow,
-            )
-            check_bools((item.info, tensor) for item, tensor in zip(batch, tensors))
+            reader.read([Job(tensor, item.info) for tensor, item in zip(tensors, batch)])
             for tensor in tensors:
                 if tensor.numel():
                     out.write(byte_view(tensor))

@@ -1,10 +1,15 @@
-"""Dtype names: the safetensors table and the spellings users type."""
+"""Dtype names (the safetensors table and the spellings users type) and the range check of a narrowing cast."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
+
+from .errors import CastOverflowError
+
+if TYPE_CHECKING:
+    from .checkpoint import TensorInfo
 
 
 def _optional(name: str) -> Optional[torch.dtype]:
@@ -44,3 +49,24 @@ def parse_dtype(value: "str | torch.dtype | None") -> Optional[torch.dtype]:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+RangeCheck = Callable[[torch.Tensor, torch.dtype, "TensorInfo"], None]
+
+
+def check_cast_range(values: torch.Tensor, target: torch.dtype, info: TensorInfo) -> None:
+    """Refuse a cast that would turn finite values into inf (or NaN, for fp8)."""
+    if not (values.is_floating_point() and target.is_floating_point) or values.numel() == 0:
+        return
+    limit = torch.finfo(target).max
+    if limit >= torch.finfo(values.dtype).max:
+        return
+    wide = values if values.dtype == torch.float64 else values.float()
+    peak = float(torch.where(torch.isfinite(wide), wide.abs(), torch.zeros((), dtype=wide.dtype)).max())
+    if peak > limit:
+        raise CastOverflowError(
+            f"casting {info.dtype_name} to {str(target).removeprefix('torch.')} overflows: it holds {peak:.6g}, "
+            f"beyond the target's largest value {limit:.6g}; choose a wider dtype or allow the overflow "
+            "(allow_overflow=True, CLI: --allow-overflow)",
+            path=info.path, tensor=info.name,
+        )

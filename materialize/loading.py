@@ -13,20 +13,19 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from .planning.capacity import expected_peak_host_bytes
+from .io.capacity import expected_peak_host_bytes
 from .checkpoint import Checkpoint, open_checkpoint
 from .integrations.devicemap import DeviceMapLike, Placement, compute_device_map
 from .dtypes import dtype_name, parse_dtype
-from .io.engine import Job, stream
+from .checkpoint.pieces import Job
 from .errors import AllocationError, MaterializeError, SanitizerError, summarize_names
 from .planning.extrastate import extra_state_reads, hand_over
-from .io.fileio import FileSet, reading
+from .io.executor import Reads, reads
 from .io.gcpause import gc_paused
 from .integrations.hf import forget_ties, hf_dtype_rule, hf_init, hf_key_map, hf_tolerated, is_hf_model
 from .io.hostmem import admit_host_copies, empty_destination, with_whole_load
 from .planning.keymap import KeyMapLike
 from .planning.loadhooks import run_post_hooks
-from .io.zerocopy import FileMaps
 from .io.peak import PeakMemory
 from .checkpoint.base import contiguous_strides
 from .skeleton.meta import is_lazy, parameter_like, shared_memory_asked
@@ -34,11 +33,10 @@ from .skeleton.modtree import named_modules
 from .planning.plan import DtypeRule, Entry, InitFn, Plan, Tolerated, initializer_of, make_plan, raise_for_mismatch
 from .options import PlanOptions, ProgressFn, ReadOptions
 from .report import Report
-from .sanitizer import CountingFiles, audit, nonfinite, poison
+from .sanitizer import audit, nonfinite, poison
 from .integrations.sharded import is_dtensor, local_of
 from .planning.ties import TieSettling, compared_before_allocating
-from .io.transfer import resolve_device, staging_for
-from .io.validate import check_bools
+from .io.transfer import resolve_device
 
 CheckpointLike = Union[str, os.PathLike, Checkpoint]
 DeviceLike = Union[str, torch.device]
@@ -234,27 +232,21 @@ def execute(
     *,
     init: Optional[InitFn] = None,
 ) -> Report:
-    """Carry out a plan made by :func:`make_plan` against ``ckpt``, reading as ``read_options`` says."""
-    with reading(ckpt.files, read_options.direct_io) as files:
-        return _execute(the_plan, ckpt, files, read_options, init)
+    """Carry out a plan made by :func:`make_plan` against ``ckpt``, reading as ``read_options`` says
+    (through :mod:`materialize.io.executor`, as every read does)."""
+    wants_views = (read_options.mmap and the_plan.device.type == "cpu") or any(e.on_disk for e in the_plan.entries)
+    with reads(ckpt.files, read_options, maps=wants_views) as reader:
+        return _execute(the_plan, ckpt, reader, init)
 
 
-def _execute(the_plan: Plan, ckpt: Checkpoint, files: FileSet, read_options: ReadOptions,
-             init: Optional[InitFn]) -> Report:
+def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[InitFn]) -> Report:
+    read_options = reader.options
     mmap, staging_bytes, allow_overflow = read_options.mmap, read_options.staging_bytes, read_options.allow_overflow
     check = read_options.check
     started = time.perf_counter()
     admit_host_copies(expected_peak_host_bytes(the_plan, mmap=mmap, staging_bytes=staging_bytes), ckpt.path)
     undo: list[tuple[nn.Module, str, bool, torch.Tensor]] = []
-    wants_views = (mmap and the_plan.device.type == "cpu") or any(e.on_disk for e in the_plan.entries)
-    maps = FileMaps() if wants_views else None
     mapped: list[str] = []
-    # Counted outermost: O_DIRECT reads go through the bounce buffer, never through the files they wrap.
-    files = CountingFiles(files) if check else files
-
-    def read(jobs: list[Job], progress: Optional[ProgressFn] = None) -> int:
-        return stream(jobs, files, staging_factory=lambda device: staging_for(device, staging_bytes),
-                      allow_overflow=allow_overflow, progress=progress)
 
     devices_written = {the_plan.device, *(entry.device for entry in the_plan.entries)}  # a device map's, a mesh's
     in_place: list[str] = []  # the model's own tensors, once the reads into them have begun
@@ -263,7 +255,7 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, files: FileSet, read_options: Rea
             compared_in_file = compared_before_allocating(the_plan, mmap)
             jobs = [
                 job for index, entry in enumerate(the_plan.entries) if index not in compared_in_file
-                for job in _materialize_entry(entry, undo, maps, mmap, mapped, check)
+                for job in _materialize_entry(entry, undo, reader, mmap, mapped, check)
             ]
             extra_jobs, extra_states = extra_state_reads(the_plan)
             for _, module in the_plan.init_modules:
@@ -273,17 +265,14 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, files: FileSet, read_options: Rea
                     initializer_of(module, computed_only=True)()  # planning made sure the module has one
             in_place = [entry.name for entry in the_plan.entries
                         if entry.action == "load" and not entry.original.is_meta and entry.held() is entry.original]
-            bytes_read = read(jobs + extra_jobs, read_options.progress)
-            ties = TieSettling(the_plan, compared_in_file, read, undo, allow_overflow=allow_overflow,
+            reader.read(jobs + extra_jobs, progress=read_options.progress)
+            ties = TieSettling(the_plan, compared_in_file, reader.read, undo, allow_overflow=allow_overflow,
                                allocate=lambda entry: _materialize_entry(entry, undo, None, False, [], check))
             retied, untied = ties.settle()
-            bytes_read += ties.bytes_read
             compared = {index for check in the_plan.tie_checks for index in check}  # reported by the settling
             registered = [(entry, entry.held()) for entry in the_plan.entries]
-            check_bools((entry.source, local_of(tensor)) for entry, tensor in registered
-                        if entry.action == "load" and entry.source)
-            if check:
-                problems = audit(the_plan, registered, files, set(mapped))
+            if reader.counted is not None:
+                problems = audit(the_plan, registered, reader.counted, set(mapped))
                 if problems:
                     raise SanitizerError(f"check failed for {len(problems)} tensor(s): " + "; ".join(problems), path=ckpt.path)
             hand_over(the_plan, extra_states)  # last: a module's state is no tensor the undo can put back
@@ -294,7 +283,7 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, files: FileSet, read_options: Rea
                 with_whole_load(error, *_needs_where(the_plan, error.tensor, mmap, staging_bytes))
             raise
     return make_report(
-        ckpt, the_plan.device, [local_of(tensor) for _, tensor in registered], bytes_read, started, memory,
+        ckpt, the_plan.device, [local_of(tensor) for _, tensor in registered], reader.bytes_read, started, memory,
         loaded=[e.name for e in the_plan.of("load")],
         initialized=[e.name for e in the_plan.of("init")],
         kept=[e.name for e in the_plan.of("keep")],
@@ -368,12 +357,12 @@ def _unique_bytes(tensors: list[torch.Tensor]) -> int:
 
 
 def _materialize_entry(
-    entry: Entry, undo: list, maps: Optional[FileMaps], mmap: bool, mapped: list[str], check: bool
+    entry: Entry, undo: list, reader: Optional[Reads], mmap: bool, mapped: list[str], check: bool
 ) -> list[Job]:
     """Allocate one tensor (once, whatever its tie group) and register it everywhere."""
     original = entry.original
     source = entry.source
-    view = maps.view(source) if maps is not None and source is not None and entry.stays_in_file(mmap) else None
+    view = reader.view(source) if reader is not None and source is not None and entry.stays_in_file(mmap) else None
     if view is not None:
         tensor = view
         mapped.append(entry.name)

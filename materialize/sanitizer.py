@@ -13,15 +13,12 @@ since a real int8/uint8 tensor may well hold that value somewhere.
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 
 from .checkpoint import TensorInfo
-from .io.fileio import FileSet, Part
+from .io.fileio import CountingFiles
 from .skeleton.meta import is_lazy
 from .planning.plan import Entry, Plan
 from .integrations.sharded import local_of
@@ -74,43 +71,6 @@ def is_poisoned(tensor: torch.Tensor) -> bool:
     matches = _bits(tensor) == _bits(probe)[0]
     one_byte_int = tensor.element_size() == 1 and not tensor.dtype.is_floating_point
     return bool(matches.all() if one_byte_int else matches.any())
-
-
-class CountingFiles(FileSet):
-    """A FileSet that counts, per tensor name, the bytes read into destinations."""
-
-    def __init__(self, files: FileSet) -> None:
-        super().__init__()
-        self._inner = files
-        self.bytes_by_tensor: Counter[str] = Counter()
-        self._count_lock = threading.Lock()
-
-    def fd(self, path: Path) -> int:
-        return self._inner.fd(path)
-
-    def read_into(self, path: Path, offset: int, dest: memoryview, *, tensor: str) -> None:
-        self._inner.read_into(path, offset, dest, tensor=tensor)
-        with self._count_lock:
-            self.bytes_by_tensor[tensor] += len(dest)
-
-    def read_run(self, path: Path, offset: int, parts: list[Part]) -> None:
-        self._inner.read_run(path, offset, parts)
-        with self._count_lock:
-            for dest, tensor in parts:
-                if not isinstance(dest, int):  # bytes passed over between tensors are written nowhere
-                    self.bytes_by_tensor[tensor] += len(dest)
-
-    @property
-    def scatters(self) -> bool:
-        return self._inner.scatters
-
-    def read_scattered(self, path: Path, offset: int, rows: torch.Tensor, row_bytes: int, *, tensor: str) -> None:
-        self._inner.read_scattered(path, offset, rows, row_bytes, tensor=tensor)
-        with self._count_lock:
-            self.bytes_by_tensor[tensor] += rows.shape[0] * row_bytes
-
-    def close(self) -> None:
-        pass  # the checkpoint owns the descriptors
 
 
 def audit(plan: Plan, registered: Iterable[tuple[Entry, torch.Tensor]], counts: CountingFiles, mapped: set[str]) -> list[str]:

@@ -23,7 +23,6 @@ from typing import Callable
 import pytest
 import torch
 from safetensors.torch import save_file
-from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).parent / "materialize")

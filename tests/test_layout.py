@@ -76,3 +76,37 @@ def test_every_module_sits_in_a_folder_of_the_pipeline():
 
     assert stray == []
     assert {name.split(".")[1] for name in MODULES if name.count(".") >= 2} <= FOLDERS
+
+
+def imported_modules(name: str) -> set[str]:
+    """The package's modules ``name`` imports (``from pkg import module`` counted as the module)."""
+    found = set()
+    for module, names in imports(MODULES[name]):
+        found |= {t for t in [module, *(f"{module}.{n}" for n in names)] if t in MODULES}
+    return found
+
+
+def test_planning_decides_and_never_reaches_into_the_io_layer():
+    # The plan is what a load will do; io/ carries it out (and may read the plan), never the other way.
+    upward = sorted(f"{name} imports {target}" for name in MODULES if name.startswith("materialize.planning")
+                    for target in imported_modules(name) if target.startswith("materialize.io"))
+
+    assert upward == []
+
+
+def test_every_read_goes_through_the_one_executor():
+    # load, load_tensors and convert hand their jobs to io.executor.Reads; only it drives the engine.
+    callers = sorted(name for name in MODULES for module, names in imports(MODULES[name])
+                     if module == "materialize.io.engine" and "stream" in names)
+    users = {name for name in MODULES if "materialize.io.executor" in imported_modules(name)}
+
+    assert callers == ["materialize.io.executor"]
+    assert {"materialize.loading", "materialize.api", "materialize.conversion"} <= users
+
+
+def test_the_generic_executor_asks_no_integration():
+    # Hugging Face specifics reach a load through the model's defaults (loading.planned), not the read path.
+    reaching = sorted(f"{name} imports {target}" for name in MODULES if name.startswith("materialize.io")
+                      for target in imported_modules(name) if target.startswith("materialize.integrations"))
+
+    assert reaching == []

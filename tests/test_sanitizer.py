@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import materialize as mz
-from materialize import loading
+from materialize.io import executor
 from materialize.sanitizer import is_poisoned, poison
 
 from conftest import reference_model, saved_state, tiny_skeleton, write_safetensors, write_torch
@@ -88,8 +88,8 @@ def test_an_init_that_forgets_a_tensor_is_caught(tmp_path):
 
 def test_a_tensor_the_engine_never_writes_is_caught(tmp_path, monkeypatch):
     path = write_safetensors(saved_state(reference_model()), tmp_path / "m.safetensors")
-    real_stream = loading.stream
-    monkeypatch.setattr(loading, "stream", lambda jobs, *a, **k: real_stream(list(jobs)[:-1], *a, **k))
+    real_stream = executor.stream
+    monkeypatch.setattr(executor, "stream", lambda jobs, *a, **k: real_stream(list(jobs)[:-1], *a, **k))
 
     with pytest.raises(mz.SanitizerError, match="0 bytes written from the file"):
         mz.load(tiny_skeleton(), path, check=True)
@@ -97,8 +97,8 @@ def test_a_tensor_the_engine_never_writes_is_caught(tmp_path, monkeypatch):
 
 def test_a_tensor_written_twice_is_caught(tmp_path, monkeypatch):
     path = write_safetensors(saved_state(reference_model()), tmp_path / "m.safetensors")
-    real_stream = loading.stream
-    monkeypatch.setattr(loading, "stream", lambda jobs, *a, **k: real_stream(list(jobs) + list(jobs)[:1], *a, **k))
+    real_stream = executor.stream
+    monkeypatch.setattr(executor, "stream", lambda jobs, *a, **k: real_stream(list(jobs) + list(jobs)[:1], *a, **k))
 
     with pytest.raises(mz.SanitizerError, match="bytes written from the file, .* expected"):
         mz.load(tiny_skeleton(), path, check=True)

@@ -17,6 +17,14 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets and sizes of a block of
 
 
 @dataclass(frozen=True)
+class Job:
+    """A read: fill ``dest`` (allocated; a box of a larger tensor may be strided) with the tensor ``info`` describes."""
+
+    dest: torch.Tensor
+    info: TensorInfo
+
+
+@dataclass(frozen=True)
 class Piece:
     """One checkpoint tensor's place in an assembled one: a run of its elements, or a box of it."""
 

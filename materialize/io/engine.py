@@ -33,7 +33,8 @@ import torch
 
 from ..checkpoint import TensorInfo
 from ..checkpoint.base import contiguous_strides, make_info
-from ..checkpoint.pieces import Stacked, piece_destination
+from ..checkpoint.pieces import Job, Stacked, piece_destination
+from ..dtypes import RangeCheck, check_cast_range
 from ..errors import AllocationError, CastOverflowError
 from ..options import ProgressFn
 from .fileio import MAX_IOVECS, FileSet, Part, byte_view
@@ -49,14 +50,6 @@ STRIDED_BLOCK_BYTES = 8 * 1024 * 1024  # the temporary of a strided read (see _r
 SLOT_ALIGNMENT = 64  # where a piece starts in a buffer or slot: any dtype can view it, and copies stay aligned
 GAP_BYTES = 4096  # bytes between two pieces that one read passes over rather than making two (see _file_runs)
 PREFAULT_MIN_BYTES = 256 * 1024  # smaller: the faults taken inside the read cost less than the call sparing them
-
-
-@dataclass(frozen=True)
-class Job:
-    """Fill ``dest`` (contiguous, allocated) with the tensor ``info`` describes."""
-
-    dest: torch.Tensor
-    info: TensorInfo
 
 
 MIN_READER_THREADS = 4  # reads in flight a cold file wants, even on a machine of fewer cores
@@ -182,27 +175,6 @@ def _run_direct(jobs: list[Job], files: FileSet, tracker: _Progress, threads: in
         tracker.add(sum(stop - start for _, start, stop in run))
 
     _run_in_tasks(read_run, _pieces(jobs, DIRECT_CHUNK_BYTES), threads, run_bytes=TASK_BYTES)
-
-
-RangeCheck = Callable[[torch.Tensor, torch.dtype, TensorInfo], None]
-
-
-def check_cast_range(values: torch.Tensor, target: torch.dtype, info: TensorInfo) -> None:
-    """Refuse a cast that would turn finite values into inf (or NaN, for fp8)."""
-    if not (values.is_floating_point() and target.is_floating_point) or values.numel() == 0:
-        return
-    limit = torch.finfo(target).max
-    if limit >= torch.finfo(values.dtype).max:
-        return
-    wide = values if values.dtype == torch.float64 else values.float()
-    peak = float(torch.where(torch.isfinite(wide), wide.abs(), torch.zeros((), dtype=wide.dtype)).max())
-    if peak > limit:
-        raise CastOverflowError(
-            f"casting {info.dtype_name} to {str(target).removeprefix('torch.')} overflows: it holds {peak:.6g}, "
-            f"beyond the target's largest value {limit:.6g}; choose a wider dtype or allow the overflow "
-            "(allow_overflow=True, CLI: --allow-overflow)",
-            path=info.path, tensor=info.name,
-        )
 
 
 def _run_cpu_cast(jobs: list[Job], files: FileSet, tracker: _Progress, threads: int, check_range: Optional[RangeCheck]) -> None:

@@ -11,6 +11,7 @@ import ctypes
 import errno
 import os
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -299,3 +300,40 @@ class DirectReads(FileSet):
         for fd in fds.values():
             if fd >= 0:
                 os.close(fd)
+
+
+class CountingFiles(FileSet):
+    """A FileSet that counts, per tensor name, the bytes read into destinations (the sanitizer's evidence)."""
+
+    def __init__(self, files: FileSet) -> None:
+        super().__init__()
+        self._inner = files
+        self.bytes_by_tensor: Counter[str] = Counter()
+        self._count_lock = threading.Lock()
+
+    def fd(self, path: Path) -> int:
+        return self._inner.fd(path)
+
+    def read_into(self, path: Path, offset: int, dest: memoryview, *, tensor: str) -> None:
+        self._inner.read_into(path, offset, dest, tensor=tensor)
+        with self._count_lock:
+            self.bytes_by_tensor[tensor] += len(dest)
+
+    def read_run(self, path: Path, offset: int, parts: list[Part]) -> None:
+        self._inner.read_run(path, offset, parts)
+        with self._count_lock:
+            for dest, tensor in parts:
+                if not isinstance(dest, int):  # bytes passed over between tensors are written nowhere
+                    self.bytes_by_tensor[tensor] += len(dest)
+
+    @property
+    def scatters(self) -> bool:
+        return self._inner.scatters
+
+    def read_scattered(self, path: Path, offset: int, rows: torch.Tensor, row_bytes: int, *, tensor: str) -> None:
+        self._inner.read_scattered(path, offset, rows, row_bytes, tensor=tensor)
+        with self._count_lock:
+            self.bytes_by_tensor[tensor] += rows.shape[0] * row_bytes
+
+    def close(self) -> None:
+        pass  # the checkpoint owns the descriptors

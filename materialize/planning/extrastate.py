@@ -18,7 +18,7 @@ import torch
 
 from ..checkpoint import TensorInfo
 from ..checkpoint.standins import StandIn
-from ..io.engine import Job
+from ..checkpoint.pieces import Job
 from ..errors import CheckpointError, described
 from .plan import Plan
 

@@ -20,7 +20,8 @@ from torch import nn
 
 from ..checkpoint import TensorInfo
 from ..checkpoint.base import contiguous_strides
-from ..io.engine import Job, check_cast_range
+from ..checkpoint.pieces import Job
+from ..dtypes import check_cast_range
 from ..errors import ShardingError
 from .plan import Entry, Plan
 from ..integrations.sharded import ShardSpec, local_of, region

@@ -10,10 +10,10 @@ from typing import Optional
 
 import torch
 
-from ..io.engine import CAST_CHUNK_BYTES, default_cast_threads
-from ..io.hostmem import meminfo_bytes
-from .plan import Plan
-from ..io.transfer import DEFAULT_SLOT_BYTES, DEFAULT_SLOTS
+from ..planning.plan import Plan
+from .engine import CAST_CHUNK_BYTES, default_cast_threads
+from .hostmem import meminfo_bytes
+from .transfer import DEFAULT_SLOT_BYTES, DEFAULT_SLOTS
 
 
 def available_host_bytes() -> Optional[int]:

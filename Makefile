@@ -46,7 +46,7 @@ $(STAMP): pyproject.toml requirements-dev.txt requirements-fuzz.txt requirements
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m materialize.fixtures configs/demo.toml $(DEMO_DIR)
+	$(PY) -m bench.writer configs/demo.toml $(DEMO_DIR)
 	$(VENV)/bin/materialize $(DEMO_DIR) --model configs/demo.toml
 
 test: $(STAMP)

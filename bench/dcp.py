@@ -62,7 +62,7 @@ def ensure_dcp(config: str, root: Path) -> tuple[Path, dict]:
 
 def _skeleton(args: dict) -> torch.nn.Module:
     import materialize as mz
-    from materialize.models.transformer import DecoderLM
+    from bench.models.transformer import DecoderLM
 
     with mz.meta_init():
         return DecoderLM(**args)

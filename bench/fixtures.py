@@ -17,7 +17,7 @@ import torch
 
 import materialize as mz
 from materialize.dtypes import dtype_name
-from materialize.fixtures import INDEX_NAME, write_sharded_checkpoint
+from bench.writer import INDEX_NAME, write_sharded_checkpoint
 from materialize.skeleton.spec import read_config
 
 SAMPLE_EVERY = 7

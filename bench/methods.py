@@ -34,7 +34,7 @@ def _status(field: str) -> int:
 
 
 def _skeleton(args: dict, how: str) -> torch.nn.Module:
-    from materialize.models.transformer import DecoderLM
+    from bench.models.transformer import DecoderLM
 
     if how == "meta-device":
         with torch.device("meta"):
@@ -69,7 +69,7 @@ def _prepare(method: str) -> tuple[Setup, Load]:
             lambda path, model: _with(model, lambda m: load(m, path, **options))
         )
     if method == "naive":
-        from materialize.models.transformer import DecoderLM
+        from bench.models.transformer import DecoderLM
 
         def naive(path: Path, args: dict) -> torch.nn.Module:
             torch.set_default_dtype(torch.bfloat16)

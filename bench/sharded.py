@@ -48,7 +48,7 @@ def rank_main(method: str, path: Path, expected: dict, store: Path, rank: int, w
     from torch.distributed.fsdp import fully_shard
 
     import materialize as mz
-    from materialize.models.transformer import DecoderLM
+    from bench.models.transformer import DecoderLM
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))

@@ -77,7 +77,7 @@ def _emit(as_json: bool, payload: dict, text: str) -> None:
 checkpoint_argument = click.argument("checkpoint", type=click.Path(dir_okay=True, readable=False, path_type=str))
 model_options = [
     click.option("--model", "model_spec", metavar="SPEC",
-                 help="package.module:callable, a configs/ TOML file, hf:ClassName (default: config.json's architecture), timm:NAME or torchvision:NAME."),
+                 help="package.module:callable, path/to/model.py:callable, a configs/ TOML file, hf:ClassName (default: config.json's architecture), timm:NAME or torchvision:NAME."),
     click.option("--model-arg", "model_args", type=MODEL_ARG, multiple=True, help="KEY=VALUE passed to the model factory (JSON literal values)."),
     click.option("--device", type=DEVICE, default="cpu", show_default=True, help="Where the tensors are allocated."),
     click.option("--device-map", type=DEVICE_MAP, default=None,

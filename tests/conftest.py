@@ -14,7 +14,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from materialize.models.transformer import DecoderLM
+from bench.models.transformer import DecoderLM
+
+# The demo/bench model by its file: a spec any subprocess resolves, whatever its working directory.
+DECODER_SPEC = f"{Path(__file__).resolve().parent.parent / 'bench' / 'models' / 'transformer.py'}:DecoderLM"
 
 TINY = dict(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
 
@@ -97,9 +100,12 @@ def run_ranks(scenario: str, checkpoint: Path, workdir: Path, world: int = 2) ->
     workdir.mkdir(parents=True, exist_ok=True)
     store = workdir / "store"
     outs = [workdir / f"rank{rank}.json" for rank in range(world)]
+    root = str(SHARDED_WORKER.parent.parent)  # bench/ (the tiny model's module) importable, as in this process
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     processes = [
         subprocess.Popen([sys.executable, str(SHARDED_WORKER), scenario, str(checkpoint), str(store), str(rank), str(world),
-                          str(out)], cwd=SHARDED_WORKER.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                          str(out)], cwd=SHARDED_WORKER.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=env)
         for rank, out in enumerate(outs)
     ]
     logs = [process.communicate(timeout=300)[0] for process in processes]

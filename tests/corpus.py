@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-TINY_MODEL = "materialize.models.transformer:DecoderLM"
+TINY_MODEL = f"{Path(__file__).resolve().parent.parent / 'bench' / 'models' / 'transformer.py'}:DecoderLM"
 TINY_ARGS = {"vocab_size": 16, "hidden_size": 8, "num_layers": 1, "num_heads": 2, "intermediate_size": 8}
 
 
@@ -381,7 +381,7 @@ def build(root: Path) -> list[Case]:
     model = {"model": TINY_MODEL, "model_args": TINY_ARGS}
     cli_model = ["--model", TINY_MODEL, *[f"--model-arg={k}={v}" for k, v in TINY_ARGS.items()]]
     folder = case("load-shape-mismatch", st, "ShapeMismatchError", ["model.norm.weight", "[8]", "[9]"], load=model, cli=cli_model)
-    from materialize.models.transformer import DecoderLM
+    from bench.models.transformer import DecoderLM
 
     state = {k: v.contiguous() for k, v in DecoderLM(**TINY_ARGS).state_dict().items()}
     save_file({**state, "model.norm.weight": torch.ones(9)}, str(folder / st))

@@ -9,9 +9,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-TINY_CONFIG = """
+TINY_CONFIG = f"""
 [model]
-factory = "materialize.models.transformer:DecoderLM"
+factory = "{ROOT / 'bench' / 'models' / 'transformer.py'}:DecoderLM"
 
 [model.args]
 vocab_size = 256

@@ -15,7 +15,9 @@ import torch
 from safetensors.torch import save_file
 
 import materialize
-from materialize.models.transformer import DecoderLM
+from bench.models.transformer import DecoderLM
+
+from conftest import DECODER_SPEC
 
 # ---------------------------------------------------------------- helpers
 
@@ -28,7 +30,7 @@ TINY_ARGS = {
     "tie_embeddings": True,
 }
 TINY_MODEL_OPTIONS = [
-    "--model", "materialize.models.transformer:DecoderLM",
+    "--model", DECODER_SPEC,
     "--model-arg", "vocab_size=64",
     "--model-arg", "hidden_size=32",
     "--model-arg", "num_layers=2",
@@ -45,10 +47,10 @@ def materialize_command() -> str:
     return str(Path(sys.executable).parent / "materialize")
 
 
-def run_cli(*args: object, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run_cli(*args: object, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [materialize_command(), *map(str, args)],
-        capture_output=True, text=True, cwd=cwd, timeout=300,
+        capture_output=True, text=True, cwd=cwd, timeout=300, env=env,
     )  # fmt: skip
 
 
@@ -84,7 +86,7 @@ def write_small_torch(path: Path) -> dict[str, torch.Tensor]:
 
 
 def write_toml_config(path: Path, args: dict) -> Path:
-    lines = ["[model]", 'factory = "materialize.models.transformer:DecoderLM"', "", "[model.args]"]
+    lines = ["[model]", f'factory = "{DECODER_SPEC}"', "", "[model.args]"]
     for key, value in args.items():
         lines.append(f"{key} = {json.dumps(value)}")
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -232,7 +234,10 @@ def test_trust_pickle_loads_a_pickled_module(tmp_path):
     path = tmp_path / "whole_model.pt"
     torch.save(source, path)
 
-    result = run_cli(path, "--trust-pickle", "--json")
+    # The classes a pickled module names must be importable where it is loaded, as for torch.load: bench/'s here.
+    root = Path(__file__).resolve().parent.parent
+    result = run_cli(path, "--trust-pickle", "--json",
+                     env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))})
 
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
@@ -472,7 +477,7 @@ def test_invalid_toml_config_names_the_config_file(tmp_path):
     path = tmp_path / "tiny.safetensors"
     write_tiny_decoder_checkpoint(path)
     config = tmp_path / "broken.toml"
-    config.write_text('[model]\nfactory = "materialize.models.transformer:DecoderLM\n', encoding="utf-8")
+    config.write_text('[model]\nfactory = "bench.models.transformer:DecoderLM\n', encoding="utf-8")
 
     result = run_cli(path, "--model", config)
 

@@ -12,7 +12,7 @@ import torch
 
 import materialize as mz
 
-from conftest import TINY, reference_model, saved_state, tiny_skeleton, write_safetensors
+from conftest import DECODER_SPEC, TINY, reference_model, saved_state, tiny_skeleton, write_safetensors
 
 CLI = str(Path(sys.executable).parent / "materialize")
 SPLIT = {"model.embed_tokens": "disk", "model.layers.0": "disk", "model.layers.1": "cpu", "model.norm": "cpu", "lm_head": "disk"}
@@ -66,7 +66,7 @@ def test_cli_plan_shows_bytes_per_device_for_a_device_map(tmp_path):
     args = [f"--model-arg={k}={json.dumps(v)}" for k, v in TINY.items()]
 
     done = subprocess.run(
-        [CLI, "plan", str(path), "--model", "materialize.models.transformer:DecoderLM", *args,
+        [CLI, "plan", str(path), "--model", DECODER_SPEC, *args,
          "--device-map", json.dumps({"model": "cpu", "lm_head": "disk"}), "--json"],
         capture_output=True, text=True,
     )
@@ -107,7 +107,7 @@ def test_plan_reports_expected_peak_host_memory_and_whether_it_fits(tmp_path):
 def test_plan_says_when_a_model_does_not_fit(tmp_path):
     path = write_safetensors({"unrelated": torch.zeros(1)}, tmp_path / "m.safetensors")
     # About 3 TB in fp32 on meta: planning allocates nothing, so this costs nothing.
-    huge = mz.build("materialize.models.transformer:DecoderLM", vocab_size=32000, hidden_size=16384,
+    huge = mz.build("bench.models.transformer:DecoderLM", vocab_size=32000, hidden_size=16384,
                     num_layers=256, num_heads=128, intermediate_size=65536)
 
     memory = mz.plan(huge, path, strict=False).to_dict()["memory"]["cpu"]

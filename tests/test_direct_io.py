@@ -12,7 +12,7 @@ import torch
 import materialize as mz
 from materialize.io import fileio
 from materialize.io.fileio import DirectReads
-from materialize.models.transformer import DecoderLM
+from bench.models.transformer import DecoderLM
 
 from conftest import TINY, reference_model, saved_state, write_safetensors, write_torch
 from test_cli import run_cli

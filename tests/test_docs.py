@@ -24,7 +24,7 @@ from vision import import_torchvision, pythonpath_with_shim
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CLI = str(Path(sys.executable).parent / "materialize")
-GIVEN = {"docs/library.md": "from materialize.models.transformer import DecoderLM as MyModel\n"
+GIVEN = {"docs/library.md": "from bench.models.transformer import DecoderLM as MyModel\n"
                             f"cfg = {TINY!r}\n"}
 
 

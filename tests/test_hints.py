@@ -24,9 +24,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from conftest import DECODER_SPEC
+
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).parent / "materialize")
-TINY = "materialize.models.transformer:DecoderLM"
+TINY = DECODER_SPEC
 TINY_ARGS = {"vocab_size": 16, "hidden_size": 8, "num_layers": 1, "num_heads": 2, "intermediate_size": 8}
 
 
@@ -35,7 +37,7 @@ def model_flags(**overrides: int) -> list[str]:
 
 
 def tiny_state(**overrides: int) -> dict[str, torch.Tensor]:
-    from materialize.models.transformer import DecoderLM
+    from bench.models.transformer import DecoderLM
 
     torch.manual_seed(0)
     return {k: v.contiguous() for k, v in DecoderLM(**{**TINY_ARGS, **overrides}).state_dict().items()}

@@ -8,9 +8,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "materialize"
-FOLDERS = {"checkpoint", "skeleton", "planning", "io", "integrations", "models"}
-TOP_LEVEL = {"__init__", "api", "options", "loading", "conversion", "sanitizer", "errors", "report", "dtypes", "sizes",
-             "fixtures"}
+FOLDERS = {"checkpoint", "skeleton", "planning", "io", "integrations"}
+TOP_LEVEL = {"__init__", "api", "options", "loading", "conversion", "sanitizer", "errors", "report", "dtypes", "sizes"}
 
 
 def module_name(path: Path) -> str:

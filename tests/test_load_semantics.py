@@ -12,7 +12,7 @@ from torch import nn
 import materialize as mz
 
 from conftest import TINY, assert_state_equal, reference_model, saved_state, tiny_skeleton, write_safetensors, write_torch
-from materialize.models.transformer import DecoderLM
+from bench.models.transformer import DecoderLM
 
 
 class Scaled(nn.Module):

@@ -13,6 +13,8 @@ from torch import nn
 
 import materialize as mz
 
+from conftest import DECODER_SPEC
+
 
 class WithBuffer(nn.Module):
     def __init__(self) -> None:
@@ -133,7 +135,7 @@ def test_building_on_meta_skips_init_kernels_entirely():
     # In-place init on meta would import torch's reference kernels and dynamo: seconds per process.
     script = (
         "import sys, materialize as mz\n"
-        "model = mz.build('materialize.models.transformer:DecoderLM', vocab_size=64, hidden_size=32,"
+        f"model = mz.build({DECODER_SPEC!r}, vocab_size=64, hidden_size=32,"
         " num_layers=2, num_heads=4, intermediate_size=64)\n"
         "assert all(p.is_meta for p in model.parameters())\n"
         "print('torch._dynamo' in sys.modules)\n"

@@ -51,7 +51,7 @@ def test_a_correct_load_passes_the_audit(dtype, tmp_path, tokens):
     source = reference_model(tie=True, dtype=torch.bfloat16)
     path = write_torch(saved_state(source), tmp_path / "m.pt")
     with torch.device("meta"):
-        from materialize.models.transformer import DecoderLM
+        from bench.models.transformer import DecoderLM
         from conftest import TINY
 
         model = DecoderLM(**TINY, tie_embeddings=True)

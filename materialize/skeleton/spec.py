@@ -1,11 +1,19 @@
 """Model specs: the forms a skeleton can be described in.
 
 * a callable returning a module (a class, a factory function);
-* ``"package.module:callable"``;
+* ``"package.module:callable"`` (an importable module);
+* ``"path/to/file.py:callable"`` (a Python file, for a model defined in a
+  script beside the checkpoint: the file runs as a module named after it,
+  its folder first on the import path while it runs, as running the
+  script would put it; relative paths start at the working directory, or
+  at a TOML file's folder for its ``factory``). Naming the file is asking
+  for its code to run, as naming a module is; a file already imported
+  (under any module name) is not run twice;
+* ``"timm:NAME"``, ``"torchvision:NAME"``;
 * a TOML file in the ``configs/`` format::
 
       [model]
-      factory = "materialize.models.transformer:DecoderLM"
+      factory = "../bench/models/transformer.py:DecoderLM"
 
       [model.args]
       hidden_size = 1024
@@ -16,12 +24,15 @@ parameters cost no memory and its buffers are real.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Union
+from types import ModuleType
+from typing import Any, Optional, Union
 
 from torch import nn
 
@@ -63,7 +74,7 @@ def resolve_factory(spec: ModelSpec) -> tuple[Callable[..., nn.Module], dict[str
         args = model.get("args", {})
         if not isinstance(args, dict):
             raise ModelSpecError("[model.args] must be a table", path=text)
-        return _import_callable(model["factory"]), dict(args)
+        return _import_callable(model["factory"], relative_to=Path(text).parent), dict(args)
     return _import_callable(text), {}
 
 
@@ -105,14 +116,22 @@ def _import_family(package: str, module: str) -> Any:
 MODEL_FAMILIES: dict[str, Callable[[str], Callable[..., nn.Module]]] = {"timm": _timm, "torchvision": _torchvision}
 
 
-def _import_callable(target: str) -> Callable[..., nn.Module]:
-    module_name, sep, attr_path = target.partition(":")
+def _import_callable(target: str, *, relative_to: Optional[Path] = None) -> Callable[..., nn.Module]:
+    module_name, sep, attr_path = target.rpartition(":")
     if not sep or not module_name or not attr_path:
-        raise ModelSpecUsageError(f"model spec {target!r} must be 'package.module:callable' or a .toml config file")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ModelSpecUsageError(f"model spec {target!r}: cannot import {module_name!r} ({exc})") from None
+        raise ModelSpecUsageError(
+            f"model spec {target!r} must be 'package.module:callable', 'path/to/file.py:callable' or a .toml config file"
+        )
+    obj: Any
+    if module_name.endswith(".py"):
+        obj = _module_from_file((relative_to or Path.cwd()) / module_name, target)
+    else:
+        try:
+            obj = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ModelSpecUsageError(
+                f"model spec {target!r}: cannot import {module_name!r} ({exc}){_as_file_hint(module_name, attr_path)}"
+            ) from None
     for attr in attr_path.split("."):
         if not hasattr(obj, attr):
             raise ModelSpecUsageError(f"model spec {target!r}: {module_name!r} has no attribute {attr_path!r}")
@@ -120,6 +139,42 @@ def _import_callable(target: str) -> Callable[..., nn.Module]:
     if not callable(obj):
         raise ModelSpecUsageError(f"model spec {target!r} is not callable")
     return obj
+
+
+def _as_file_hint(module_name: str, attr_path: str) -> str:
+    """A module that is a file here but not on the import path (a console script does not put the working
+    directory there, as ``python -m`` does) can be named as that file."""
+    candidate = Path(*module_name.split(".")).with_suffix(".py")
+    return f"; {candidate} is here: name it as the file, '{candidate}:{attr_path}'" if candidate.is_file() else ""
+
+
+def _module_from_file(path: Path, target: str) -> ModuleType:
+    """The module a Python file defines, run once (see the module docstring)."""
+    if not path.is_file():
+        raise ModelSpecUsageError(f"model spec {target!r}: no such file {path}")
+    resolved = path.resolve()
+    for module in list(sys.modules.values()):
+        known = getattr(module, "__file__", None)
+        if known and Path(known).resolve() == resolved:
+            return module
+    name = f"materialize_model_file_{hashlib.sha1(str(resolved).encode()).hexdigest()[:12]}_{resolved.stem}"
+    spec = importlib.util.spec_from_file_location(name, resolved)
+    if spec is None or spec.loader is None:
+        raise ModelSpecUsageError(f"model spec {target!r}: {path} cannot be loaded as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look their module up here while it runs
+    sys.path.insert(0, str(resolved.parent))
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as exc:
+        del sys.modules[name]
+        if not isinstance(exc, Exception):
+            raise
+        raise ModelSpecError(f"model spec {target!r}: the file failed to run: {type(exc).__name__}: {first_line(exc)}",
+                             path=path) from None
+    finally:
+        sys.path.remove(str(resolved.parent))
+    return module
 
 
 def build(spec: ModelSpec, **kwargs: Any) -> nn.Module:

@@ -6,7 +6,7 @@ shard and dropped, so memory stays near one shard whatever the model size.
 The output appears atomically: it is written to a temporary folder beside
 the target and renamed into place at the end.
 
-Run as ``python -m materialize.fixtures CONFIG OUT_DIR``.
+Run as ``python -m bench.writer CONFIG OUT_DIR`` from the repository's root (``make demo`` does).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from .checkpoint.index import SAFETENSORS_INDEX_NAME
-from .dtypes import parse_dtype
-from .sizes import parse_size
-from .skeleton.spec import ModelSpec, build, read_config
+from materialize.checkpoint.index import SAFETENSORS_INDEX_NAME
+from materialize.dtypes import parse_dtype
+from materialize.sizes import parse_size
+from materialize.skeleton.spec import ModelSpec, build, read_config
 
 INDEX_NAME = SAFETENSORS_INDEX_NAME
 

@@ -1,0 +1,1 @@
+"""The demo and benchmark models (outside the library package: `make demo` and `make bench` build them)."""

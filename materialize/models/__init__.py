@@ -1,1 +1,0 @@
-"""Models shipped with the package: the demo and benchmark transformer."""

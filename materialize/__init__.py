@@ -23,6 +23,8 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _EXPORTS = {
     "meta_init": "skeleton.meta",
+    "deferred_init": "skeleton.deferred",
+    "materialize": "api",
     "build": "skeleton.spec",
     "open_checkpoint": "checkpoint",
     "Checkpoint": "checkpoint",
@@ -45,6 +47,7 @@ _EXPORTS = {
     "ShapeMismatchError": "errors",
     "InitError": "errors",
     "MetaInitError": "errors",
+    "ReplayError": "errors",
     "ModelSpecError": "errors",
     "ModelSpecUsageError": "errors",
     "CastOverflowError": "errors",
@@ -97,6 +100,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         ModelSpecError,
         ModelSpecUsageError,
         OutputError,
+        ReplayError,
         SanitizerError,
         ShardingError,
         ShapeMismatchError,
@@ -106,7 +110,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .planning.keymap import KeyMap
     from .loading import load
     from .skeleton.meta import meta_init
+    from .skeleton.deferred import deferred_init
     from .planning.plan import Plan
     from .report import Report
-    from .api import load_model, load_tensors, plan
+    from .api import load_model, load_tensors, materialize, plan
     from .skeleton.spec import build

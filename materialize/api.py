@@ -17,7 +17,7 @@ from .integrations.devicemap import DeviceMapLike
 from .dtypes import parse_dtype
 from .checkpoint.pieces import Job
 from .io.executor import reads
-from .errors import AllocationError, ModelRequiredError, ModelSpecError
+from .errors import AllocationError, ModelRequiredError, ModelSpecError, ReplayError
 from .io.gcpause import gc_paused
 from .integrations.hf import HF_SPEC_PREFIX, build_hf, is_hf_folder, is_transformers_folder
 from .io.hostmem import admit_host_copies, empty_destination, with_whole_load
@@ -39,7 +39,12 @@ from .planning.plan import InitFn, Plan
 from .options import PlanOptions, ProgressFn, ReadOptions
 from .report import Report
 from .sanitizer import nonfinite
-from .skeleton.spec import ModelSpec, build
+from .skeleton.deferred import program_of
+from .skeleton.meta import parameter_like
+from .skeleton.modtree import named_modules
+from .skeleton.spec import ModelSpec, build, build_recorded
+from .integrations.sharded import is_dtensor, shard_spec
+from .io.replay import replay, shard_box
 from .io.transfer import resolve_device
 from .io.shared import shared_spans
 
@@ -73,7 +78,8 @@ def plan(
     peak of host memory for ``"cpu"``) with what is available now. ``device``
     defaults as in :func:`load`.
     """
-    with _opened_with_skeleton(checkpoint, model, model_args, revision, trust_pickle, dtype) as (ckpt, skeleton):
+    with _opened_with_skeleton(checkpoint, model, model_args, revision, trust_pickle, dtype,
+                               record=not strict or ignore_mismatched_sizes) as (ckpt, skeleton):
         if skeleton is None:
             raise ModelRequiredError("a plan needs a model: pass one (CLI: --model SPEC)", path=ckpt.path)
         options = PlanOptions(
@@ -191,9 +197,9 @@ def load_model(
     ``trust_pickle``), and a plain state dict is materialized as a ``dict`` of
     tensors.
     """
-    with _opened_with_skeleton(source, model, model_args, revision, trust_pickle, load_options.get("dtype")) as (
-        ckpt, skeleton,
-    ):
+    record = not load_options.get("strict", True) or load_options.get("ignore_mismatched_sizes", False)
+    with _opened_with_skeleton(source, model, model_args, revision, trust_pickle, load_options.get("dtype"),
+                               record=record) as (ckpt, skeleton):
         if skeleton is None:
             if load_options.get("device_map") is not None:
                 raise ModelRequiredError("a device map needs a model to place: pass one (CLI: --model SPEC)", path=ckpt.path)
@@ -211,18 +217,24 @@ def _opened_with_skeleton(
     revision: Optional[str],
     trust_pickle: bool,
     dtype: DtypeLike = None,
+    *,
+    record: bool = False,
 ) -> Iterator[tuple[Checkpoint, Optional[nn.Module]]]:
     """Resolve a hub id, open the checkpoint, and build the model the source calls for (None: none).
 
     A transformers model is built in the dtype its floating tensors will
     load in (``dtype``, else the checkpoint's), as ``from_pretrained``
-    builds it (see :func:`~materialize.integrations.hf.build_hf`).
+    builds it (see :func:`~materialize.integrations.hf.build_hf`). With
+    ``record`` (a load that may initialize tensors: ``strict=False``,
+    ``ignore_mismatched_sizes``), a spec is built by
+    :func:`~materialize.skeleton.spec.build_recorded`, so what the checkpoint
+    lacks is made as eager construction made it.
     """
     if not isinstance(source, Checkpoint):
         source = resolve_source(source, revision=revision)
     folder = None if isinstance(source, Checkpoint) else Path(source)
     with opened(source, trust_pickle) as ckpt:
-        yield ckpt, _skeleton(model, model_args, folder, ckpt, dtype)
+        yield ckpt, _skeleton(model, model_args, folder, ckpt, dtype, record)
 
 
 def _skeleton(
@@ -231,6 +243,7 @@ def _skeleton(
     folder: Optional[Path],
     ckpt: Checkpoint,
     dtype: DtypeLike = None,
+    record: bool = False,
 ) -> Optional[nn.Module]:
     if isinstance(model, nn.Module):
         return model
@@ -238,8 +251,61 @@ def _skeleton(
     if builds_hf and (folder is None or not is_hf_folder(folder)):
         raise ModelSpecError(f"{model!r} needs a Hugging Face folder or hub id holding config.json as the source")
     if model is not None and not builds_hf:
-        return build(model, **dict(model_args or {}))
+        return (build_recorded if record else build)(model, **dict(model_args or {}))
     if builds_hf or (folder is not None and is_transformers_folder(folder)):
         class_name = (model[len(HF_SPEC_PREFIX):] or None) if builds_hf else None
         return build_hf(folder, model_class=class_name, dtype=parse_dtype(dtype) or dominant_float_dtype(ckpt))
     return ckpt.module
+
+
+@gc_paused
+def materialize(model: nn.Module, *, device: Optional[DeviceLike] = None) -> nn.Module:
+    """Make every tensor of a model :func:`~materialize.skeleton.deferred.deferred_init` recorded, on
+    ``device`` (default: the CPU), with the values eager construction gives it under the same seed: a model
+    trained from scratch, no checkpoint.
+
+    Each tensor is allocated once, in the dtype the model has now (``.half()`` after construction takes
+    effect), with the strides eager construction gives it; ties stay one tensor; parameters keep their
+    class, attributes and ``requires_grad``. A DTensor (a model sharded on meta by FSDP2 or tensor
+    parallel) gets this rank's box of the eager values, on its mesh's device. Tensors already real are moved
+    to ``device`` as they are. Returns ``model``, filled in place.
+    """
+    program = program_of(model)
+    if program is None:
+        raise ReplayError("the model was not built by deferred_init: nothing was recorded to replay; build it with "
+                          "mz.deferred_init(ModelClass, ...) or load a checkpoint into it")
+    target = resolve_device(device if device is not None else "cpu")
+    made: dict[int, torch.Tensor] = {}  # id of the model's tensor -> its replacement (ties: one)
+    targets: dict[str, Any] = {}
+    slots = []
+    for prefix, module in named_modules(model):
+        for registry in ("_parameters", "_buffers"):
+            for attr, tensor in getattr(module, registry).items():
+                if tensor is None:
+                    continue
+                name = f"{prefix}.{attr}" if prefix else attr
+                slots.append((module, registry, attr, tensor))
+                if id(tensor) in made:
+                    continue
+                if not tensor.is_meta and not is_dtensor(tensor):
+                    made[id(tensor)] = tensor.to(target)
+                    continue
+                spec = shard_spec(tensor, name)
+                if spec is not None:
+                    local = empty_destination(spec.local_shape, dtype=tensor.dtype, device=spec.device, name=name)
+                    targets[name] = shard_box(local, spec)
+                    made[id(tensor)] = spec.wrap(local)
+                else:
+                    made[id(tensor)] = targets[name] = empty_destination(
+                        tuple(tensor.shape), dtype=tensor.dtype, device=target, name=name, stride=tuple(tensor.stride()))
+    replay(program, targets, target)
+    as_parameters: dict[int, nn.Parameter] = {}
+    for module, registry, attr, tensor in slots:
+        value = made[id(tensor)]
+        if registry == "_parameters":
+            if id(tensor) not in as_parameters:
+                as_parameters[id(tensor)] = (value if value is tensor
+                                             else parameter_like(tensor, value, tensor.requires_grad))
+            value = as_parameters[id(tensor)]
+        getattr(module, registry)[attr] = value
+    return model

@@ -93,6 +93,10 @@ class MetaInitError(MaterializeError, RuntimeError):
     """Building a model under ``meta_init`` asked for the value of a tensor on meta, which has none."""
 
 
+class ReplayError(MaterializeError, RuntimeError):
+    """A recorded construction (``deferred_init``) cannot make a tensor as eager construction made it."""
+
+
 class CastOverflowError(MaterializeError, OverflowError):
     """A cast to a narrower float type would turn finite values into inf."""
 

@@ -21,6 +21,8 @@ from .checkpoint.pieces import Job
 from .errors import AllocationError, MaterializeError, SanitizerError, summarize_names
 from .planning.extrastate import extra_state_reads, hand_over
 from .io.executor import Reads, reads
+from .io.replay import ReplayInit
+from .skeleton.deferred import program_of
 from .io.gcpause import gc_paused
 from .integrations.hf import forget_ties, hf_dtype_rule, hf_init, hf_key_map, hf_tolerated, is_hf_model
 from .io.hostmem import admit_host_copies, empty_destination, with_whole_load
@@ -58,6 +60,9 @@ def _model_defaults(
 ) -> tuple[PlanOptions, Optional[DtypeRule], Optional[Tolerated]]:
     """transformers models bring their own key renames and init (unless the caller gave others), fp32 lists,
     and the missing and unexpected names they declare expected."""
+    program = program_of(model)
+    if program is not None and options.init is None:  # recorded by deferred_init: made as eager construction made it
+        options = dataclasses.replace(options, init=ReplayInit(program))
     if not is_hf_model(model):
         return options, None, None
     options = dataclasses.replace(
@@ -258,11 +263,14 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
                 for job in _materialize_entry(entry, undo, reader, mmap, mapped, check)
             ]
             extra_jobs, extra_states = extra_state_reads(the_plan)
-            for _, module in the_plan.init_modules:
-                if init is not None:
-                    init(module)
-                else:
-                    initializer_of(module, computed_only=True)()  # planning made sure the module has one
+            if isinstance(init, ReplayInit):
+                init.fill(the_plan)
+            else:
+                for _, module in the_plan.init_modules:
+                    if init is not None:
+                        init(module)
+                    else:
+                        initializer_of(module, computed_only=True)()  # planning made sure the module has one
             in_place = [entry.name for entry in the_plan.entries
                         if entry.action == "load" and not entry.original.is_meta and entry.held() is entry.original]
             reader.read(jobs + extra_jobs, progress=read_options.progress)
@@ -286,6 +294,7 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
         ckpt, the_plan.device, [local_of(tensor) for _, tensor in registered], reader.bytes_read, started, memory,
         loaded=[e.name for e in the_plan.of("load")],
         initialized=[e.name for e in the_plan.of("init")],
+        replayed=[e.name for e in the_plan.of("init")] if isinstance(init, ReplayInit) else [],
         kept=[e.name for e in the_plan.of("keep")],
         missing=list(the_plan.missing),
         unexpected=list(the_plan.unexpected),

@@ -17,6 +17,7 @@ class Report:
     device: str
     loaded: list[str] = field(default_factory=list)
     initialized: list[str] = field(default_factory=list)
+    replayed: list[str] = field(default_factory=list)  # of the initialized: made by replaying a recorded construction
     kept: list[str] = field(default_factory=list)
     mapped: list[str] = field(default_factory=list)
     nonfinite: list[str] = field(default_factory=list)
@@ -48,6 +49,7 @@ class Report:
             "device": self.device,
             "loaded": self.loaded,
             "initialized": self.initialized,
+            "replayed": self.replayed,
             "kept": self.kept,
             "mapped": self.mapped,
             "nonfinite": self.nonfinite,
@@ -101,7 +103,8 @@ class Report:
         lines = [f"{label.ljust(width)}  {value}" for label, value in rows]
         if self.initialized:
             lines.append(f"{'initialized'.ljust(width)}  {', '.join(self.initialized[:6])}"
-                         + (f" (+{len(self.initialized) - 6})" if len(self.initialized) > 6 else ""))
+                         + (f" (+{len(self.initialized) - 6})" if len(self.initialized) > 6 else "")
+                         + (" (replayed as eager construction made them)" if self.replayed else ""))
         if self.nonfinite:
             lines.append(f"{'NaN/Inf in'.ljust(width)}  {', '.join(self.nonfinite[:6])}"
                          + (f" (+{len(self.nonfinite) - 6})" if len(self.nonfinite) > 6 else ""))

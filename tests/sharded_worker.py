@@ -193,6 +193,23 @@ def fsdp_own_head(checkpoint: str, mesh) -> dict:
     return {"error": None}
 
 
+def fsdp_replayed(checkpoint: str, mesh) -> dict:
+    """Recorded by deferred_init, sharded on meta, loaded from a checkpoint without the head: the head replayed."""
+    from bench.models.transformer import DecoderLM
+    from conftest import TINY
+
+    torch.manual_seed(0)
+    model = mz.deferred_init(DecoderLM, **TINY, tie_embeddings=False)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    report = mz.load(model, checkpoint, strict=False)
+    result = _compare(model, reference_model(tie=False))
+    head = model.lm_head.weight
+    result["head_local_rows"] = list(head.to_local().shape)
+    return {**result, "replayed": report.replayed, "bytes_read": report.bytes_read}
+
+
 def _compare(model: nn.Module, source: nn.Module) -> dict:
     expected = source.state_dict()
     placements, equal = {}, {}
@@ -209,7 +226,7 @@ def main() -> None:
         mesh = init_device_mesh("cpu", (int(world),))
         result = {"fsdp": fsdp, "fsdp_mixed": fsdp_mixed, "tp": tensor_parallel, "stacked": stacked, "partial": partial,
                   "fsdp_own_head": fsdp_own_head, "save_fsdp": save_fsdp, "save_tp": save_tp,
-                  "fsdp_wrapped": fsdp_wrapped}[scenario](checkpoint, mesh)
+                  "fsdp_wrapped": fsdp_wrapped, "fsdp_replayed": fsdp_replayed}[scenario](checkpoint, mesh)
     except BaseException:
         result = {"crash": traceback.format_exc()}
     with open(out, "w") as handle:

@@ -229,3 +229,20 @@ def test_a_real_shard_is_filled_where_it_lives_not_on_the_current_device():
 
     assert spec("cuda", torch.device("cuda", 1)).device == torch.device("cuda", 1)  # no CUDA call made
     assert spec("cpu", torch.device("meta")).device == torch.device("cpu")  # on meta: the mesh's device
+
+
+def test_fsdp2_over_a_recorded_model_replays_each_rank_its_rows_of_a_missing_tensor(tmp_path):
+    # Without a recording, each rank would initialize its shard from the same random state (one block
+    # repeated); replayed, each rank holds its rows of what eager construction made.
+    source = reference_model(tie=False)
+    state = saved_state(source)
+    del state["lm_head.weight"]
+    path = write_safetensors(state, tmp_path / "model.safetensors")
+
+    ranks = run_ranks("fsdp_replayed", path, tmp_path)
+
+    for rank in ranks:
+        assert rank["equal"].keys() == {n for n, _ in source.named_parameters()} and all(rank["equal"].values()), rank
+        assert "lm_head.weight" in rank["replayed"]
+        assert rank["head_local_rows"][0] == source.lm_head.weight.shape[0] // 2
+    assert sum(rank["bytes_read"] for rank in ranks) == sum(t.numel() * t.element_size() for t in state.values())

@@ -29,6 +29,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -36,7 +37,9 @@ from typing import Any, Optional, Union
 
 from torch import nn
 
-from ..errors import MaterializeError, ModelSpecError, ModelSpecUsageError, first_line, torchvision_mismatch
+from ..errors import (MaterializeError, MaterializeWarning, MetaInitError, ModelSpecError, ModelSpecUsageError, first_line,
+                      torchvision_mismatch)
+from .deferred import deferred_init
 from .meta import meta_init
 
 if sys.version_info >= (3, 11):
@@ -197,17 +200,42 @@ def build(spec: ModelSpec, **kwargs: Any) -> nn.Module:
     factory, args = resolve_factory(spec)
     args.update(kwargs)
     with meta_init():
-        name = getattr(factory, "__qualname__", factory)
-        try:
-            model = factory(**args)
-        except TypeError as exc:
-            raise ModelSpecUsageError(f"model factory {name!r} rejected its arguments: {exc}") from None
-        except MaterializeError:
-            raise
-        except Exception as exc:  # the factory's own failure (a download attempted offline, say): say where and why
-            raise ModelSpecError(
-                f"model factory {name!r} failed while building the model: {type(exc).__name__}: {first_line(exc)}"
-            ) from None
+        return _called(factory, lambda: factory(**args))
+
+
+def build_recorded(spec: ModelSpec, **kwargs: Any) -> nn.Module:
+    """:func:`build`, under :func:`~materialize.skeleton.deferred.deferred_init` instead of :func:`meta_init`:
+    a load then makes what the checkpoint lacks as eager construction made it.
+
+    A constructor that cannot be recorded (it asks a tensor's value) is
+    built as :func:`build` builds it, with a warning saying so: what the
+    checkpoint lacks is then initialized by ``reset_parameters()``.
+    """
+    factory, args = resolve_factory(spec)
+    args.update(kwargs)
+    try:
+        return _called(factory, lambda: deferred_init(factory, **args))
+    except MetaInitError as exc:
+        warnings.warn(MaterializeWarning(
+            f"{first_line(exc)}; built without recording: tensors the checkpoint lacks are initialized by their "
+            "modules' reset_parameters()"), stacklevel=2)
+    with meta_init():
+        return _called(factory, lambda: factory(**args))
+
+
+def _called(factory: Callable[..., nn.Module], construct: Callable[[], Any]) -> nn.Module:
+    """``construct()``, its failures named by the factory."""
+    name = getattr(factory, "__qualname__", factory)
+    try:
+        model = construct()
+    except TypeError as exc:
+        raise ModelSpecUsageError(f"model factory {name!r} rejected its arguments: {exc}") from None
+    except MaterializeError:
+        raise
+    except Exception as exc:  # the factory's own failure (a download attempted offline, say): say where and why
+        raise ModelSpecError(
+            f"model factory {name!r} failed while building the model: {type(exc).__name__}: {first_line(exc)}"
+        ) from None
     if not isinstance(model, nn.Module):
         raise ModelSpecError(f"model factory {getattr(factory, '__qualname__', factory)!r} returned {type(model).__name__}, not an nn.Module")
     return model

@@ -1,0 +1,436 @@
+"""Deferred init: build a model on ``meta`` while recording how eager construction would make each tensor.
+
+:func:`deferred_init` runs a constructor with every factory function on
+``meta`` and records, as a program, each op that makes a tensor or writes
+into one (``empty``, ``uniform_``, ``normal_``, a column zeroed through a
+view, ``randn`` for a buffer, arithmetic mixing two tensors), in order,
+with the random generator each draw came from. Nothing is computed and no
+tensor memory is held: the program costs memory in proportion to its ops
+(plus the values of tensors made from Python data, ``torch.tensor([..])``,
+as small as the literals they came from).
+
+Replaying the program (:mod:`materialize.io.replay`: by ``mz.load`` for the
+tensors a checkpoint lacks, by ``mz.materialize`` for all) gives every tensor
+the values eager construction gives it under the same seed, bit for bit on
+the CPU: the draws of tensors that are loaded are still made (and thrown
+away) where a later draw depends on them.
+
+Why a function (``deferred_init(fn, *args)``, torchdistx's form) and not a
+``meta_init(record=True)`` block: the program belongs to one model, the one
+``fn`` returns, and a block could build several or none.
+
+What the recording sees:
+
+* ops at torch's dispatch level (a ``TorchDispatchMode``), so in-place
+  writes through views, ``torch.no_grad`` blocks and explicit generators
+  count as they run;
+* ``torch.nn.init.trunc_normal_``, ``orthogonal_``, ``sparse_`` and
+  ``dirac_`` whole: on ``meta`` they return before any op (torch's own
+  shortcut), so they are recorded as calls and replayed as calls;
+* a generator reseeded or set between two draws (``torch.manual_seed`` in a
+  constructor): the change is recorded as a step;
+* factory functions on ``meta`` without ``torch.device("meta")``, which
+  libraries read as "skip the init" (transformers' ``init_weights`` does).
+
+A constructor that asks a tensor's value (``.item()``, ``if w.sum() > 0``)
+cannot be recorded on meta: :class:`~materialize.errors.MetaInitError`
+names the module being built and the op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from ..errors import MetaInitError
+
+aten = torch.ops.aten
+
+DEFAULT_GENERATOR = 0  # the default generator of the device a model is replayed on
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A tensor as a view of a recorded storage (``sid``)."""
+
+    sid: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, sid: int, tensor: torch.Tensor) -> "Ref":
+        return cls(sid, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype)
+
+
+@dataclass(frozen=True)
+class GeneratorRef:
+    index: int
+
+
+@dataclass(frozen=True)
+class TargetDevice:
+    """A device the recording saw as ``meta``: the replay's device."""
+
+
+@dataclass
+class Step:
+    """One op (an aten overload, a whole ``torch.nn.init`` call, or the remaking of a constant) and its effects."""
+
+    run: Any
+    args: tuple
+    kwargs: dict
+    made: tuple[tuple[int, int], ...]  # (output position, sid) of the storages it makes
+    reads: frozenset
+    writes: frozenset  # sids it writes, made ones included
+    generator: Optional[int]  # the generator it draws from, if it draws
+    where: str  # the module being built, for messages
+    whole_call: bool = False  # a torch.nn.init function: it may draw from the global generator whatever it is given
+
+    @property
+    def draws_from(self) -> frozenset:
+        """The generators it advances: its own, and the global one for a whole init call (see whole_call)."""
+        if self.generator is None:
+            return frozenset()
+        return frozenset({self.generator, DEFAULT_GENERATOR}) if self.whole_call else frozenset({self.generator})
+
+    @property
+    def name(self) -> str:
+        return str(getattr(self.run, "__name__", self.run))
+
+
+@dataclass
+class SetGenerator:
+    """A generator reseeded (``seed``) or set to a state between two draws."""
+
+    generator: int
+    seed: Optional[int]
+    state: Optional[torch.Tensor]
+
+
+@dataclass
+class Program:
+    """What :func:`deferred_init` recorded: the steps, the generators' states at their first use, where each
+    tensor of the model lies, and what cannot be replayed."""
+
+    steps: list = field(default_factory=list)
+    start_states: dict[int, torch.Tensor] = field(default_factory=dict)
+    start_seeds: dict[int, int] = field(default_factory=dict)
+    made_as: dict[int, Ref] = field(default_factory=dict)  # sid -> the tensor that made it
+    made_empty: set[int] = field(default_factory=set)  # sids made by an empty allocation (a target can stand in)
+    constants: dict[int, torch.Tensor] = field(default_factory=dict)  # sid -> a real tensor from before the recording
+    unrecorded: set[int] = field(default_factory=set)  # sids of meta tensors from before the recording
+    bindings: dict[str, Ref] = field(default_factory=dict)  # a parameter's or buffer's qualified name -> its values
+
+    @property
+    def draws(self) -> int:
+        return sum(1 for step in self.steps if isinstance(step, Step) and step.generator is not None)
+
+
+_EMPTY = {aten.empty.memory_format, aten.empty_strided.default}
+# torch.nn.init functions that return at once for a meta tensor; all but dirac_ draw.
+_WHOLE_STEPS = ("trunc_normal_", "orthogonal_", "sparse_", "dirac_")
+_FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
+_CONSTRUCTORS = _device_constructors() - _FROM_DATA
+# What torch says when an op needs a meta tensor's value: .item(), bool(), .tolist(), a copy out of it.
+_VALUE_ASKED = ("cannot be called on meta tensors", "Cannot copy out of meta tensor", "_local_scalar_dense")
+
+_programs: "weakref.WeakKeyDictionary[nn.Module, Program]" = weakref.WeakKeyDictionary()
+_recording = threading.local()
+
+
+def program_of(module: nn.Module) -> Optional[Program]:
+    """The program :func:`deferred_init` recorded for ``module``; None for a model built otherwise."""
+    return _programs.get(module)
+
+
+def deferred_init(fn: Callable[..., nn.Module], *args: Any, **kwargs: Any) -> nn.Module:
+    """``fn(*args, **kwargs)`` built on ``meta``, its construction recorded for replay (see the module docstring).
+
+    The model behaves as any model built on meta: shard it, cast it
+    (``.half()`` and ``.to(dtype)`` take effect in the replay: values are
+    made as recorded, then cast, as eager construction then ``.half()``
+    gives them), and load it with :func:`materialize.load`, which replays
+    what the checkpoint lacks, or make it whole with
+    :func:`materialize.materialize`. Moving it (``.cuda()``) is torch's
+    error on meta tensors: pass the device to the load instead.
+    """
+    if getattr(_recording, "active", False):
+        raise MetaInitError("deferred_init inside deferred_init: build the inner module as part of the outer one")
+    program = Program()
+    recorder = _Recorder(program)
+    recorder.generator_index(None)
+    _recording.active = True
+    try:
+        with _OnMeta(recorder), _whole_steps(recorder), recorder:
+            module = fn(*args, **kwargs)
+    finally:
+        _recording.active = False
+    if not isinstance(module, nn.Module):
+        raise MetaInitError(f"deferred_init: {getattr(fn, '__qualname__', fn)!r} returned {type(module).__name__}, "
+                            "not an nn.Module")
+    for name, tensor in (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)):
+        sid = recorder.sids.get(tensor.untyped_storage()._cdata)
+        if sid is not None:
+            program.bindings[name] = Ref.of(sid, tensor)
+    _programs[module] = program
+    return module
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, program: Program) -> None:
+        super().__init__()
+        self.program = program
+        self.thread = threading.get_ident()
+        self.sids: dict[int, int] = {}  # storage address -> sid
+        # Every storage seen stays alive while recording, so no address is reused for another one (on meta
+        # they hold no memory); the program itself keeps none of them.
+        self.alive: list[torch.Tensor] = []
+        self.generators: dict[int, int] = {}  # id(generator) -> index
+        self.generator_objects: list[torch.Generator] = [torch.default_generator]
+        self.last_state: dict[int, torch.Tensor] = {}
+
+    def _new_sid(self, tensor: torch.Tensor) -> int:
+        sid = len(self.alive)
+        self.alive.append(tensor)
+        self.sids[tensor.untyped_storage()._cdata] = sid
+        return sid
+
+    def ref(self, tensor: torch.Tensor) -> Ref:
+        sid = self.sids.get(tensor.untyped_storage()._cdata)
+        if sid is None:  # made before the recording (or outside the dispatcher)
+            sid = self._new_sid(tensor)
+            if tensor.is_meta:
+                self.program.unrecorded.add(sid)
+            else:
+                self.program.constants[sid] = tensor
+        return Ref.of(sid, tensor)
+
+    def adopt_constant(self, tensor: torch.Tensor) -> None:
+        """A tensor made from Python data (``torch.tensor``), on the CPU as eager construction makes it: its
+        values are kept (as small as the literal) and remade on the replay's device."""
+        sid = self._new_sid(tensor)
+        self.program.made_as[sid] = Ref.of(sid, tensor)
+        self.program.steps.append(Step(_remade, (tensor.detach().clone(), TargetDevice()), {}, ((0, sid),),
+                                       frozenset(), frozenset({sid}), None, _module_being_built()))
+
+    def generator_index(self, generator: Optional[torch.Generator]) -> int:
+        generator = torch.default_generator if generator is None else generator
+        index = self.generators.get(id(generator))
+        if index is None:
+            index = DEFAULT_GENERATOR if generator is torch.default_generator else len(self.generator_objects)
+            if index != DEFAULT_GENERATOR:
+                self.generator_objects.append(generator)
+            self.generators[id(generator)] = index
+            self.program.start_states[index] = self.last_state[index] = generator.get_state()
+            self.program.start_seeds[index] = generator.initial_seed()
+        return index
+
+    def before_draw(self, index: int) -> None:
+        """A generator changed since its last draw without a recorded op (reseeded): that is a step too."""
+        generator = self.generator_objects[index]
+        now = generator.get_state()
+        if torch.equal(now, self.last_state[index]):
+            return
+        seed = generator.initial_seed()
+        as_seed = generator.device.type == "cpu" and torch.equal(torch.Generator().manual_seed(seed).get_state(), now)
+        self.program.steps.append(SetGenerator(index, seed if as_seed else None, None if as_seed else now))
+        self.last_state[index] = now
+
+    def after_draw(self, index: int, on_real: bool) -> None:
+        if on_real:  # a real tensor's draw advanced the generator itself
+            self.last_state[index] = self.generator_objects[index].get_state()
+
+    def template(self, value: Any, reads: set, generators: list) -> Any:
+        """``value`` with tensors, generators and the meta device replaced by what the replay resolves."""
+        if isinstance(value, torch.Tensor):
+            ref = self.ref(value)
+            reads.add(ref.sid)
+            return ref
+        if isinstance(value, torch.Generator):
+            index = self.generator_index(value)
+            generators.append(index)
+            return GeneratorRef(index)
+        if isinstance(value, torch.device) and value.type == "meta":
+            return TargetDevice()
+        if type(value) in (list, tuple):
+            return type(value)(self.template(item, reads, generators) for item in value)
+        return value
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        schema = func._schema
+        written = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+        fresh = [i for i, r in enumerate(schema.returns) if r.alias_info is None]
+        if not written and not fresh:  # a view or detach: seen later as a view of its storage
+            return func(*args, **kwargs)
+        draws = torch.Tag.nondeterministic_seeded in func.tags
+        replayed = _with_generator_argument(func) if draws and not _takes_generator(func) else func
+        reads: set = set()
+        generators: list = []
+        t_args = self.template(args, reads, generators)
+        t_kwargs = {key: self.template(value, reads, generators) for key, value in kwargs.items()}
+        generator = None
+        if draws:
+            generator = generators[0] if generators else self.generator_index(None)
+            t_kwargs["generator"] = GeneratorRef(generator)
+            self.before_draw(generator)
+        writes = set()
+        for position in written:
+            value = args[position] if position < len(args) else kwargs.get(schema.arguments[position].name)
+            if isinstance(value, torch.Tensor):
+                writes.add(self.ref(value).sid)
+        try:
+            if _mixes_meta_and_real((*args, *kwargs.values())):  # a constant met a meta tensor: answered on meta
+                out = func(*_on_meta(args), **{key: _on_meta(value) for key, value in kwargs.items()})
+            else:
+                out = func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError) as error:
+            if any(sign in str(error) for sign in _VALUE_ASKED) or func is aten._local_scalar_dense.default:
+                raise MetaInitError(
+                    f"deferred_init: {_module_being_built()} asks for the value of a tensor on meta ({func}), which "
+                    "the recording does not have; build that module outside deferred_init and load into it"
+                ) from error
+            raise
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        made = []
+        for position in fresh:
+            tensor = outs[position] if position < len(outs) else None
+            if isinstance(tensor, torch.Tensor):
+                sid = self._new_sid(tensor)
+                self.program.made_as[sid] = Ref.of(sid, tensor)
+                if func in _EMPTY:
+                    self.program.made_empty.add(sid)
+                made.append((position, sid))
+                writes.add(sid)
+        if draws:
+            self.after_draw(generator, any(isinstance(t, torch.Tensor) and not t.is_meta for t in outs))
+        self.program.steps.append(Step(replayed, t_args, t_kwargs, tuple(made), frozenset(reads), frozenset(writes),
+                                       generator, _module_being_built()))
+        return out
+
+
+def _remade(saved: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return saved.to(device, copy=True)
+
+
+def _takes_generator(func: Any) -> bool:
+    return any("Generator" in str(argument.type) for argument in func._schema.arguments)
+
+
+def _with_generator_argument(func: Any) -> Any:
+    """The overload of a random op that takes a generator (``randn.default`` -> ``randn.generator``): the
+    replay draws from its own."""
+    name = func._overloadname
+    found = getattr(func.overloadpacket, "generator" if name == "default" else f"{name}_generator", None)
+    if found is None or not _takes_generator(found):
+        raise MetaInitError(f"deferred_init: {_module_being_built()} draws with {func}, which has no overload taking "
+                            "a generator: its draws could not be replayed exactly")
+    return found
+
+
+def _on_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value if value.is_meta else value.to("meta")
+    if type(value) in (list, tuple):
+        return type(value)(_on_meta(item) for item in value)
+    return value
+
+
+def _mixes_meta_and_real(values: Any) -> bool:
+    found = 0  # bit 1: a meta tensor; bit 2: a real one of one dimension or more (a 0-d one mixes with any device)
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            found |= 1 if value.is_meta else (2 if value.dim() else 0)
+        elif type(value) in (list, tuple):
+            found |= 3 if _mixes_meta_and_real(value) else 0
+    return found == 3
+
+
+def _module_being_built() -> str:
+    """The innermost module whose ``__init__`` is running (for messages)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"), nn.Module):
+            return type(frame.f_locals["self"]).__qualname__
+        frame = frame.f_back
+    return "the constructor"
+
+
+class _OnMeta(TorchFunctionMode):
+    """Factory functions make their tensors on meta unless given a device.
+
+    Not ``torch.device("meta")``: libraries ask for the default device and
+    skip their init on meta (transformers' ``init_weights`` does), and the
+    init is what is recorded. ``torch.tensor(data)`` is made on the CPU, as
+    eager construction makes it, and kept as a constant of the recording.
+    """
+
+    def __init__(self, recorder: _Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if kwargs.get("device") is None:
+            if func in _FROM_DATA:
+                with _disable_current_modes():
+                    made = func(*args, **kwargs)
+                self.recorder.adopt_constant(made)
+                return made
+            if func in _CONSTRUCTORS:
+                kwargs = {**kwargs, "device": "meta"}
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _whole_steps(recorder: _Recorder) -> Iterator[None]:
+    originals = {name: getattr(nn.init, name) for name in _WHOLE_STEPS}
+    for name, original in originals.items():
+        setattr(nn.init, name, _recorded_call(recorder, original, draws=name != "dirac_"))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(nn.init, name, original)
+
+
+def _recorded_call(recorder: _Recorder, original: Callable, *, draws: bool) -> Callable:
+    def call(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if threading.get_ident() != recorder.thread:  # another thread's init is not this recording's
+            return original(tensor, *args, **kwargs)
+        reads: set = set()
+        generators: list = []
+        target = recorder.template(tensor, reads, generators)
+        t_args = recorder.template(args, reads, generators)
+        t_kwargs = {key: recorder.template(value, reads, generators) for key, value in kwargs.items()}
+        generator = None
+        if draws:  # and from the global generator too: sparse_ draws its zeros with randperm, given one or not
+            generator = generators[0] if generators else recorder.generator_index(None)
+            recorder.before_draw(generator)
+            if generator != DEFAULT_GENERATOR:
+                recorder.before_draw(recorder.generator_index(None))
+        recorder.program.steps.append(Step(original, (target, *t_args), t_kwargs, (), frozenset(reads),
+                                           frozenset({target.sid}), generator, _module_being_built(), whole_call=True))
+        if tensor.is_meta:
+            return tensor
+        with _disable_current_modes():  # a real tensor is filled now too, as eagerly, without recording its ops
+            result = original(tensor, *args, **kwargs)
+        if draws:
+            recorder.after_draw(generator, True)
+        return result
+
+    call.__name__ = original.__name__
+    return call

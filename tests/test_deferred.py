@@ -1,0 +1,315 @@
+"""Deferred init: a model recorded on meta comes out exactly as eager construction makes it (issue 27).
+
+The oracle is eager construction under the same seed: every parameter and buffer (non-persistent ones too)
+compared for values, dtype, strides, class, ``requires_grad`` and ties, for the whole model replayed and for
+what a checkpoint lacks.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+import materialize as mz
+from materialize.io.replay import replay
+from materialize.skeleton.deferred import program_of
+
+from vision import import_torchvision
+
+CLI = str(Path(sys.executable).parent / "materialize")
+
+
+# ------------------------------------------------------------------ constructors eager construction gets right
+
+
+class RandomBufferAfterLinear(nn.Module):
+    """A buffer drawn after a Linear's init: on meta alone, the draws of the Linear never happen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 8)
+        self.register_buffer("noise", torch.randn(5))
+        self.register_buffer("mask", torch.rand(3, 3) > 0.5, persistent=False)
+
+
+class ZeroedColumn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 4)
+        with torch.no_grad():
+            self.proj.weight[:, 0].zero_()  # in place, through a view
+            self.proj.bias.mul_(10)
+
+
+class InitZoo(nn.Module):
+    """Custom init after construction, explicit generators, a seed inside, ops mixing tensors, whole init calls."""
+
+    def __init__(self, depth: int = 3) -> None:
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, 8))
+        nn.init.trunc_normal_(self.cls_token, std=0.02)  # returns at once on meta: recorded whole
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(depth))
+        self.apply(self._init_weights)
+        for layer, block in enumerate(self.blocks):  # init scaled by depth
+            with torch.no_grad():
+                block.weight.div_(2.0 * (layer + 1))
+        generator = torch.Generator().manual_seed(7)
+        self.from_own_generator = nn.Parameter(torch.empty(4, 4).normal_(generator=generator))
+        self.mixed = nn.Parameter(self.blocks[0].weight.detach() * 2 + self.cls_token.detach().reshape(1, 8))
+        torch.manual_seed(1234)  # a constructor that seeds the global generator
+        self.after_seed = nn.Parameter(torch.rand(3))
+        self.ortho = nn.Parameter(torch.empty(6, 6))
+        nn.init.orthogonal_(self.ortho)
+        self.sparse = nn.Parameter(torch.empty(6, 4))
+        nn.init.sparse_(self.sparse, sparsity=0.5)
+        self.dirac = nn.Parameter(torch.empty(4, 4, 3))
+        nn.init.dirac_(self.dirac)
+        self.frozen = nn.Parameter(torch.randn(2), requires_grad=False)
+        self.register_buffer("steps", torch.tensor([3, 1, 4]))  # from Python data
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.trunc_normal_(module.weight, std=0.02)
+            nn.init.zeros_(module.bias)
+
+
+class TiedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(12, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 12, bias=False)
+        self.head.weight = self.embed.weight
+
+
+class Tagged(nn.Parameter):
+    """A parameter subclass with an attribute, as Megatron's are."""
+
+
+class WithTaggedParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = Tagged(torch.randn(3, 3))
+        self.weight.no_decay = True
+        self.conv = nn.Conv2d(3, 4, 1).to(memory_format=torch.channels_last)
+
+
+def _tiny_llama(tie: bool = False) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie))
+
+
+def _tiny_bert() -> nn.Module:
+    from transformers import BertConfig, BertModel
+
+    return BertModel(BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=4, max_position_embeddings=40))
+
+
+def _tiny_vit() -> nn.Module:
+    if import_torchvision() is None:
+        pytest.skip("timm is not installed here (make test-oldest's venvs): its ViT cannot be built")
+    import timm
+
+    # class and position tokens by trunc_normal_, timm's own init_weights, LayerScale: the init timm gives it.
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
+                             init_values=1e-5, num_classes=10)
+
+
+def _transformer() -> nn.Module:
+    return nn.Transformer(d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=1, dim_feedforward=32)
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "random buffer after a Linear": RandomBufferAfterLinear,
+    "column zeroed in place": ZeroedColumn,
+    "custom init zoo": InitZoo,
+    "tied head": TiedHead,
+    "parameter subclass, channels_last": WithTaggedParameter,
+    "nn.Transformer": _transformer,
+    "Hugging Face Llama": _tiny_llama,
+    "Hugging Face Llama, tied": lambda: _tiny_llama(tie=True),
+    "Hugging Face BERT": _tiny_bert,
+    "timm ViT": _tiny_vit,
+}
+
+
+def eager_and_recorded(make: Callable[[], nn.Module], seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nn.Transformer's nested-tensor note
+        torch.manual_seed(seed)
+        eager = make()
+        torch.manual_seed(seed)
+        recorded = mz.deferred_init(make)
+    return eager, recorded
+
+
+def tensors_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by every name it has (ties under each), non-persistent buffers included."""
+    return {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+
+
+def assert_as_eager(model: nn.Module, eager: nn.Module, names=None) -> None:
+    ours, theirs = tensors_of(model), tensors_of(eager)
+    assert ours.keys() == theirs.keys()
+    for name in names if names is not None else theirs:
+        a, b = ours[name], theirs[name]
+        assert type(a) is type(b), name
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), name
+        assert a.requires_grad == b.requires_grad, name
+        assert a.__dict__ == b.__dict__ if isinstance(b, nn.Parameter) else True, name
+        assert torch.equal(a, b), name
+    ties = lambda m: sorted(sorted(n for n, t in tensors_of(m).items() if t is x) for x in set(tensors_of(m).values()))
+    assert ties(model) == ties(eager)
+
+
+def tensors_held(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in tensors_held(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in tensors_held(item)]
+    return []
+
+
+def test_a_recorded_model_is_on_meta_and_its_recording_holds_no_tensor_memory():
+    torch.manual_seed(0)
+    model = mz.deferred_init(lambda: nn.Sequential(nn.Linear(8192, 8192), nn.Linear(8192, 8192)))  # 512 MB eagerly
+
+    program = program_of(model)
+    held = [t for step in program.steps for t in tensors_held((step.args, step.kwargs))]
+    assert all(t.is_meta for t in model.parameters())
+    assert program.constants == {} and held == []
+    assert len(program.steps) == 8  # per Linear: two empty allocations, two draws
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_materialize_makes_every_tensor_as_eager_construction(name):
+    eager, recorded = eager_and_recorded(MODELS[name])
+    torch.manual_seed(99)  # the generator's state when materializing does not matter
+
+    mz.materialize(recorded)
+
+    assert_as_eager(recorded, eager)
+    assert torch.initial_seed() == 99  # the caller's generator is left alone
+
+
+@pytest.mark.parametrize("name", ["custom init zoo", "Hugging Face Llama", "nn.Transformer", "timm ViT"])
+def test_a_load_of_half_the_tensors_replays_the_rest_as_eager_construction(name, tmp_path):
+    eager, recorded = eager_and_recorded(MODELS[name])
+    state = {key: value.detach().contiguous() for key, value in eager.state_dict().items()}
+    kept = sorted(state)[::2]  # every other one: draws before and after the missing ones are loaded
+    save_file({key: state[key] for key in kept}, str(tmp_path / "half.safetensors"))
+
+    report = mz.load(recorded, tmp_path / "half.safetensors", strict=False)
+
+    assert_as_eager(recorded, eager)
+    computed = {name for name, _ in eager.named_buffers() if name not in state}  # non-persistent: never saved
+    assert report.replayed == report.initialized
+    assert set(report.replayed) == (set(state) - set(kept) - {n for group in report.tied for n in group[1:]}) | computed
+    assert set(report.loaded) == set(kept)
+
+
+def test_a_missing_tensor_after_loaded_ones_gets_the_draws_eager_construction_gave_it(tmp_path):
+    eager, recorded = eager_and_recorded(lambda: _tiny_llama(tie=False))
+    state = {key: value.contiguous() for key, value in eager.state_dict().items()}
+    del state["lm_head.weight"]  # the last draw: every draw before it is made again, into scratch
+    save_file(state, str(tmp_path / "no-head.safetensors"))
+
+    report = mz.load(recorded, tmp_path / "no-head.safetensors", strict=False)
+
+    computed = {name for name, _ in eager.named_buffers() if name not in eager.state_dict()}  # non-persistent
+    assert set(report.replayed) == {"lm_head.weight"} | computed and computed
+    assert torch.equal(recorded.lm_head.weight, eager.lm_head.weight)
+    assert_as_eager(recorded, eager)
+
+
+def test_a_cast_after_construction_takes_effect_in_the_replay():
+    eager, recorded = eager_and_recorded(InitZoo)
+    eager.half()
+    recorded.half()
+
+    mz.materialize(recorded)
+
+    assert_as_eager(recorded, eager)
+
+
+def test_a_load_in_another_dtype_casts_the_replayed_values_as_the_loaded_ones(tmp_path):
+    eager, recorded = eager_and_recorded(RandomBufferAfterLinear)
+    save_file({"proj.bias": eager.proj.bias.detach().contiguous()}, str(tmp_path / "m.safetensors"))
+
+    mz.load(recorded, tmp_path / "m.safetensors", strict=False, dtype="bf16")
+
+    assert recorded.proj.weight.dtype == torch.bfloat16
+    assert torch.equal(recorded.proj.weight, eager.proj.weight.detach().bfloat16())
+    assert torch.equal(recorded.noise, eager.noise.bfloat16())
+
+
+def test_replay_of_one_tensor_runs_only_what_it_needs():
+    eager, recorded = eager_and_recorded(InitZoo)
+    program = program_of(recorded)
+    target = torch.empty(3)
+
+    replay(program, {"after_seed": target}, torch.device("cpu"))  # drawn after a reseed: no earlier draw is needed
+
+    assert torch.equal(target, eager.after_seed.detach())
+
+
+def test_a_constructor_asking_a_value_on_meta_names_the_module():
+    class AsksValues(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            if self.proj.weight.abs().sum() > 0:
+                self.proj.bias.data.zero_()
+
+    with pytest.raises(mz.MetaInitError, match="AsksValues asks for the value of a tensor on meta"):
+        mz.deferred_init(AsksValues)
+
+
+def test_what_was_never_recorded_or_changed_shape_is_named():
+    recorded = mz.deferred_init(nn.Linear, 4, 4)
+    recorded.extra = nn.Parameter(torch.empty(2, device="meta"))
+    with pytest.raises(mz.ReplayError, match="'extra': its values were never recorded"):
+        mz.materialize(recorded)
+
+    resized = mz.deferred_init(nn.Linear, 4, 4)
+    resized.weight = nn.Parameter(torch.empty(4, 2, device="meta"))
+    with pytest.raises(mz.ReplayError, match="'weight': recorded as \\[4, 4\\], now \\[4, 2\\]"):
+        mz.materialize(resized)
+
+    with pytest.raises(mz.ReplayError, match="not built by deferred_init"):
+        mz.materialize(nn.Linear(2, 2, device="meta"))
+
+
+def test_the_cli_without_strict_replays_what_the_checkpoint_lacks(tmp_path):
+    model_file = tmp_path / "net.py"
+    model_file.write_text(
+        "import torch\nfrom torch import nn\n\n\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.body = nn.Linear(8, 8)\n"
+        "        self.register_buffer('noise', torch.randn(4))\n"
+        "        self.head = nn.Linear(8, 3)\n"
+    )
+    save_file({"body.weight": torch.randn(8, 8), "body.bias": torch.randn(8)}, str(tmp_path / "body.safetensors"))
+
+    done = subprocess.run([CLI, str(tmp_path / "body.safetensors"), "--model", f"{model_file}:Net", "--no-strict",
+                           "--json"], capture_output=True, text=True, timeout=300)
+
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert sorted(report["replayed"]) == ["head.bias", "head.weight", "noise"]

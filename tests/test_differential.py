@@ -41,7 +41,7 @@ import materialize as mz
 BUILD_SEED = 0  # the model that is loaded into, and the reference
 FILE_SEED = 1234  # the "trained" model whose state is the checkpoint
 FORMATS = ("pt", "safetensors")
-WAYS = ("meta_init", "cpu", "accelerate", "meta_device")
+WAYS = ("meta_init", "cpu", "accelerate", "meta_device", "deferred")
 SGD_STEPS = 3
 
 
@@ -710,6 +710,10 @@ def seeded(build: Callable[[], nn.Module], seed: int) -> nn.Module:
     return build()
 
 
+# Ways whose tensors a load does not read hold eager construction's values: compared, not skipped.
+EAGER_VALUES = frozenset({"cpu", "deferred"})
+
+
 def build_way(build: Callable[[], nn.Module], way: str, seed: int = BUILD_SEED) -> nn.Module:
     if way == "cpu":
         return seeded(build, seed)
@@ -724,6 +728,9 @@ def build_way(build: Callable[[], nn.Module], way: str, seed: int = BUILD_SEED) 
     if way == "meta_device":
         with torch.device("meta"):
             return seeded(build, seed)
+    if way == "deferred":  # recorded: what a load does not read is made as eager construction made it
+        torch.manual_seed(seed)
+        return mz.deferred_init(build)
     raise ValueError(way)
 
 
@@ -1122,7 +1129,7 @@ def differences(case: Case, way: str) -> list[str]:
             add(label, compare_keys("", got_out, ref_out))
             if not strict and got_out.error is None and ref_out.error is None:
                 skip = frozenset()
-                if way != "cpu" and variant == "missing":  # initialized, not loaded: its values are the init's
+                if way not in EAGER_VALUES and variant == "missing":  # initialized, not loaded: the init's values
                     skip = frozenset(n for g in tie_groups(ref) if key in g for n in g) | {key}
                 add(label, compare_models(got, ref, skip_bits=skip))
     return diffs
@@ -1199,7 +1206,7 @@ class Deliberate:
 
 DELIBERATE = [
     Deliberate("A model built on meta takes the checkpoint's float dtype", frozenset({"checkpoint_bf16_model_fp32"}),
-               META_WAYS, (r"dtype mz=torch\.bfloat16 ref=torch\.float32", r"mat1 and mat2 must have the same dtype")),
+               META_WAYS | {"deferred"}, (r"dtype mz=torch\.bfloat16 ref=torch\.float32", r"mat1 and mat2 must have the same dtype")),
     Deliberate("A tensor the checkpoint lacks has no value on meta", frozenset({"moduledict_modulelist_sequential"}),
                META_WAYS, (r"InitError: .*no initializer for pdict\.beta",)),
     Deliberate("A tensor the checkpoint lacks has no value on meta", frozenset({"torch_function_subclass_parameter"}),
@@ -1209,7 +1216,7 @@ DELIBERATE = [
                (r"InitError: .*no initializer for",)),
     Deliberate("Load code that computes from checkpoint values is refused",
                frozenset({"custom_state_serialized_key", "load_from_state_dict_consumes_value"}),
-               frozenset({"meta_init", "cpu", "accelerate", "meta_device"}),
+               frozenset({"meta_init", "cpu", "accelerate", "meta_device", "deferred"}),
                (r"the model's own load code, \w+\._load_from_state_dict.* computes from checkpoint values",)),
     Deliberate("What init_empty_weights or torch.device('meta') cannot build",
                frozenset({"constructor_calls_to_cpu"}), frozenset({"accelerate", "meta_device"}),
@@ -1354,7 +1361,7 @@ def tree_differences(spec: dict, fmt: str, way: str, folder: Path) -> list[str]:
         add(label, compare_keys("", got_out, ref_out))
         if got_out.error is None and ref_out.error is None:
             skip = frozenset()
-            if way != "cpu":
+            if way not in EAGER_VALUES:
                 skip = frozenset(n for key in drop for g in tie_groups(ref) if key in g for n in g) | set(drop)
             add(label, compare_models(got, ref, skip_bits=skip))
             now = all_tensors(got)

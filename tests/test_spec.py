@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -181,10 +183,7 @@ def _user_project(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _cli(*args: object, cwd: Path) -> "subprocess.CompletedProcess[str]":
-    import subprocess
-    import sys
-
+def _cli(*args: object, cwd: Path) -> subprocess.CompletedProcess:
     cli = Path(sys.executable).parent / "materialize"
     return subprocess.run([str(cli), *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=300)
 

@@ -54,6 +54,7 @@ from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ..errors import MetaInitError
+from .meta import MOVES, stay_on_meta
 
 aten = torch.ops.aten
 
@@ -384,6 +385,9 @@ class _OnMeta(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in MOVES and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            return stay_on_meta(name, args[0], args[1:], kwargs)  # where it lives is the load's device=
         if kwargs.get("device") is None:
             if func in _FROM_DATA:
                 with _disable_current_modes():

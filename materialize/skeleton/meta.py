@@ -152,8 +152,8 @@ class _SkipInPlaceOnMeta(TorchFunctionMode):
             if name == "share_memory_":  # meta has no memory to share: the load shares the memory it allocates
                 _ask_shared_memory(target)
             return target
-        if name in _MOVES and isinstance(target, torch.Tensor) and target.is_meta:
-            return _stay_on_meta(name, target, args[1:], kwargs)
+        if name in MOVES and isinstance(target, torch.Tensor) and target.is_meta:
+            return stay_on_meta(name, target, args[1:], kwargs)
         try:
             return func(*args, **kwargs)
         except RuntimeError as error:  # the common path pays nothing for what follows
@@ -182,7 +182,7 @@ _METADATA_IN_PLACE = frozenset({
 })
 # Moves off meta (a constructor ending in self.to(device), .cuda(), .cpu()): a meta tensor stays on meta, with
 # the dtype and memory format asked for; where it then lives is the load's device=.
-_MOVES = frozenset({"to", "cuda", "cpu"})
+MOVES = frozenset({"to", "cuda", "cpu"})
 # id -> a weak reference (a WeakSet would compare tensors with ==, which tensors answer elementwise).
 _shared_memory_asked: dict[int, "weakref.ref[torch.Tensor]"] = {}
 
@@ -198,7 +198,9 @@ def shared_memory_asked(tensor: torch.Tensor) -> bool:
     return ref is not None and ref() is tensor
 
 
-def _stay_on_meta(name: str, tensor: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+def stay_on_meta(name: str, tensor: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+    """A constructor's move of a meta tensor (``name`` in :data:`MOVES`): it stays on meta, in the dtype and
+    memory format asked for."""
     if name != "to":
         return tensor
     _, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)

@@ -6,8 +6,10 @@ each run a fresh process, the methods taking turns, median of ``--runs`` after a
 
 * eager construction under ``torch.manual_seed(0)`` (the oracle);
 * ``mz.deferred_init`` then ``mz.materialize`` (recording and replay, timed together and apart);
-* ``mz.meta_init`` then ``to_empty`` and every module's ``reset_parameters()``: torch's own recipe, which
-  does not give eager's values (the draws of other init code, custom init, buffers) and is here for time.
+* ``mz.meta_init`` then ``to_empty`` and every module's ``reset_parameters()``: torch's own recipe, here
+  for time. It gives eager's values only where a model's whole init is ``reset_parameters()`` run in
+  construction order, as for this bench's decoder; custom init, buffers drawn between layers, a seed in a
+  constructor (``tests/test_deferred.py``'s models) come out otherwise.
 
 A result is verified when a checksum of every tensor equals eager construction's. Writes
 ``bench/results/bench-deferred-<config>.md`` and ``.json``.
@@ -34,7 +36,7 @@ CONFIGS = ("configs/bench-llama-1b.toml", "configs/bench-many-small.toml")
 METHODS = {
     "eager construction": "eager",
     "deferred_init + materialize": "replayed",
-    "meta_init + to_empty + reset_parameters (not eager's values)": "to_empty",
+    "meta_init + to_empty + reset_parameters": "to_empty",
 }
 
 

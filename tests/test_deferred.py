@@ -313,3 +313,74 @@ def test_the_cli_without_strict_replays_what_the_checkpoint_lacks(tmp_path):
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert sorted(report["replayed"]) == ["head.bias", "head.weight", "noise"]
+
+
+MEMORY_PROBE = """
+import json, resource, sys
+import torch
+from torch import nn
+import materialize as mz
+
+
+class Wide(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(2048, 2048) for _ in range(12))  # 12 x 16 MB, filled in place
+        self.register_buffer("noise", torch.randn(2048, 2048) * 0.5)  # a temporary of one tensor, then copied
+
+
+torch.manual_seed(0)
+model = mz.deferred_init(Wide)
+with open("/proc/self/statm") as handle:
+    before = int(handle.read().split()[1]) * resource.getpagesize()
+mz.materialize(model)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+model_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+print(json.dumps({"growth": peak - before, "model": model_bytes, "largest": 2048 * 2048 * 4}))
+"""
+
+
+def test_materialize_holds_the_model_plus_one_tensors_temporaries_at_most():
+    done = subprocess.run([sys.executable, "-c", MEMORY_PROBE], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    measured = json.loads(done.stdout)
+
+    # randn's result and the product, both 16 MB, live together before the copy into the buffer; a second
+    # copy of the model (204 MB) would be far past the margin.
+    assert measured["growth"] <= measured["model"] + 2 * measured["largest"] + 48 * 2**20, measured
+
+
+def test_an_op_without_a_meta_kernel_is_named_with_its_module():
+    library = torch.library.Library("mz_deferred_test", "DEF")
+    library.define("twice(Tensor x) -> Tensor")
+    library.impl("twice", lambda x: x * 2, "CPU")  # a C++ extension's kernel would have no meta one either
+
+    class UsesAnExtension(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("table", torch.ops.mz_deferred_test.twice(torch.ones(3)))
+
+    with pytest.raises(mz.MetaInitError, match="UsesAnExtension runs mz_deferred_test.twice.default on meta"):
+        mz.deferred_init(UsesAnExtension)
+
+
+def test_the_cli_builds_without_recording_a_model_that_asks_values_and_says_so(tmp_path):
+    model_file = tmp_path / "asks.py"
+    model_file.write_text(
+        "import torch\nfrom torch import nn\n\n\n"
+        "class Asks(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.body = nn.Linear(4, 4)\n"
+        "        self.head = nn.Linear(4, 2)\n"
+        "        self.scale = float(torch.ones(1).sum())  # a value: meta has none\n"
+    )
+    save_file({"body.weight": torch.randn(4, 4), "body.bias": torch.randn(4)}, str(tmp_path / "body.safetensors"))
+
+    done = subprocess.run([CLI, str(tmp_path / "body.safetensors"), "--model", f"{model_file}:Asks", "--no-strict",
+                           "--json"], capture_output=True, text=True, timeout=300)
+
+    assert done.returncode == 0, done.stderr
+    assert "Asks asks for the value of a tensor on meta" in done.stderr and "built without recording" in done.stderr
+    report = json.loads(done.stdout)
+    assert report["replayed"] == [] and sorted(report["initialized"]) == ["head.bias", "head.weight"]

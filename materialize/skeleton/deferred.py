@@ -202,6 +202,7 @@ class _Recorder(TorchDispatchMode):
         self.generators: dict[int, int] = {}  # id(generator) -> index
         self.generator_objects: list[torch.Generator] = [torch.default_generator]
         self.last_state: dict[int, torch.Tensor] = {}
+        self.answers: dict[tuple, tuple] = {}  # see _on_meta_as_before
 
     def _new_sid(self, tensor: torch.Tensor) -> int:
         sid = len(self.alive)
@@ -254,31 +255,54 @@ class _Recorder(TorchDispatchMode):
         if on_real:  # a real tensor's draw advanced the generator itself
             self.last_state[index] = self.generator_objects[index].get_state()
 
+    def _on_meta_as_before(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+        """An op making one tensor from tensors on meta only, answered as it was for the same shapes before.
+
+        On meta an op's result is its shape, strides and dtype, which follow
+        from its arguments' alone; many of torch's meta kernels are Python
+        (a hundred microseconds an op, more than the CPU kernel on a small
+        tensor), and a model repeats the same ops on the same shapes layer
+        after layer (a rotary table, each block's norms).
+        """
+        key = _signature(func, args, kwargs)
+        known = self.answers.get(key) if key is not None else None
+        if known is not None:
+            size, stride, dtype = known
+            return torch.empty_strided(size, stride, dtype=dtype, device="meta")
+        out = func(*args, **kwargs)
+        if key is not None and isinstance(out, torch.Tensor) and out.is_meta and out.storage_offset() == 0:
+            self.answers[key] = (tuple(out.shape), tuple(out.stride()), out.dtype)
+        return out
+
     def template(self, value: Any, reads: set, generators: list) -> Any:
         """``value`` with tensors, generators and the meta device replaced by what the replay resolves."""
+        kind = type(value)  # by type first: an op's arguments are mostly numbers, and isinstance costs
+        if kind in _PLAIN:
+            return value
+        if kind is list or kind is tuple:
+            if all(type(item) in _PLAIN for item in value):  # sizes, strides
+                return value
+            return kind(self.template(item, reads, generators) for item in value)
+        if kind is torch.device:
+            return TargetDevice() if value.type == "meta" else value
+        if kind is torch.Generator:
+            index = self.generator_index(value)
+            generators.append(index)
+            return GeneratorRef(index)
         if isinstance(value, torch.Tensor):
             ref = self.ref(value)
             reads.add(ref.sid)
             return ref
-        if isinstance(value, torch.Generator):
-            index = self.generator_index(value)
-            generators.append(index)
-            return GeneratorRef(index)
-        if isinstance(value, torch.device) and value.type == "meta":
-            return TargetDevice()
-        if type(value) in (list, tuple):
-            return type(value)(self.template(item, reads, generators) for item in value)
         return value
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        schema = func._schema
-        written = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
-        fresh = [i for i, r in enumerate(schema.returns) if r.alias_info is None]
+        shape = _op_shape(func)
+        written, fresh, draws = shape.written, shape.fresh, shape.draws
         if not written and not fresh:  # a view or detach: seen later as a view of its storage
             return func(*args, **kwargs)
-        draws = torch.Tag.nondeterministic_seeded in func.tags
-        replayed = _with_generator_argument(func) if draws and not _takes_generator(func) else func
+        schema = func._schema
+        replayed = _with_generator_argument(func) if draws and not shape.takes_generator else func
         reads: set = set()
         generators: list = []
         t_args = self.template(args, reads, generators)
@@ -294,8 +318,12 @@ class _Recorder(TorchDispatchMode):
             if isinstance(value, torch.Tensor):
                 writes.add(self.ref(value).sid)
         try:
-            if _mixes_meta_and_real((*args, *kwargs.values())):  # a constant met a meta tensor: answered on meta
+            if shape.skippable and all(isinstance(args[i], torch.Tensor) and args[i].is_meta for i in written):
+                out = args[written[0]]  # writes values on meta, which has none: nothing to compute (as meta_init)
+            elif _mixes_meta_and_real((*args, *kwargs.values())):  # a constant met a meta tensor: answered on meta
                 out = func(*_on_meta(args), **{key: _on_meta(value) for key, value in kwargs.items()})
+            elif not written and shape.one_output:
+                out = self._on_meta_as_before(func, args, kwargs)
             else:
                 out = func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as error:
@@ -304,6 +332,12 @@ class _Recorder(TorchDispatchMode):
                     f"deferred_init: {_module_being_built()} asks for the value of a tensor on meta ({func}), which "
                     "the recording does not have; build that module outside deferred_init and load into it"
                 ) from error
+            if any(isinstance(value, torch.Tensor) and value.is_meta for value in (*args, *kwargs.values())):
+                # A kernel without a meta implementation (a C++ extension's op): nothing can record it.
+                raise MetaInitError(
+                    f"deferred_init: {_module_being_built()} runs {func} on meta, which it cannot: "
+                    f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}; build that module "
+                    "outside deferred_init and load into it") from error
             raise
         outs = out if isinstance(out, (tuple, list)) else (out,)
         made = []
@@ -321,6 +355,71 @@ class _Recorder(TorchDispatchMode):
         self.program.steps.append(Step(replayed, t_args, t_kwargs, tuple(made), frozenset(reads), frozenset(writes),
                                        generator, _module_being_built()))
         return out
+
+
+@dataclass(frozen=True)
+class _OpShape:
+    written: tuple[int, ...]  # positions of the arguments it writes
+    fresh: tuple[int, ...]  # positions of the outputs that alias nothing
+    draws: bool
+    takes_generator: bool
+    skippable: bool  # an in-place op on values whose one output is its first, written, argument
+    one_output: bool  # returns one tensor
+
+
+# Ops that write what a tensor is (its shape, strides, storage), not its values: they run on meta too.
+_METADATA_WRITES = frozenset({"resize_", "resize_as_", "as_strided_", "set_", "squeeze_", "unsqueeze_", "transpose_",
+                              "t_", "swapdims_", "swapaxes_", "detach_", "requires_grad_", "rename_", "_coalesced_"})
+_op_shapes: dict[Any, _OpShape] = {}
+_PLAIN = frozenset({int, float, bool, type(None)})
+
+
+def _op_shape(func: Any) -> _OpShape:
+    """What a recording needs of an op's schema, worked out once per op."""
+    found = _op_shapes.get(func)
+    if found is None:
+        schema = func._schema
+        written = tuple(i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+        fresh = tuple(i for i, r in enumerate(schema.returns) if r.alias_info is None)
+        skippable = (written == (0,) and not fresh and len(schema.returns) == 1
+                     and schema.arguments[0].name == "self" and func.overloadpacket.__name__ not in _METADATA_WRITES)
+        one_output = len(schema.returns) == 1 and str(schema.returns[0].type) == "Tensor"
+        found = _op_shapes[func] = _OpShape(written, fresh, torch.Tag.nondeterministic_seeded in func.tags,
+                                            _takes_generator(func), skippable, one_output)
+    return found
+
+
+def _signature(func: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
+    """What an op's result on meta depends on: the op, its tensors' shapes, strides and dtypes, its other
+    arguments; None where a tensor is not on meta or an argument cannot be a key."""
+    parts: list = [func]
+    for value in (*args, *kwargs.items()):
+        if isinstance(value, torch.Tensor):
+            if not value.is_meta:
+                return None
+            parts.append((tuple(value.shape), tuple(value.stride()), value.storage_offset(), value.dtype))
+        elif isinstance(value, tuple) and len(value) == 2 and type(value[0]) is str:  # a keyword argument
+            inner = value[1]
+            if isinstance(inner, torch.Tensor):
+                return None
+            parts.append((value[0], inner if type(inner) in _PLAIN or type(inner) in (torch.dtype, torch.device,
+                                                                                     torch.memory_format, torch.layout)
+                          else _hashable(inner)))
+        else:
+            parts.append(value if type(value) in _PLAIN else _hashable(value))
+    return tuple(parts) if all(part is not _UNHASHABLE for part in parts) else None
+
+
+_UNHASHABLE = object()
+
+
+def _hashable(value: Any) -> Any:
+    if type(value) in (list, tuple):
+        items = tuple(_hashable(item) if type(item) not in _PLAIN else item for item in value)
+        return _UNHASHABLE if _UNHASHABLE in items else items
+    if type(value) in (torch.dtype, torch.device, torch.memory_format, torch.layout):
+        return value
+    return _UNHASHABLE
 
 
 def _remade(saved: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -210,6 +210,17 @@ def fsdp_replayed(checkpoint: str, mesh) -> dict:
     return {**result, "replayed": report.replayed, "bytes_read": report.bytes_read}
 
 
+def tp_materialized(checkpoint: str, mesh) -> dict:
+    """Recorded, made tensor parallel on meta, then materialized with no checkpoint at all."""
+    torch.manual_seed(1)  # as reference_mlp
+    model = mz.deferred_init(MLP)
+    parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    mz.materialize(model)
+    result = _compare(model, reference_mlp())
+    result["local_shapes"] = {name: list(p.to_local().shape) for name, p in model.named_parameters()}
+    return result
+
+
 def _compare(model: nn.Module, source: nn.Module) -> dict:
     expected = source.state_dict()
     placements, equal = {}, {}
@@ -226,7 +237,8 @@ def main() -> None:
         mesh = init_device_mesh("cpu", (int(world),))
         result = {"fsdp": fsdp, "fsdp_mixed": fsdp_mixed, "tp": tensor_parallel, "stacked": stacked, "partial": partial,
                   "fsdp_own_head": fsdp_own_head, "save_fsdp": save_fsdp, "save_tp": save_tp,
-                  "fsdp_wrapped": fsdp_wrapped, "fsdp_replayed": fsdp_replayed}[scenario](checkpoint, mesh)
+                  "fsdp_wrapped": fsdp_wrapped, "fsdp_replayed": fsdp_replayed,
+                  "tp_materialized": tp_materialized}[scenario](checkpoint, mesh)
     except BaseException:
         result = {"crash": traceback.format_exc()}
     with open(out, "w") as handle:

@@ -294,25 +294,23 @@ def test_what_was_never_recorded_or_changed_shape_is_named():
         mz.materialize(nn.Linear(2, 2, device="meta"))
 
 
-def test_the_cli_without_strict_replays_what_the_checkpoint_lacks(tmp_path):
+def load_without_strict(tmp_path: Path, constructor: str) -> subprocess.CompletedProcess:
+    """``materialize body.safetensors --model net.py:Net --no-strict --json``: a Net whose constructor is
+    ``constructor`` (its ``body`` a Linear(4, 4), the only tensors in the file)."""
     model_file = tmp_path / "net.py"
-    model_file.write_text(
-        "import torch\nfrom torch import nn\n\n\n"
-        "class Net(nn.Module):\n"
-        "    def __init__(self):\n"
-        "        super().__init__()\n"
-        "        self.body = nn.Linear(8, 8)\n"
-        "        self.register_buffer('noise', torch.randn(4))\n"
-        "        self.head = nn.Linear(8, 3)\n"
-    )
-    save_file({"body.weight": torch.randn(8, 8), "body.bias": torch.randn(8)}, str(tmp_path / "body.safetensors"))
-
-    done = subprocess.run([CLI, str(tmp_path / "body.safetensors"), "--model", f"{model_file}:Net", "--no-strict",
+    model_file.write_text("import torch\nfrom torch import nn\n\n\nclass Net(nn.Module):\n    def __init__(self):\n"
+                          "        super().__init__()\n        self.body = nn.Linear(4, 4)\n" + constructor)
+    save_file({"body.weight": torch.randn(4, 4), "body.bias": torch.randn(4)}, str(tmp_path / "body.safetensors"))
+    return subprocess.run([CLI, str(tmp_path / "body.safetensors"), "--model", f"{model_file}:Net", "--no-strict",
                            "--json"], capture_output=True, text=True, timeout=300)
 
+
+def test_the_cli_without_strict_replays_what_the_checkpoint_lacks(tmp_path):
+    done = load_without_strict(tmp_path, "        self.register_buffer('noise', torch.randn(4))\n"
+                                         "        self.head = nn.Linear(4, 3)\n")
+
     assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
-    assert sorted(report["replayed"]) == ["head.bias", "head.weight", "noise"]
+    assert sorted(json.loads(done.stdout)["replayed"]) == ["head.bias", "head.weight", "noise"]
 
 
 MEMORY_PROBE = """
@@ -365,22 +363,10 @@ def test_an_op_without_a_meta_kernel_is_named_with_its_module():
 
 
 def test_the_cli_builds_without_recording_a_model_that_asks_values_and_says_so(tmp_path):
-    model_file = tmp_path / "asks.py"
-    model_file.write_text(
-        "import torch\nfrom torch import nn\n\n\n"
-        "class Asks(nn.Module):\n"
-        "    def __init__(self):\n"
-        "        super().__init__()\n"
-        "        self.body = nn.Linear(4, 4)\n"
-        "        self.head = nn.Linear(4, 2)\n"
-        "        self.scale = float(torch.ones(1).sum())  # a value: meta has none\n"
-    )
-    save_file({"body.weight": torch.randn(4, 4), "body.bias": torch.randn(4)}, str(tmp_path / "body.safetensors"))
-
-    done = subprocess.run([CLI, str(tmp_path / "body.safetensors"), "--model", f"{model_file}:Asks", "--no-strict",
-                           "--json"], capture_output=True, text=True, timeout=300)
+    done = load_without_strict(tmp_path, "        self.head = nn.Linear(4, 2)\n"
+                                         "        self.scale = float(torch.ones(1).sum())  # a value: meta has none\n")
 
     assert done.returncode == 0, done.stderr
-    assert "Asks asks for the value of a tensor on meta" in done.stderr and "built without recording" in done.stderr
+    assert "Net asks for the value of a tensor on meta" in done.stderr and "built without recording" in done.stderr
     report = json.loads(done.stdout)
     assert report["replayed"] == [] and sorted(report["initialized"]) == ["head.bias", "head.weight"]

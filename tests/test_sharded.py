@@ -246,3 +246,15 @@ def test_fsdp2_over_a_recorded_model_replays_each_rank_its_rows_of_a_missing_ten
         assert "lm_head.weight" in rank["replayed"]
         assert rank["head_local_rows"][0] == source.lm_head.weight.shape[0] // 2
     assert sum(rank["bytes_read"] for rank in ranks) == sum(t.numel() * t.element_size() for t in state.values())
+
+
+def test_a_recorded_model_made_tensor_parallel_materializes_each_rank_its_columns_and_rows(tmp_path):
+    from sharded_worker import reference_mlp
+
+    ranks = run_ranks("tp_materialized", tmp_path / "unused", tmp_path)
+
+    source = reference_mlp()
+    for rank in ranks:
+        assert rank["equal"].keys() == {n for n, _ in source.named_parameters()} and all(rank["equal"].values()), rank
+        assert rank["placements"]["up.weight"] == ["Shard(dim=0)"] and rank["placements"]["down.weight"] == ["Shard(dim=1)"]
+        assert rank["local_shapes"]["up.weight"] == [6, 16] and rank["local_shapes"]["down.weight"] == [10, 6]

@@ -54,7 +54,7 @@ from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ..errors import MetaInitError
-from .meta import MOVES, stay_on_meta
+from .meta import MOVES, on_meta, stay_on_meta
 
 aten = torch.ops.aten
 
@@ -321,7 +321,7 @@ class _Recorder(TorchDispatchMode):
             if shape.skippable and all(isinstance(args[i], torch.Tensor) and args[i].is_meta for i in written):
                 out = args[written[0]]  # writes values on meta, which has none: nothing to compute (as meta_init)
             elif _mixes_meta_and_real((*args, *kwargs.values())):  # a constant met a meta tensor: answered on meta
-                out = func(*_on_meta(args), **{key: _on_meta(value) for key, value in kwargs.items()})
+                out = func(*on_meta(args), **{key: on_meta(value) for key, value in kwargs.items()})
             elif not written and shape.one_output:
                 out = self._on_meta_as_before(func, args, kwargs)
             else:
@@ -439,14 +439,6 @@ def _with_generator_argument(func: Any) -> Any:
         raise MetaInitError(f"deferred_init: {_module_being_built()} draws with {func}, which has no overload taking "
                             "a generator: its draws could not be replayed exactly")
     return found
-
-
-def _on_meta(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value if value.is_meta else value.to("meta")
-    if type(value) in (list, tuple):
-        return type(value)(_on_meta(item) for item in value)
-    return value
 
 
 def _mixes_meta_and_real(values: Any) -> bool:

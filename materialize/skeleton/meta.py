@@ -91,7 +91,7 @@ def _unfilled() -> dict[int, torch.Tensor]:
     return _thread_state("unfilled", dict)
 
 
-def _put_unfilled_buffers_on_meta() -> None:
+def _put_unfilled_bufferson_meta() -> None:
     """A buffer the constructor filled from values computed on meta holds nothing; on meta, a load recomputes it.
 
     The usual case: a buffer computed on ``self.weight.device`` (meta here) and
@@ -171,7 +171,7 @@ class _SkipInPlaceOnMeta(TorchFunctionMode):
         # A constructor running its layers on a real input to size what follows (a hybrid ViT's backbone
         # on zeros) meets meta weights; most kernels then answer on meta, but torch's Python
         # decompositions (group_norm) refuse mixed devices. On meta, every op answers.
-        return func(*(_on_meta(value) for value in args), **{key: _on_meta(value) for key, value in kwargs.items()})
+        return func(*(on_meta(value) for value in args), **{key: on_meta(value) for key, value in kwargs.items()})
 
 
 # In-place ops that change a tensor's attributes, shape or strides, not its values: they run on meta (at no
@@ -224,11 +224,12 @@ def _mixes_meta_and_real(args: tuple, kwargs: dict) -> bool:
     return found == 3
 
 
-def _on_meta(value: object) -> object:
+def on_meta(value: object) -> object:
+    """``value`` with its tensors (in lists and tuples too) on meta."""
     if isinstance(value, torch.Tensor):
         return value if value.is_meta else value.to("meta")
     if type(value) in (list, tuple):
-        return type(value)(_on_meta(item) for item in value)
+        return type(value)(on_meta(item) for item in value)
     return value
 
 
@@ -262,7 +263,7 @@ def meta_init(include_buffers: bool = False) -> Iterator[None]:
     finally:
         stack.pop()
         if not stack:
-            _put_unfilled_buffers_on_meta()
+            _put_unfilled_bufferson_meta()
         _remove_hooks()
 
 

@@ -236,6 +236,21 @@ def test_a_missing_tensor_after_loaded_ones_gets_the_draws_eager_construction_ga
     assert_as_eager(recorded, eager)
 
 
+def test_a_device_map_over_a_recorded_model_replays_what_is_missing_where_it_is_placed(tmp_path):
+    eager, recorded = eager_and_recorded(lambda: _tiny_llama(tie=False))
+    state = {key: value.contiguous() for key, value in eager.state_dict().items()}
+    del state["lm_head.weight"], state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, str(tmp_path / "m.safetensors"))
+    placed = {"model.embed_tokens": "cpu", "model.layers.0": "disk", "model.layers.1": "cpu", "model.norm": "cpu",
+              "model.rotary_emb": "cpu", "lm_head": "cpu"}  # layer 0 stays mapped from the file
+
+    report = mz.load(recorded, tmp_path / "m.safetensors", strict=False, device_map=placed)
+
+    assert {"lm_head.weight", "model.layers.1.mlp.up_proj.weight"} <= set(report.replayed)
+    assert set(report.mapped) == {n for n in state if n.startswith("model.layers.0.")}
+    assert_as_eager(recorded, eager)
+
+
 def test_a_cast_after_construction_takes_effect_in_the_replay():
     eager, recorded = eager_and_recorded(InitZoo)
     eager.half()

@@ -30,7 +30,7 @@ from .loading import (
     dominant_float_dtype,
     load,
     make_report,
-    model_device,
+    default_device,
     opened,
     planned,
 )
@@ -83,7 +83,7 @@ def plan(
         if skeleton is None:
             raise ModelRequiredError("a plan needs a model: pass one (CLI: --model SPEC)", path=ckpt.path)
         options = PlanOptions(
-            device=resolve_device(device if device is not None else model_device(skeleton)), dtype=parse_dtype(dtype),
+            device=resolve_device(device if device is not None else default_device(skeleton)), dtype=parse_dtype(dtype),
             strict=strict, key_map=key_map, init=init, ignore_mismatched_sizes=ignore_mismatched_sizes,
             device_map=device_map, max_memory=max_memory,
         )
@@ -261,7 +261,8 @@ def _skeleton(
 @gc_paused
 def materialize(model: nn.Module, *, device: Optional[DeviceLike] = None) -> nn.Module:
     """Make every tensor of a model :func:`~materialize.skeleton.deferred.deferred_init` recorded, on
-    ``device`` (default: the CPU), with the values eager construction gives it under the same seed: a model
+    ``device`` (default: where ``model.cuda()`` / ``.to(device)`` moved it after construction, else the
+    CPU), with the values eager construction gives it under the same seed: a model
     trained from scratch, no checkpoint.
 
     Each tensor is allocated once, in the dtype the model has now (``.half()`` after construction takes
@@ -274,7 +275,7 @@ def materialize(model: nn.Module, *, device: Optional[DeviceLike] = None) -> nn.
     if program is None:
         raise ReplayError("the model was not built by deferred_init: nothing was recorded to replay; build it with "
                           "mz.deferred_init(ModelClass, ...) or load a checkpoint into it")
-    target = resolve_device(device if device is not None else "cpu")
+    target = resolve_device(device if device is not None else (program.device or "cpu"))
     made: dict[int, torch.Tensor] = {}  # id of the model's tensor -> its replacement (ties: one)
     targets: dict[str, Any] = {}
     slots = []

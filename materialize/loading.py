@@ -104,7 +104,8 @@ def load(
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. By default, where the
             model's real parameters are (a model built on a GPU is filled
             there, in place), else ``"cpu"`` (a model on meta, whose real
-            buffers are on the CPU). DTensor tensors (a
+            buffers are on the CPU); a model recorded by ``deferred_init`` and
+            then moved (``model.cuda()``) goes where it was moved. DTensor tensors (a
             model sharded on meta by FSDP2 or tensor parallel) go to their
             mesh's device instead, each rank reading only its own shard
             (see :mod:`materialize.integrations.sharded`).
@@ -163,7 +164,7 @@ def load(
     in place, stay written, and the error names those tensors.
     """
     options = PlanOptions(
-        device=resolve_device(device if device is not None else model_device(model)), dtype=parse_dtype(dtype),
+        device=resolve_device(device if device is not None else default_device(model)), dtype=parse_dtype(dtype),
         strict=strict, key_map=key_map, init=init, ignore_mismatched_sizes=ignore_mismatched_sizes,
         device_map=device_map, max_memory=max_memory,
     )
@@ -192,6 +193,16 @@ def _refresh_flat_weights(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, nn.RNNBase):
             module._init_flat_weights()
+
+
+def default_device(model: nn.Module) -> torch.device:
+    """Where a load puts a model without ``device=``: where a recorded model was moved after construction
+    (``model.cuda()`` on a :func:`~materialize.skeleton.deferred.deferred_init` model), else
+    :func:`model_device`."""
+    program = program_of(model)
+    if program is not None and program.device is not None:
+        return program.device
+    return model_device(model)
 
 
 def model_device(model: nn.Module) -> torch.device:

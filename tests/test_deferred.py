@@ -261,6 +261,31 @@ def test_a_cast_after_construction_takes_effect_in_the_replay():
     assert_as_eager(recorded, eager)
 
 
+def test_moves_after_construction_stay_on_meta_and_say_where_the_replay_goes():
+    eager, recorded = eager_and_recorded(InitZoo)
+    recorded.cpu()
+    recorded.to("cpu", torch.float64)  # the dtype takes effect too, as eager's .to(float64)
+    eager.to(torch.float64)
+
+    assert all(t.is_meta for t in recorded.parameters())
+    mz.materialize(recorded)
+
+    assert_as_eager(recorded, eager)
+
+
+def test_a_recorded_model_moved_to_a_gpu_is_made_there():
+    _, recorded = eager_and_recorded(RandomBufferAfterLinear)
+    recorded.cuda()  # no copy out of meta: where the replay goes
+
+    assert all(t.is_meta for t in [*recorded.parameters(), *recorded.buffers()])
+    if not torch.cuda.is_available():
+        with pytest.raises(mz.MaterializeError, match="cuda"):
+            mz.materialize(recorded)
+        return
+    mz.materialize(recorded)
+    assert {t.device.type for t in [*recorded.parameters(), *recorded.buffers()]} == {"cuda"}
+
+
 def test_a_load_in_another_dtype_casts_the_replayed_values_as_the_loaded_ones(tmp_path):
     eager, recorded = eager_and_recorded(RandomBufferAfterLinear)
     save_file({"proj.bias": eager.proj.bias.detach().contiguous()}, str(tmp_path / "m.safetensors"))

@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -134,6 +135,7 @@ class Program:
     constants: dict[int, torch.Tensor] = field(default_factory=dict)  # sid -> a real tensor from before the recording
     unrecorded: set[int] = field(default_factory=set)  # sids of meta tensors from before the recording
     bindings: dict[str, Ref] = field(default_factory=dict)  # a parameter's or buffer's qualified name -> its values
+    device: Optional[torch.device] = None  # where the model was moved after construction (model.cuda()), if it was
 
     @property
     def draws(self) -> int:
@@ -163,10 +165,10 @@ def deferred_init(fn: Callable[..., nn.Module], *args: Any, **kwargs: Any) -> nn
     The model behaves as any model built on meta: shard it, cast it
     (``.half()`` and ``.to(dtype)`` take effect in the replay: values are
     made as recorded, then cast, as eager construction then ``.half()``
-    gives them), and load it with :func:`materialize.load`, which replays
-    what the checkpoint lacks, or make it whole with
-    :func:`materialize.materialize`. Moving it (``.cuda()``) is torch's
-    error on meta tensors: pass the device to the load instead.
+    gives them), move it (``model.cuda()``, ``.to(device)``: its tensors stay
+    on meta and the device becomes the replay's default), and load it with
+    :func:`materialize.load`, which replays what the checkpoint lacks, or
+    make it whole with :func:`materialize.materialize`.
     """
     if getattr(_recording, "active", False):
         raise MetaInitError("deferred_init inside deferred_init: build the inner module as part of the outer one")
@@ -187,7 +189,49 @@ def deferred_init(fn: Callable[..., nn.Module], *args: Any, **kwargs: Any) -> nn
         if sid is not None:
             program.bindings[name] = Ref.of(sid, tensor)
     _programs[module] = program
+    # model.cuda() / .to(device) / .cpu() on the whole model keep its tensors on meta and say where the replay
+    # goes (torch would refuse to copy out of meta): an instance attribute, on the root module only.
+    module._apply = types.MethodType(_applied_on_meta, module)
     return module
+
+
+def _applied_on_meta(self: nn.Module, fn: Callable, recurse: bool = True) -> nn.Module:
+    program = _programs.get(self)
+    if program is None:
+        return type(self)._apply(self, fn, recurse)
+    with _MovesStayOnMeta(program):
+        return type(self)._apply(self, fn, recurse)
+
+
+class _MovesStayOnMeta(TorchFunctionMode):
+    """A move of a recorded model's meta tensor (``.cuda()``, ``.to(device, dtype)``, ``.cpu()``): the tensor
+    stays on meta, in the dtype asked for, and the device asked for becomes the replay's default."""
+
+    def __init__(self, program: Program) -> None:
+        super().__init__()
+        self.program = program
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in MOVES and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            asked = _device_asked(name, args[1:], kwargs)
+            if asked is not None and asked.type != "meta":
+                self.program.device = asked
+            return stay_on_meta(name, args[0], args[1:], kwargs)
+        return func(*args, **kwargs)
+
+
+def _device_asked(name: str, args: tuple, kwargs: dict) -> Optional[torch.device]:
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda":
+        index = args[0] if args else kwargs.get("device")
+        if index is None:
+            return torch.device("cuda")
+        return torch.device(index) if not isinstance(index, int) else torch.device("cuda", index)
+    device = torch._C._nn._parse_to(*args, **kwargs)[0]
+    return torch.device(device) if device is not None else None
 
 
 class _Recorder(TorchDispatchMode):

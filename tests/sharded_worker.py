@@ -170,8 +170,10 @@ def save_tp(folder: str, mesh) -> dict:
 def partial(checkpoint: str, mesh) -> dict:
     with torch.device("meta"):
         model = MLP()
-    local = torch.empty(12, 16, device="meta")
-    model.up.weight = nn.Parameter(DTensor.from_local(local, mesh, [Partial()], run_check=False))
+    model.up.weight = nn.Parameter(DTensor.from_local(torch.empty(12, 16, device="meta"), mesh, [Partial()],
+                                                      run_check=False))
+    model.down.weight = nn.Parameter(DTensor.from_local(torch.empty(10, 12, device="meta"), mesh, [Partial()],
+                                                        run_check=False))
     before = model.up.weight
     try:
         mz.load(model, checkpoint)

@@ -80,6 +80,31 @@ def local_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
+READABLE_PLACEMENTS = ("only Shard(dim) and Replicate placements can be read from a checkpoint (redistribute it, "
+                       "or load before sharding that way)")
+
+
+def unreadable_placement(tensor: torch.Tensor) -> Optional[Any]:
+    """The first placement of a DTensor that no box of the checkpoint describes (``Partial``, a strided
+    shard); None for any other tensor."""
+    module = _dtensor_module()
+    if module is None or not isinstance(tensor, module.DTensor):
+        return None
+    return next((p for p in tensor.placements if not (type(p) is module.Shard or p.is_replicate())), None)
+
+
+def refuse_unreadable_placements(named: Sequence[tuple[str, torch.Tensor]], path: Optional[Path] = None) -> None:
+    """One error naming every DTensor whose placement cannot be read (see :func:`unreadable_placement`)."""
+    refused = [(name, placement) for name, tensor in named
+               if (placement := unreadable_placement(tensor)) is not None]
+    if not refused:
+        return
+    listed = ", ".join(f"'{name}' ({placement!r})" for name, placement in refused[:8])
+    more = f" and {len(refused) - 8} more" if len(refused) > 8 else ""
+    raise ShardingError(f"{len(refused)} DTensor(s) placed in a way no checkpoint can be read into: {listed}{more}; "
+                        f"{READABLE_PLACEMENTS}", path=path)
+
+
 def shard_spec(tensor: torch.Tensor, name: str, path: Optional[Path] = None) -> Optional[ShardSpec]:
     """This rank's box of ``tensor`` if it is a DTensor, else None; refuses placements that are not a box.
 
@@ -89,13 +114,10 @@ def shard_spec(tensor: torch.Tensor, name: str, path: Optional[Path] = None) -> 
     if module is None or not isinstance(tensor, module.DTensor):
         return None
     placements = tuple(tensor.placements)
-    for placement in placements:
-        if not (type(placement) is module.Shard or placement.is_replicate()):
-            raise ShardingError(
-                f"is a DTensor placed {placement!r} on its mesh; only Shard(dim) and Replicate placements "
-                "can be read from a checkpoint (redistribute it, or load before sharding that way)",
-                path=path, tensor=name,
-            )
+    refused = unreadable_placement(tensor)
+    if refused is not None:
+        raise ShardingError(
+            f"is a DTensor placed {refused!r} on its mesh; {READABLE_PLACEMENTS}", path=path, tensor=name)
     mesh = tensor.device_mesh
     if mesh.get_coordinate() is None:
         raise ShardingError("is a DTensor on a mesh this rank is not part of", path=path, tensor=name)

@@ -36,7 +36,7 @@ from .loadhooks import as_older_weight_norm, post_hooked, replay_load_hooks
 from ..skeleton.meta import is_lazy
 from ..skeleton.modtree import named_modules
 from .namehints import mismatch_hint
-from ..integrations.sharded import ShardSpec, region, shard_spec
+from ..integrations.sharded import ShardSpec, refuse_unreadable_placements, region, shard_spec
 from ..checkpoint.pieces import Stacked, pieces_of
 from .stacking import Chunks, Rearranged, StackSlot, Transposed, cut, deinterleave, rows_of, stack, transpose
 
@@ -385,6 +385,7 @@ def make_plan(
                 key_map=rename.describe() if isinstance(rename, KeyMap) else "",
                 renamed_by_model=replayed.renamed,
                 built_on_meta=any(tensor.is_meta for tensor, named in groups if named[0][1].is_parameter))
+    refuse_unreadable_placements([(named[0][0], tensor) for tensor, named in groups], ckpt.path)  # all, not the first
     for tensor, named in groups:
         if len(named) == 1:
             units = [((named[0][0],), [named[0][1]], to_ckpt.get(named[0][0]))]

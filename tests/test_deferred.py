@@ -307,16 +307,42 @@ def test_replay_of_one_tensor_runs_only_what_it_needs():
     assert torch.equal(target, eager.after_seed.detach())
 
 
-def test_a_constructor_asking_a_value_on_meta_names_the_module():
-    class AsksValues(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.proj = nn.Linear(4, 4)
-            if self.proj.weight.abs().sum() > 0:
-                self.proj.bias.data.zero_()
+class AsksValues(nn.Module):
+    """A constructor that computes from tensors' values: a stochastic-depth schedule, a branch on a weight."""
 
-    with pytest.raises(mz.MetaInitError, match="AsksValues asks for the value of a tensor on meta"):
-        mz.deferred_init(AsksValues)
+    def __init__(self, depth: int = 4) -> None:
+        super().__init__()
+        rates = [x.item() for x in torch.linspace(0, 0.3, depth)]  # as timm's and torchvision's models do
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(depth))
+        self.rates = rates
+        widths = (torch.arange(depth) * 1.5 + 2).round().int().tolist()
+        self.heads = nn.ModuleList(nn.Linear(4, w) for w in widths)
+        if self.blocks[0].weight.abs().sum() > 0:  # eager's weight: its values are computed for the branch
+            with torch.no_grad():
+                self.blocks[0].bias.copy_(self.blocks[1].weight[0])
+
+
+def test_a_constructor_asking_values_gets_eager_constructions_and_comes_out_equal():
+    eager, recorded = eager_and_recorded(AsksValues)
+
+    assert recorded.rates == eager.rates and all(t.is_meta for t in recorded.parameters())
+    mz.materialize(recorded)
+
+    assert_as_eager(recorded, eager)
+
+
+def test_a_value_asked_of_a_tensor_the_recording_never_saw_names_the_module():
+    outside = nn.Linear(4, 4, device="meta")  # made on meta before the recording: it has no values anywhere
+
+    class AsksOutside(nn.Module):
+        def __init__(self, wrapped: nn.Module) -> None:
+            super().__init__()
+            self.wrapped = wrapped
+            self.scale = float(wrapped.weight.detach().sum())
+
+    with pytest.raises(mz.MetaInitError, match="AsksOutside asks for the value of a tensor on meta that the tensor "
+                                               "asked for is made from a tensor whose values were never recorded"):
+        mz.deferred_init(AsksOutside, outside)
 
 
 def test_what_was_never_recorded_or_changed_shape_is_named():
@@ -402,11 +428,26 @@ def test_an_op_without_a_meta_kernel_is_named_with_its_module():
         mz.deferred_init(UsesAnExtension)
 
 
-def test_the_cli_builds_without_recording_a_model_that_asks_values_and_says_so(tmp_path):
-    done = load_without_strict(tmp_path, "        self.head = nn.Linear(4, 2)\n"
-                                         "        self.scale = float(torch.ones(1).sum())  # a value: meta has none\n")
+def test_the_cli_builds_without_recording_a_model_it_cannot_record_and_says_so(tmp_path):
+    model_file = tmp_path / "extension.py"
+    model_file.write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "library = torch.library.Library('mz_cli_test', 'DEF')  # a kernel with no meta implementation\n"
+        "library.define('twice(Tensor x) -> Tensor')\n"
+        "library.impl('twice', lambda x: x * 2, 'CPU')\n\n\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.body = nn.Linear(4, 4)\n"
+        "        self.head = nn.Linear(4, 2)\n"
+        "        self.register_buffer('table', torch.ops.mz_cli_test.twice(torch.ones(3)))\n")
+    save_file({"body.weight": torch.randn(4, 4), "body.bias": torch.randn(4), "table": torch.ones(3)},
+              str(tmp_path / "body.safetensors"))
+
+    done = subprocess.run([CLI, str(tmp_path / "body.safetensors"), "--model", f"{model_file}:Net", "--no-strict",
+                           "--json"], capture_output=True, text=True, timeout=300)
 
     assert done.returncode == 0, done.stderr
-    assert "Net asks for the value of a tensor on meta" in done.stderr and "built without recording" in done.stderr
+    assert "Net runs mz_cli_test.twice.default on meta" in done.stderr and "built without recording" in done.stderr
     report = json.loads(done.stdout)
     assert report["replayed"] == [] and sorted(report["initialized"]) == ["head.bias", "head.weight"]

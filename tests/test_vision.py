@@ -204,3 +204,20 @@ def test_a_hugging_face_model_whose_code_cannot_import_beside_that_torchvision_s
     assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1
     assert "config.json: transformers cannot import the code of this model" in done.stderr
     assert f"torch {torch.__version__}" in done.stderr and "torchvision 0.28" in done.stderr
+
+
+@pytest.mark.parametrize("family, name, args",
+                         [("timm", n, a) for n, a, _ in TIMM] + [("torchvision", n, a) for n, a, _ in TORCHVISION],
+                         ids=[f"timm:{c[0]}" for c in TIMM] + [f"torchvision:{c[0]}" for c in TORCHVISION])
+def test_a_family_model_recorded_by_deferred_init_materializes_as_eager_construction(family, name, args):
+    # timm's init_weights and trunc_normal_ class tokens, stochastic-depth schedules read with .item(),
+    # torchvision's RegNet widths computed with .tolist(): every tensor as eager construction under seed 0.
+    build = factory(family, name, args)
+    torch.manual_seed(0)
+    eager = build()
+    torch.manual_seed(0)
+    recorded = mz.deferred_init(build)
+
+    mz.materialize(recorded)
+
+    assert compare_models(recorded, eager) == []

@@ -32,9 +32,12 @@ What the recording sees:
 * factory functions on ``meta`` without ``torch.device("meta")``, which
   libraries read as "skip the init" (transformers' ``init_weights`` does).
 
-A constructor that asks a tensor's value (``.item()``, ``if w.sum() > 0``)
-cannot be recorded on meta: :class:`~materialize.errors.MetaInitError`
-names the module being built and the op.
+A constructor that asks a tensor's value (``.item()``, ``.tolist()``,
+``if w.sum() > 0``) gets eager construction's, computed then on the CPU by
+replaying the steps that made it. One that asks it of a meta tensor from
+before the recording, or runs a kernel with no meta implementation, cannot
+be recorded: :class:`~materialize.errors.MetaInitError` names the module
+being built and the op.
 """
 
 from __future__ import annotations
@@ -54,93 +57,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from ..errors import MetaInitError
+from ..errors import MetaInitError, ReplayError
+from .program import DEFAULT_GENERATOR, GeneratorRef, Program, Ref, SetGenerator, Step, TargetDevice
+from .replaying import values_of
 from .meta import MOVES, on_meta, stay_on_meta
 
 aten = torch.ops.aten
-
-DEFAULT_GENERATOR = 0  # the default generator of the device a model is replayed on
-
-
-@dataclass(frozen=True)
-class Ref:
-    """A tensor as a view of a recorded storage (``sid``)."""
-
-    sid: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-    dtype: torch.dtype
-
-    @classmethod
-    def of(cls, sid: int, tensor: torch.Tensor) -> "Ref":
-        return cls(sid, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype)
-
-
-@dataclass(frozen=True)
-class GeneratorRef:
-    index: int
-
-
-@dataclass(frozen=True)
-class TargetDevice:
-    """A device the recording saw as ``meta``: the replay's device."""
-
-
-@dataclass
-class Step:
-    """One op (an aten overload, a whole ``torch.nn.init`` call, or the remaking of a constant) and its effects."""
-
-    run: Any
-    args: tuple
-    kwargs: dict
-    made: tuple[tuple[int, int], ...]  # (output position, sid) of the storages it makes
-    reads: frozenset
-    writes: frozenset  # sids it writes, made ones included
-    generator: Optional[int]  # the generator it draws from, if it draws
-    where: str  # the module being built, for messages
-    whole_call: bool = False  # a torch.nn.init function: it may draw from the global generator whatever it is given
-
-    @property
-    def draws_from(self) -> frozenset:
-        """The generators it advances: its own, and the global one for a whole init call (see whole_call)."""
-        if self.generator is None:
-            return frozenset()
-        return frozenset({self.generator, DEFAULT_GENERATOR}) if self.whole_call else frozenset({self.generator})
-
-    @property
-    def name(self) -> str:
-        return str(getattr(self.run, "__name__", self.run))
-
-
-@dataclass
-class SetGenerator:
-    """A generator reseeded (``seed``) or set to a state between two draws."""
-
-    generator: int
-    seed: Optional[int]
-    state: Optional[torch.Tensor]
-
-
-@dataclass
-class Program:
-    """What :func:`deferred_init` recorded: the steps, the generators' states at their first use, where each
-    tensor of the model lies, and what cannot be replayed."""
-
-    steps: list = field(default_factory=list)
-    start_states: dict[int, torch.Tensor] = field(default_factory=dict)
-    start_seeds: dict[int, int] = field(default_factory=dict)
-    made_as: dict[int, Ref] = field(default_factory=dict)  # sid -> the tensor that made it
-    made_empty: set[int] = field(default_factory=set)  # sids made by an empty allocation (a target can stand in)
-    constants: dict[int, torch.Tensor] = field(default_factory=dict)  # sid -> a real tensor from before the recording
-    unrecorded: set[int] = field(default_factory=set)  # sids of meta tensors from before the recording
-    bindings: dict[str, Ref] = field(default_factory=dict)  # a parameter's or buffer's qualified name -> its values
-    device: Optional[torch.device] = None  # where the model was moved after construction (model.cuda()), if it was
-
-    @property
-    def draws(self) -> int:
-        return sum(1 for step in self.steps if isinstance(step, Step) and step.generator is not None)
-
 
 _EMPTY = {aten.empty.memory_format, aten.empty_strided.default}
 # torch.nn.init functions that return at once for a meta tensor; all but dirac_ draw.
@@ -247,6 +169,7 @@ class _Recorder(TorchDispatchMode):
         self.generator_objects: list[torch.Generator] = [torch.default_generator]
         self.last_state: dict[int, torch.Tensor] = {}
         self.answers: dict[tuple, tuple] = {}  # see _on_meta_as_before
+        self.values_asked: dict[Ref, torch.Tensor] = {}  # see _values; forgotten when their storage is written
 
     def _new_sid(self, tensor: torch.Tensor) -> int:
         sid = len(self.alive)
@@ -299,6 +222,24 @@ class _Recorder(TorchDispatchMode):
         if on_real:  # a real tensor's draw advanced the generator itself
             self.last_state[index] = self.generator_objects[index].get_state()
 
+    def _values(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What a constructor asks of a tensor on meta (``.item()``, ``.tolist()``, a copy into a real one):
+        the values eager construction gives it, computed now on the CPU by replaying the steps that made it
+        (a stochastic-depth schedule from ``torch.linspace(...).tolist()``, torchvision's RegNet widths)."""
+        ref = self.ref(tensor)
+        known = self.values_asked.get(ref)
+        if known is not None:
+            return known
+        try:
+            with _disable_current_modes(), torch._C.DisableTorchFunction():  # the replay is not recorded
+                values = values_of(self.program, ref)
+        except ReplayError as error:
+            raise MetaInitError(f"deferred_init: {_module_being_built()} asks for the value of a tensor on meta "
+                                f"that {error.reason}; build that module outside deferred_init and load into it"
+                                ) from error
+        self.values_asked[ref] = values
+        return values
+
     def _on_meta_as_before(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
         """An op making one tensor from tensors on meta only, answered as it was for the same shapes before.
 
@@ -341,6 +282,8 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is aten._local_scalar_dense.default and args[0].is_meta:  # .item(), float(), bool(), a Python int
+            return self._values(args[0]).item()
         shape = _op_shape(func)
         written, fresh, draws = shape.written, shape.fresh, shape.draws
         if not written and not fresh:  # a view or detach: seen later as a view of its storage
@@ -364,6 +307,10 @@ class _Recorder(TorchDispatchMode):
         try:
             if shape.skippable and all(isinstance(args[i], torch.Tensor) and args[i].is_meta for i in written):
                 out = args[written[0]]  # writes values on meta, which has none: nothing to compute (as meta_init)
+            elif func is aten._to_copy.default and args[0].is_meta and _leaves_meta(kwargs):  # .tolist(), .cpu()
+                out = func(self._values(args[0]), **kwargs)
+            elif func is aten.copy_.default and not args[0].is_meta and args[1].is_meta:  # real.copy_(meta)
+                out = func(args[0], self._values(args[1]), *args[2:], **kwargs)
             elif _mixes_meta_and_real((*args, *kwargs.values())):  # a constant met a meta tensor: answered on meta
                 out = func(*on_meta(args), **{key: on_meta(value) for key, value in kwargs.items()})
             elif not written and shape.one_output:
@@ -398,6 +345,8 @@ class _Recorder(TorchDispatchMode):
             self.after_draw(generator, any(isinstance(t, torch.Tensor) and not t.is_meta for t in outs))
         self.program.steps.append(Step(replayed, t_args, t_kwargs, tuple(made), frozenset(reads), frozenset(writes),
                                        generator, _module_being_built()))
+        if self.values_asked:
+            self.values_asked = {ref: values for ref, values in self.values_asked.items() if ref.sid not in writes}
         return out
 
 
@@ -464,6 +413,11 @@ def _hashable(value: Any) -> Any:
     if type(value) in (torch.dtype, torch.device, torch.memory_format, torch.layout):
         return value
     return _UNHASHABLE
+
+
+def _leaves_meta(kwargs: dict) -> bool:
+    device = kwargs.get("device")
+    return device is not None and torch.device(device).type != "meta"
 
 
 def _remade(saved: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -135,13 +135,19 @@ class _MovesStayOnMeta(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name in MOVES and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+        name = _move_of_meta(func, args)
+        if name is not None:
             asked = _device_asked(name, args[1:], kwargs)
             if asked is not None and asked.type != "meta":
                 self.program.device = asked
             return stay_on_meta(name, args[0], args[1:], kwargs)
         return func(*args, **kwargs)
+
+
+def _move_of_meta(func: Any, args: tuple) -> Optional[str]:
+    """The name of a move (``to``, ``cuda``, ``cpu``) called on a meta tensor; None for any other call."""
+    name = getattr(func, "__name__", "")
+    return name if name in MOVES and args and isinstance(args[0], torch.Tensor) and args[0].is_meta else None
 
 
 def _device_asked(name: str, args: tuple, kwargs: dict) -> Optional[torch.device]:
@@ -474,8 +480,8 @@ class _OnMeta(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name in MOVES and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+        name = _move_of_meta(func, args)
+        if name is not None:
             return stay_on_meta(name, args[0], args[1:], kwargs)  # where it lives is the load's device=
         if kwargs.get("device") is None:
             if func in _FROM_DATA:

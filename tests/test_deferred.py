@@ -206,6 +206,35 @@ def test_materialize_makes_every_tensor_as_eager_construction(name):
     assert torch.initial_seed() == 99  # the caller's generator is left alone
 
 
+def _hf(name: str) -> nn.Module:
+    import transformers as T
+
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    text = dict(**small, vocab_size=99, max_position_embeddings=64)
+    return {
+        "gpt2": lambda: T.GPT2LMHeadModel(T.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=99, n_positions=64)),
+        "t5": lambda: T.T5ForConditionalGeneration(T.T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=4,
+                                                              vocab_size=99, d_kv=8)),
+        "mixtral": lambda: T.MixtralForCausalLM(T.MixtralConfig(**small, vocab_size=99, num_key_value_heads=2,
+                                                                num_local_experts=4, num_experts_per_tok=2)),
+        # Its init calls transformers' own table of torch's init functions: trunc_normal_ held there, not
+        # reached through torch.nn.init, is recorded too.
+        "vit": lambda: T.ViTModel(T.ViTConfig(**small, image_size=32, patch_size=8)),
+        "clip": lambda: T.CLIPModel(T.CLIPConfig(text_config=text, vision_config=dict(**small, image_size=32,
+                                                                                       patch_size=8),
+                                                 projection_dim=16)),
+    }[name]()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "t5", "mixtral", "vit", "clip"])
+def test_hugging_face_models_of_other_families_materialize_as_eager_construction(name):
+    eager, recorded = eager_and_recorded(lambda: _hf(name))
+
+    mz.materialize(recorded)
+
+    assert_as_eager(recorded, eager)
+
+
 @pytest.mark.parametrize("name", ["custom init zoo", "Hugging Face Llama", "nn.Transformer", "timm ViT"])
 def test_a_load_of_half_the_tensors_replays_the_rest_as_eager_construction(name, tmp_path):
     eager, recorded = eager_and_recorded(MODELS[name])

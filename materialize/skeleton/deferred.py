@@ -496,14 +496,31 @@ class _OnMeta(TorchFunctionMode):
 
 @contextlib.contextmanager
 def _whole_steps(recorder: _Recorder) -> Iterator[None]:
-    originals = {name: getattr(nn.init, name) for name in _WHOLE_STEPS}
-    for name, original in originals.items():
-        setattr(nn.init, name, _recorded_call(recorder, original, draws=name != "dirac_"))
+    """The whole-call functions recorded wherever a loaded module holds them: ``torch.nn.init``'s own names,
+    names imported from it (``from torch.nn.init import trunc_normal_``), and tables of them
+    (transformers' ``initialization.TORCH_INIT_FUNCTIONS``, which its ``init.trunc_normal_`` calls)."""
+    replacements: dict[Callable, Callable] = {}
+    for name in _WHOLE_STEPS:
+        original = getattr(nn.init, name)
+        replacements[original] = _recorded_call(recorder, original, draws=name != "dirac_")
+    patched: list[tuple[dict, str, Callable]] = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if type(namespace) is not dict:
+            continue
+        for key, value in list(namespace.items()):
+            if type(value) is types.FunctionType and value in replacements:
+                patched.append((namespace, key, value))
+            elif type(value) is dict and len(value) < 256:
+                patched += [(value, k, v) for k, v in value.items()
+                            if type(v) is types.FunctionType and v in replacements]
+    for table, key, original in patched:
+        table[key] = replacements[original]
     try:
         yield
     finally:
-        for name, original in originals.items():
-            setattr(nn.init, name, original)
+        for table, key, original in patched:
+            table[key] = original
 
 
 def _recorded_call(recorder: _Recorder, original: Callable, *, draws: bool) -> Callable:

@@ -4,6 +4,7 @@
 #   make bench  compare loaders on a 1.9 GB checkpoint (bench/results/)
 #   make bench-strided  experts saved transposed or interleaved, 1 GB
 #   make bench-dcp  the 1.9 GB checkpoint as a dcp.save training save, against dcp.load
+#   make bench-deferred  the bench models made from scratch: deferred_init + materialize against eager construction
 #   make bench-sharded  the 1.9 GB checkpoint into an FSDP2 model on 2 ranks, against set_model_state_dict
 #   make fuzz   fuzz the header, index, zip and pickle readers (FUZZ_SECONDS, default 600; each input under
 #               FUZZ_INPUT_SECONDS, FUZZ_MEMORY_MB of address space, FUZZ_INPUT_MEMORY_MB of peak growth)
@@ -30,7 +31,7 @@ FUZZ_INPUT_SECONDS ?= 10
 FUZZ_MEMORY_MB ?= 3072
 FUZZ_INPUT_MEMORY_MB ?= 1024
 
-.PHONY: demo test bench bench-strided bench-dcp bench-sharded fuzz venv clean lock test-latest test-oldest
+.PHONY: demo test bench bench-strided bench-dcp bench-deferred bench-sharded fuzz venv clean lock test-latest test-oldest
 
 # A fresh venv each time an input changes, so nothing of an earlier lock stays behind. The editable install
 # is built without isolation, by the locked setuptools, so no build step fetches a floating one.
@@ -103,6 +104,9 @@ bench-strided: $(BENCH_STAMP)
 
 bench-dcp: $(BENCH_STAMP)
 	$(PY) -m bench.dcp --config $(CONFIG)
+
+bench-deferred: $(BENCH_STAMP)
+	$(PY) -m bench.deferred
 
 bench-sharded: $(BENCH_STAMP)
 	$(PY) -m bench.sharded --config $(CONFIG)

@@ -80,7 +80,6 @@ class TieSettling:
                  allocate: Callable[[Entry], list[Job]], allow_overflow: bool) -> None:
         self.plan, self.in_file, self.read, self.undo = the_plan, in_file, read, undo
         self.allocate, self.allow_overflow = allocate, allow_overflow
-        self.bytes_read = 0
 
     def settle(self) -> tuple[list[list[str]], list[list[str]]]:
         retied, untied = [], []
@@ -118,7 +117,7 @@ class TieSettling:
             if blocks is not None:
                 return self._equal_to_file(kept, other, blocks)
             # Read rearranged, it cannot be cut in blocks: loaded whole, then compared (and dropped if equal).
-            self.bytes_read += self.read(self.allocate(other))
+            self.read(self.allocate(other))
         return _same_values(kept, local_of(other.held()))
 
     def _equal_to_file(self, kept: torch.Tensor, other: Entry, blocks: list[tuple[BlockIndex, TensorInfo]]) -> bool:
@@ -131,7 +130,7 @@ class TieSettling:
         """
         for number, (where, part) in enumerate(blocks):
             block = torch.empty(part.shape, dtype=part.dtype)  # the file's dtype, on the host: a plain read
-            self.bytes_read += self.read([Job(block, part)])
+            self.read([Job(block, part)])
             # As a load makes them: moved to the device as they are, then cast there.
             values = block.to(kept.device).to(kept.dtype)
             if torch.equal(values, kept[where]):
@@ -144,7 +143,7 @@ class TieSettling:
             for earlier, _ in blocks[:number]:
                 job.dest[earlier].copy_(kept[earlier])
             job.dest[where].copy_(values)
-            self.bytes_read += self.read([Job(job.dest[later], rest) for later, rest in blocks[number + 1:]])
+            self.read([Job(job.dest[later], rest) for later, rest in blocks[number + 1:]])
             return False
         return True
 

@@ -84,7 +84,3 @@ class Program:
     unrecorded: set[int] = field(default_factory=set)  # sids of meta tensors from before the recording
     bindings: dict[str, Ref] = field(default_factory=dict)  # a parameter's or buffer's qualified name -> its values
     device: Optional[torch.device] = None  # where the model was moved after construction (model.cuda()), if it was
-
-    @property
-    def draws(self) -> int:
-        return sum(1 for step in self.steps if isinstance(step, Step) and step.generator is not None)

@@ -157,8 +157,8 @@ def _module_from_file(path: Path, target: str) -> ModuleType:
         raise ModelSpecUsageError(f"model spec {target!r}: no such file {path}")
     resolved = path.resolve()
     for module in list(sys.modules.values()):
-        known = getattr(module, "__file__", None)
-        if known and Path(known).resolve() == resolved:
+        known = getattr(module, "__file__", None)  # by name first: resolving every module's path costs a stat each
+        if known and os.path.basename(known) == resolved.name and Path(known).resolve() == resolved:
             return module
     name = f"materialize_model_file_{hashlib.sha1(str(resolved).encode()).hexdigest()[:12]}_{resolved.stem}"
     spec = importlib.util.spec_from_file_location(name, resolved)

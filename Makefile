@@ -5,7 +5,8 @@
 #   make bench-strided  experts saved transposed or interleaved, 1 GB
 #   make bench-dcp  the 1.9 GB checkpoint as a dcp.save training save, against dcp.load
 #   make bench-deferred  the bench models made from scratch: deferred_init + materialize against eager construction
-#   make bench-sharded  the 1.9 GB checkpoint into an FSDP2 model on 2 ranks, against set_model_state_dict
+#   make bench-sharded  the 1.9 GB checkpoint into an FSDP2 model on 2 ranks, against set_model_state_dict;
+#                       then into torchtitan's 2-D layout on 4 ranks, against dcp.load
 #   make fuzz   fuzz the header, index, zip and pickle readers (FUZZ_SECONDS, default 600; each input under
 #               FUZZ_INPUT_SECONDS, FUZZ_MEMORY_MB of address space, FUZZ_INPUT_MEMORY_MB of peak growth)
 #
@@ -110,6 +111,7 @@ bench-deferred: $(BENCH_STAMP)
 
 bench-sharded: $(BENCH_STAMP)
 	$(PY) -m bench.sharded --config $(CONFIG)
+	$(PY) -m bench.sharded --config $(CONFIG) --layout 2d
 
 fuzz: $(STAMP)
 	$(PY) -m fuzz.run --seconds $(FUZZ_SECONDS) --input-seconds $(FUZZ_INPUT_SECONDS) --memory-mb $(FUZZ_MEMORY_MB) \

@@ -13,9 +13,19 @@ cache warm, taking turns, median of ``--runs`` after a warm-up:
 - torch, every rank reads: ``to_empty``, every rank ``load_file``, then
   ``set_model_state_dict(full_state_dict=True)``.
 
+With ``--layout 2d`` the model takes torchtitan's 2-D layout instead
+(``bench/models/parallel.py``: tensor parallel over pairs of ranks, FSDP2
+across them; column-wise weights placed ``_StridedShard``), on ``--world``
+ranks (4: a 2x2 mesh), and the methods are:
+
+- ours, from the safetensors file, and from the DCP save of the same
+  weights (``bench/dcp.py`` writes it once);
+- torch DCP: ``to_empty``, then ``dcp.load`` into the model's state dict
+  from that save (torchtitan's own resume path).
+
 Figures: the slowest rank's load seconds, the largest rank's peak RSS
 growth, each result verified (sampled tensors gathered and checksummed).
-Writes ``bench/results/bench-sharded.md`` and ``.json``.
+Writes ``bench/results/bench-sharded.md`` (``bench-sharded-2d.md``) and ``.json``.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -40,9 +51,15 @@ METHODS = {
     "torch: rank 0 reads, set_model_state_dict broadcasts": "broadcast",
     "torch: every rank reads all, set_model_state_dict": "everyone",
 }
+METHODS_2D = {
+    "ours: every rank reads its own part, safetensors": "ours-2d",
+    "ours: every rank reads its own part, DCP save": "ours-2d-dcp",
+    "torch DCP: to_empty + dcp.load": "dcp-2d",
+}
 
 
-def rank_main(method: str, path: Path, expected: dict, store: Path, rank: int, world: int, out: Path) -> None:
+def rank_main(method: str, path: Path, dcp_folder: Optional[Path], expected: dict, store: Path, rank: int, world: int,
+              out: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -51,17 +68,30 @@ def rank_main(method: str, path: Path, expected: dict, store: Path, rank: int, w
     from bench.models.transformer import DecoderLM
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (world,))
+    two_d = method in METHODS_2D.values()
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp")) if two_d else init_device_mesh("cpu", (world,))
     dist.barrier()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     started = time.perf_counter()
     with mz.meta_init():
         model = DecoderLM(**expected["model_args"]).to(torch.bfloat16)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    if method == "ours":
+    if two_d:
+        from bench.models.parallel import torchtitan_2d
+
+        torchtitan_2d(model, mesh)
+    else:
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    if method in ("ours", "ours-2d"):
         mz.load(model, path)
+    elif method == "ours-2d-dcp":
+        mz.load(model, dcp_folder)
+    elif method == "dcp-2d":
+        import torch.distributed.checkpoint as dcp
+
+        model.to_empty(device="cpu")
+        dcp.load({"model": model.state_dict()}, checkpoint_id=str(dcp_folder))
     else:
         from safetensors.torch import load_file
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -75,7 +105,7 @@ def rank_main(method: str, path: Path, expected: dict, store: Path, rank: int, w
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     params = dict(model.named_parameters())
     verified = all(crc(params[name].full_tensor()) == value for name, value in expected["same"].items())
-    out.write_text(json.dumps({"load_s": seconds, "rss_growth": peak - before, "verified": verified}))
+    out.write_text(json.dumps({"load_s": seconds, "rss_growth": peak - before, "verified": verified, "rss_before": before, "rss_peak": peak}))
     dist.barrier()
     os._exit(0)  # gloo's teardown at exit aborts now and then on its own; the result is written
 
@@ -104,27 +134,37 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/bench-llama-1b.toml")
     parser.add_argument("--data", default="data/bench")
-    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--world", type=int, default=None, help="ranks (default 2; 4 for --layout 2d)")
+    parser.add_argument("--layout", choices=("fsdp", "2d"), default="fsdp")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--rank", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    from bench.dcp import ensure_dcp
+
     paths = ensure(args.config, Path(args.data))
     expected = json.loads(paths["expected"].read_text())
+    method = args.rank.split(",")[0] if args.rank else None
+    two_d = method in METHODS_2D.values() if method else args.layout == "2d"
+    dcp_folder = ensure_dcp(args.config, Path(args.data))[0] if two_d else None  # written once, for 2-D only
     if args.rank:
-        method, rank, world, store, out = args.rank.split(",")
-        rank_main(method, paths["single"], expected, Path(store), int(rank), int(world), Path(out))
+        _, rank, world, store, out = args.rank.split(",")
+        rank_main(method, paths["single"], dcp_folder, expected, Path(store), int(rank), int(world), Path(out))
         return
+    world = args.world or (4 if two_d else 2)
+    methods = METHODS_2D if two_d else METHODS
     scratch = Path(args.data).resolve() / "sharded-runs"  # a file:// store wants an absolute path
-    results = take_turns(METHODS, lambda method: one(method, paths["single"], args.world, args.config, args.data,
+    results = take_turns(methods, lambda method: one(method, paths["single"], world, args.config, args.data,
                                                      scratch), args.runs)
-    ours = next(iter(METHODS))
-    write_table(Path(args.out), "bench-sharded",
+    ours = next(iter(methods))
+    layout = (f"torchtitan's 2-D layout on {world} ranks ({world // 2} FSDP2 x 2 tensor parallel, gloo, CPU); "
+              "the DCP save: one file of the same weights" if two_d else f"FSDP2 over {world} ranks (gloo, CPU)")
+    write_table(Path(args.out), "bench-sharded-2d" if two_d else "bench-sharded",
                 f"{expected['nbytes'] / 1e9:.2f} GB of bf16 weights ({Path(args.config).stem}, one safetensors file), "
-                f"FSDP2 over {args.world} ranks (gloo, CPU); median of {args.runs} runs after a warm-up, methods "
+                f"{layout}; median of {args.runs} runs after a warm-up, methods "
                 "taking turns, each run fresh processes, page cache warm. Load s: the slowest rank, sharding on meta "
                 "included; RSS growth: the largest rank.",
-                results, lambda label: ours, "x ours", {"nbytes": expected["nbytes"], "world": args.world})
+                results, lambda label: ours, "x ours", {"nbytes": expected["nbytes"], "world": world})
 
 if __name__ == "__main__":
     main()

@@ -92,7 +92,8 @@ def audit(plan: Plan, registered: Iterable[tuple[Entry, torch.Tensor]], counts: 
             problems.append(f"{name}: {tensor.dtype}, planned {entry.dtype}")
         if entry.action == "load" and entry.source is not None and name not in mapped:
             source = entry.source
-            read = sum(counts.bytes_by_tensor.get(piece.info.name, 0) for piece in pieces_of(source))
+            # Counted by name: a shard's several boxes of one checkpoint tensor are one name's bytes.
+            read = sum(counts.bytes_by_tensor.get(name, 0) for name in {piece.info.name for piece in pieces_of(source)})
             least, most = map(sum, zip(*(_bytes_expected(piece.info) for piece in pieces_of(source))))
             if not least <= read <= most:
                 expected = str(most) if least == most else f"{least} to {most}"

@@ -20,10 +20,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import materialize as mz
+from bench.models.parallel import torchtitan_2d
 from conftest import reference_model, tiny_skeleton
 
 
@@ -223,6 +224,334 @@ def tp_materialized(checkpoint: str, mesh) -> dict:
     return result
 
 
+def _torchtitan_reference(mesh, full: dict[str, torch.Tensor]) -> nn.Module:
+    """torchtitan's own path: sharded on meta, ``to_empty``, computed buffers made again, ``set_model_state_dict``
+    from the full state dict."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from bench.models.transformer import Rotary
+
+    with torch.device("meta"):
+        model = torchtitan_2d(_decoder(), mesh)
+    model.to_empty(device="cpu")
+    for module in model.modules():
+        if isinstance(module, Rotary):
+            module.reset_parameters()
+    set_model_state_dict(model, dict(full), options=StateDictOptions(full_state_dict=True))  # it swaps the values
+    return model
+
+
+def _decoder() -> nn.Module:
+    from bench.models.transformer import DecoderLM
+    from conftest import TINY
+
+    return DecoderLM(**TINY, tie_embeddings=False)
+
+
+class _Collectives:
+    """Counts the collectives called while it is entered (a load must call none on an untied model): those of
+    ``torch.distributed`` and the c10d ops DTensor's own communication dispatches."""
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "scatter", "reduce_scatter_tensor",
+             "all_to_all_single", "send", "recv", "barrier")
+
+    def __enter__(self) -> "_Collectives":
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        calls: list[str] = []
+        self.calls = calls
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.namespace in ("c10d", "_c10d_functional"):
+                    calls.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        self.saved = {name: getattr(dist, name) for name in self.NAMES}
+        for name, function in self.saved.items():
+            def counted(*args, _name=name, _function=function, **kwargs):
+                calls.append(_name)
+                return _function(*args, **kwargs)
+            setattr(dist, name, counted)
+        self.mode = Ops()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.mode.__exit__(*exc)
+        for name, function in self.saved.items():
+            setattr(dist, name, function)
+
+
+def _locals_equal(model: nn.Module, reference: nn.Module) -> dict:
+    """Per tensor: the same placements, the same local shard bit for bit, the same dtype and requires_grad."""
+    expected = dict(reference.named_parameters())
+    result = {}
+    for name, param in model.named_parameters():
+        other = expected[name]
+        result[name] = (type(param) is type(other) and list(param.placements) == list(other.placements)
+                        and param.dtype == other.dtype and param.requires_grad == other.requires_grad
+                        and torch.equal(param.to_local(), other.to_local()))
+    return result
+
+
+def _train(model: nn.Module, steps: int = 3) -> list[float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.arange(24).view(2, 12) % 96
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def tp_fsdp(folder: str, _mesh) -> dict:
+    """torchtitan's 2-D layout on 4 ranks, loaded from safetensors, a torch file and a DCP save, against
+    torchtitan's own path; then trained a few steps beside it."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    folder_path = os.path.join(folder, "")
+    full = load_file(folder_path + "model.safetensors")
+    reference = _torchtitan_reference(mesh, full)
+    dcp.save(reference.state_dict(), checkpoint_id=folder_path + "dcp")
+    dist.barrier()
+
+    result: dict = {"placements": {n: [repr(p) for p in param.placements] for n, param in reference.named_parameters()}}
+    loaded = {}
+    for kind, path in (("safetensors", "model.safetensors"), ("torch", "model.pt"), ("dcp", "dcp")):
+        model = torchtitan_2d(tiny_skeleton(tie=False), mesh)
+        with _Collectives() as collectives:
+            report = mz.load(model, folder_path + path, check=True)
+        result[kind] = {"equal": _locals_equal(model, reference), "collectives": collectives.calls,
+                        "bytes_read": report.bytes_read, "loaded": len(report.loaded),
+                        "whole_equal": all(torch.equal(p.full_tensor(), full[n]) for n, p in model.named_parameters())}
+        loaded[kind] = model
+
+    with _Collectives() as probe:  # the counter sees DTensor's own communication
+        loaded["safetensors"].lm_head.weight.full_tensor()
+    result["probe"] = probe.calls
+
+    # torchtitan's DCP path is the same model again.
+    by_dcp = torchtitan_2d(tiny_skeleton(tie=False), mesh)
+    by_dcp.to_empty(device="cpu")
+    state = by_dcp.state_dict()
+    dcp.load(state, checkpoint_id=folder_path + "dcp")
+    result["dcp_load_equal"] = _locals_equal(by_dcp, reference)
+
+    shares = {}
+    for name, param in reference.named_parameters():
+        local = param.to_local()
+        shares[name] = {"local_bytes": local.numel() * local.element_size(), "shape": list(param.shape),
+                        "local_shape": list(local.shape)}
+    result["shares"] = shares
+
+    model = loaded["safetensors"]
+    result["losses"], result["reference_losses"] = _train(model), _train(reference)
+    result["trained_equal"] = _locals_equal(model, reference)
+    return result
+
+
+class OddMLP(nn.Module):
+    """Tensor parallel divides its sizes (DTensor's forward needs it to); FSDP2's shards of them are uneven."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 10)
+        self.down = nn.Linear(10, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class UnevenTP(nn.Module):
+    """Tensor parallel over 13 rows: DTensor's placements and FSDP2's cut disagree on which rows a rank holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 13)
+        self.down = nn.Linear(13, 10)
+
+
+def _fsdp2_cut(whole: torch.Tensor, placements, mesh_shape, coordinate) -> torch.Tensor:
+    """What FSDP2 over model parallelism holds on a rank: the model-parallel part (``Shard`` placements, left to
+    right), then FSDP2's own chunk of that (the ``_StridedShard`` placement, on its mesh dimension)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def chunk(tensor: torch.Tensor, mesh_dim: int, dim: int) -> torch.Tensor:
+        chunks = list(torch.chunk(tensor, mesh_shape[mesh_dim], dim=dim))
+        chunks += [tensor.narrow(dim, 0, 0)] * (mesh_shape[mesh_dim] - len(chunks))
+        return chunks[coordinate[mesh_dim]]
+
+    for mesh_dim, placement in enumerate(placements):
+        if not placement.is_replicate() and not isinstance(placement, _StridedShard):
+            whole = chunk(whole, mesh_dim, placement.dim)
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, _StridedShard):
+            whole = chunk(whole, mesh_dim, placement.dim)
+    return whole
+
+
+def _hsdp_tp(model: nn.Module, mesh) -> nn.Module:
+    """Tensor parallel on ``tp``, then HSDP (replicated over ``dp_replicate``, sharded over ``dp_shard``)."""
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp_replicate", "dp_shard"])
+    return model
+
+
+# Placements that give a rank several boxes: runs of rows, runs of columns, over three mesh dimensions.
+HAND_MADE = {
+    "w": ((12, 6), "SS0/3 S0 R"),  # rows in two runs, the second shorter
+    "v": ((7, 10), "S0 SS1/2 R"),  # columns in two runs: strided reads
+    "tied": ((14, 4), "SS0/2 R R"),
+    "gate_up": ((3, 6, 4), "SS1/2 R S0"),  # each expert's gate and up rows cut, in two runs
+    "fused": ((8, 4), "R SS0/2 R"),  # a run crossing the boundary of the parts (5 and 3 rows)
+}
+
+
+def _placements(text: str) -> list:
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    made = []
+    for word in text.split():
+        if word == "R":
+            made.append(Replicate())
+        elif word.startswith("SS"):
+            dim, split = word[2:].split("/")
+            made.append(_StridedShard(int(dim), split_factor=int(split)))
+        else:
+            made.append(Shard(int(word[1:])))
+    return made
+
+
+def strided_zoo(checkpoint: str, _mesh) -> dict:
+    """On 8 ranks (2x2x2): HSDP over tensor parallel on uneven sizes against torchtitan's path, trained a step;
+    the same layout recorded and materialized; hand-made placements giving a rank several boxes, with a tie, a
+    stacked and a fused tensor, against torch's own distribution of the whole tensors."""
+    from safetensors.torch import load_file
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from materialize.planning.stacking import StackSlot
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    folder = os.path.join(checkpoint, "")
+    result: dict = {}
+
+    # HSDP + TP, uneven. torchtitan's path (set_model_state_dict, distribute_tensor) asserts on uneven strided
+    # shards, so the local oracle is torch's own split (no communication), and training is compared with eager.
+    full = load_file(folder + "odd.safetensors")
+    with torch.device("meta"):
+        model = _hsdp_tp(OddMLP(), mesh)
+    with _Collectives() as collectives:
+        report = mz.load(model, folder + "odd.safetensors", check=True)
+    local_equal = {n: torch.equal(p.to_local(), distribute_tensor(full[n], mesh, p.placements, src_data_rank=None).to_local())
+                   for n, p in model.named_parameters()}
+    eager = OddMLP()
+    eager.load_state_dict(full)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    losses = []
+    for net in (model, eager):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        for _ in range(2):
+            loss = net(x).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    result["odd"] = {
+        "placements": {n: [repr(p) for p in param.placements] for n, param in model.named_parameters()},
+        "local_shapes": {n: list(param.to_local().shape) for n, param in model.named_parameters()},
+        "collectives": collectives.calls, "bytes_read": report.bytes_read, "losses": losses,
+        "local_equal": local_equal,
+        "trained_close": {n: torch.allclose(p.full_tensor(), eager.state_dict()[n], atol=1e-6)
+                          for n, p in model.named_parameters()},
+    }
+
+    # The same layout over a recorded model, materialized without a checkpoint: eager construction's values.
+    torch.manual_seed(5)
+    eager = OddMLP()
+    torch.manual_seed(5)
+    recorded = _hsdp_tp(mz.deferred_init(OddMLP), mesh)
+    mz.materialize(recorded)
+    result["odd_materialized"] = {n: torch.equal(p.full_tensor(), eager.state_dict()[n])
+                                  for n, p in recorded.named_parameters()}
+
+    # Tensor parallel over a size it does not divide, under HSDP: refused, every such tensor named; the remedy
+    # the error gives (load, then shard) works, and FSDP2 cuts the loaded values its way.
+    with torch.device("meta"):
+        uneven = _hsdp_tp(UnevenTP(), mesh)
+    before = dict(uneven.named_parameters())
+    try:
+        mz.load(uneven, folder + "uneven.safetensors")
+        result["uneven"] = {"error": None}
+    except mz.MaterializeError as error:
+        result["uneven"] = {"error": type(error).__name__, "message": str(error),
+                            "left_as_was": all(p is before[n] and p.to_local().is_meta for n, p in uneven.named_parameters())}
+    with torch.device("meta"):
+        first_loaded = UnevenTP()
+    mz.load(first_loaded, folder + "uneven.safetensors")
+    first_loaded = _hsdp_tp(first_loaded, mesh)
+    values = load_file(folder + "uneven.safetensors")
+    coordinate = mesh.get_coordinate()
+    result["uneven"]["loaded_then_sharded"] = {
+        name: torch.equal(param.to_local(), _fsdp2_cut(values[name], param.placements, mesh.shape, coordinate))
+        for name, param in first_loaded.named_parameters()}
+
+    # Hand-made placements, compared with torch's own split of the whole tensors (full_tensor() fails on some).
+    saved = load_file(folder + "zoo.safetensors")
+    whole = {
+        "w": saved["w"], "v": saved["v"], "tied": saved["a"],
+        "gate_up": torch.stack([torch.cat([saved[f"experts.{e}.gate"], saved[f"experts.{e}.up"]]) for e in range(3)]),
+        "fused": torch.cat([saved["fused.0.part"], saved["fused.1.part"]]),
+    }
+    zoo = nn.Module()
+    for name, (shape, text) in HAND_MADE.items():
+        placements = _placements(text)
+        local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
+        setattr(zoo, name, nn.Parameter(DTensor.from_local(torch.empty(local_shape, device="meta"), mesh, placements,
+                                                            run_check=False, shape=torch.Size(shape),
+                                                            stride=torch.empty(shape, device="meta").stride())))
+    zoo.a, zoo.b = nn.Module(), nn.Module()
+    zoo.a.weight = zoo.b.weight = zoo.tied
+    del zoo.tied
+
+    def to_slot(name: str):
+        parts = name.split(".")
+        if parts[0] == "experts":
+            return StackSlot("gate_up", int(parts[1]), ("gate", "up").index(parts[2]))
+        if parts[0] == "fused":
+            return StackSlot("fused", 0, int(parts[1]), new_dim=False)
+        return {"a": "a.weight", "b": "b.weight"}.get(name, name)
+
+    report = mz.load(zoo, folder + "zoo.safetensors", key_map=to_slot, check=True)
+
+    # A DTensor whose local shard is not what its placements say (made by hand, or by a torch that shards
+    # otherwise) is refused, not read into the wrong rows.
+    odd_one = nn.Module()
+    odd_one.w = nn.Parameter(DTensor.from_local(torch.empty(5, 6, device="meta"), mesh, _placements("S0 R R"),
+                                                run_check=False, shape=torch.Size((12, 6)), stride=(6, 1)))
+    try:
+        mz.load(odd_one, folder + "zoo.safetensors", strict=False)
+        result["mismatched_local"] = None
+    except mz.MaterializeError as error:
+        result["mismatched_local"] = str(error)
+    params = {"w": zoo.w, "v": zoo.v, "tied": zoo.a.weight, "gate_up": zoo.gate_up, "fused": zoo.fused}
+    result["zoo"] = {
+        "boxes": {name: len(mz.integrations.sharded.shard_spec(param, name).boxes) for name, param in params.items()},
+        "local_equal": {name: torch.equal(param.to_local(),
+                                          distribute_tensor(whole[name], mesh, param.placements, src_data_rank=None).to_local())
+                        for name, param in params.items()},
+        "tied": zoo.a.weight is zoo.b.weight, "bytes_read": report.bytes_read,
+    }
+    return result
+
+
 def _compare(model: nn.Module, source: nn.Module) -> dict:
     expected = source.state_dict()
     placements, equal = {}, {}
@@ -240,7 +569,8 @@ def main() -> None:
         result = {"fsdp": fsdp, "fsdp_mixed": fsdp_mixed, "tp": tensor_parallel, "stacked": stacked, "partial": partial,
                   "fsdp_own_head": fsdp_own_head, "save_fsdp": save_fsdp, "save_tp": save_tp,
                   "fsdp_wrapped": fsdp_wrapped, "fsdp_replayed": fsdp_replayed,
-                  "tp_materialized": tp_materialized}[scenario](checkpoint, mesh)
+                  "tp_materialized": tp_materialized, "tp_fsdp": tp_fsdp,
+                  "strided_zoo": strided_zoo}[scenario](checkpoint, mesh)
     except BaseException:
         result = {"crash": traceback.format_exc()}
     with open(out, "w") as handle:

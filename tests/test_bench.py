@@ -77,14 +77,14 @@ def test_the_rearranged_layouts_bench_verifies_every_method(tmp_path):
     assert "| ours, transposed experts |" in (out / "bench-strided.md").read_text()
 
 
-def _run_on_the_tiny_config(module: str, tmp_path: Path) -> Path:
+def _run_on_the_tiny_config(module: str, tmp_path: Path, *options: str) -> Path:
     """Run ``python -m module`` once on the tiny config; the folder its results went to."""
     config = tmp_path / "bench-tiny.toml"
     config.write_text(TINY_CONFIG)
     out = tmp_path / "results"
     subprocess.run(
         [sys.executable, "-m", module, "--config", str(config), "--data", str(tmp_path / "data"), "--runs", "1",
-         "--out", str(out)],
+         "--out", str(out), *options],
         cwd=ROOT, check=True, capture_output=True, text=True,
     )
     return out
@@ -106,3 +106,13 @@ def test_the_sharded_bench_runs_every_method_on_two_ranks_and_verifies_them(tmp_
     assert report["world"] == 2 and len(report["results"]) == 3
     assert all(row["verified"] for row in report["results"].values()), report
     assert "| ours: every rank reads its own rows |" in (out / "bench-sharded.md").read_text()
+
+
+def test_the_sharded_bench_loads_torchtitans_2d_layout_on_four_ranks_by_every_method_and_verifies_them(tmp_path):
+    out = _run_on_the_tiny_config("bench.sharded", tmp_path, "--layout", "2d")
+
+    report = json.loads((out / "bench-sharded-2d.json").read_text())
+    assert report["world"] == 4 and len(report["results"]) == 3
+    assert all(row["verified"] for row in report["results"].values()), report
+    assert "| torch DCP: to_empty + dcp.load |" in (out / "bench-sharded-2d.md").read_text()
+    assert not (tmp_path / "results" / "bench-sharded.json").exists()  # the 1-D table is its own run

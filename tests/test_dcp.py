@@ -325,3 +325,29 @@ def test_a_chunk_path_leading_out_of_the_folder_is_refused_and_convert_writes_no
 
     assert f"'{relative}'" in str(caught.value) and "not a file of this folder" in str(caught.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "escaping"]
+
+
+def test_a_strided_shard_of_a_tensor_saved_in_blocks_reads_each_box_from_its_block(tmp_path):
+    # FSDP2 over tensor parallel may give a rank several boxes; each is cut from the DCP chunks it meets.
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from materialize.integrations.sharded import ShardSpec, boxes_of, local_runs, shard_region
+    from materialize.io.engine import Job, stream
+
+    parts = {"a": torch.randn(4, 4), "b": torch.randn(4, 4), "w": torch.zeros(4, 4)}
+    folder = _save(dict(parts), tmp_path / "cols")
+    _split_into_blocks(folder, [((0, 0), "a"), ((0, 4), "b")])
+    whole = torch.cat([parts["a"], parts["b"]], dim=1)
+    placements = (_StridedShard(1, split_factor=2),)
+    with mz.open_checkpoint(folder) as ckpt:
+        for rank in range(2):
+            runs = local_runs((4, 8), (2,), (rank,), placements)
+            spec = ShardSpec(SimpleNamespace(device_type="cpu"), placements, boxes_of(runs), (4, 4), (4, 8), (8, 1))
+            dest = torch.full((4, 4), float("nan"))
+
+            stream([Job(dest, shard_region(ckpt["w"], spec))], ckpt.files, staging_factory=None)
+
+            columns = [2 * rank, 2 * rank + 1, 4 + 2 * rank, 5 + 2 * rank]  # two from each block
+            assert len(spec.boxes) == 2 and torch.equal(dest, whole[:, columns])

@@ -2,23 +2,40 @@
 
 A model sharded while on meta (``fully_shard``, ``parallelize_module``)
 holds DTensors whose shape is the whole tensor's, and the checkpoint holds
-whole tensors. With ``Shard(d)`` and ``Replicate`` placements, on any number
-of mesh dimensions, a rank's local tensor is one box of the whole tensor.
-That box is read as a view of the checkpoint tensor (one run of the file
-when it is a range of rows, as FSDP2's ``Shard(0)`` gives; strided
-otherwise, as a row-wise parallel ``Shard(1)`` gives) straight into a local
-tensor allocated on the mesh's device, which becomes the DTensor's local
-tensor under the original placements. Nothing is communicated: every rank
-reads its own bytes from the files, so no rank ever holds a whole tensor.
+whole tensors. With ``Shard(d)``, ``_StridedShard(d)`` and ``Replicate``
+placements, on any number of mesh dimensions, a rank's local tensor is a
+union of boxes of the whole tensor: one box for ``Shard`` and
+``Replicate`` alone; with ``_StridedShard`` (FSDP2 over tensor parallel on
+the same dimension, torchtitan's 2-D layout) the rank's indices along a
+dimension may come in several runs, and its part is every combination of
+runs, each a box placed at its own offset of the local tensor (one box
+where the runs meet, as they always do under FSDP2 over a tensor parallel
+that divides the dimension). Each box is read
+as a view of the checkpoint tensor (one run of the file when it is a range
+of rows, as FSDP2's ``Shard(0)`` gives; strided otherwise, as a row-wise
+parallel ``Shard(1)`` gives) straight into its place in a local tensor
+allocated on the mesh's device, which becomes the DTensor's local tensor
+under the original placements. Nothing is communicated: every rank reads
+its own bytes from the files, so no rank ever holds a whole tensor.
 
-``Partial`` placements (a sum still to be made) and ``_StridedShard`` (FSDP2
-over tensor parallel, where a rank's shard is not one box) are refused,
-naming the tensor.
+A rank's indices follow the placements left to right, as DTensor defines
+them: ``Shard`` takes the rank's chunk of what the placements before it left
+(``torch.chunk``'s sizes: the last chunks may be short or empty);
+``_StridedShard(split_factor=k)`` cuts that into ``k`` chunks, and takes the
+rank's chunk of each. The local shape found is checked against the
+DTensor's own, so a torch that meant something else is an error, not a
+wrong load.
+
+Refused before anything is allocated, every such tensor named in one
+error: ``Partial`` placements (a sum still to be made), and a
+``_StridedShard`` whose split factor does not divide the length it splits
+(see :func:`unreadable`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import sys
 from collections.abc import Sequence
@@ -34,13 +51,33 @@ from ..errors import ShardingError
 from ..checkpoint.pieces import Piece, Stacked
 
 
+Runs = list[tuple[int, int]]  # indices of one dimension, as (first, count), in the order a local tensor holds them
+
+
+@dataclass(frozen=True)
+class ShardBox:
+    """A block of a rank's local tensor, and the block of the whole tensor it holds."""
+
+    at: tuple[int, ...]  # offsets in the local tensor
+    offsets: tuple[int, ...]  # offsets in the whole tensor
+    sizes: tuple[int, ...]
+
+    @property
+    def local(self) -> tuple[slice, ...]:
+        return tuple(slice(a, a + n) for a, n in zip(self.at, self.sizes))
+
+    @property
+    def whole(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.sizes))
+
+
 @dataclass(frozen=True)
 class ShardSpec:
     """Where one rank's part of a DTensor lies in the whole tensor, and how to rebuild the DTensor."""
 
     mesh: Any  # torch.distributed.device_mesh.DeviceMesh
     placements: tuple[Any, ...]
-    offsets: tuple[int, ...]  # of the local box in the whole tensor
+    boxes: tuple[ShardBox, ...]  # the local tensor's blocks, together all of it (none where it is empty)
     local_shape: tuple[int, ...]
     global_shape: tuple[int, ...]
     global_stride: tuple[int, ...]
@@ -80,33 +117,89 @@ def local_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
-READABLE_PLACEMENTS = ("only Shard(dim) and Replicate placements can be read from a checkpoint (redistribute it, "
-                       "or load before sharding that way)")
+UNREADABLE_REMEDY = "load the model before sharding it"
 
 
-def unreadable_placement(tensor: torch.Tensor) -> Optional[Any]:
-    """The first placement of a DTensor that no box of the checkpoint describes (``Partial``, a strided
-    shard); None for any other tensor."""
+def _is_strided(placement: Any) -> bool:
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(placement, _StridedShard)
+
+
+def _is_shard(placement: Any) -> bool:
+    from torch.distributed.tensor import Shard
+
+    return isinstance(placement, Shard) or _is_strided(placement)  # not a subclass of Shard since torch 2.10
+
+
+def unreadable(tensor: torch.Tensor) -> Optional[str]:
+    """Why no checkpoint can be read into this DTensor's shards, or None (any other tensor: None).
+
+    ``Partial`` is a sum still to be made. A ``_StridedShard(split_factor=k)``
+    over a length ``k`` does not divide (tensor parallel over a dimension
+    its size does not divide, under FSDP2) is ambiguous: DTensor's placements
+    give a rank other rows than FSDP2 cut for it (torch's own
+    ``distribute_tensor`` refuses such a layout), so reading either would
+    risk a model that is not the user's. The rule looks at sizes only, so
+    every rank refuses together.
+    """
     module = _dtensor_module()
     if module is None or not isinstance(tensor, module.DTensor):
         return None
-    return next((p for p in tensor.placements if not (type(p) is module.Shard or p.is_replicate())), None)
+    placements = tuple(tensor.placements)
+    other = next((p for p in placements if not (p.is_replicate() or _is_shard(p))), None)
+    if other is not None:
+        return f"{other!r}"
+    ambiguous = ambiguous_split(tuple(tensor.shape), tuple(tensor.device_mesh.shape), placements)
+    if ambiguous is None:
+        return None
+    placement, dim = ambiguous
+    return (f"{placement!r}: a dim {dim} of {tensor.shape[dim]}, which a split in {int(placement.split_factor)} does not "
+            "divide evenly; DTensor and FSDP2 then disagree on which indices a rank holds")
+
+
+def ambiguous_split(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...],
+                    placements: Sequence[Any]) -> Optional[tuple[Any, int]]:
+    """The first ``_StridedShard`` whose split factor does not divide the length it splits on every rank
+    (with the tensor dimension it splits), or None: where it does, the placements' left-to-right meaning
+    and FSDP2's chunk of a tensor-parallel chunk give every rank the same indices."""
+    lengths = list(global_shape)  # of a shard, while every split before is even
+    even = [True] * len(lengths)
+    for mesh_dim, placement in enumerate(placements):
+        if not _is_shard(placement):
+            continue
+        dim, count = placement.dim % len(lengths), mesh_shape[mesh_dim]
+        split = int(placement.split_factor) if _is_strided(placement) else 1
+        if split > 1 and not (even[dim] and lengths[dim] % split == 0):
+            return placement, dim
+        even[dim] = even[dim] and lengths[dim] % (split * count) == 0
+        lengths[dim] //= count
+    return None
 
 
 def refuse_unreadable_placements(named: Sequence[tuple[str, torch.Tensor]], path: Optional[Path] = None) -> None:
-    """One error naming every DTensor whose placement cannot be read (see :func:`unreadable_placement`)."""
-    refused = [(name, placement) for name, tensor in named
-               if (placement := unreadable_placement(tensor)) is not None]
+    """One error naming every DTensor whose placement cannot be read (see :func:`unreadable`)."""
+    refused = [(name, why) for name, tensor in named if (why := unreadable(tensor)) is not None]
     if not refused:
         return
-    listed = ", ".join(f"'{name}' ({placement!r})" for name, placement in refused[:8])
-    more = f" and {len(refused) - 8} more" if len(refused) > 8 else ""
-    raise ShardingError(f"{len(refused)} DTensor(s) placed in a way no checkpoint can be read into: {listed}{more}; "
-                        f"{READABLE_PLACEMENTS}", path=path)
+    by_reason: dict[str, list[str]] = {}
+    for name, why in refused:
+        by_reason.setdefault(why, []).append(name)
+    groups = list(by_reason.items())
+    listed = "; ".join(_some_names(names) + f" ({why})" for why, names in groups[:4])
+    if len(groups) > 4:
+        listed += f"; and {sum(len(names) for _, names in groups[4:])} more"
+    raise ShardingError(f"{len(refused)} DTensor(s) placed in a way no checkpoint can be read into: {listed}; "
+                        f"{UNREADABLE_REMEDY}", path=path)
+
+
+def _some_names(names: list[str], limit: int = 8) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(f"'{name}'" for name in names[:limit]) + more
 
 
 def shard_spec(tensor: torch.Tensor, name: str, path: Optional[Path] = None) -> Optional[ShardSpec]:
-    """This rank's box of ``tensor`` if it is a DTensor, else None; refuses placements that are not a box.
+    """This rank's boxes of ``tensor`` if it is a DTensor, else None; refuses placements no box describes.
 
     ``path`` is the checkpoint being loaded, named in the error.
     """
@@ -114,18 +207,112 @@ def shard_spec(tensor: torch.Tensor, name: str, path: Optional[Path] = None) -> 
     if module is None or not isinstance(tensor, module.DTensor):
         return None
     placements = tuple(tensor.placements)
-    refused = unreadable_placement(tensor)
+    refused = unreadable(tensor)
     if refused is not None:
-        raise ShardingError(
-            f"is a DTensor placed {refused!r} on its mesh; {READABLE_PLACEMENTS}", path=path, tensor=name)
+        raise ShardingError(f"is a DTensor placed {refused} on its mesh; {UNREADABLE_REMEDY}", path=path, tensor=name)
     mesh = tensor.device_mesh
     if mesh.get_coordinate() is None:
         raise ShardingError("is a DTensor on a mesh this rank is not part of", path=path, tensor=name)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    local = tensor.to_local()
+    runs = local_runs(tuple(tensor.shape), tuple(mesh.shape), tuple(mesh.get_coordinate()), placements)
+    local_shape = tuple(sum(count for _, count in dim) for dim in runs)
+    if local_shape != tuple(local.shape):
+        raise ShardingError(
+            f"is a DTensor placed {list(placements)} whose local shape is {list(local.shape)} on this rank, where the "
+            f"placements give {list(local_shape)}: this torch shards in a way not understood here; "
+            f"{UNREADABLE_REMEDY}", path=path, tensor=name)
+    return ShardSpec(mesh, placements, boxes_of(runs), local_shape, tuple(tensor.shape), tuple(tensor.stride()),
+                     local_device=local.device)
 
-    local_shape, offsets = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
-    return ShardSpec(mesh, placements, tuple(offsets), tuple(local_shape), tuple(tensor.shape), tuple(tensor.stride()),
-                     local_device=tensor.to_local().device)
+
+def local_runs(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...],
+               placements: Sequence[Any]) -> list[Runs]:
+    """Per dimension of the whole tensor, the indices the rank at ``coordinate`` holds, in local order.
+
+    The placements apply left to right over the mesh's dimensions, as
+    DTensor defines them (see the module's docstring).
+    """
+    runs: list[Runs] = [[(0, size)] for size in global_shape]
+    for mesh_dim, placement in enumerate(placements):
+        if not _is_shard(placement):
+            continue  # Replicate (Partial is refused before)
+        dim = placement.dim % len(global_shape)
+        split = int(placement.split_factor) if _is_strided(placement) else 1
+        runs[dim] = _chunk_of_each_split(runs[dim], split, mesh_shape[mesh_dim], coordinate[mesh_dim])
+    return runs
+
+
+def _chunk_bounds(length: int, count: int, index: int) -> tuple[int, int]:
+    """Chunk ``index`` of ``count`` along ``length``, as ``torch.chunk`` cuts (missing chunks empty)."""
+    size = -(-length // count)
+    return min(index * size, length), min((index + 1) * size, length)
+
+
+def _chunk_of_each_split(runs: Runs, split: int, count: int, index: int) -> Runs:
+    """Of the indices ``runs`` hold, cut in ``split`` chunks: chunk ``index`` of ``count`` of each, one after another."""
+    total = sum(length for _, length in runs)
+    taken: Runs = []
+    for part in range(split):
+        low, high = _chunk_bounds(total, split, part)
+        first, last = _chunk_bounds(high - low, count, index)
+        taken.extend(_positions(runs, low + first, low + last))
+    merged: Runs = []
+    for start, length in taken:
+        if merged and merged[-1][0] + merged[-1][1] == start:
+            merged[-1] = (merged[-1][0], merged[-1][1] + length)
+        else:
+            merged.append((start, length))
+    return merged
+
+
+def _positions(runs: Runs, low: int, high: int) -> Runs:
+    """The indices at positions ``[low, high)`` of those ``runs`` hold."""
+    out: Runs = []
+    position = 0
+    for start, length in runs:
+        a, b = max(low, position), min(high, position + length)
+        if a < b:
+            out.append((start + a - position, b - a))
+        position += length
+    return out
+
+
+def boxes_of(runs: Sequence[Runs]) -> tuple[ShardBox, ...]:
+    """Every combination of one run per dimension, as a box placed where the local tensor holds it."""
+    per_dim = []
+    for dim_runs in runs:
+        at, placed = 0, []
+        for start, length in dim_runs:
+            placed.append((at, start, length))
+            at += length
+        per_dim.append(placed)
+    return tuple(ShardBox(tuple(p[0] for p in combo), tuple(p[1] for p in combo), tuple(p[2] for p in combo))
+                 for combo in itertools.product(*per_dim))
+
+
+def shard_region(info: TensorInfo, spec: ShardSpec) -> TensorInfo:
+    """The part of the checkpoint tensor ``info`` this rank's shard holds, laid out as its local tensor.
+
+    One box is :func:`region` of it; several are one source whose pieces
+    each fill their place of the local tensor (a tensor assembled from
+    checkpoint tensors contributes the part of each piece within each box).
+    """
+    if len(spec.boxes) == 1:
+        return region(info, spec.boxes[0].offsets, spec.boxes[0].sizes)
+    if not spec.boxes:  # an empty shard
+        return region(info, (0,) * len(spec.local_shape), spec.local_shape)
+    pieces: list[Piece] = []
+    for box in spec.boxes:
+        part = region(info, box.offsets, box.sizes)
+        if not isinstance(part, Stacked):
+            pieces.append(Piece(part, 0, box=(box.at, box.sizes)))
+            continue
+        for piece in part.pieces:
+            assert piece.box is not None  # every piece of a cut stacked tensor is placed by its box
+            within, sizes = piece.box
+            pieces.append(Piece(piece.info, 0, box=(tuple(a + w for a, w in zip(box.at, within)), sizes)))
+    return Stacked(name=info.name, dtype_name=info.dtype_name, itemsize=info.itemsize, shape=spec.local_shape,
+                   path=info.path, offset=info.offset, pieces=tuple(pieces))
 
 
 def region(info: TensorInfo, offsets: Sequence[int], sizes: Sequence[int]) -> TensorInfo:

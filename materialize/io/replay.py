@@ -40,10 +40,10 @@ class ReplayInit:
 
 
 def shard_box(local: torch.Tensor, shard: ShardSpec) -> Sink:
-    """A DTensor shard takes its box of the whole tensor's values (made whole once, one tensor at a time)."""
-    box = tuple(slice(offset, offset + size) for offset, size in zip(shard.offsets, shard.local_shape))
+    """A DTensor shard takes its boxes of the whole tensor's values (made whole once, one tensor at a time)."""
 
     def take(values: torch.Tensor) -> None:
-        local.copy_(values[box])
+        for box in shard.boxes:
+            local[box.local].copy_(values[box.whole])
 
     return take

@@ -36,7 +36,7 @@ from .loadhooks import as_older_weight_norm, post_hooked, replay_load_hooks
 from ..skeleton.meta import is_lazy
 from ..skeleton.modtree import named_modules
 from .namehints import mismatch_hint
-from ..integrations.sharded import ShardSpec, refuse_unreadable_placements, region, shard_spec
+from ..integrations.sharded import ShardSpec, refuse_unreadable_placements, shard_region, shard_spec
 from ..checkpoint.pieces import Stacked, pieces_of
 from .stacking import Chunks, Rearranged, StackSlot, Transposed, cut, deinterleave, rows_of, stack, transpose
 
@@ -527,7 +527,7 @@ def _entry(
         if info.shape != entry.shape:
             plan.mismatched.append((names[0], entry.shape, info.shape))
         elif spec is not None:
-            entry.source = region(info, spec.offsets, spec.local_shape)
+            entry.source = shard_region(info, spec)
         wants_cast = dtype is not None and info.dtype.is_floating_point
         entry.dtype = dtype if wants_cast else info.dtype
         follows_checkpoint = tensor.is_meta or is_lazy(tensor) or (plan.built_on_meta and not owners[0].is_parameter)

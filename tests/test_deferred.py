@@ -104,17 +104,19 @@ class WithTaggedParameter(nn.Module):
 
 
 def _tiny_llama(tie: bool = False) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    transformers = pytest.importorskip("transformers")  # make test-oldest's first venv has none
 
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie))
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
+    return transformers.LlamaForCausalLM(config)
 
 
 def _tiny_bert() -> nn.Module:
-    from transformers import BertConfig, BertModel
+    transformers = pytest.importorskip("transformers")
 
-    return BertModel(BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                num_attention_heads=4, max_position_embeddings=40))
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, max_position_embeddings=40)
+    return transformers.BertModel(config)
 
 
 def _tiny_vit() -> nn.Module:
@@ -207,7 +209,7 @@ def test_materialize_makes_every_tensor_as_eager_construction(name):
 
 
 def _hf(name: str) -> nn.Module:
-    import transformers as T
+    T = pytest.importorskip("transformers")
 
     small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
     text = dict(**small, vocab_size=99, max_position_embeddings=64)

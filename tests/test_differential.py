@@ -789,7 +789,8 @@ def write(state: dict[str, Any], path: Path, fmt: str) -> Path:
             continue  # a tie: kept under its first name only, as safetensors' save_model does
         seen.add(key)
         kept[name] = tensor.contiguous()
-    sft.save_file(kept, str(path), metadata={"format": "pt"})
+    # safetensors 0.4.3 (the floor) writes a header it cannot read back for no tensors with metadata.
+    sft.save_file(kept, str(path), metadata={"format": "pt"} if kept else None)
     return path
 
 

@@ -64,7 +64,9 @@ def parameter_like(original: nn.Parameter, tensor: torch.Tensor, requires_grad: 
     defaults would replace.
     """
     kind = original.cls_to_become if is_lazy(original) else type(original)
-    made = (nn.Parameter(tensor, requires_grad=requires_grad) if kind is nn.Parameter
+    # A tensor already of the class (a DTensor: a wrapper subclass, never re-wrapped; torch 2.7 refuses it) is
+    # marked a parameter as nn.Parameter marks one.
+    made = (nn.Parameter(tensor, requires_grad=requires_grad) if kind is nn.Parameter or type(tensor) is kind
             else torch.Tensor._make_subclass(kind, tensor, requires_grad))
     if original.__dict__:
         made.__dict__.update(original.__dict__)

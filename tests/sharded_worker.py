@@ -357,12 +357,13 @@ def tp_fsdp(folder: str, _mesh) -> dict:
 
 
 class OddMLP(nn.Module):
-    """Tensor parallel divides its sizes (DTensor's forward needs it to); FSDP2's shards of them are uneven."""
+    """Tensor parallel divides its sizes (DTensor's forward needs it to); FSDP2's shards of them are uneven.
+    Torch before 2.10 refuses uneven FSDP2 over tensor parallel (``fully_shard`` raises): there ``even`` sizes."""
 
-    def __init__(self) -> None:
+    def __init__(self, even: bool = False) -> None:
         super().__init__()
-        self.up = nn.Linear(16, 10)
-        self.down = nn.Linear(10, 7)
+        self.up = nn.Linear(16, 8 if even else 10)
+        self.down = nn.Linear(8 if even else 10, 6 if even else 7)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(torch.relu(self.up(x)))
@@ -404,11 +405,11 @@ def _hsdp_tp(model: nn.Module, mesh) -> nn.Module:
 
 
 # Placements that give a rank several boxes: runs of rows, runs of columns, over three mesh dimensions.
-HAND_MADE = {
-    "w": ((12, 6), "SS0/3 S0 R"),  # rows in two runs, the second shorter
-    "v": ((7, 10), "S0 SS1/2 R"),  # columns in two runs: strided reads
-    "tied": ((14, 4), "SS0/2 R R"),
-    "gate_up": ((3, 6, 4), "SS1/2 R S0"),  # each expert's gate and up rows cut, in two runs
+HAND_MADE = {  # sizes the split divides: torch before 2.10 splits no other
+    "w": ((12, 6), "SS0/3 S0 R"),  # rows in two runs
+    "v": ((7, 12), "S0 SS1/2 R"),  # columns in two runs: strided reads
+    "tied": ((16, 4), "SS0/2 R R"),
+    "gate_up": ((3, 8, 4), "SS1/2 R S0"),  # each expert's gate (3 rows) and up (5 rows) cut, a run crossing both
     "fused": ((8, 4), "R SS0/2 R"),  # a run crossing the boundary of the parts (5 and 3 rows)
 }
 
@@ -445,14 +446,21 @@ def strided_zoo(checkpoint: str, _mesh) -> dict:
 
     # HSDP + TP, uneven. torchtitan's path (set_model_state_dict, distribute_tensor) asserts on uneven strided
     # shards, so the local oracle is torch's own split (no communication), and training is compared with eager.
-    full = load_file(folder + "odd.safetensors")
-    with torch.device("meta"):
-        model = _hsdp_tp(OddMLP(), mesh)
+    even = False
+    try:
+        with torch.device("meta"):
+            model = _hsdp_tp(OddMLP(), mesh)
+    except NotImplementedError:  # this torch's FSDP2 shards tensor-parallel tensors evenly only
+        even = True
+        with torch.device("meta"):
+            model = _hsdp_tp(OddMLP(even=True), mesh)
+    result["even_only"] = even
+    full = load_file(folder + ("even.safetensors" if even else "odd.safetensors"))
     with _Collectives() as collectives:
         report = mz.load(model, folder + "odd.safetensors", check=True)
     local_equal = {n: torch.equal(p.to_local(), distribute_tensor(full[n], mesh, p.placements, src_data_rank=None).to_local())
                    for n, p in model.named_parameters()}
-    eager = OddMLP()
+    eager = OddMLP(even)
     eager.load_state_dict(full)
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
     losses = []
@@ -475,33 +483,36 @@ def strided_zoo(checkpoint: str, _mesh) -> dict:
 
     # The same layout over a recorded model, materialized without a checkpoint: eager construction's values.
     torch.manual_seed(5)
-    eager = OddMLP()
+    eager = OddMLP(even)
     torch.manual_seed(5)
-    recorded = _hsdp_tp(mz.deferred_init(OddMLP), mesh)
+    recorded = _hsdp_tp(mz.deferred_init(OddMLP, even), mesh)
     mz.materialize(recorded)
     result["odd_materialized"] = {n: torch.equal(p.full_tensor(), eager.state_dict()[n])
                                   for n, p in recorded.named_parameters()}
 
     # Tensor parallel over a size it does not divide, under HSDP: refused, every such tensor named; the remedy
     # the error gives (load, then shard) works, and FSDP2 cuts the loaded values its way.
-    with torch.device("meta"):
-        uneven = _hsdp_tp(UnevenTP(), mesh)
-    before = dict(uneven.named_parameters())
-    try:
-        mz.load(uneven, folder + "uneven.safetensors")
-        result["uneven"] = {"error": None}
-    except mz.MaterializeError as error:
-        result["uneven"] = {"error": type(error).__name__, "message": str(error),
-                            "left_as_was": all(p is before[n] and p.to_local().is_meta for n, p in uneven.named_parameters())}
-    with torch.device("meta"):
-        first_loaded = UnevenTP()
-    mz.load(first_loaded, folder + "uneven.safetensors")
-    first_loaded = _hsdp_tp(first_loaded, mesh)
-    values = load_file(folder + "uneven.safetensors")
-    coordinate = mesh.get_coordinate()
-    result["uneven"]["loaded_then_sharded"] = {
-        name: torch.equal(param.to_local(), _fsdp2_cut(values[name], param.placements, mesh.shape, coordinate))
-        for name, param in first_loaded.named_parameters()}
+    if even:
+        result["uneven"] = None  # such a layout cannot be made with this torch
+    else:
+        with torch.device("meta"):
+            uneven = _hsdp_tp(UnevenTP(), mesh)
+        before = dict(uneven.named_parameters())
+        try:
+            mz.load(uneven, folder + "uneven.safetensors")
+            result["uneven"] = {"error": None}
+        except mz.MaterializeError as error:
+            result["uneven"] = {"error": type(error).__name__, "message": str(error), "left_as_was": all(
+                p is before[n] and p.to_local().is_meta for n, p in uneven.named_parameters())}
+        with torch.device("meta"):
+            first_loaded = UnevenTP()
+        mz.load(first_loaded, folder + "uneven.safetensors")
+        first_loaded = _hsdp_tp(first_loaded, mesh)
+        values = load_file(folder + "uneven.safetensors")
+        coordinate = mesh.get_coordinate()
+        result["uneven"]["loaded_then_sharded"] = {
+            name: torch.equal(param.to_local(), _fsdp2_cut(values[name], param.placements, mesh.shape, coordinate))
+            for name, param in first_loaded.named_parameters()}
 
     # Hand-made placements, compared with torch's own split of the whole tensors (full_tensor() fails on some).
     saved = load_file(folder + "zoo.safetensors")

@@ -266,7 +266,10 @@ def test_a_recorded_model_made_tensor_parallel_materializes_each_rank_its_column
 
 
 def _torch_split(whole: torch.Tensor, mesh_shape, coordinate, placements) -> torch.Tensor:
-    """What torch's own placements give the rank at ``coordinate`` (distribute_tensor's split, no communication)."""
+    """What torch's own placements give the rank at ``coordinate`` (distribute_tensor's split, no communication).
+
+    Torch before 2.10 splits a ``_StridedShard`` only where its sizes divide evenly (an AssertionError else).
+    """
     for mesh_dim, placement in enumerate(placements):
         if not placement.is_replicate():
             chunks, _ = placement._split_tensor(whole, mesh_shape[mesh_dim], with_padding=False, contiguous=False)
@@ -287,6 +290,7 @@ def test_a_ranks_indices_under_strided_placements_are_torchs_own_split():
     from materialize.integrations.sharded import boxes_of, local_runs
 
     rng = random.Random(0)
+    checked = 0
     for _ in range(400):
         shape = tuple(rng.randint(0, 13) for _ in range(rng.randint(1, 3)))
         mesh = tuple(rng.randint(1, 4) for _ in range(rng.randint(1, 3)))
@@ -294,6 +298,11 @@ def test_a_ranks_indices_under_strided_placements_are_torchs_own_split():
                  for _ in mesh]
         placements = _placements(" ".join(words))
         whole = torch.arange(math.prod(shape)).view(shape)
+        try:
+            _torch_split(whole, mesh, (0,) * len(mesh), placements)
+        except AssertionError:  # an older torch has no meaning for these uneven sizes (the lock's has)
+            continue
+        checked += 1
         for coordinate in itertools.product(*(range(n) for n in mesh)):
             runs = local_runs(shape, mesh, coordinate, placements)
             expected = _torch_split(whole, mesh, coordinate, placements)
@@ -301,6 +310,7 @@ def test_a_ranks_indices_under_strided_placements_are_torchs_own_split():
             for box in boxes_of(runs):
                 got[box.local] = whole[box.whole]
             assert torch.equal(got, expected), (shape, mesh, words, coordinate)
+    assert checked > 200
 
 
 def test_fsdp2_over_tensor_parallel_is_read_where_placements_and_fsdp2s_cut_agree_and_refused_where_not():
@@ -318,11 +328,10 @@ def test_fsdp2_over_tensor_parallel_is_read_where_placements_and_fsdp2s_cut_agre
                             ((2, 2, 2), "SS0/4 S0 S0"), ((3, 2, 3), "SS0/6 S0 S0")]:
             placements = _placements(words)
             whole = torch.arange(rows)
-            agree = all(
-                torch.equal(_fsdp2_cut(whole, placements, mesh, c), _torch_split(whole, mesh, c, placements))
-                and torch.equal(_fsdp2_cut(whole, placements, mesh, c),
-                                torch.cat([whole[s:s + n] for s, n in local_runs((rows,), mesh, c, placements)[0]]
-                                          or [whole[:0]]))
+            agree = all(  # local_runs is torch's split (the test above)
+                torch.equal(_fsdp2_cut(whole, placements, mesh, c),
+                            torch.cat([whole[s:s + n] for s, n in local_runs((rows,), mesh, c, placements)[0]]
+                                      or [whole[:0]]))
                 for c in itertools.product(*(range(n) for n in mesh)))
             if ambiguous_split((rows,), mesh, placements) is None:
                 assert agree, (rows, mesh, words)
@@ -384,14 +393,14 @@ def test_a_replayed_strided_shard_takes_each_of_its_boxes():
     from materialize.integrations.sharded import ShardSpec, boxes_of, local_runs
     from materialize.io.replay import shard_box
 
-    values = torch.randn(9, 10)
+    values = torch.randn(8, 9)
     mesh, placements = (2, 3), _placements("SS0/2 SS1/3")
     most_boxes = 0
     for coordinate in itertools.product(range(2), range(3)):
-        runs = local_runs((9, 10), mesh, coordinate, placements)
+        runs = local_runs((8, 9), mesh, coordinate, placements)
         local = torch.full(tuple(sum(n for _, n in dim) for dim in runs), float("nan"))
         spec = ShardSpec(SimpleNamespace(device_type="cpu"), tuple(placements), boxes_of(runs), tuple(local.shape),
-                         (9, 10), (10, 1))
+                         (8, 9), (9, 1))
         most_boxes = max(most_boxes, len(spec.boxes))
         shard_box(local, spec)(values)
         assert torch.equal(local, _torch_split(values, mesh, coordinate, placements)), coordinate
@@ -440,18 +449,24 @@ def test_strided_layouts_on_8_ranks_uneven_hand_made_tied_and_stacked_load_as_to
 
     torch.manual_seed(2)
     save_file(OddMLP().state_dict(), str(tmp_path / "odd.safetensors"))
+    save_file(OddMLP(even=True).state_dict(), str(tmp_path / "even.safetensors"))
     save_file(UnevenTP().state_dict(), str(tmp_path / "uneven.safetensors"))
-    zoo = {"w": torch.randn(12, 6), "v": torch.randn(7, 10), "a": torch.randn(14, 4)}
+    zoo = {"w": torch.randn(12, 6), "v": torch.randn(7, 12), "a": torch.randn(16, 4)}
     zoo["b"] = zoo["a"].clone()
-    zoo.update({f"experts.{e}.{w}": torch.randn(3, 4) for e in range(3) for w in ("gate", "up")})
+    zoo.update({f"experts.{e}.gate": torch.randn(3, 4) for e in range(3)})
+    zoo.update({f"experts.{e}.up": torch.randn(5, 4) for e in range(3)})
     zoo.update({"fused.0.part": torch.randn(5, 4), "fused.1.part": torch.randn(3, 4)})
     save_file(zoo, str(tmp_path / "zoo.safetensors"))
 
     ranks = run_ranks("strided_zoo", tmp_path, tmp_path / "run", world=8)
 
     local_shapes = []
+    # Older torch's fully_shard refuses uneven shards of tensor-parallel tensors (2.7.1 does); the lock's makes them.
+    even_only = ranks[0]["even_only"]
+    assert not (even_only and tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13))
     for rank in ranks:
-        odd = rank["odd"]  # HSDP over tensor parallel, FSDP2's shards uneven
+        assert rank["even_only"] == even_only
+        odd = rank["odd"]  # HSDP over tensor parallel, FSDP2's shards uneven (where this torch makes them)
         assert odd["placements"]["up.weight"] == ["Replicate()", "_StridedShard(dim=0, sf=2)", "Shard(dim=0)"]
         assert all(odd["local_equal"].values()) and odd["collectives"] == []
         assert odd["losses"][0] == pytest.approx(odd["losses"][1], rel=1e-6) and all(odd["trained_close"].values())
@@ -459,6 +474,9 @@ def test_strided_layouts_on_8_ranks_uneven_hand_made_tied_and_stacked_load_as_to
         assert all(rank["odd_materialized"].values())  # recorded, then materialized: eager construction's values
 
         uneven = rank["uneven"]  # tensor parallel over 13 rows: refused on every rank, both tensors named
+        if even_only:
+            assert uneven is None
+            continue
         assert uneven["error"] == "ShardingError" and uneven["left_as_was"]
         assert "2 DTensor(s)" in uneven["message"] and "'up.weight', 'up.bias' (_StridedShard(dim=0, sf=2)" in uneven["message"]
         assert uneven["message"].endswith("load the model before sharding it")
@@ -470,4 +488,4 @@ def test_strided_layouts_on_8_ranks_uneven_hand_made_tied_and_stacked_load_as_to
             f"{tmp_path / 'zoo.safetensors'}: tensor 'w': is a DTensor placed [Shard(dim=0), Replicate(), Replicate()] "
             "whose local shape is [5, 6] on this rank, where the placements give [6, 6]: this torch shards in a way "
             "not understood here; load the model before sharding it")
-    assert sorted({tuple(s) for s in local_shapes}) == [(2, 16), (3, 16)]  # the uneven shards
+    assert sorted({tuple(s) for s in local_shapes}) == ([(2, 16)] if even_only else [(2, 16), (3, 16)])

@@ -455,9 +455,10 @@ def strided_zoo(checkpoint: str, _mesh) -> dict:
         with torch.device("meta"):
             model = _hsdp_tp(OddMLP(even=True), mesh)
     result["even_only"] = even
-    full = load_file(folder + ("even.safetensors" if even else "odd.safetensors"))
+    path = folder + ("even.safetensors" if even else "odd.safetensors")
+    full = load_file(path)
     with _Collectives() as collectives:
-        report = mz.load(model, folder + "odd.safetensors", check=True)
+        report = mz.load(model, path, check=True)
     local_equal = {n: torch.equal(p.to_local(), distribute_tensor(full[n], mesh, p.placements, src_data_rank=None).to_local())
                    for n, p in model.named_parameters()}
     eager = OddMLP(even)

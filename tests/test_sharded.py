@@ -298,14 +298,14 @@ def test_a_ranks_indices_under_strided_placements_are_torchs_own_split():
                  for _ in mesh]
         placements = _placements(" ".join(words))
         whole = torch.arange(math.prod(shape)).view(shape)
+        coordinates = list(itertools.product(*(range(n) for n in mesh)))
         try:
-            _torch_split(whole, mesh, (0,) * len(mesh), placements)
+            splits = [_torch_split(whole, mesh, coordinate, placements) for coordinate in coordinates]
         except AssertionError:  # an older torch has no meaning for these uneven sizes (the lock's has)
             continue
         checked += 1
-        for coordinate in itertools.product(*(range(n) for n in mesh)):
+        for coordinate, expected in zip(coordinates, splits):
             runs = local_runs(shape, mesh, coordinate, placements)
-            expected = _torch_split(whole, mesh, coordinate, placements)
             got = torch.full(tuple(sum(n for _, n in dim) for dim in runs), -1)
             for box in boxes_of(runs):
                 got[box.local] = whole[box.whole]

@@ -358,7 +358,7 @@ def tp_fsdp(folder: str, _mesh) -> dict:
 
 class OddMLP(nn.Module):
     """Tensor parallel divides its sizes (DTensor's forward needs it to); FSDP2's shards of them are uneven.
-    Torch before 2.10 refuses uneven FSDP2 over tensor parallel (``fully_shard`` raises): there ``even`` sizes."""
+    Torch 2.7 refuses uneven FSDP2 over tensor parallel (``fully_shard`` raises): there ``even`` sizes."""
 
     def __init__(self, even: bool = False) -> None:
         super().__init__()
@@ -430,7 +430,7 @@ def _hsdp_tp(model: nn.Module, mesh) -> nn.Module:
 
 
 # Placements that give a rank several boxes: runs of rows, runs of columns, over three mesh dimensions.
-HAND_MADE = {  # sizes the split divides: torch before 2.10 splits no other
+HAND_MADE = {  # sizes the split divides: torch 2.7 splits no other
     "w": ((12, 6), "SS0/3 S0 R"),  # rows in two runs
     "v": ((7, 12), "S0 SS1/2 R"),  # columns in two runs: strided reads
     "tied": ((16, 4), "SS0/2 R R"),

@@ -268,7 +268,7 @@ def test_a_recorded_model_made_tensor_parallel_materializes_each_rank_its_column
 def _torch_split(whole: torch.Tensor, mesh_shape, coordinate, placements) -> torch.Tensor:
     """What torch's own placements give the rank at ``coordinate`` (distribute_tensor's split, no communication).
 
-    Torch before 2.10 splits a ``_StridedShard`` only where its sizes divide evenly (an AssertionError else).
+    Torch 2.7 splits a ``_StridedShard`` only where its sizes divide evenly (an AssertionError else).
     """
     for mesh_dim, placement in enumerate(placements):
         if not placement.is_replicate():

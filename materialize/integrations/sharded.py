@@ -129,7 +129,7 @@ def _is_strided(placement: Any) -> bool:
 def _is_shard(placement: Any) -> bool:
     from torch.distributed.tensor import Shard
 
-    return isinstance(placement, Shard) or _is_strided(placement)  # not a subclass of Shard since torch 2.10
+    return isinstance(placement, Shard) or _is_strided(placement)  # a subclass of Shard in torch 2.7, not in 2.13
 
 
 def unreadable(tensor: torch.Tensor) -> Optional[str]:

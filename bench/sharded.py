@@ -18,10 +18,12 @@ With ``--layout 2d`` the model takes torchtitan's 2-D layout instead
 across them; column-wise weights placed ``_StridedShard``), on ``--world``
 ranks (4: a 2x2 mesh), and the methods are:
 
-- ours, from the safetensors file, and from the DCP save of the same
-  weights (``bench/dcp.py`` writes it once);
-- torch DCP: ``to_empty``, then ``dcp.load`` into the model's state dict
-  from that save (torchtitan's own resume path).
+- ours, from the safetensors file;
+- ours, and torch DCP (``to_empty``, then ``dcp.load`` into the model's
+  state dict: torchtitan's own resume path), from two DCP saves of the
+  same weights: one a single process wrote (``bench/dcp.py``, one chunk per
+  tensor), one the 2-D layout itself wrote (each rank its chunks, written
+  once by the ranks before the runs: what torchtitan resumes from).
 
 Figures: the slowest rank's load seconds, the largest rank's peak RSS
 growth, each result verified (sampled tensors gathered and checksummed).
@@ -34,6 +36,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -53,13 +56,21 @@ METHODS = {
 }
 METHODS_2D = {
     "ours: every rank reads its own part, safetensors": "ours-2d",
-    "ours: every rank reads its own part, DCP save": "ours-2d-dcp",
-    "torch DCP: to_empty + dcp.load": "dcp-2d",
+    "ours: a one-process DCP save": "ours-2d-dcp",
+    "torch DCP: to_empty + dcp.load, a one-process DCP save": "dcp-2d",
+    "ours: a DCP save of the same 2-D layout": "ours-2d-dcp2d",
+    "torch DCP: to_empty + dcp.load, a DCP save of the same 2-D layout": "dcp-2d-dcp2d",
 }
+SAVE_2D = "save-2d"  # not timed: the ranks write the DCP save of their own layout, once
+
+
+def dcp_2d_folder(single: Path, world: int) -> Path:
+    return single.parent / f"dcp-2d-{world}"
 
 
 def rank_main(method: str, path: Path, dcp_folder: Optional[Path], expected: dict, store: Path, rank: int, world: int,
               out: Path) -> None:
+    """One rank of one load by ``method``; ``dcp_folder`` is the one-process DCP save (2-D methods)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -68,7 +79,7 @@ def rank_main(method: str, path: Path, dcp_folder: Optional[Path], expected: dic
     from bench.models.transformer import DecoderLM
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    two_d = method in METHODS_2D.values()
+    two_d = method in METHODS_2D.values() or method == SAVE_2D
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp")) if two_d else init_device_mesh("cpu", (world,))
     dist.barrier()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -83,15 +94,16 @@ def rank_main(method: str, path: Path, dcp_folder: Optional[Path], expected: dic
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    if method in ("ours", "ours-2d"):
+    own_layout = dcp_2d_folder(path, world)
+    if method in ("ours", "ours-2d", SAVE_2D):
         mz.load(model, path)
-    elif method == "ours-2d-dcp":
-        mz.load(model, dcp_folder)
-    elif method == "dcp-2d":
+    elif method in ("ours-2d-dcp", "ours-2d-dcp2d"):
+        mz.load(model, own_layout if method.endswith("dcp2d") else dcp_folder)
+    elif method in ("dcp-2d", "dcp-2d-dcp2d"):
         import torch.distributed.checkpoint as dcp
 
         model.to_empty(device="cpu")
-        dcp.load({"model": model.state_dict()}, checkpoint_id=str(dcp_folder))
+        dcp.load({"model": model.state_dict()}, checkpoint_id=str(own_layout if method.endswith("dcp2d") else dcp_folder))
     else:
         from safetensors.torch import load_file
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -103,6 +115,10 @@ def rank_main(method: str, path: Path, dcp_folder: Optional[Path], expected: dic
         del state
     seconds = time.perf_counter() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if method == SAVE_2D:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(own_layout.with_name(own_layout.name + ".partial")))
     params = dict(model.named_parameters())
     verified = all(crc(params[name].full_tensor()) == value for name, value in expected["same"].items())
     out.write_text(json.dumps({"load_s": seconds, "rss_growth": peak - before, "verified": verified, "rss_before": before, "rss_peak": peak}))
@@ -154,11 +170,17 @@ def main(argv: list[str] | None = None) -> None:
     world = args.world or (4 if two_d else 2)
     methods = METHODS_2D if two_d else METHODS
     scratch = Path(args.data).resolve() / "sharded-runs"  # a file:// store wants an absolute path
+    if two_d and not (dcp_2d_folder(paths["single"], world) / ".metadata").exists():
+        folder = dcp_2d_folder(paths["single"], world)
+        partial = folder.with_name(folder.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        one(SAVE_2D, paths["single"], world, args.config, args.data, scratch)  # each rank writes its own chunks
+        partial.rename(folder)
     results = take_turns(methods, lambda method: one(method, paths["single"], world, args.config, args.data,
                                                      scratch), args.runs)
     ours = next(iter(methods))
     layout = (f"torchtitan's 2-D layout on {world} ranks ({world // 2} FSDP2 x 2 tensor parallel, gloo, CPU); "
-              "the DCP save: one file of the same weights" if two_d else f"FSDP2 over {world} ranks (gloo, CPU)")
+              "the DCP saves: one a single process wrote, one this layout's ranks wrote" if two_d else f"FSDP2 over {world} ranks (gloo, CPU)")
     write_table(Path(args.out), "bench-sharded-2d" if two_d else "bench-sharded",
                 f"{expected['nbytes'] / 1e9:.2f} GB of bf16 weights ({Path(args.config).stem}, one safetensors file), "
                 f"{layout}; median of {args.runs} runs after a warm-up, methods "

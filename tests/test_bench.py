@@ -112,7 +112,8 @@ def test_the_sharded_bench_loads_torchtitans_2d_layout_on_four_ranks_by_every_me
     out = _run_on_the_tiny_config("bench.sharded", tmp_path, "--layout", "2d")
 
     report = json.loads((out / "bench-sharded-2d.json").read_text())
-    assert report["world"] == 4 and len(report["results"]) == 3
+    assert report["world"] == 4 and len(report["results"]) == 5
     assert all(row["verified"] for row in report["results"].values()), report
-    assert "| torch DCP: to_empty + dcp.load |" in (out / "bench-sharded-2d.md").read_text()
+    assert "| torch DCP: to_empty + dcp.load, a DCP save of the same 2-D layout |" in (out / "bench-sharded-2d.md").read_text()
+    assert (tmp_path / "data" / "bench-tiny" / "dcp-2d-4" / ".metadata").is_file()  # the ranks wrote it, once
     assert not (tmp_path / "results" / "bench-sharded.json").exists()  # the 1-D table is its own run

@@ -64,6 +64,10 @@ METHODS_2D = {
 SAVE_2D = "save-2d"  # not timed: the ranks write the DCP save of their own layout, once
 
 
+def is_2d(method: str) -> bool:
+    return method in METHODS_2D.values() or method == SAVE_2D
+
+
 def dcp_2d_folder(single: Path, world: int) -> Path:
     return single.parent / f"dcp-2d-{world}"
 
@@ -79,7 +83,7 @@ def rank_main(method: str, path: Path, dcp_folder: Optional[Path], expected: dic
     from bench.models.transformer import DecoderLM
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    two_d = method in METHODS_2D.values() or method == SAVE_2D
+    two_d = is_2d(method)
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp")) if two_d else init_device_mesh("cpu", (world,))
     dist.barrier()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -121,7 +125,7 @@ def rank_main(method: str, path: Path, dcp_folder: Optional[Path], expected: dic
         dcp.save({"model": model.state_dict()}, checkpoint_id=str(own_layout.with_name(own_layout.name + ".partial")))
     params = dict(model.named_parameters())
     verified = all(crc(params[name].full_tensor()) == value for name, value in expected["same"].items())
-    out.write_text(json.dumps({"load_s": seconds, "rss_growth": peak - before, "verified": verified, "rss_before": before, "rss_peak": peak}))
+    out.write_text(json.dumps({"load_s": seconds, "rss_growth": peak - before, "verified": verified}))
     dist.barrier()
     os._exit(0)  # gloo's teardown at exit aborts now and then on its own; the result is written
 
@@ -161,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     paths = ensure(args.config, Path(args.data))
     expected = json.loads(paths["expected"].read_text())
     method = args.rank.split(",")[0] if args.rank else None
-    two_d = method in METHODS_2D.values() if method else args.layout == "2d"
+    two_d = is_2d(method) if method else args.layout == "2d"
     dcp_folder = ensure_dcp(args.config, Path(args.data))[0] if two_d else None  # written once, for 2-D only
     if args.rank:
         _, rank, world, store, out = args.rank.split(",")

@@ -23,6 +23,7 @@ import materialize as mz
 from materialize.io.replay import replay
 from materialize.skeleton.deferred import program_of
 
+from test_differential import flat_outputs
 from vision import import_torchvision
 
 CLI = str(Path(sys.executable).parent / "materialize")
@@ -176,22 +177,12 @@ def assert_as_eager(model: nn.Module, eager: nn.Module, names=None) -> None:
     assert ties(model) == ties(eager)
 
 
-def tensors_held(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in tensors_held(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in tensors_held(item)]
-    return []
-
-
 def test_a_recorded_model_is_on_meta_and_its_recording_holds_no_tensor_memory():
     torch.manual_seed(0)
     model = mz.deferred_init(lambda: nn.Sequential(nn.Linear(8192, 8192), nn.Linear(8192, 8192)))  # 512 MB eagerly
 
     program = program_of(model)
-    held = [t for step in program.steps for t in tensors_held((step.args, step.kwargs))]
+    held = [t for step in program.steps for t in flat_outputs((step.args, step.kwargs))]
     assert all(t.is_meta for t in model.parameters())
     assert program.constants == {} and held == []
     assert len(program.steps) == 8  # per Linear: two empty allocations, two draws

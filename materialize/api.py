@@ -33,6 +33,7 @@ from .loading import (
     default_device,
     opened,
     planned,
+    refresh_flat_weights,
 )
 from .io.peak import PeakMemory
 from .planning.plan import InitFn, Plan
@@ -40,7 +41,7 @@ from .options import PlanOptions, ProgressFn, ReadOptions
 from .report import Report
 from .sanitizer import nonfinite
 from .skeleton.deferred import program_of
-from .skeleton.meta import parameter_like
+from .skeleton.meta import buffer_like, parameter_like
 from .skeleton.modtree import named_modules
 from .skeleton.spec import ModelSpec, build, build_recorded
 from .integrations.sharded import is_dtensor, shard_spec
@@ -300,13 +301,13 @@ def materialize(model: nn.Module, *, device: Optional[DeviceLike] = None) -> nn.
                     made[id(tensor)] = targets[name] = empty_destination(
                         tuple(tensor.shape), dtype=tensor.dtype, device=target, name=name, stride=tuple(tensor.stride()))
     replay(program, targets, target)
-    as_parameters: dict[int, nn.Parameter] = {}
+    as_placed: dict[int, torch.Tensor] = {}  # a tie is one object, as a parameter or a buffer
     for module, registry, attr, tensor in slots:
         value = made[id(tensor)]
-        if registry == "_parameters":
-            if id(tensor) not in as_parameters:
-                as_parameters[id(tensor)] = (value if value is tensor
-                                             else parameter_like(tensor, value, tensor.requires_grad))
-            value = as_parameters[id(tensor)]
-        getattr(module, registry)[attr] = value
+        if id(tensor) not in as_placed:
+            as_placed[id(tensor)] = (value if value is tensor
+                                     else parameter_like(tensor, value, tensor.requires_grad)
+                                     if registry == "_parameters" else buffer_like(tensor, value))
+        getattr(module, registry)[attr] = as_placed[id(tensor)]
+    refresh_flat_weights(model)
     return model

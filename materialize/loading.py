@@ -24,13 +24,13 @@ from .io.executor import Reads, reads
 from .io.replay import ReplayInit
 from .skeleton.deferred import program_of
 from .io.gcpause import gc_paused
-from .integrations.hf import forget_ties, hf_dtype_rule, hf_init, hf_key_map, hf_tolerated, is_hf_model
+from .integrations.hf import forget_ties, hf_dtype_rule, hf_init, hf_key_map, hf_tolerated, is_hf_model, mark_loaded
 from .io.hostmem import admit_host_copies, empty_destination, with_whole_load
 from .planning.keymap import KeyMapLike
 from .planning.loadhooks import run_post_hooks
 from .io.peak import PeakMemory
 from .checkpoint.base import contiguous_strides
-from .skeleton.meta import is_lazy, parameter_like, shared_memory_asked
+from .skeleton.meta import buffer_like, is_lazy, parameter_like, shared_memory_asked
 from .skeleton.modtree import named_modules
 from .planning.plan import DtypeRule, Entry, InitFn, Plan, Tolerated, initializer_of, make_plan, raise_for_mismatch
 from .options import PlanOptions, ProgressFn, ReadOptions
@@ -173,9 +173,11 @@ def load(
     with opened(checkpoint, trust_pickle) as ckpt:
         the_plan, options, placement = planned(model, ckpt, options)
         report = execute(the_plan, ckpt, read, init=options.init)
-    if report.untied and is_hf_model(model):
-        forget_ties(model, report.untied)
-    _refresh_flat_weights(model)
+    if is_hf_model(model):
+        mark_loaded(model, report.loaded)
+        if report.untied:
+            forget_ties(model, report.untied)
+    refresh_flat_weights(model)
     run_post_hooks(the_plan.post_hooked, report.missing, report.unexpected)
     if the_plan.strict_after_hooks:  # what the hooks left unforgiven fails the load, as in load_state_dict
         the_plan.missing, the_plan.unexpected, the_plan.mismatched = report.missing, report.unexpected, []
@@ -187,9 +189,9 @@ def load(
     return report
 
 
-def _refresh_flat_weights(model: nn.Module) -> None:
+def refresh_flat_weights(model: nn.Module) -> None:
     """RNNs keep a list of their weight tensors (``_flat_weights``, which cuDNN's ``flatten_parameters`` reads);
-    torch refreshes it wherever it replaces them (``_apply``), and so does a load."""
+    torch refreshes it wherever it replaces them (``_apply``), and so do a load and ``materialize``."""
     for module in model.modules():
         if isinstance(module, nn.RNNBase):
             module._init_flat_weights()
@@ -405,6 +407,8 @@ def _materialize_entry(
         tensor = entry.shard.wrap(tensor)
     if tensor is not original and isinstance(original, nn.Parameter):
         tensor = parameter_like(original, tensor, original.requires_grad and (tensor.is_floating_point() or tensor.is_complex()))
+    elif tensor is not original:
+        tensor = buffer_like(original, tensor)
     entry.hold(tensor, undo)
     if entry.action != "load" or view is not None:
         return []

@@ -100,6 +100,14 @@ def _tiny(kind: str):
                                            decoder_start_token_id=0)
         ids = torch.arange(7)[None] % 99
         return transformers.MarianMTModel(config), {"input_ids": ids, "decoder_input_ids": ids[:, :4]}
+    if kind == "whisper":  # its encoder's sinusoidal positions are a parameter the constructor freezes
+        config = transformers.WhisperConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                            decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                                            vocab_size=99, pad_token_id=1, bos_token_id=2, eos_token_id=3,
+                                            decoder_start_token_id=4, num_mel_bins=8, max_source_positions=16,
+                                            max_target_positions=16)
+        return (transformers.WhisperForConditionalGeneration(config),
+                {"input_features": torch.randn(1, 8, 32), "decoder_input_ids": torch.arange(4)[None] % 99})
     if kind == "gptj":  # 4.x saves kept each layer's causal mask (attn.bias) and fill value (attn.masked_bias)
         config = transformers.GPTJConfig(n_embd=32, n_layer=2, n_head=2, rotary_dim=8, vocab_size=99, n_positions=64)
         return transformers.GPTJForCausalLM(config), {"input_ids": torch.arange(12)[None] % 99}
@@ -173,6 +181,39 @@ def test_load_model_equals_from_pretrained(kind, as_bin, tmp_path):
     assert report.missing == [] and report.unexpected == []
     with torch.no_grad():
         assert torch.equal(model(**inputs)[0], reference(**inputs)[0])
+
+
+@pytest.mark.parametrize("kind", ["whisper", "marian"])
+def test_a_parameter_its_constructor_froze_stays_frozen_where_from_pretrained_unfreezes_it(kind, tmp_path):
+    source, inputs = _tiny(kind)
+    frozen = {name for name, p in source.named_parameters() if not p.requires_grad}
+    folder = _save(source, tmp_path / kind, as_bin=False, dtype=torch.float32)
+
+    model, _ = mz.load_model(folder)
+    reference = type(source).from_pretrained(folder)
+
+    ours = {name: p.requires_grad for name, p in model.named_parameters()}
+    assert frozen and ours == {name: p.requires_grad for name, p in source.named_parameters()}  # as eagerly made
+    theirs = {name: p.requires_grad for name, p in reference.named_parameters()}
+    assert {name for name in ours if ours[name] != theirs[name]} == frozen  # the difference docs/huggingface.md lists
+    for p in model.parameters():  # the docs' recipe for from_pretrained's flags
+        p.requires_grad_(p.is_floating_point())
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == theirs
+
+
+def test_tensors_carry_the_attributes_from_pretrained_gives_them_but_buffers_keep_eager_constructions(tmp_path):
+    source, _ = _tiny("llama")
+    folder = _save(source, tmp_path / "llama", as_bin=False, dtype=torch.float32)
+
+    model, report = mz.load_model(folder)
+    reference = type(source).from_pretrained(folder)
+
+    theirs = dict(reference.named_parameters())
+    assert all(p.__dict__ == theirs[n].__dict__ == {"_is_hf_initialized": True} for n, p in model.named_parameters())
+    # Non-persistent buffers keep the marks transformers' register_buffer gave them (from_pretrained remakes them
+    # bare): docs/huggingface.md.
+    eager = {n: b.__dict__ for n, b in source.named_buffers()}
+    assert {n: b.__dict__ for n, b in model.named_buffers()} == eager and eager["model.rotary_emb.inv_freq"]
 
 
 def test_tied_embeddings_stay_tied(tmp_path):

@@ -32,6 +32,32 @@ def test_parameters_go_to_meta_and_buffers_stay_real():
     assert torch.equal(model.table, torch.arange(4.0))
 
 
+class LegacyParameters(nn.Module):
+    """Parameters made by the legacy constructor and torch.normal(size=) (wav2vec2's masked_spec_embed, DiffLlama's
+    lambdas), which no factory-function mode sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.masked_spec_embed = nn.Parameter(torch.Tensor(3).uniform_())
+        self.lambda_q1 = nn.Parameter(torch.normal(0, 0.1, size=(3,)))
+        self.pos_bias = nn.Parameter(torch.FloatTensor(2, 3))
+
+
+def test_legacy_constructed_parameters_go_to_meta_and_load_as_torch_loads(tmp_path):
+    torch.manual_seed(0)
+    eager = LegacyParameters()
+    save_file({k: v.detach().clone() for k, v in eager.state_dict().items()}, str(tmp_path / "m.safetensors"))
+    with mz.meta_init():
+        model = LegacyParameters()
+    assert all(p.is_meta and type(p) is nn.Parameter for p in model.parameters())
+
+    mz.load(model, tmp_path / "m.safetensors")
+
+    for name, value in eager.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
 def test_include_buffers_puts_buffers_on_meta_too():
     with mz.meta_init(include_buffers=True):
         model = WithBuffer()

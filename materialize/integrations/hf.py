@@ -333,6 +333,16 @@ def _name_patterns(patterns: Any, *, wildcards: bool = False) -> Optional[re.Pat
     return re.compile("|".join(f"(?:{p.replace('*', '.*') if wildcards else p})" for p in names)) if names else None
 
 
+def mark_loaded(model: nn.Module, names: list[str]) -> None:
+    """Flag each tensor filled from the checkpoint as ``from_pretrained`` flags it (``_is_hf_initialized``), so
+    transformers' own init (``init_weights``, ``post_init``, a resize) leaves its values alone."""
+    for name in names:
+        owner, _, attr = name.rpartition(".")
+        tensor = getattr(model.get_submodule(owner) if owner else model, attr, None)
+        if isinstance(tensor, torch.Tensor):
+            tensor._is_hf_initialized = True
+
+
 def is_hf_model(model: nn.Module) -> bool:
     transformers = sys.modules.get("transformers")  # never import it just to ask
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)

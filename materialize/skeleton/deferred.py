@@ -30,7 +30,17 @@ What the recording sees:
 * a generator reseeded or set between two draws (``torch.manual_seed`` in a
   constructor): the change is recorded as a step;
 * factory functions on ``meta`` without ``torch.device("meta")``, which
-  libraries read as "skip the init" (transformers' ``init_weights`` does).
+  libraries read as "skip the init" (transformers' ``init_weights`` does);
+* every other way a tensor comes into being, at the dispatcher: a factory
+  the function mode never sees (the legacy constructors ``torch.Tensor(n)``,
+  ``torch.FloatTensor(n)``, ``t.new(n)``, ``torch.normal(0, std, size=)``) is
+  put on meta too; one given a device by name (``device="cpu"``) makes a real
+  tensor there, as eagerly; data
+  made outside the dispatcher (``torch.Tensor([..])``, ``torch.from_numpy``,
+  ``torch.frombuffer``) stays real as eagerly made, its values kept as they
+  were before any op wrote them, and a draw into a real tensor gets
+  eager construction's numbers by replaying its steps. A tensor the
+  recording cannot name (a sparse one) is refused.
 
 A constructor that asks a tensor's value (``.item()``, ``.tolist()``,
 ``if w.sum() > 0``) gets eager construction's, computed then on the CPU by
@@ -58,6 +68,7 @@ from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ..errors import MetaInitError, ReplayError
+from ..io.gcpause import gc_paused
 from .program import DEFAULT_GENERATOR, GeneratorRef, Program, Ref, SetGenerator, Step, TargetDevice
 from .replaying import values_of
 from .meta import MOVES, on_meta, stay_on_meta
@@ -65,8 +76,15 @@ from .meta import MOVES, on_meta, stay_on_meta
 aten = torch.ops.aten
 
 _EMPTY = {aten.empty.memory_format, aten.empty_strided.default}
-# torch.nn.init functions that return at once for a meta tensor; all but dirac_ draw.
-_WHOLE_STEPS = ("trunc_normal_", "orthogonal_", "sparse_", "dirac_")
+# What turns data made outside the dispatcher into a tensor (torch.Tensor([..]), torch.from_numpy).
+_LIFTS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
+_META = torch.device("meta")
+# torch.nn.init's in-place functions, recorded as whole calls and replayed as calls: some return at once for a
+# meta tensor (trunc_normal_, orthogonal_, sparse_, dirac_: torch's shortcut), and the rest would cost a meta
+# kernel in Python and the fan-in arithmetic for nothing, the recording's bulk on a model of many small layers.
+_WHOLE_STEPS = ("uniform_", "normal_", "trunc_normal_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
+                "kaiming_normal_", "orthogonal_", "sparse_", "constant_", "ones_", "zeros_", "eye_", "dirac_")
+_NO_DRAW = frozenset({"constant_", "ones_", "zeros_", "eye_", "dirac_"})
 _FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
 _CONSTRUCTORS = _device_constructors() - _FROM_DATA
 # What torch says when an op needs a meta tensor's value: .item(), bool(), .tolist(), a copy out of it.
@@ -100,7 +118,7 @@ def deferred_init(fn: Callable[..., nn.Module], *args: Any, **kwargs: Any) -> nn
     _recording.active = True
     try:
         with _OnMeta(recorder), _whole_steps(recorder), recorder:
-            module = fn(*args, **kwargs)
+            module = gc_paused(fn)(*args, **kwargs)  # the recording keeps every step: passes would find nothing
     finally:
         _recording.active = False
     if not isinstance(module, nn.Module):
@@ -163,6 +181,12 @@ def _device_asked(name: str, args: tuple, kwargs: dict) -> Optional[torch.device
 
 
 class _Recorder(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in a dynamo-disabling frame by default: 30 us an op, half the
+        # recording's time on a model of many small tensors. A recording never runs under torch.compile.
+        return False
+
     def __init__(self, program: Program) -> None:
         super().__init__()
         self.program = program
@@ -173,11 +197,18 @@ class _Recorder(TorchDispatchMode):
         self.alive: list[torch.Tensor] = []
         self.generators: dict[int, int] = {}  # id(generator) -> index
         self.generator_objects: list[torch.Generator] = [torch.default_generator]
-        self.last_state: dict[int, torch.Tensor] = {}
+        self.last_state: dict[int, bytes] = {}
+        self.last_seed: dict[int, int] = {}
+        self.drawn_for_real: set[int] = set()  # generators a real tensor drew from since their last check
         self.answers: dict[tuple, tuple] = {}  # see _on_meta_as_before
         self.values_asked: dict[Ref, torch.Tensor] = {}  # see _values; forgotten when their storage is written
+        self.kept_constants: set[int] = set()  # see keep_constants_written
+        self.device_asked = 0  # inside a factory function given a device by name: see _OnMeta
 
     def _new_sid(self, tensor: torch.Tensor) -> int:
+        if tensor.layout is not torch.strided:  # no storage to name (torch.sparse.FloatTensor(n)): refused, loud
+            raise MetaInitError(f"deferred_init: {_module_being_built()} makes a {tensor.layout} tensor, which the "
+                                "recording cannot hold; build that module outside deferred_init and load into it")
         sid = len(self.alive)
         self.alive.append(tensor)
         self.sids[tensor.untyped_storage()._cdata] = sid
@@ -209,24 +240,43 @@ class _Recorder(TorchDispatchMode):
             if index != DEFAULT_GENERATOR:
                 self.generator_objects.append(generator)
             self.generators[id(generator)] = index
-            self.program.start_states[index] = self.last_state[index] = generator.get_state()
-            self.program.start_seeds[index] = generator.initial_seed()
+            self.program.start_states[index] = state = generator.get_state()
+            self.last_state[index] = _state_bytes(state)
+            self.last_seed[index] = self.program.start_seeds[index] = generator.initial_seed()
         return index
 
     def before_draw(self, index: int) -> None:
-        """A generator changed since its last draw without a recorded op (reseeded): that is a step too."""
+        """A generator changed since its last draw without a recorded op (reseeded, set to a saved state): that
+        is a step too. Draws on meta do not move a generator, so a seed as before and no real draw since mean
+        the state is as before (torch.manual_seed to the same seed is seen where it is called: see
+        _seeding_calls); else the state itself is compared."""
         generator = self.generator_objects[index]
-        now = generator.get_state()
-        if torch.equal(now, self.last_state[index]):
+        if generator.initial_seed() == self.last_seed[index] and index not in self.drawn_for_real:
             return
+        state = generator.get_state()
+        now = _state_bytes(state)
+        self.drawn_for_real.discard(index)
+        if now != self.last_state[index]:
+            self.set_generator_step(index, generator, state, now)
+
+    def set_generator_step(self, index: int, generator: torch.Generator, state: torch.Tensor, as_bytes: bytes) -> None:
         seed = generator.initial_seed()
-        as_seed = generator.device.type == "cpu" and torch.equal(torch.Generator().manual_seed(seed).get_state(), now)
-        self.program.steps.append(SetGenerator(index, seed if as_seed else None, None if as_seed else now))
-        self.last_state[index] = now
+        as_seed = generator.device.type == "cpu" and _state_bytes(torch.Generator().manual_seed(seed).get_state()) == as_bytes
+        self.program.steps.append(SetGenerator(index, seed if as_seed else None, None if as_seed else state))
+        self.last_state[index], self.last_seed[index] = as_bytes, seed
+
+    def seeded(self) -> None:
+        """The global generator reseeded or set by torch's own functions (torch.manual_seed, set_rng_state) in
+        this thread: a step, even to the state it already had (meta draws never moved it, eager's did)."""
+        if threading.get_ident() == self.thread:
+            state = torch.default_generator.get_state()
+            self.drawn_for_real.discard(DEFAULT_GENERATOR)
+            self.set_generator_step(DEFAULT_GENERATOR, torch.default_generator, state, _state_bytes(state))
 
     def after_draw(self, index: int, on_real: bool) -> None:
-        if on_real:  # a real tensor's draw advanced the generator itself
-            self.last_state[index] = self.generator_objects[index].get_state()
+        if on_real:  # a real tensor's draw moved the generator itself: compare its state at the next draw
+            self.drawn_for_real.add(index)
+            self.last_state[index] = _state_bytes(self.generator_objects[index].get_state())
 
     def _values(self, tensor: torch.Tensor) -> torch.Tensor:
         """What a constructor asks of a tensor on meta (``.item()``, ``.tolist()``, a copy into a real one):
@@ -287,13 +337,28 @@ class _Recorder(TorchDispatchMode):
         return value
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        # An op reached without the function mode's frame (nn.Parameter's detach) would have its bookkeeping's
+        # reads of shapes and strides seen by that mode: 20 us an op.
+        with torch._C.DisableTorchFunction():
+            return self.record(func, args, kwargs or {})
+
+    def record(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if func is aten._local_scalar_dense.default and args[0].is_meta:  # .item(), float(), bool(), a Python int
             return self._values(args[0]).item()
+        if func in _LIFTS:  # torch.Tensor([..]), torch.from_numpy(a): a real tensor of data, kept as eagerly made
+            out = func(*args, **kwargs)
+            if not out.is_meta and out.untyped_storage()._cdata not in self.sids:
+                self.adopt_constant(out)
+            return out
         shape = _op_shape(func)
         written, fresh, draws = shape.written, shape.fresh, shape.draws
         if not written and not fresh:  # a view or detach: seen later as a view of its storage
             return func(*args, **kwargs)
+        if shape.factory and not self.device_asked and not _on_meta_device(kwargs):
+            # A factory the function mode does not see: the legacy constructors (torch.Tensor(n),
+            # torch.FloatTensor(n), t.new(n)), torch.normal(mean, std, size=). Made real, it would cost its memory
+            # and hold values drawn now from a generator whose meta draws never happened.
+            kwargs = {**kwargs, "device": _META, "pin_memory": False}
         schema = func._schema
         replayed = _with_generator_argument(func) if draws and not shape.takes_generator else func
         reads: set = set()
@@ -310,6 +375,7 @@ class _Recorder(TorchDispatchMode):
             value = args[position] if position < len(args) else kwargs.get(schema.arguments[position].name)
             if isinstance(value, torch.Tensor):
                 writes.add(self.ref(value).sid)
+        self.keep_constants_written(writes)
         try:
             if shape.skippable and all(isinstance(args[i], torch.Tensor) and args[i].is_meta for i in written):
                 out = args[written[0]]  # writes values on meta, which has none: nothing to compute (as meta_init)
@@ -347,13 +413,45 @@ class _Recorder(TorchDispatchMode):
                     self.program.made_empty.add(sid)
                 made.append((position, sid))
                 writes.add(sid)
+        drawn_real = draws and self.drawn_real(func, args, kwargs, written, outs, fresh)
         if draws:
-            self.after_draw(generator, any(isinstance(t, torch.Tensor) and not t.is_meta for t in outs))
+            self.after_draw(generator, bool(drawn_real))
         self.program.steps.append(Step(replayed, t_args, t_kwargs, tuple(made), frozenset(reads), frozenset(writes),
                                        generator, _module_being_built()))
         if self.values_asked:
             self.values_asked = {ref: values for ref, values in self.values_asked.items() if ref.sid not in writes}
+        for tensor in drawn_real or ():
+            self.set_eager_values(tensor)
         return out
+
+    @staticmethod
+    def drawn_real(func: Any, args: tuple, kwargs: dict, written: tuple, outs: tuple, fresh: tuple) -> list:
+        """The real tensors a draw filled (``constant.uniform_()``, ``torch.rand_like(constant)``)."""
+        arguments = func._schema.arguments
+        filled = [args[p] if p < len(args) else kwargs.get(arguments[p].name) for p in written]
+        filled += [outs[p] for p in fresh if p < len(outs)]
+        return [t for t in filled if isinstance(t, torch.Tensor) and not t.is_meta]
+
+    def set_eager_values(self, tensor: torch.Tensor) -> None:
+        """A real tensor drew from a generator in the state the recording left it, not eager construction's
+        (the meta draws before it advanced nothing): its values are made again by replaying its steps."""
+        with _disable_current_modes(), torch._C.DisableTorchFunction(), torch.no_grad():
+            tensor.copy_(self._values(tensor))
+
+    def keep_constants_written(self, sids: set) -> None:
+        """A real tensor from before the recording (or made unseen) that an op is about to write: the replay
+        starts from its values as they are now, so those are kept, not the tensor itself, which the op and later
+        ones change (and the replay must never write into a live tensor of the caller's)."""
+        for sid in sids:
+            constant = self.program.constants.get(sid)
+            if constant is not None and sid not in self.kept_constants:
+                with _disable_current_modes():
+                    kept = torch.empty(0, dtype=torch.uint8, device=constant.device)
+                    kept.set_(constant.untyped_storage().clone())
+                    if kept.numel() % constant.element_size() == 0:  # else a view by bytes: see replaying._view
+                        kept = kept.view(constant.dtype)
+                self.program.constants[sid] = kept
+                self.kept_constants.add(sid)
 
 
 @dataclass(frozen=True)
@@ -364,6 +462,7 @@ class _OpShape:
     takes_generator: bool
     skippable: bool  # an in-place op on values whose one output is its first, written, argument
     one_output: bool  # returns one tensor
+    factory: bool  # makes a tensor from no tensor, on the device it is given (torch.Tensor(n), torch.normal(size=))
 
 
 # Ops that write what a tensor is (its shape, strides, storage), not its values: they run on meta too.
@@ -383,8 +482,10 @@ def _op_shape(func: Any) -> _OpShape:
         skippable = (written == (0,) and not fresh and len(schema.returns) == 1
                      and schema.arguments[0].name == "self" and func.overloadpacket.__name__ not in _METADATA_WRITES)
         one_output = len(schema.returns) == 1 and str(schema.returns[0].type) == "Tensor"
+        factory = (bool(fresh) and any(a.name == "device" for a in schema.arguments)
+                   and not any("Tensor" in str(a.type) for a in schema.arguments))
         found = _op_shapes[func] = _OpShape(written, fresh, torch.Tag.nondeterministic_seeded in func.tags,
-                                            _takes_generator(func), skippable, one_output)
+                                            _takes_generator(func), skippable, one_output, factory)
     return found
 
 
@@ -419,6 +520,17 @@ def _hashable(value: Any) -> Any:
     if type(value) in (torch.dtype, torch.device, torch.memory_format, torch.layout):
         return value
     return _UNHASHABLE
+
+
+def _state_bytes(state: torch.Tensor) -> bytes:
+    """A generator's state to compare (bytes: no torch op, which a recording would see)."""
+    with torch._C.DisableTorchFunction():
+        return state.numpy().tobytes()
+
+
+def _on_meta_device(kwargs: dict) -> bool:
+    device = kwargs.get("device")
+    return device is not None and torch.device(device).type == "meta"
 
 
 def _leaves_meta(kwargs: dict) -> bool:
@@ -483,7 +595,8 @@ class _OnMeta(TorchFunctionMode):
         name = _move_of_meta(func, args)
         if name is not None:
             return stay_on_meta(name, args[0], args[1:], kwargs)  # where it lives is the load's device=
-        if kwargs.get("device") is None:
+        device = kwargs.get("device")
+        if device is None:
             if func in _FROM_DATA:
                 with _disable_current_modes():
                     made = func(*args, **kwargs)
@@ -491,6 +604,14 @@ class _OnMeta(TorchFunctionMode):
                 return made
             if func in _CONSTRUCTORS:
                 kwargs = {**kwargs, "device": "meta"}
+        elif torch.device(device).type != "meta":
+            # Asked for by name (timm's RegNet sizes its stages with torch.arange(.., device="cpu") and
+            # torch.unique, which has no meta kernel): made there, as eagerly; a draw into it is made again.
+            self.recorder.device_asked += 1
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.recorder.device_asked -= 1
         return func(*args, **kwargs)
 
 
@@ -498,11 +619,14 @@ class _OnMeta(TorchFunctionMode):
 def _whole_steps(recorder: _Recorder) -> Iterator[None]:
     """The whole-call functions recorded wherever a loaded module holds them: ``torch.nn.init``'s own names,
     names imported from it (``from torch.nn.init import trunc_normal_``), and tables of them
-    (transformers' ``initialization.TORCH_INIT_FUNCTIONS``, which its ``init.trunc_normal_`` calls)."""
+    (transformers' ``initialization.TORCH_INIT_FUNCTIONS``, which its ``init.trunc_normal_`` calls); and
+    torch's seeding functions, seen where they are called."""
     replacements: dict[Callable, Callable] = {}
     for name in _WHOLE_STEPS:
         original = getattr(nn.init, name)
-        replacements[original] = _recorded_call(recorder, original, draws=name != "dirac_")
+        replacements[original] = _recorded_call(recorder, original, draws=name not in _NO_DRAW)
+    for original in (torch.random.manual_seed, torch.random.set_rng_state, torch.random.seed):
+        replacements[original] = _seeding_call(recorder, original)
     patched: list[tuple[dict, str, Callable]] = []
     for module in list(sys.modules.values()):
         namespace = getattr(module, "__dict__", None)
@@ -523,10 +647,34 @@ def _whole_steps(recorder: _Recorder) -> Iterator[None]:
             table[key] = original
 
 
+def _seeding_call(recorder: _Recorder, original: Callable) -> Callable:
+    """torch.manual_seed, set_rng_state, seed: run, then recorded as a step (see _Recorder.seeded)."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        recorder.seeded()
+        return result
+
+    call.__name__ = original.__name__
+    return call
+
+
 def _recorded_call(recorder: _Recorder, original: Callable, *, draws: bool) -> Callable:
     def call(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if threading.get_ident() != recorder.thread:  # another thread's init is not this recording's
             return original(tensor, *args, **kwargs)
+        with torch._C.DisableTorchFunction():  # the bookkeeping's own tensor reads are no constructor's calls
+            generator = recorded(tensor, args, kwargs)
+        if tensor.is_meta:
+            return tensor
+        with _disable_current_modes():  # a real tensor is filled now too, as eagerly, without recording its ops
+            result = original(tensor, *args, **kwargs)
+        if draws:
+            recorder.after_draw(generator, True)
+            recorder.set_eager_values(tensor)  # drawn from the generator as the recording left it: made again
+        return result
+
+    def recorded(tensor: torch.Tensor, args: tuple, kwargs: dict) -> Optional[int]:
+        """The call as a step; the generator it draws from."""
         reads: set = set()
         generators: list = []
         target = recorder.template(tensor, reads, generators)
@@ -538,15 +686,13 @@ def _recorded_call(recorder: _Recorder, original: Callable, *, draws: bool) -> C
             recorder.before_draw(generator)
             if generator != DEFAULT_GENERATOR:
                 recorder.before_draw(recorder.generator_index(None))
+        recorder.keep_constants_written({target.sid})
         recorder.program.steps.append(Step(original, (target, *t_args), t_kwargs, (), frozenset(reads),
                                            frozenset({target.sid}), generator, _module_being_built(), whole_call=True))
-        if tensor.is_meta:
-            return tensor
-        with _disable_current_modes():  # a real tensor is filled now too, as eagerly, without recording its ops
-            result = original(tensor, *args, **kwargs)
-        if draws:
-            recorder.after_draw(generator, True)
-        return result
+        if recorder.values_asked:  # values asked before this call are not its tensor's any more
+            recorder.values_asked = {ref: values for ref, values in recorder.values_asked.items()
+                                     if ref.sid != target.sid}
+        return generator
 
     call.__name__ = original.__name__
     return call

@@ -73,6 +73,17 @@ def parameter_like(original: nn.Parameter, tensor: torch.Tensor, requires_grad: 
     return made
 
 
+def buffer_like(original: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a buffer standing for ``original``: of its class (a ``__torch_function__`` subclass) and
+    with its Python attributes (transformers marks buffers ``persistent`` and ``_is_buffer``), as a buffer
+    filled in place keeps them."""
+    kind = type(original)
+    made = tensor if kind is torch.Tensor or type(tensor) is kind else torch.Tensor._make_subclass(kind, tensor)
+    if original.__dict__:
+        made.__dict__.update(original.__dict__)
+    return made
+
+
 def _to_meta_buffer(module: nn.Module, name: str, buffer: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     stack = _depth_flags()
     if not stack or buffer is None:

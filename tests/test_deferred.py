@@ -140,6 +140,17 @@ class LegacyFactories(nn.Module):
         self.last = nn.Linear(4, 2)
 
 
+class ReseedsAsBefore(nn.Module):
+    """torch.manual_seed(0) in a constructor built under seed 0: on meta the generator never moved, so its state
+    is as before, but eager construction's had moved: a step all the same."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.before = nn.Linear(4, 4)
+        torch.manual_seed(0)
+        self.after = nn.Parameter(torch.randn(4))
+
+
 class TaggedBuffer(torch.Tensor):
     """A buffer subclass (a ``__torch_function__`` one, as a tensor library's)."""
 
@@ -192,6 +203,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "custom init zoo": InitZoo,
     "legacy and foreign factories": LegacyFactories,
     "recurrent, marked buffers": RecurrentWithMarkedBuffers,
+    "reseeded as before": ReseedsAsBefore,
     "tied head": TiedHead,
     "parameter subclass, channels_last": WithTaggedParameter,
     "nn.Transformer": _transformer,

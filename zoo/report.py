@@ -22,7 +22,7 @@ FAILING = ("refused", "different", "error", "timeout", "crashed")
 
 _NAME = re.compile(r"^(\[[^\]]*\] )?([\w.]+|ties .*?|module '[^']*' \((\w+)\) attribute (\w+)):")
 _VALUES = re.compile(r"(mz|ref)=(<[^>]*>|\{.*?\}|\[.*?\]|\S+)")
-_NUMBER = re.compile(r"\d+(\.\d+)?")
+_NUMBER = re.compile(r"\b\d+(\.\d+)?\b")
 _QUOTED = re.compile(r"'[^']*'")
 
 

@@ -42,6 +42,7 @@ def cause(text: str) -> str:
             what = f"__dict__ differs in {keys}"
         what = _NUMBER.sub("N", what)
         return f"{stage}{subject}: {what}"[:200]
+    text = re.sub(r"^\w+ builds at no tiny level: ", "no tiny level builds: ", text)  # one row per error, not per class
     text = _QUOTED.sub("'…'", _NUMBER.sub("N", text))
     return text[:160]
 

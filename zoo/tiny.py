@@ -37,7 +37,7 @@ LORA_RANK = 16
 # name patterns; a name is matched whole (re.fullmatch) after the sub-config it sits in is known
 _INTERMEDIATE = re.compile(r".*(intermediate_size|ffn_dim|d_ff|n_inner|mlp_dim|ffn_hidden_size|intermediate_dim|"
                            r"decoder_intermediate_size|iou_head_hidden_dim)")
-_HEAD_DIM = re.compile(r"(.*_)?(head_dim|d_kv|head_size|attention_head_size)")
+_HEAD_DIM = re.compile(r"(.*_)?(head_dim|d_kv|d_head|head_size|attention_head_size)")
 _LORA = re.compile(r".*lora_rank")
 _KV_HEADS = re.compile(r".*(key_value_heads|kv_heads)")
 _HEADS = re.compile(r"(.*_)?(num_attention_heads|n_head|n_heads|num_heads|attention_heads|encoder_attention_heads|"

@@ -7,6 +7,10 @@
 #   make bench-deferred  the bench models made from scratch: deferred_init + materialize against eager construction
 #   make bench-sharded  the 1.9 GB checkpoint into an FSDP2 model on 2 ranks, against set_model_state_dict;
 #                       then into torchtitan's 2-D layout on 4 ranks, against dcp.load
+#   make zoo    every transformers class of the auto mappings (tiny configs), timm family and torchvision builder
+#               under the deferred and load oracles, one worker process per ZOO_WORKERS (default 1), each case
+#               under ZOO_CASE_SECONDS; resumable (data/zoo/results.jsonl); writes docs/zoo.md and adds what
+#               failed to tests/zoo_failed.txt, which make test runs beside a sample (ZOO_SEED, ZOO_SAMPLE)
 #   make fuzz   fuzz the header, index, zip and pickle readers (FUZZ_SECONDS, default 600; each input under
 #               FUZZ_INPUT_SECONDS, FUZZ_MEMORY_MB of address space, FUZZ_INPUT_MEMORY_MB of peak growth)
 #
@@ -27,12 +31,15 @@ VERSIONS := grep -iE '^(torch|transformers|accelerate|huggingface.hub|safetensor
 BENCH_STAMP := $(VENV)/.bench-installed
 CONFIG ?= configs/bench-llama-1b.toml
 
+ZOO_WORKERS ?= 1
+ZOO_CASE_SECONDS ?= 300
+
 FUZZ_SECONDS ?= 600
 FUZZ_INPUT_SECONDS ?= 10
 FUZZ_MEMORY_MB ?= 3072
 FUZZ_INPUT_MEMORY_MB ?= 1024
 
-.PHONY: demo test bench bench-strided bench-dcp bench-deferred bench-sharded fuzz venv clean lock test-latest test-oldest
+.PHONY: demo test bench bench-strided bench-dcp bench-deferred bench-sharded zoo fuzz venv clean lock test-latest test-oldest
 
 # A fresh venv each time an input changes, so nothing of an earlier lock stays behind. The editable install
 # is built without isolation, by the locked setuptools, so no build step fetches a floating one.
@@ -112,6 +119,9 @@ bench-deferred: $(BENCH_STAMP)
 bench-sharded: $(BENCH_STAMP)
 	$(PY) -m bench.sharded --config $(CONFIG)
 	$(PY) -m bench.sharded --config $(CONFIG) --layout 2d
+
+zoo: $(STAMP)
+	$(PY) -m zoo.run --workers $(ZOO_WORKERS) --case-seconds $(ZOO_CASE_SECONDS)
 
 fuzz: $(STAMP)
 	$(PY) -m fuzz.run --seconds $(FUZZ_SECONDS) --input-seconds $(FUZZ_INPUT_SECONDS) --memory-mb $(FUZZ_MEMORY_MB) \

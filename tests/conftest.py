@@ -133,3 +133,10 @@ def hub_cache(tmp_path: Path, folder: Path, repo_id: str) -> Path:
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
     return cache
+
+
+def pytest_report_header(config) -> str:
+    """The zoo sample's seed (tests/test_zoo.py), so a failing sample can be drawn again with ZOO_SEED."""
+    from zoo import sample
+
+    return f"zoo sample: ZOO_SEED={sample.seed()} ZOO_SAMPLE={sample.size()}"

@@ -1,0 +1,159 @@
+"""The hf oracle: ``mz.load_model(folder)`` is ``Class.from_pretrained(folder)`` for what ``save_pretrained`` wrote.
+
+Each case saves one variant of the eight (sharded or one file, safetensors or torch ``.bin``, fp32 or bf16),
+chosen by a stable hash of the class name, so one case stays short and the zoo covers every variant. The
+``.bin`` variant is the safetensors save rewritten as torch files with their index, as older transformers
+wrote them (``save_pretrained`` of transformers 5 writes safetensors only).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+import materialize as mz
+from zoo.differential import compare_models, compare_outputs, flat_outputs, perturb
+from zoo.outcomes import Different, Skipped, one_line
+
+VARIANTS = [(sharded, kind, dtype) for sharded in (False, True) for kind in ("safetensors", "bin")
+            for dtype in ("fp32", "bf16")]
+SHARD_SIZE = "40KB"
+SOURCE_SEED = 1234
+
+
+def variant_of(name: str) -> tuple[bool, str, str]:
+    return VARIANTS[zlib.crc32(name.encode()) % len(VARIANTS)]
+
+
+def describe_variant(variant: tuple[bool, str, str]) -> str:
+    sharded, kind, dtype = variant
+    return f"{'sharded' if sharded else 'one file'}, {kind}, {dtype}"
+
+
+def save(model: nn.Module, folder: Path, variant: tuple[bool, str, str]) -> Path:
+    sharded, kind, dtype = variant
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(folder, max_shard_size=SHARD_SIZE if sharded else "50GB")
+    if kind == "bin":
+        _as_torch_files(folder)
+    return folder
+
+
+def _as_torch_files(folder: Path) -> None:
+    index_file = folder / "model.safetensors.index.json"
+    shards = sorted(set(json.loads(index_file.read_text())["weight_map"].values())) if index_file.exists() \
+        else ["model.safetensors"]
+    weight_map = {}
+    for shard in shards:
+        tensors = load_file(folder / shard)  # the names as saved, which may differ from the module's
+        bin_name = shard.replace("model", "pytorch_model", 1).replace(".safetensors", ".bin")
+        torch.save(tensors, folder / bin_name)
+        weight_map.update({n: bin_name for n in tensors})
+        (folder / shard).unlink()
+    if index_file.exists():
+        index_file.unlink()
+        (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def _config_value(config: Any, *names: str) -> Optional[Any]:
+    for holder in (config, getattr(config, "vision_config", None), getattr(config, "text_config", None)):
+        for name in names:
+            value = getattr(holder, name, None) if holder is not None else None
+            if value is not None:
+                return value
+    return None
+
+
+def generic_inputs(model: nn.Module) -> Optional[dict[str, torch.Tensor]]:
+    """A tiny input for a forward whose arguments are the usual ones, or None where there is no such input."""
+    params = inspect.signature(model.forward).parameters
+    config = model.config
+    g = torch.Generator().manual_seed(3)
+    required = [n for n, p in params.items() if p.default is inspect.Parameter.empty
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    inputs: dict[str, torch.Tensor] = {}
+    vocab = _config_value(config, "vocab_size")
+    if "input_ids" in params and isinstance(vocab, int):
+        high = min(vocab, 60)  # below the token ids tiny configs move to the top of the vocabulary
+        inputs["input_ids"] = torch.randint(4, max(high, 5), (1, 7), generator=g)
+        if "decoder_input_ids" in params:
+            inputs["decoder_input_ids"] = inputs["input_ids"][:, :4]
+    elif "pixel_values" in params:
+        side = _config_value(config, "image_size")
+        side = side[0] if isinstance(side, (list, tuple)) else side
+        channels = _config_value(config, "num_channels") or 3
+        if not isinstance(side, int):
+            return None
+        inputs["pixel_values"] = torch.randn(1, channels, side, side, generator=g)
+    elif "input_values" in params:
+        inputs["input_values"] = torch.randn(1, 4000, generator=g)
+    else:
+        return None
+    return inputs if set(required) <= set(inputs) else None
+
+
+def _run(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    model.eval()
+    with torch.no_grad():
+        torch.manual_seed(5)
+        output = model(**inputs)
+    return flat_outputs(output.to_tuple() if hasattr(output, "to_tuple") else output)
+
+
+def check(build: Callable[[], nn.Module], folder: Path, name: str) -> list[str]:
+    """Raises :class:`Different` with every difference; returns notes (the variant, a forward not run)."""
+    variant = variant_of(name)
+    notes = [f"variant: {describe_variant(variant)}"]
+    try:
+        torch.manual_seed(SOURCE_SEED)
+        source = build()
+    except Exception as error:
+        raise Skipped(f"eager construction fails: {one_line(error)}") from None
+    perturb(source)  # the file differs from any fresh init: a tensor not loaded shows
+    try:
+        save(source, folder, variant)
+    except Exception as error:
+        raise Skipped(f"save_pretrained fails: {one_line(error)}") from None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.manual_seed(0)
+            reference = type(source).from_pretrained(folder)
+    except Exception as error:
+        raise Skipped(f"from_pretrained fails on its own save: {one_line(error)}") from None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        model, report = mz.load_model(folder)
+    found = []
+    if type(model) is not type(reference):
+        found.append(f"class mz={type(model).__name__} ref={type(reference).__name__}")
+    else:
+        found += compare_models(model, reference)
+    if report.missing or report.unexpected:
+        found.append(f"report: missing {list(report.missing)[:5]}, unexpected {list(report.unexpected)[:5]}")
+    if type(model) is type(reference):  # outputs too, even where attributes differ: they say whether it matters
+        inputs = generic_inputs(reference)
+        if inputs is None:
+            notes.append("forward not compared: no generic input for its arguments")
+        else:
+            try:
+                expected = _run(reference, inputs)
+            except Exception as error:
+                notes.append(f"forward not compared: the reference's raises {one_line(error, 150)}")
+            else:
+                found += [f"[forward] {d}" for d in compare_outputs(_run(model, inputs), expected, "forward")]
+    if found:
+        raise Different(found)
+    return notes

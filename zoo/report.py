@@ -1,0 +1,164 @@
+"""The zoo's results as ``docs/zoo.md``, and its failing cases added to ``tests/zoo_failed.txt``.
+
+Failures are grouped by cause: a difference's text with tensor and module names, numbers and values taken
+out (``[materialize] <name>: __dict__ mz={} ref={...}``), so one cause over a hundred classes is one row
+with its count and an example. A case is counted under every cause its differences show.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any, Iterable
+
+from zoo.cases import LIBRARIES, ORACLES, split
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "zoo.md"
+FAILED_LIST = ROOT / "tests" / "zoo_failed.txt"
+STATUSES = ("equal", "skipped", "refused", "different", "error", "timeout", "crashed")
+FAILING = ("refused", "different", "error", "timeout", "crashed")
+
+_NAME = re.compile(r"^(\[[^\]]*\] )?([\w.]+|ties .*?|module '[^']*' \((\w+)\) attribute (\w+)):")
+_VALUES = re.compile(r"(mz|ref)=(<[^>]*>|\{.*?\}|\[.*?\]|\S+)")
+_NUMBER = re.compile(r"\b\d+(\.\d+)?\b")
+_QUOTED = re.compile(r"'[^']*'")
+
+
+def cause(text: str) -> str:
+    """What a difference or an error says, without the names and values that vary from case to case."""
+    match = _NAME.match(text)
+    if match:
+        stage = match.group(1) or ""
+        subject = f"module attribute {match.group(4)}" if match.group(4) else "<tensor>"
+        if match.group(2).startswith("ties"):
+            subject = "ties"
+        rest = text[match.end():]
+        what = rest.split(" mz=")[0].strip() if " mz=" in rest else rest.strip()
+        if what.startswith("__dict__"):
+            keys = sorted(set(re.findall(r"'(\w+)':", rest.split(" ref=")[-1])) ^
+                          set(re.findall(r"'(\w+)':", rest.split(" ref=")[0])))
+            what = f"__dict__ differs in {keys}"
+        what = _NUMBER.sub("N", what)
+        return f"{stage}{subject}: {what}"[:200]
+    text = re.sub(r"^\w+ builds at no tiny level: ", "no tiny level builds: ", text)  # one row per error, not per class
+    text = _QUOTED.sub("'…'", _NUMBER.sub("N", text))
+    return text[:160]
+
+
+def _causes(result: dict[str, Any]) -> list[str]:
+    if result["status"] == "different":
+        return sorted({cause(d) for d in result.get("differences", [result.get("detail", "")])})
+    return [cause(result.get("detail", ""))]
+
+
+def _cell(text: Any, limit: int = 220) -> str:
+    text = " ".join(str(text).split())
+    text = text if len(text) <= limit else text[:limit - 1] + "…"
+    return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;").replace("*", "\\*").replace("_", "\\_")
+
+
+def _versions() -> str:
+    found = []
+    for package in ("torch", "transformers", "timm", "torchvision"):
+        try:
+            from importlib.metadata import version
+
+            found.append(f"{package} {version(package)}")
+        except Exception:
+            found.append(f"{package} (not installed)")
+    return ", ".join(found)
+
+
+def render(results: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        "# The model zoo",
+        "",
+        "Every model class transformers registers in its auto mappings, the smallest model of every timm family",
+        "and every torchvision builder, each under two oracles (the cases are listed by the libraries; `zoo/`",
+        "generates them, nothing is hand-listed):",
+        "",
+        "- **deferred**: `torch.manual_seed(0); mz.deferred_init(build)` then `mz.materialize` equals",
+        "  `torch.manual_seed(0); build()` bit for bit (values, dtypes, strides, parameter classes, their",
+        "  attributes, `requires_grad`, ties, modules' attributes), and so does a recorded model given a file of",
+        "  every other tensor with `mz.load(..., strict=False)`. Tensors two eager constructions disagree on",
+        "  (memory `torch.empty` left as it was) are compared for everything but their values.",
+        "- **load**: for transformers, `mz.load_model(folder)` equals `Class.from_pretrained(folder)` for what",
+        "  `save_pretrained` wrote (one of eight variants per class by a stable hash of its name: sharded or",
+        "  not, safetensors or torch `.bin`, fp32 or bf16), then a forward on a tiny input where the class has",
+        "  the usual arguments; for timm and torchvision, `mz.build(\"timm:NAME\")` + `mz.load(model, file)`",
+        "  equals the eager model given the same file by `load_state_dict`, then a forward.",
+        "",
+        "Transformers classes are built from a tiny config made from the config class's defaults by rules over",
+        "attribute names (`zoo/tiny.py`: widths, layers, heads, experts, vocabulary, image sizes, nested",
+        "configs). A class whose own eager construction fails at every tiny level, or whose reference path",
+        "(`from_pretrained`, `load_state_dict`) fails on its own save, is **skipped** with the reason.",
+        "**refused** is a `MaterializeError`; **different** is a difference found by the oracle (the first one",
+        "shown); **error** is any other exception; **timeout** and **crashed** are what the runner saw of a",
+        "worker. Every failing case is added to `tests/zoo_failed.txt`, which `make test` runs beside a sample.",
+        "",
+        "Run it with `make zoo` (resumable: `data/zoo/results.jsonl`); `python -m zoo.run --help` for more.",
+        "timm's family representatives come from `zoo/timm_families.json` (`python -m zoo.vision` remakes it).",
+        "",
+        f"Last run with {_versions()}: {len(results)} cases.",
+        "",
+        "## Counts",
+        "",
+        "| library | oracle | cases | " + " | ".join(STATUSES) + " |",
+        "|---|---|---:|" + "---:|" * len(STATUSES),
+    ]
+    counts: dict[tuple[str, str], Counter] = defaultdict(Counter)
+    for case, result in results.items():
+        library, oracle, _ = split(case)
+        counts[library, oracle][result["status"]] += 1
+    for library in LIBRARIES:
+        for oracle in ORACLES:
+            c = counts.get((library, oracle), Counter())
+            lines.append(f"| {library} | {oracle} | {sum(c.values())} | " + " | ".join(str(c[s]) for s in STATUSES) + " |")
+    lines += _grouped("Failures by cause", [r for r in results.values() if r["status"] in FAILING], with_status=True)
+    lines += _grouped("Skips by reason", [r for r in results.values() if r["status"] == "skipped"], with_status=False)
+    lines += ["", "## Every case", "", "| case | status | first difference, reason or notes |", "|---|---|---|"]
+    for case in sorted(results):
+        result = results[case]
+        detail = result.get("detail") or "; ".join(result.get("notes", []))
+        lines.append(f"| {_cell(case, 120)} | {result['status']} | {_cell(detail)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _grouped(title: str, failing: list[dict[str, Any]], *, with_status: bool) -> list[str]:
+    lines = ["", f"## {title}", ""]
+    if not failing:
+        return lines + ["None.", ""]
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for result in failing:
+        for key in _causes(result):
+            groups[result["status"] if with_status else "skipped", key].append(result)
+    lines += ["| status | cause | cases | example |", "|---|---|---:|---|"]
+    for (status, key), members in sorted(groups.items(), key=lambda item: (-len(item[1]), item[0])):
+        example = members[0]
+        text = next((d for d in example.get("differences", []) if cause(d) == key), example.get("detail", ""))
+        lines.append(f"| {status} | {_cell(key, 160)} | {len(members)} | {_cell(example['case'], 80)}: {_cell(text, 200)} |")
+    return lines
+
+
+def add_failed(results: Iterable[dict[str, Any]], path: Path = FAILED_LIST) -> list[str]:
+    """Add every failing case not yet listed; returns those added. The list only grows (cases are removed by hand)."""
+    listed = read_failed(path)
+    new = sorted({r["case"] for r in results if r["status"] in FAILING} - set(listed))
+    if new:
+        with path.open("a") as out:
+            out.writelines(f"{case}\n" for case in new)
+    return new
+
+
+def read_failed(path: Path = FAILED_LIST) -> list[str]:
+    if not path.exists():
+        return []
+    return [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+
+
+def write_report(results: dict[str, dict[str, Any]]) -> None:
+    DOC.write_text(render(results))
+    added = add_failed(results.values())
+    print(f"wrote {DOC.relative_to(ROOT)}; {len(added)} failing cases added to {FAILED_LIST.relative_to(ROOT)}")

@@ -151,6 +151,23 @@ class ReseedsAsBefore(nn.Module):
         self.after = nn.Parameter(torch.randn(4))
 
 
+class BranchesOnTheDevice(nn.Module):
+    """A constructor that copies values only off meta (DETR's frozen batch norms) and makes tensors on its
+    weights' device: a recorded tensor says it is where eager construction puts it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4)
+        nn.init.zeros_(self.norm.weight)  # timm's zero_init_last
+        frozen = nn.BatchNorm1d(4)
+        if self.norm.weight.device != torch.device("meta"):
+            with torch.no_grad():
+                frozen.weight.copy_(self.norm.weight)
+        self.norm = frozen
+        self.register_buffer("positions", torch.arange(6.0, device=self.norm.weight.device))
+        self.register_buffer("table", torch.tensor([1.0, 2.0], device=self.norm.weight.device))
+
+
 class TaggedBuffer(torch.Tensor):
     """A buffer subclass (a ``__torch_function__`` one, as a tensor library's)."""
 
@@ -204,6 +221,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "legacy and foreign factories": LegacyFactories,
     "recurrent, marked buffers": RecurrentWithMarkedBuffers,
     "reseeded as before": ReseedsAsBefore,
+    "branches on the device": BranchesOnTheDevice,
     "tied head": TiedHead,
     "parameter subclass, channels_last": WithTaggedParameter,
     "nn.Transformer": _transformer,
@@ -229,6 +247,12 @@ def tensors_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
 
 
+def _attributes(tensor: torch.Tensor) -> dict:
+    """A tensor's Python attributes but the flag a load into a transformers model sets on what it filled, as
+    from_pretrained does (tested where a load fills some: the half-load test)."""
+    return {k: v for k, v in tensor.__dict__.items() if k != "_is_hf_initialized"}
+
+
 def assert_as_eager(model: nn.Module, eager: nn.Module, names=None) -> None:
     ours, theirs = tensors_of(model), tensors_of(eager)
     assert ours.keys() == theirs.keys()
@@ -237,7 +261,7 @@ def assert_as_eager(model: nn.Module, eager: nn.Module, names=None) -> None:
         assert type(a) is type(b), name
         assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), name
         assert a.requires_grad == b.requires_grad, name
-        assert a.__dict__ == b.__dict__, name
+        assert _attributes(a) == _attributes(b), name
         assert torch.equal(a, b), name
     ties = lambda m: sorted(sorted(n for n, t in tensors_of(m).items() if t is x) for x in set(tensors_of(m).values()))
     assert ties(model) == ties(eager)
@@ -324,6 +348,8 @@ def test_a_load_of_half_the_tensors_replays_the_rest_as_eager_construction(name,
     assert set(report.replayed) == (set(state) - set(kept) - real
                                     - {n for group in report.tied for n in group[1:]}) | (computed - real)
     assert set(report.loaded) == set(kept)
+    flagged = {n for n, t in tensors_of(recorded).items() if t.__dict__.get("_is_hf_initialized")}
+    assert flagged == (set(kept) if name.startswith("Hugging Face") else set())
 
 
 def _random_factories() -> set[str]:
@@ -404,6 +430,13 @@ def test_every_legacy_tensor_type_is_recorded_or_refused(kind):
     mz.materialize(recorded)
 
     assert_as_eager(recorded, eager)
+
+
+def test_a_tensor_made_on_a_recorded_weights_device_is_recorded_on_meta():
+    _, recorded = eager_and_recorded(BranchesOnTheDevice)
+
+    assert recorded.positions.is_meta and recorded.norm.weight.is_meta  # no memory: where the replay puts it
+    assert not recorded.table.is_meta  # data, as made
 
 
 def test_a_sparse_tensor_is_refused_naming_the_module():

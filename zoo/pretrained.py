@@ -111,6 +111,47 @@ def _run(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor
     return flat_outputs(output.to_tuple() if hasattr(output, "to_tuple") else output)
 
 
+def _aligned(model: nn.Module) -> nn.Module:
+    """``model`` with every tensor's values copied into memory of its own (allocator-aligned), in place."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.data = tensor.data.clone()
+    return model
+
+
+def _attributes(model: nn.Module) -> dict[str, tuple[bool, dict]]:
+    """Each tensor's requires_grad and Python attributes as eager construction made them."""
+    return {name: (tensor.requires_grad, dict(tensor.__dict__))
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]}
+
+
+def as_promised(reference: nn.Module, eager_attributes: dict[str, tuple[bool, dict]]) -> None:
+    """``from_pretrained``'s model with the differences docs/huggingface.md lists on purpose put back as the
+    load promises them: a parameter its constructor froze stays frozen and a buffer keeps the marks
+    construction gave it (from_pretrained remakes both), and a tensor cut from a fused one in the file is its
+    own storage (from_pretrained leaves a view holding the whole fused tensor)."""
+    for name, tensor in [*reference.named_parameters(), *reference.named_buffers()]:
+        if name not in eager_attributes:
+            continue
+        requires_grad, attributes = eager_attributes[name]
+        owner, _, attr = name.rpartition(".")
+        module = reference.get_submodule(owner)
+        if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+            with torch.no_grad():
+                alone = tensor.detach().clone()
+            alone = nn.Parameter(alone, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else alone
+            alone.__dict__.update(tensor.__dict__)
+            (module._parameters if attr in module._parameters else module._buffers)[attr] = tensor = alone
+        if isinstance(tensor, nn.Parameter):
+            tensor.requires_grad_(requires_grad)
+        else:
+            flagged = tensor.__dict__.get("_is_hf_initialized")
+            tensor.__dict__.clear()
+            tensor.__dict__.update(attributes)
+            if flagged:
+                tensor._is_hf_initialized = flagged
+
+
 def check(build: Callable[[], nn.Module], folder: Path, name: str) -> list[str]:
     """Raises :class:`Different` with every difference; returns notes (the variant, a forward not run)."""
     variant = variant_of(name)
@@ -121,6 +162,7 @@ def check(build: Callable[[], nn.Module], folder: Path, name: str) -> list[str]:
     except Exception as error:
         raise Skipped(f"eager construction fails: {one_line(error)}") from None
     perturb(source)  # the file differs from any fresh init: a tensor not loaded shows
+    eager_attributes = _attributes(source)
     try:
         save(source, folder, variant)
     except Exception as error:
@@ -140,6 +182,7 @@ def check(build: Callable[[], nn.Module], folder: Path, name: str) -> list[str]:
     if type(model) is not type(reference):
         found.append(f"class mz={type(model).__name__} ref={type(reference).__name__}")
     else:
+        as_promised(reference, eager_attributes)
         found += compare_models(model, reference)
     if report.missing or report.unexpected:
         found.append(f"report: missing {list(report.missing)[:5]}, unexpected {list(report.unexpected)[:5]}")
@@ -153,7 +196,13 @@ def check(build: Callable[[], nn.Module], folder: Path, name: str) -> list[str]:
             except Exception as error:
                 notes.append(f"forward not compared: the reference's raises {one_line(error, 150)}")
             else:
-                found += [f"[forward] {d}" for d in compare_outputs(_run(model, inputs), expected, "forward")]
+                ours = _run(model, inputs)
+                differences = compare_outputs(ours, expected, "forward")
+                if differences and not compare_outputs(ours, _run(_aligned(reference), inputs), "forward"):
+                    notes.append("forward equal once from_pretrained's tensors are copied to aligned memory as "
+                                 "ours are (its maps leave them 16-byte aligned; some kernels round otherwise)")
+                    differences = []
+                found += [f"[forward] {d}" for d in differences]
     if found:
         raise Different(found)
     return notes

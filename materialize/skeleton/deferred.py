@@ -31,6 +31,9 @@ What the recording sees:
   constructor): the change is recorded as a step;
 * factory functions on ``meta`` without ``torch.device("meta")``, which
   libraries read as "skip the init" (transformers' ``init_weights`` does);
+* a recorded tensor's ``.device``, as eager construction's (code branching on
+  a weight being on meta takes eager's path); that device object passed on
+  as ``device=`` means the replay's device, recorded on meta;
 * every other way a tensor comes into being, at the dispatcher: a factory
   the function mode never sees (the legacy constructors ``torch.Tensor(n)``,
   ``torch.FloatTensor(n)``, ``t.new(n)``, ``torch.normal(0, std, size=)``) is
@@ -79,6 +82,9 @@ _EMPTY = {aten.empty.memory_format, aten.empty_strided.default}
 # What turns data made outside the dispatcher into a tensor (torch.Tensor([..]), torch.from_numpy).
 _LIFTS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
 _META = torch.device("meta")
+# What a recorded tensor's .device says, this very object: passed on as device=, it means the replay's device.
+_EAGER_DEVICE = torch.device("cpu")
+_DEVICE_ATTRIBUTE = torch.Tensor.device
 # torch.nn.init's in-place functions, recorded as whole calls and replayed as calls: some return at once for a
 # meta tensor (trunc_normal_, orthogonal_, sparse_, dirac_: torch's shortcut), and the rest would cost a meta
 # kernel in Python and the fan-in arithmetic for nothing, the recording's bulk on a model of many small layers.
@@ -592,10 +598,22 @@ class _OnMeta(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(func, "__self__", None) is _DEVICE_ATTRIBUTE:  # tensor.device
+            device = func(*args, **kwargs)
+            # A recorded tensor is where eager construction puts it: code that branches on a weight being on
+            # meta (DETR's frozen batch norms copy their values only off meta) takes eager construction's path.
+            return _EAGER_DEVICE if device.type == "meta" and args[0].untyped_storage()._cdata in self.recorder.sids \
+                else device
         name = _move_of_meta(func, args)
         if name is not None:
             return stay_on_meta(name, args[0], args[1:], kwargs)  # where it lives is the load's device=
         device = kwargs.get("device")
+        if device is _EAGER_DEVICE:  # device=weight.device: where the weight is, on meta, the replay's device
+            if func in _FROM_DATA:  # data: as made on the default device, a constant
+                kwargs = {key: value for key, value in kwargs.items() if key != "device"}
+                device = None
+            else:
+                return func(*args, **{**kwargs, "device": "meta"})
         if device is None:
             if func in _FROM_DATA:
                 with _disable_current_modes():

@@ -12,6 +12,7 @@ copy is tried on the layouts of other training scripts, built here with small to
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import re
 import shlex
@@ -87,7 +88,7 @@ def timm_reference(timm, path: Path, *, use_ema: bool) -> nn.Module:
 
 def library_picks(message: str) -> list[str]:
     """The entries a refusal offers, in the library's spelling (``state_dict_key='...'``)."""
-    return [eval(literal) for literal in re.findall(r"state_dict_key=('[^']*')", message)]  # noqa: S307 - our repr
+    return [ast.literal_eval(literal) for literal in re.findall(r"state_dict_key=('[^']*')", message)]
 
 
 def test_a_timm_training_checkpoint_with_an_ema_is_refused_naming_each_copy_and_how_to_pick(timm, timm_checkpoint):

@@ -10,6 +10,7 @@ import materialize as mz
 # Most specific first: the first matching class gives the hint.
 HINTS: list[tuple[type[BaseException], str]] = [
     (mz.UnsafeCheckpointError, ""),
+    (mz.StateDictKeyError, ""),  # it names each entry and how to pick it
     (mz.UnsupportedFormatError, ""),
     (mz.CheckpointNotFoundError, ""),
     (mz.CheckpointAccessError, ""),

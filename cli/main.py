@@ -75,6 +75,9 @@ def _emit(as_json: bool, payload: dict, text: str) -> None:
 
 # readable=False: the library opens the file and reports the real error, with exit 1
 checkpoint_argument = click.argument("checkpoint", type=click.Path(dir_okay=True, readable=False, path_type=str))
+state_dict_key_option = click.option(
+    "--state-dict-key", metavar="KEY", default=None,
+    help="The entry of a training checkpoint that holds the model (state_dict, state_dict_ema, ...), where it holds several.")
 model_options = [
     click.option("--model", "model_spec", metavar="SPEC",
                  help="package.module:callable, path/to/model.py:callable, a configs/ TOML file, hf:ClassName (default: config.json's architecture), timm:NAME or torchvision:NAME."),
@@ -92,6 +95,7 @@ model_options = [
     click.option("--rename", "renames", type=RENAME, multiple=True, help="Regex rename of checkpoint names, applied in order after --strip-prefix."),
     click.option("--revision", metavar="REV", help="Hub revision (branch, tag or commit) when CHECKPOINT is a repo id."),
     click.option("--trust-pickle", is_flag=True, help="Allow a pickled model (torch.save(model)): imports its classes and may run its code."),
+    state_dict_key_option,
     click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout and nothing else there."),
     click.option("--debug", is_flag=True, help="Show the traceback of an error."),
 ]
@@ -181,13 +185,15 @@ def load_command(checkpoint: str, as_json: bool, debug: bool, **options: Any) ->
 @main.command("inspect")
 @checkpoint_argument
 @click.option("--trust-pickle", is_flag=True, help="Allow a pickled model (torch.save(model)).")
+@state_dict_key_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--debug", is_flag=True, help="Show the traceback of an error.")
-def inspect_command(checkpoint: str, trust_pickle: bool, as_json: bool, debug: bool) -> None:
+def inspect_command(checkpoint: str, trust_pickle: bool, state_dict_key: Optional[str], as_json: bool,
+                    debug: bool) -> None:
     """List tensors, dtypes, shapes and shards; reads no tensor data."""
 
     def action() -> None:
-        with mz.open_checkpoint(checkpoint, trust_pickle=trust_pickle) as ckpt:
+        with mz.open_checkpoint(checkpoint, trust_pickle=trust_pickle, state_dict_key=state_dict_key) as ckpt:
             _emit(as_json, _inspect_dict(ckpt), _inspect_text(ckpt))
 
     _run(debug, action, inspecting=True)
@@ -197,6 +203,7 @@ def _inspect_dict(ckpt: mz.Checkpoint) -> dict[str, Any]:
     return {
         "path": str(ckpt.path),
         "format": ckpt.format,
+        "state_dict_key": ckpt.state_dict_key,
         "shards": [str(s) for s in ckpt.shards],
         "tensor_count": len(ckpt),
         "nbytes": ckpt.nbytes,
@@ -213,6 +220,8 @@ def _inspect_text(ckpt: mz.Checkpoint) -> str:
     lines = [
         f"{ckpt.path}  ({ckpt.format}, {len(ckpt)} tensors, {format_bytes(ckpt.nbytes)}, {len(ckpt.shards)} file(s))",
     ]
+    if ckpt.state_dict_key is not None:
+        lines.append(f"state dict: entry {ckpt.state_dict_key!r} of the saved dict")
     if ckpt.module is not None:
         lines.append(f"pickled module: {type(ckpt.module).__module__}.{type(ckpt.module).__qualname__}")
     width = max((len(n) for n in ckpt), default=4)
@@ -250,11 +259,12 @@ def plan_command(checkpoint: str, as_json: bool, debug: bool, **options: Any) ->
               help="Write in full tensors that repeat a few stored bytes (expand views) past 16x (16 MiB in all).")
 @click.option("--revision", default=None, help="Hub revision when SRC is a repo id.")
 @click.option("--trust-pickle", is_flag=True, help="Allow a pickled model (torch.save(model)); runs its code.")
+@state_dict_key_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--debug", is_flag=True, help="Show the traceback of an error.")
 def convert_command(src: str, dst: str, dtype: "Optional[torch.dtype]", shard_size: int, overwrite: bool,
                     allow_overflow: bool, allow_expansion: bool, revision: Optional[str], trust_pickle: bool,
-                    as_json: bool, debug: bool) -> None:
+                    state_dict_key: Optional[str], as_json: bool, debug: bool) -> None:
     """Rewrite SRC (any checkpoint) as safetensors at DST.
 
     DST ending in .safetensors is one file; otherwise a folder in the Hugging Face layout (shards and an index
@@ -266,7 +276,7 @@ def convert_command(src: str, dst: str, dtype: "Optional[torch.dtype]", shard_si
         try:
             report = mz.convert(
                 src, dst, dtype=dtype, shard_size=shard_size, overwrite=overwrite, trust_pickle=trust_pickle,
-                allow_overflow=allow_overflow, allow_expansion=allow_expansion, revision=revision, progress=progress,
+                state_dict_key=state_dict_key, allow_overflow=allow_overflow, allow_expansion=allow_expansion, revision=revision, progress=progress,
             )
         finally:
             if progress is not None:
@@ -278,8 +288,9 @@ def convert_command(src: str, dst: str, dtype: "Optional[torch.dtype]", shard_si
 
 def _plan_text(summary: dict[str, Any]) -> str:
     counts = summary["tensors"]
+    entry = summary["state_dict_key"]
     lines = [
-        f"checkpoint   {summary['checkpoint']}",
+        f"checkpoint   {summary['checkpoint']}" + (f" (entry {entry!r})" if entry is not None else ""),
         f"tensors      {counts['load']} to load, {counts['init']} to initialize, {counts['keep']} buffers kept",
         f"read         {format_bytes(summary['read_bytes'])}",
     ]

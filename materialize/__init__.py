@@ -43,6 +43,7 @@ _EXPORTS = {
     "CheckpointAccessError": "errors",
     "UnsupportedFormatError": "errors",
     "UnsafeCheckpointError": "errors",
+    "StateDictKeyError": "errors",
     "KeyMismatchError": "errors",
     "ShapeMismatchError": "errors",
     "InitError": "errors",

@@ -63,6 +63,7 @@ def plan(
     model_args: Optional[Mapping[str, Any]] = None,
     revision: Optional[str] = None,
     trust_pickle: bool = False,
+    state_dict_key: Optional[str] = None,
     device_map: Optional[DeviceMapLike] = None,
     max_memory: Optional[Mapping[Union[int, str], Union[int, str]]] = None,
     mmap: bool = False,
@@ -77,10 +78,11 @@ def plan(
     unexpected and mismatched tensors; tensors that cannot be initialized).
     ``plan.fits`` compares the memory each device will need (the expected
     peak of host memory for ``"cpu"``) with what is available now. ``device``
-    defaults as in :func:`load`.
+    and ``state_dict_key`` (a training checkpoint's entry) are as in :func:`load`.
     """
     with _opened_with_skeleton(checkpoint, model, model_args, revision, trust_pickle, dtype,
-                               record=not strict or ignore_mismatched_sizes) as (ckpt, skeleton):
+                               record=not strict or ignore_mismatched_sizes,
+                               state_dict_key=state_dict_key) as (ckpt, skeleton):
         if skeleton is None:
             raise ModelRequiredError("a plan needs a model: pass one (CLI: --model SPEC)", path=ckpt.path)
         options = PlanOptions(
@@ -114,6 +116,7 @@ def load_tensors(
     device: Optional[DeviceLike] = "cpu",
     dtype: DtypeLike = None,
     trust_pickle: bool = False,
+    state_dict_key: Optional[str] = None,
     mmap: bool = False,
     staging_bytes: Optional[int] = None,
     allow_overflow: bool = False,
@@ -123,15 +126,16 @@ def load_tensors(
 ) -> tuple[dict[str, torch.Tensor], Report]:
     """Materialize every tensor of a checkpoint as a plain dict on ``device``.
 
-    ``mmap=True`` (CPU): tensors are copy-on-write views of the files, and
-    ``direct_io=True`` reads around the page cache, as in :func:`load`.
+    ``mmap=True`` (CPU): tensors are copy-on-write views of the files,
+    ``direct_io=True`` reads around the page cache, and ``state_dict_key``
+    picks a training checkpoint's entry, as in :func:`load`.
     """
     target = resolve_device(device if device is not None else "cpu")
     cast = parse_dtype(dtype)
     read_options = ReadOptions(mmap=mmap, staging_bytes=staging_bytes, allow_overflow=allow_overflow,
                                check_finite=check_finite, progress=progress, direct_io=direct_io)
     started = time.perf_counter()
-    with opened(checkpoint, trust_pickle) as ckpt, PeakMemory([target]) as memory, \
+    with opened(checkpoint, trust_pickle, state_dict_key) as ckpt, PeakMemory([target]) as memory, \
             reads(ckpt.files, read_options, maps=mmap and target.type == "cpu") as reader:
         made: dict[str, torch.Tensor] = {}
         jobs = []
@@ -185,6 +189,7 @@ def load_model(
     model_args: Optional[Mapping[str, Any]] = None,
     revision: Optional[str] = None,
     trust_pickle: bool = False,
+    state_dict_key: Optional[str] = None,
     **load_options: Any,
 ) -> tuple[Union[nn.Module, dict[str, torch.Tensor]], Report]:
     """Build the skeleton and load it in one call (what the CLI runs).
@@ -196,11 +201,12 @@ def load_model(
     then a folder with a ``config.json`` builds its transformers model, a
     pickled module in the checkpoint is its own skeleton (needs
     ``trust_pickle``), and a plain state dict is materialized as a ``dict`` of
-    tensors.
+    tensors. ``state_dict_key`` picks a training checkpoint's entry (see
+    :func:`open_checkpoint`).
     """
     record = not load_options.get("strict", True) or load_options.get("ignore_mismatched_sizes", False)
     with _opened_with_skeleton(source, model, model_args, revision, trust_pickle, load_options.get("dtype"),
-                               record=record) as (ckpt, skeleton):
+                               record=record, state_dict_key=state_dict_key) as (ckpt, skeleton):
         if skeleton is None:
             if load_options.get("device_map") is not None:
                 raise ModelRequiredError("a device map needs a model to place: pass one (CLI: --model SPEC)", path=ckpt.path)
@@ -220,6 +226,7 @@ def _opened_with_skeleton(
     dtype: DtypeLike = None,
     *,
     record: bool = False,
+    state_dict_key: Optional[str] = None,
 ) -> Iterator[tuple[Checkpoint, Optional[nn.Module]]]:
     """Resolve a hub id, open the checkpoint, and build the model the source calls for (None: none).
 
@@ -234,7 +241,7 @@ def _opened_with_skeleton(
     if not isinstance(source, Checkpoint):
         source = resolve_source(source, revision=revision)
     folder = None if isinstance(source, Checkpoint) else Path(source)
-    with opened(source, trust_pickle) as ckpt:
+    with opened(source, trust_pickle, state_dict_key) as ckpt:
         yield ckpt, _skeleton(model, model_args, folder, ckpt, dtype, record)
 
 

@@ -75,13 +75,14 @@ class ConvertReport:
     bytes_written: int
     seconds: float
     copied: list[str] = field(default_factory=list)
+    state_dict_key: Optional[str] = None  # the entry of the source's saved dict its tensors came from
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def __str__(self) -> str:
         rows = [
-            ("source", self.source),
+            ("source", self.source + (f" (entry {self.state_dict_key!r})" if self.state_dict_key is not None else "")),
             ("destination", self.destination),
             ("files", ", ".join(Path(f).name for f in self.files)),
             ("tensors", str(self.tensors)),
@@ -112,6 +113,7 @@ def convert(
     shard_size: Union[str, int, None] = "5GB",
     overwrite: bool = False,
     trust_pickle: bool = False,
+    state_dict_key: Optional[str] = None,
     allow_overflow: bool = False,
     allow_expansion: bool = False,
     revision: Optional[str] = None,
@@ -124,6 +126,8 @@ def convert(
         shard_size: the most bytes per shard of a folder output (``None``: one
             file). A tensor larger than a shard gets a shard of its own.
         overwrite: replace an existing ``dst``; otherwise it is an error.
+        state_dict_key: the entry of a training checkpoint whose tensors are
+            written, where it holds several (see :func:`open_checkpoint`).
         allow_overflow: let a narrowing cast turn large values into inf.
         allow_expansion: write tensors that expand their stored bytes past
             the limit in full. By default a tensor writing more than
@@ -149,7 +153,7 @@ def convert(
     if (destination.exists() or destination.is_symlink()) and not overwrite:
         raise OutputError("already exists; remove it or pass overwrite=True (CLI: --overwrite)", path=destination)
     source = src if isinstance(src, Checkpoint) else resolve_source(src, revision=revision)
-    with opened(source, trust_pickle) as ckpt:
+    with opened(source, trust_pickle, state_dict_key) as ckpt:
         if ckpt.extra_states:
             warnings.warn(ConvertWarning(
                 f"{ckpt.path}: modules' extra state that is not a tensor ({summarize_names(list(ckpt.extra_states))}) "
@@ -176,6 +180,7 @@ def convert(
         return ConvertReport(
             source=os.fspath(ckpt.path), destination=str(destination), files=files, tensors=len(items),
             bytes_written=sum(item.nbytes for item in items), seconds=time.perf_counter() - started, copied=copied,
+            state_dict_key=ckpt.state_dict_key,
         )
 
 

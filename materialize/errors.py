@@ -59,6 +59,11 @@ class UnsupportedFormatError(CheckpointError):
     """A file in a format this library does not read (TorchScript, a big-endian torch file)."""
 
 
+class StateDictKeyError(CheckpointError):
+    """Which entry of a saved dict holds the model's state needs saying: the file holds several copies of one
+    model's (an EMA beside the trained weights), or the entry named with ``state_dict_key`` holds none."""
+
+
 class UnsafeCheckpointError(CheckpointError):
     """Loading the file would run code it carries; refused without trust_pickle."""
 

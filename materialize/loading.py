@@ -18,7 +18,7 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .integrations.devicemap import DeviceMapLike, Placement, compute_device_map
 from .dtypes import dtype_name, parse_dtype
 from .checkpoint.pieces import Job
-from .errors import AllocationError, MaterializeError, SanitizerError, summarize_names
+from .errors import AllocationError, MaterializeError, SanitizerError, StateDictKeyError, summarize_names
 from .planning.extrastate import extra_state_reads, hand_over
 from .io.executor import Reads, reads
 from .io.replay import ReplayInit
@@ -46,13 +46,22 @@ DtypeLike = Union[str, torch.dtype, None]
 
 
 @contextmanager
-def opened(checkpoint: CheckpointLike, trust_pickle: bool) -> Iterator[Checkpoint]:
+def opened(checkpoint: CheckpointLike, trust_pickle: bool, state_dict_key: Optional[str] = None) -> Iterator[Checkpoint]:
     """A path opened for the length of the block; an open :class:`Checkpoint` as it is (its caller closes it)."""
     if isinstance(checkpoint, Checkpoint):
+        if state_dict_key is not None and state_dict_key != checkpoint.state_dict_key:
+            # its tensors were taken from another entry when it was opened: the key would be silently ignored
+            raise StateDictKeyError(
+                f"was opened with its tensors taken from {_entry_words(checkpoint.state_dict_key)}, not entry "
+                f"{state_dict_key!r}: pass state_dict_key to open_checkpoint instead", path=checkpoint.path)
         yield checkpoint  # the caller owns it and closes it
         return
-    with open_checkpoint(checkpoint, trust_pickle=trust_pickle) as ckpt:
+    with open_checkpoint(checkpoint, trust_pickle=trust_pickle, state_dict_key=state_dict_key) as ckpt:
         yield ckpt
+
+
+def _entry_words(key: Optional[str]) -> str:
+    return f"entry {key!r}" if key is not None else "the saved object itself"
 
 
 def _model_defaults(
@@ -84,6 +93,7 @@ def load(
     key_map: KeyMapLike = None,
     init: Optional[InitFn] = None,
     trust_pickle: bool = False,
+    state_dict_key: Optional[str] = None,
     mmap: bool = False,
     staging_bytes: Optional[int] = None,
     device_map: Optional[DeviceMapLike] = None,
@@ -129,6 +139,8 @@ def load(
             option; listed in ``report.reinitialized``. Otherwise it is a
             :class:`ShapeMismatchError`.
         trust_pickle: see :func:`open_checkpoint`.
+        state_dict_key: the entry of a training checkpoint that holds the
+            model's state, where it holds several (see :func:`open_checkpoint`).
         mmap: on CPU, make loaded tensors copy-on-write views of the files
             instead of copies (zero-copy: the load reads only headers, pages
             are read on first use, and only pages written to cost memory).
@@ -170,7 +182,7 @@ def load(
     )
     read = ReadOptions(mmap=mmap, staging_bytes=staging_bytes, allow_overflow=allow_overflow, check=check,
                        check_finite=check_finite, progress=progress, direct_io=direct_io)
-    with opened(checkpoint, trust_pickle) as ckpt:
+    with opened(checkpoint, trust_pickle, state_dict_key) as ckpt:
         the_plan, options, placement = planned(model, ckpt, options)
         report = execute(the_plan, ckpt, read, init=options.init)
     if is_hf_model(model):
@@ -354,6 +366,7 @@ def make_report(
     return Report(
         checkpoint=os.fspath(ckpt.path),
         format=ckpt.format,
+        state_dict_key=ckpt.state_dict_key,
         device=placed.pop() if len(placed) == 1 else str(device),  # a DTensor lives on its mesh's device
         dtypes=dict(Counter(dtype_name(t.dtype) for t in final)),
         bytes_read=bytes_read,

@@ -15,6 +15,7 @@ class Report:
     checkpoint: str
     format: str
     device: str
+    state_dict_key: Optional[str] = None  # the entry of a training checkpoint the model state was taken from
     loaded: list[str] = field(default_factory=list)
     initialized: list[str] = field(default_factory=list)
     replayed: list[str] = field(default_factory=list)  # of the initialized: made by replaying a recorded construction
@@ -46,6 +47,7 @@ class Report:
         return {
             "checkpoint": self.checkpoint,
             "format": self.format,
+            "state_dict_key": self.state_dict_key,
             "device": self.device,
             "loaded": self.loaded,
             "initialized": self.initialized,
@@ -75,6 +77,7 @@ class Report:
     def __str__(self) -> str:
         rows = [
             ("checkpoint", f"{self.checkpoint} ({self.format})"),
+            *((("state dict", f"entry {self.state_dict_key!r} of the saved dict"),) if self.state_dict_key is not None else ()),
             ("device", self.device),
             ("tensors loaded", str(len(self.loaded))),
             ("tensors initialized", str(len(self.initialized))),

@@ -99,6 +99,13 @@ def _pickled_call(tmp: Path) -> list[str]:  # a call of a function (datetime.dat
     return [str(tmp / "m.pt")]
 
 
+def _two_copies_of_the_model(tmp: Path) -> list[str]:  # a training save: an EMA beside the trained weights
+    trained = tiny_state()
+    torch.save({"epoch": 3, "state_dict": trained, "state_dict_ema": {k: v * 0.5 for k, v in trained.items()},
+                "optimizer": {"state": {}, "param_groups": []}}, tmp / "last.pth.tar")
+    return [str(tmp / "last.pth.tar"), *model_flags()]
+
+
 def _overflowing_cast(tmp: Path) -> list[str]:
     save_file({"big": torch.tensor([1e9, 1.0])}, str(tmp / "m.safetensors"))
     return [str(tmp / "m.safetensors"), "--dtype", "fp16"]
@@ -158,6 +165,7 @@ CASES = {
     "a prefix the checkpoint lacks": Case(r"^--add-prefix model\.$", _prefix_missing, then_loads=False),
     "renamed segments": Case(r"^--rename ", _renamed),
     "a call of a class": Case(r"^--trust-pickle$", _pickled_call),
+    "two copies of the model": Case(r"^--state-dict-key state_dict_ema$", _two_copies_of_the_model),
     "an overflowing cast": Case(r"^--allow-overflow$", _overflowing_cast),
     "larger than memory": Case(r"^--mmap$", _larger_than_memory),
     "no GPU": Case(r"^--device cpu$", _no_gpu),
@@ -226,6 +234,7 @@ def test_every_hint_the_code_can_print_has_a_case():
         written.update(re.findall(r"\(CLI: (--[\w-]+)", text))
         written.update(re.findall(r"try (--[\w-]+)", text))
     covered = {"--ignore-mismatched-sizes", "--no-strict", "--strip-prefix", "--add-prefix", "--trust-pickle",
+               "--state-dict-key",
                "--allow-overflow", "--mmap", "--device", "--model", "--overwrite",
                "--rename",  # written as (CLI: {cli}), built from --rename flags
                "--allow-expansion",  # tests/test_convert.py follows it (it writes 19 MB)

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
-from ..errors import CheckpointError, CheckpointNotFoundError, UnsupportedFormatError
+from ..errors import CheckpointError, CheckpointNotFoundError, StateDictKeyError, UnsupportedFormatError
 from ..io.fileio import open_for_reading
 from ..io.gcpause import gc_paused
 from .base import DCP_DATA_SUFFIX, DCP_METADATA_NAME, Checkpoint, TensorInfo
@@ -20,7 +20,7 @@ from .index import SAFETENSORS_INDEX_NAME, read_sharded
 from .safetensors import read_header
 
 if TYPE_CHECKING:
-    from torch import nn
+    from .torchpickle import Payload
 
 __all__ = ["Checkpoint", "TensorInfo", "open_checkpoint"]
 
@@ -30,7 +30,7 @@ PathLike = Union[str, os.PathLike]
 
 
 @gc_paused
-def open_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Checkpoint:
+def open_checkpoint(path: PathLike, *, trust_pickle: bool = False, state_dict_key: Optional[str] = None) -> Checkpoint:
     """Open a checkpoint file, shard index or Hugging Face-style folder.
 
     Args:
@@ -40,6 +40,13 @@ def open_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Checkpoint
         trust_pickle: allow a torch file holding a pickled ``nn.Module``
             (``torch.save(model)``); its classes are imported and its code may
             run. The module is rebuilt on ``meta`` as ``Checkpoint.module``.
+        state_dict_key: the entry of a torch file's saved dict (or of a DCP
+            save's) that holds the model's state, for a training checkpoint
+            holding more than one (timm's ``state_dict`` and
+            ``state_dict_ema``): such a file is refused without it, naming
+            each (see :mod:`.modelstate`). The entry taken is
+            ``Checkpoint.state_dict_key``. A safetensors file has no entries
+            to pick from: naming one is an error.
 
     Only headers, indexes and (for torch files) the pickled structure are
     read; tensor bytes are read later, straight into their destinations.
@@ -54,66 +61,77 @@ def open_checkpoint(path: PathLike, *, trust_pickle: bool = False) -> Checkpoint
     if target.is_dir():
         target = pick_from_folder(target)
     if target.is_dir():
-        return _open_dcp(target)
+        return _open_dcp(target, state_dict_key)
     if not target.is_file():  # opening a pipe would wait for a writer; a device has no end to read a header from
         raise CheckpointError("is not a regular file (a pipe, socket or device): a checkpoint is read at offsets "
                               "within a file; save the stream to a file first", path=target)
     kind = _sniff(target)
     if kind == "index":
-        return _open_index(target, trust_pickle=trust_pickle)
+        return _open_index(target, trust_pickle=trust_pickle, state_dict_key=state_dict_key)
     if kind == "safetensors":
+        _no_entries_to_pick(target, state_dict_key)
         tensors, metadata = read_header(target)
         return Checkpoint(path=target, format="safetensors", tensors=tensors, shards=[target], metadata=metadata)
-    tensors, module, extra_states = _read_torch(target, legacy=kind == "torch-legacy", trust_pickle=trust_pickle)
+    payload = _read_torch(target, legacy=kind == "torch-legacy", trust_pickle=trust_pickle, state_dict_key=state_dict_key)
     return Checkpoint(
         path=target,
-        format="torch-module" if module is not None else "torch",
-        tensors=tensors,
+        format="torch-module" if payload.module is not None else "torch",
+        tensors=payload.tensors,
         shards=[target],
-        module=module,
-        extra_states=extra_states,
+        module=payload.module,
+        extra_states=payload.extra_states,
+        state_dict_key=payload.key,
     )
 
 
-def _open_index(index_path: Path, *, trust_pickle: bool) -> Checkpoint:
+def _no_entries_to_pick(path: Path, state_dict_key: Optional[str]) -> None:
+    if state_dict_key is not None:  # silently ignored, the option would seem to have picked something
+        raise StateDictKeyError(f"is safetensors, a flat map of tensors with no entries to pick from: leave "
+                                f"state_dict_key={state_dict_key!r} out", path=path)
+
+
+def _open_index(index_path: Path, *, trust_pickle: bool, state_dict_key: Optional[str]) -> Checkpoint:
     kinds: set[str] = set()  # of the shards read, each sniffed once
     extra_states: dict[str, Any] = {}
+    keys: set[Optional[str]] = set()  # the entries the shards' tensors were taken from
 
     def read_shard(shard: Path) -> dict[str, TensorInfo]:
         kind = _sniff(shard)
         if kind == "safetensors":
+            _no_entries_to_pick(shard, state_dict_key)
             kinds.add("safetensors")
             return read_header(shard)[0]
         kinds.add("torch")
-        tensors, module, extras = _read_torch(shard, legacy=kind == "torch-legacy", trust_pickle=trust_pickle)
-        if module is not None:
+        payload = _read_torch(shard, legacy=kind == "torch-legacy", trust_pickle=trust_pickle,
+                              state_dict_key=state_dict_key)
+        if payload.module is not None:
             raise CheckpointError("a shard holds a pickled module, not a state dict", path=shard)
-        extra_states.update(extras)
-        return tensors
+        extra_states.update(payload.extra_states)
+        keys.add(payload.key)
+        return payload.tensors
 
     tensors, shards, metadata = read_sharded(index_path, read_shard)
     fmt = f"{kinds.pop()}-sharded" if len(kinds) == 1 else "mixed-sharded"
     return Checkpoint(path=index_path, format=fmt, tensors=tensors, shards=shards, metadata=metadata,
-                      extra_states=extra_states)
+                      extra_states=extra_states, state_dict_key=keys.pop() if len(keys) == 1 else None)
 
 
-def _read_torch(
-    path: Path, *, legacy: bool, trust_pickle: bool,
-) -> tuple[dict[str, TensorInfo], Optional["nn.Module"], dict[str, Any]]:
+def _read_torch(path: Path, *, legacy: bool, trust_pickle: bool, state_dict_key: Optional[str]) -> "Payload":
     # imports torch, which safetensors headers do not need
     from .torchlegacy import read_torch_legacy
     from .torchzip import read_torch_zip
 
-    return (read_torch_legacy if legacy else read_torch_zip)(path, trust_pickle=trust_pickle)
+    return (read_torch_legacy if legacy else read_torch_zip)(path, trust_pickle=trust_pickle,
+                                                             state_dict_key=state_dict_key)
 
 
-def _open_dcp(folder: Path) -> Checkpoint:
+def _open_dcp(folder: Path, state_dict_key: Optional[str]) -> Checkpoint:
     from .pieces import pieces_of
     from .dcp import read_dcp  # imports torch.distributed, which other formats do not need
 
-    tensors = read_dcp(folder)
+    tensors, key = read_dcp(folder, state_dict_key=state_dict_key)
     shards = sorted({piece.info.path for info in tensors.values() for piece in pieces_of(info)})
-    return Checkpoint(path=folder, format="dcp", tensors=tensors, shards=shards)
+    return Checkpoint(path=folder, format="dcp", tensors=tensors, shards=shards, state_dict_key=key)
 
 
 def _sniff(path: Path) -> str:

@@ -147,6 +147,9 @@ class Checkpoint(Mapping[str, TensorInfo]):
     # What modules' get_extra_state() saved that is not a tensor (a torch file's plain data), by
     # "<module>._extra_state"; a tensor one is among the tensors.
     extra_states: dict[str, Any] = field(default_factory=dict)
+    # The entry of the saved dict the tensors were taken from (a training checkpoint's "state_dict_ema", say);
+    # None where the saved object is the state itself, and for formats without entries (safetensors).
+    state_dict_key: Optional[str] = None
     files: FileSet = field(default_factory=FileSet, repr=False)
 
     def __getitem__(self, name: str) -> TensorInfo:

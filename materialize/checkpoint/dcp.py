@@ -28,7 +28,7 @@ import math
 import os
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -38,6 +38,7 @@ from .base import TensorInfo, shape_fits_int64
 from .pickle_budget import check_budget
 from .confine import allowed_roots, confine, leaves_folder
 from .sealed import Sealed, sealed_call
+from .modelstate import copies_of, not_there, several_copies
 from .torchpickle import STATE_DICT_KEYS, TRAINING_STATE_KEYS, brief as _brief, first_line
 from .torchzip import read_embedded_tensor
 
@@ -131,8 +132,9 @@ def _read_metadata(path: Path) -> Any:
         raise CheckpointError(f"DCP metadata cannot be read: {first_line(exc)}", path=path) from None
 
 
-def read_dcp(folder: Path) -> dict[str, TensorInfo]:
-    """Every tensor of the DCP checkpoint in ``folder``, its chunks located and checked; no tensor data read.
+def read_dcp(folder: Path, *, state_dict_key: Optional[str] = None) -> tuple[dict[str, TensorInfo], Optional[str]]:
+    """Every tensor of the DCP checkpoint in ``folder``, its chunks located and checked; no tensor data read;
+    and the entry of the saved dict they were taken from (see :func:`_names`).
 
     ``.metadata`` and every chunk file must lie in the folder: a symlink
     leading out of it is refused, as in a shard index.
@@ -149,7 +151,7 @@ def read_dcp(folder: Path) -> dict[str, TensorInfo]:
         fqn = _field(index, "fqn", str, "a storage index", path)
         offset = getattr(index, "offset", None)
         storage[fqn, None if offset is None else _sizes(offset, f"the storage index of '{fqn}'", path)] = where
-    names = _names(metadata, path)
+    names, key = _names(metadata, path, state_dict_key)
     tensors = {}
     for fqn, entry in entries.items():
         if isinstance(entry, BytesStorageMetadata) or fqn not in names:
@@ -161,7 +163,7 @@ def read_dcp(folder: Path) -> dict[str, TensorInfo]:
         chunks = [_chunk(data_files, path, fqn, shape, dtype, chunk, storage)
                   for chunk in _field(entry, "chunks", list, f"tensor '{fqn}'", path)]
         tensors[names[fqn]] = _assemble(names[fqn], shape, chunks, path)
-    return tensors
+    return tensors, key
 
 
 def _field(obj: Any, name: str, kind: Any, what: str, path: Path) -> Any:
@@ -183,12 +185,15 @@ def _sizes(value: Any, what: str, path: Path) -> tuple[int, ...]:
 # What training saves beside the model (torchtitan's top-level "optimizer", "lr_scheduler", ...).
 
 
-def _names(metadata: Any, metadata_path: Path) -> dict[str, str]:
-    """DCP key -> checkpoint name: the nested model state dict's own names where there is one, as in torch files.
+def _names(metadata: Any, metadata_path: Path, state_dict_key: Optional[str]) -> tuple[dict[str, str], Optional[str]]:
+    """DCP key -> checkpoint name, and the entry of the saved dict the names were taken from: the nested model
+    state dict's own names where there is one, as in torch files.
 
-    Without one, every entry but the training state saved beside the model
-    (:data:`TRAINING_STATE_KEYS`: optimizer moments are not weights) keeps
-    its DCP key.
+    The entry is the one ``state_dict_key`` names, else the first under a
+    state-dict key, refused where another entry holds another copy of that
+    model's state (see :mod:`.modelstate`). Without one, every entry but the
+    training state saved beside the model (:data:`TRAINING_STATE_KEYS`:
+    optimizer moments are not weights) keeps its DCP key.
     """
     paths = getattr(metadata, "planner_data", None)
     paths = paths if isinstance(paths, dict) else {}
@@ -199,12 +204,40 @@ def _names(metadata: Any, metadata_path: Path) -> dict[str, str]:
             raise CheckpointError(
                 f"DCP metadata is malformed: the planner path of {_brief(fqn)} holds a {type(odd).__name__}, "
                 "not a key or an index", path=metadata_path)
+    entries = _entry_shapes(metadata, nested)
+    if state_dict_key is not None:
+        if state_dict_key not in entries:
+            raise not_there(state_dict_key, {k: v for k, v in entries.items() if k not in TRAINING_STATE_KEYS},
+                            path=metadata_path)
+        return _under(nested, state_dict_key), state_dict_key
     for key in STATE_DICT_KEYS:
-        under = {fqn: ".".join(map(str, path[1:])) for fqn, path in nested.items() if path[0] == key}
-        if under:
-            return under
+        if key in entries:
+            others = {k: v for k, v in entries.items() if k not in TRAINING_STATE_KEYS}
+            copies = copies_of(key, others)
+            if len(copies) > 1:
+                raise several_copies(copies, others, path=metadata_path)
+            return _under(nested, key), key
     return {fqn: fqn for fqn in metadata.state_dict_metadata
-            if not (fqn in nested and nested[fqn][0] in TRAINING_STATE_KEYS)}
+            if not (fqn in nested and nested[fqn][0] in TRAINING_STATE_KEYS)}, None
+
+
+def _under(nested: dict[str, tuple], key: str) -> dict[str, str]:
+    """DCP key -> its name within entry ``key``, for the tensors saved under it."""
+    return {fqn: ".".join(map(str, path[1:])) for fqn, path in nested.items() if path[0] == key}
+
+
+def _entry_shapes(metadata: Any, nested: dict[str, tuple]) -> dict[str, dict[str, Optional[tuple[int, ...]]]]:
+    """Each top-level entry (by string key) holding tensors: its tensors' shapes by their names within it."""
+    described = metadata.state_dict_metadata
+    entries: dict[str, dict[str, Optional[tuple[int, ...]]]] = {}
+    for fqn, path in nested.items():
+        entry = described.get(fqn) if isinstance(described, dict) else None
+        if not isinstance(path[0], str) or not isinstance(entry, TensorStorageMetadata):
+            continue
+        size = getattr(entry, "size", None)
+        entries.setdefault(path[0], {})[".".join(map(str, path[1:]))] = \
+            tuple(size) if isinstance(size, (tuple, list)) else None
+    return entries
 
 
 class _DataFiles:

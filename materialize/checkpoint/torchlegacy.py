@@ -22,12 +22,10 @@ from pathlib import Path
 from typing import Any, BinaryIO, Optional
 
 import torch
-from torch import nn
 
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError
-from .base import TensorInfo
 from .pickle_budget import check_budget
-from .torchpickle import StorageRef, first_line, read_payload, tensor_info
+from .torchpickle import Payload, StorageRef, first_line, read_payload, tensor_info
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001
@@ -35,7 +33,8 @@ _MAX_SMALL_PICKLE = 1 << 20  # the header pickles and the key list; the saved ob
 _COUNT = struct.Struct("<q")
 
 
-def read_torch_legacy(path: Path, *, trust_pickle: bool) -> tuple[dict[str, TensorInfo], Optional[nn.Module], dict[str, Any]]:
+def read_torch_legacy(path: Path, *, trust_pickle: bool, state_dict_key: Optional[str] = None) -> Payload:
+    """The model state of a pre-1.6 torch file (see :func:`~.torchpickle.find_payload`), each tensor located."""
     file_size = os.path.getsize(path)
     with open(path, "rb") as handle:
         magic = _small_pickle(path, handle, "magic number")
@@ -58,8 +57,9 @@ def read_torch_legacy(path: Path, *, trust_pickle: bool) -> tuple[dict[str, Tens
             return _legacy_loader(path, refs, views, itemsizes)
 
         try:
-            payload, module, extra_states = read_payload(path, data, refs, trust_pickle=trust_pickle, persistent=loader,
-                                           what="the saved object")
+            found = read_payload(path, data, refs, trust_pickle=trust_pickle, persistent=loader,
+                                 what="the saved object", state_dict_key=state_dict_key)
+            payload = found.tensors
         except CheckpointError as error:
             if "persistent_load of storage" not in str(error):
                 raise
@@ -80,8 +80,8 @@ def read_torch_legacy(path: Path, *, trust_pickle: bool) -> tuple[dict[str, Tens
             raise CheckpointError(f"a storage views storage {root!r}, which the file does not hold", path=path)
         base, size = records[root]
         records[refs[cdata].key] = (base + offset, size - offset)
-    tensors = {name: tensor_info(path, name, t, refs, records, file_size) for name, t in payload.items()}
-    return tensors, module, extra_states
+    return found._replace(tensors={name: tensor_info(path, name, t, refs, records, file_size)
+                                   for name, t in payload.items()})
 
 
 def _legacy_loader(path: Path, refs: dict[int, StorageRef], views: dict[int, tuple[str, int]], itemsizes: dict[str, int]):

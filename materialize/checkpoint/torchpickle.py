@@ -19,13 +19,14 @@ import re
 import reprlib
 import threading
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import _weights_only_unpickler, nn
 
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError, first_line, summarize_names
 from .base import TensorInfo, is_extra_state, make_info, shape_fits_int64
+from .modelstate import Shapes, copies_of, not_there, several_copies
 from .pickle_budget import check_budget
 from .pickle_scan import hostile_calls, quantized_tensors
 from .sealed import Unchangeable, sealed_call
@@ -40,6 +41,17 @@ STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model", "model_state", "mo
 TRAINING_STATE_KEYS = ("optimizer", "optimizers", "optim", "optimizer_states", "optimizer_state_dict", "optim_state_dict",
                        "lr_scheduler", "lr_schedulers", "scheduler", "scheduler_state_dict", "lr_scheduler_state_dict",
                        "dataloader", "train_state", "callbacks", "loops", "scaler", "scaler_state_dict", "rng_state")
+
+
+class Payload(NamedTuple):
+    """What a torch file holds for a load: its model state's tensors, its module if it is one, the extra states of
+    its modules that are not tensors, and the entry of the saved dict they were taken from (``None``: the saved
+    object itself). The readers hand it on with each tensor located (a :class:`TensorInfo`)."""
+
+    tensors: dict[str, Any]
+    module: Optional[nn.Module]
+    extra_states: dict[str, Any]
+    key: Optional[str] = None
 
 
 _BRIEF = reprlib.Repr()
@@ -352,14 +364,16 @@ def _load(path: Path, unpickler: Any, *, trust_pickle: bool, what: str) -> Any:
 def read_payload(
     path: Path, data: bytes, refs: dict[int, StorageRef], *, trust_pickle: bool,
     persistent: Callable[[Path, dict[int, StorageRef]], Any] = persistent_loader, what: str = "data.pkl",
-) -> tuple[dict[str, torch.Tensor], Optional[nn.Module], dict[str, Any]]:
-    """The tensors (on meta) of the pickled object ``data``, its module if it is one, and the extra states
-    of its modules that are not tensors (see :func:`find_payload`); hostile layouts refused."""
+    state_dict_key: Optional[str] = None,
+) -> Payload:
+    """The model state (tensors on meta) of the pickled object ``data`` (see :func:`find_payload`); hostile
+    layouts refused."""
     if b"_rebuild_qtensor" in data:  # torch cannot make one on meta: it would fail deep inside, warning
         _refuse_quantized(path, data)
     unpickled, hostile = unpickle(path, data, refs, trust_pickle=trust_pickle, persistent=persistent, what=what)
     try:
-        payload, module, extra_states = find_payload(unpickled)
+        found = find_payload(unpickled, state_dict_key=state_dict_key)
+        payload, module = found.tensors, found.module
     except CheckpointError as error:
         error.path = error.path or str(path)
         raise
@@ -379,7 +393,7 @@ def read_payload(
             f"is a DeepSpeed ZeRO-3 save: its parameters ({summarize_names(partitioned, limit=3)}) are empty here, "
             "partitioned into the *_optim_states.pt files beside it; gather them with the zero_to_fp32.py script "
             "DeepSpeed writes into the checkpoint folder, and load what it writes", path=path)
-    return payload, module, extra_states
+    return found
 
 
 def _refuse_quantized(path: Path, data: bytes) -> None:
@@ -433,39 +447,85 @@ def read_bare_tensor(path: Path, data: bytes, refs: dict[int, StorageRef], *, wh
     return unpickled
 
 
-def find_payload(obj: Any) -> tuple[dict[str, torch.Tensor], Optional[nn.Module], dict[str, Any]]:
-    """The state dict (or module) inside what ``torch.save`` was given.
+def find_payload(obj: Any, *, state_dict_key: Optional[str] = None) -> Payload:
+    """The model state (state dict or module) inside what ``torch.save`` was given.
 
     A module pickled whole but read without ``trust_pickle`` is made of
     stand-ins: its state-dict entries are taken from them, no module is built.
-    The model state is the value under ``state_dict``, ``model`` or
-    ``module`` where one holds tensors, else the whole object but the
-    training state beside it (:data:`TRAINING_STATE_KEYS`). Dicts nested in
-    it are flattened with dotted names, as ``state_dict()`` names a
+    The model state is the entry ``state_dict_key`` names, where one is
+    named; else the value under ``state_dict``, ``model`` or ``module`` where
+    one holds tensors, unless another entry holds another copy of that
+    model's state (an EMA: refused, see :mod:`.modelstate`); else the whole
+    object but the training state beside it (:data:`TRAINING_STATE_KEYS`).
+    Dicts nested in it are flattened with dotted names, as ``state_dict()`` names a
     submodule's tensors: ``{"encoder": enc.state_dict(), "decoder": ...}``
     reads as ``encoder.weight``, ``decoder.weight``, ...
 
     A module's extra state (``get_extra_state``, saved as ``<module>._extra_state``)
     that is not a tensor comes third, by name: a tensor one is a tensor like any.
     """
+    if state_dict_key is not None:
+        return _named_entry(obj, state_dict_key)
     if isinstance(obj, nn.Module):
-        return _module_tensors(obj), obj, {}
+        return Payload(_module_tensors(obj), obj, {})
     if is_module_state(obj):
-        return dict(module_state(obj)), None, {}
+        return Payload(dict(module_state(obj)), None, {})
     if isinstance(obj, dict):
         for key in STATE_DICT_KEYS:
-            nested = dict.get(obj, key)  # not obj.get: a file can set an OrderedDict's attributes (BUILD)
-            if isinstance(nested, nn.Module):
-                return _module_tensors(nested), nested, {}
-            if is_module_state(nested):
-                return dict(module_state(nested)), None, {}
-            if isinstance(nested, dict):
-                found, extra_states = _tensor_entries(nested)
-                if found:
-                    return found, None, extra_states
-        found, extra_states = _tensor_entries(obj, leave_out=TRAINING_STATE_KEYS)
-        return found, None, extra_states
-    return {}, None, {}
+            found = _entry_state(dict.get(obj, key))  # not obj.get: a file can set an OrderedDict's attributes (BUILD)
+            if found is not None:
+                entries = {key: _shapes(found.tensors), **_other_entries(obj, key)}
+                copies = copies_of(key, entries)
+                if len(copies) > 1:
+                    raise several_copies(copies, entries)
+                return found._replace(key=key)
+        found_tensors, extra_states = _tensor_entries(obj, leave_out=TRAINING_STATE_KEYS)
+        return Payload(found_tensors, None, extra_states)
+    return Payload({}, None, {})
+
+
+def _entry_state(value: Any) -> Optional[Payload]:
+    """The model state an entry of the saved dict holds: a module, a pickled module's stand-in, or a (nested)
+    state dict holding tensors; None for anything else."""
+    if isinstance(value, nn.Module):
+        return Payload(_module_tensors(value), value, {})
+    if is_module_state(value):
+        return Payload(dict(module_state(value)), None, {})
+    if isinstance(value, dict):
+        found, extra_states = _tensor_entries(value)
+        return Payload(found, None, extra_states) if found else None
+    return None
+
+
+def _named_entry(obj: Any, key: str) -> Payload:
+    """The model state under ``key``, which the caller named; refused where it holds none."""
+    if not isinstance(obj, dict):
+        raise not_there(key, {})
+    value = dict.get(obj, key) if isinstance(key, str) else None
+    found = _entry_state(value)
+    if found is None or not found.tensors:
+        raise not_there(key, _other_entries(obj, None))
+    return found._replace(key=key)
+
+
+def _other_entries(obj: dict, chosen: Optional[str]) -> dict[str, Shapes]:
+    """The shapes of the tensors of each entry (named by a string) but ``chosen`` and the training state, in the
+    file's order, for those that hold any: what could be another copy of the model's state."""
+    entries: dict[str, Shapes] = {}
+    for key, value in dict.items(obj):
+        if not isinstance(key, str) or key == chosen or key in TRAINING_STATE_KEYS:
+            continue
+        try:
+            found = _entry_state(value)
+        except CheckpointError:  # numpy arrays, a name given twice: nothing a load could take anyway
+            continue
+        if found is not None and found.tensors:
+            entries[key] = _shapes(found.tensors)
+    return entries
+
+
+def _shapes(tensors: dict[str, torch.Tensor]) -> Shapes:
+    return {name: tuple(tensor.shape) for name, tensor in tensors.items()}
 
 
 def _tensor_entries(mapping: dict, leave_out: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

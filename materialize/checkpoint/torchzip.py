@@ -17,11 +17,9 @@ import zlib
 from pathlib import Path
 from typing import Any, BinaryIO, Optional
 
-from torch import nn
-
 from ..errors import CheckpointError, UnsupportedFormatError
 from .base import TensorInfo
-from .torchpickle import StorageRef, first_line, read_bare_tensor, read_payload, tensor_info
+from .torchpickle import Payload, StorageRef, first_line, read_bare_tensor, read_payload, tensor_info
 
 _LOCAL_HEADER = struct.Struct("<4s4xH16xHH")
 _SMALL_RECORD = 1 << 20
@@ -214,22 +212,24 @@ def _what_zip_holds(names: list[str]) -> str:
     return f"it holds {shown}" if names else "it is empty"
 
 
-def read_torch_zip(path: Path, *, trust_pickle: bool) -> tuple[dict[str, TensorInfo], Optional[nn.Module], dict[str, Any]]:
-    return _read_zip(path, trust_pickle=trust_pickle)
+def read_torch_zip(path: Path, *, trust_pickle: bool, state_dict_key: Optional[str] = None) -> Payload:
+    """The model state of a torch zip (see :func:`~.torchpickle.find_payload`), each tensor located in the file."""
+    return _read_zip(path, trust_pickle=trust_pickle, state_dict_key=state_dict_key)
 
 
 def read_embedded_tensor(path: Path, base: int, length: int, name: str) -> TensorInfo:
     """The one tensor ``torch.save`` wrote as a zip at ``[base, base + length)`` of ``path`` (a DCP chunk), named ``name``."""
     with open(path, "rb") as handle:
-        tensors, _, _ = _read_zip(path, trust_pickle=False, window=_Window(handle.fileno(), base, length), single=name)
-    return tensors[name]
+        payload = _read_zip(path, trust_pickle=False, window=_Window(handle.fileno(), base, length), single=name)
+    return payload.tensors[name]
 
 
 def _read_zip(
     path: Path, *, trust_pickle: bool, window: Optional[_Window] = None, single: Optional[str] = None,
-) -> tuple[dict[str, TensorInfo], Optional[nn.Module], dict[str, Any]]:
-    """A torch zip's tensors, module and extra states (see :func:`~.torchpickle.find_payload`); in a
-    ``window`` of the file, and with ``single``, the one bare tensor it holds."""
+    state_dict_key: Optional[str] = None,
+) -> Payload:
+    """A torch zip's model state (see :func:`~.torchpickle.find_payload`); in a ``window`` of the file, and
+    with ``single``, the one bare tensor it holds."""
     file_size = window.base + window.length if window is not None else os.path.getsize(path)
     with _open_archive(path, window) as archive:
         names = archive.namelist()
@@ -242,14 +242,14 @@ def _read_zip(
         refs: dict[int, StorageRef] = {}
         data = _read(path, archive, f"{prefix}/data.pkl")
         if single is None:
-            payload, module, extra_states = read_payload(path, data, refs, trust_pickle=trust_pickle)
+            payload = read_payload(path, data, refs, trust_pickle=trust_pickle, state_dict_key=state_dict_key)
         else:
-            payload, module, extra_states = {single: read_bare_tensor(path, data, refs, what=f"tensor '{single}'")}, None, {}
+            payload = Payload({single: read_bare_tensor(path, data, refs, what=f"tensor '{single}'")}, None, {})
         try:
             records = _record_offsets(path, archive, prefix, window)
         except CheckpointError:
             raise
         except ZIP_ERRORS as exc:
             raise CheckpointError(f"cannot locate the storage records: {first_line(exc)}", path=path) from None
-    tensors = {name: tensor_info(path, name, t, refs, records, file_size) for name, t in payload.items()}
-    return tensors, module, extra_states
+    return payload._replace(tensors={name: tensor_info(path, name, t, refs, records, file_size)
+                                     for name, t in payload.tensors.items()})

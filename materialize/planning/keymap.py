@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Union
 
-# Prefixes that wrappers add; stripped automatically when every checkpoint key
-# carries one and no model name does (see KeyMap.auto).
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+# Prefixes that wrappers add; stripped automatically when every checkpoint key carries one and no model name
+# does (see KeyMap.auto).
+from ..checkpoint.modelstate import WRAPPER_PREFIXES
 
 
 @dataclass(frozen=True)

@@ -5,22 +5,26 @@ carries (a Lightning module's ``model.``), and a few segments spelled
 otherwise (torchvision's classic DenseNet ``norm.1`` for ``norm1``, an old
 LayerNorm's ``gamma`` for ``weight``, ``backbone`` for ``encoder``). A hint
 is given only when applying it to the unexpected names finds nearly all of
-the missing ones: a suggestion that was tried, not a guess.
+the missing ones: a suggestion that was tried, not a guess. Renames are
+looked for until every missing name is found (or none more helps), so the
+hint holds all that are needed, and says which names it leaves missing.
 """
 
 from __future__ import annotations
 
 import bisect
+import random
 import re
 from collections import Counter
 from collections.abc import Sequence
 from typing import Optional
 
-from .keymap import KeyMap
+from ..errors import summarize_names
 
-_SAMPLED = 200  # missing names paired up to find the renames; the rules found are then tried on all
+_SAMPLED = 200  # missing names paired up, each round, to find the renames; the rules found are then tried on all
 _NEIGHBOURS = 8  # candidates looked at on each side of a name, sorted by prefix and by suffix
-_MAX_RULES = 4
+_MAX_RULES = 16  # past this many, the names are not "a few segments spelled otherwise"
+_TRIED_PER_ROUND = 8  # renames tried on all names per round, the most frequent in the sample first
 _ENOUGH = 0.9  # of the missing names a hint must find
 # Older spellings of a norm's tensors (TensorFlow ports, early BERT saves): paired first where names tie.
 _OLD_SPELLINGS = {"gamma": "weight", "beta": "bias"}
@@ -51,31 +55,73 @@ def _prefix_hint(missing: Sequence[str], unexpected: Sequence[str]) -> str:
 
 def _rename_hint(missing: Sequence[str], unexpected: Sequence[str]) -> str:
     """Segments renamed the same way in most names: ``norm.1`` -> ``norm1`` wherever it stands."""
-    by_prefix = sorted(unexpected)
-    by_suffix = sorted(name[::-1] for name in unexpected)
-    step = max(1, len(missing) // _SAMPLED)
-    edits: Counter[tuple[str, str]] = Counter()
-    for name in list(missing)[::step]:
-        edit = _edit(name, _closest(name, by_prefix, by_suffix))
-        if edit is not None:
-            edits[edit] += 1
-    rules: list[tuple[str, str]] = []
-    for old, new in (edit for edit, _ in edits.most_common()):
-        if len(rules) < _MAX_RULES and all(old != taken for taken, _ in rules):  # one spelling, one rename
-            rules.append((old, new))
-    if not rules:
+    search = _RenameSearch(missing, unexpected)
+    while len(search.rules) < _MAX_RULES and len(search.found) < len(search.wanted) and search.round():
+        pass
+    rules, found, wanted = search.rules, search.found, search.wanted
+    if not rules or len(found) < _ENOUGH * len(wanted):
         return ""
     patterns = {_pattern(old): new for old, new in rules}
-    rename = KeyMap.regex(patterns)
-    wanted = set(missing)
-    found = {rename(name) for name in unexpected} & wanted
-    if len(found) < _ENOUGH * len(wanted):
-        return ""
     library = ", ".join(f"{_raw(pattern)}: {new!r}" for pattern, new in patterns.items())
     cli = " ".join(f"--rename '{pattern}={new}'" for pattern, new in patterns.items())
-    said = ", ".join(f"'{old}' as '{new}'" for old, new in rules)
-    return (f"the checkpoint spells {said} ({len(found)} of the {len(wanted)} missing names found so): "
-            f"pass key_map={{{library}}} (CLI: {cli})")
+    said = ", ".join(f"'{new}' as '{old}'" for old, new in rules)
+    if len(found) == len(wanted):
+        counted = f"all {len(wanted)} missing names found so"
+    else:
+        left = [name for name in missing if name not in found]
+        counted = (f"{len(found)} of the {len(wanted)} missing names found so; {len(left)} "
+                   f"stay{'s' if len(left) == 1 else ''} missing under these renames: {summarize_names(left, limit=3)}")
+    return f"the checkpoint spells the model's {said} ({counted}): pass key_map={{{library}}} (CLI: {cli})"
+
+
+class _RenameSearch:
+    """Renames found in rounds, until they find every missing name or no further one helps.
+
+    Each round pairs the missing names not found yet with their closest
+    unexpected names not renamed onto one yet, and tries the edits most of
+    them share on every unexpected name; an edit is kept where it finds more
+    missing names and reads no two checkpoint names into one. A rename only a
+    few names need (a layer's one weight, where its norms have five tensors
+    each) shows in a later round, once the frequent ones no longer hide it.
+    """
+
+    def __init__(self, missing: Sequence[str], unexpected: Sequence[str]) -> None:
+        self.missing = list(missing)
+        self.wanted = set(missing)
+        self.renamed = {name: name for name in unexpected}  # each unexpected name as the rules so far make it
+        self.found: set[str] = set()  # missing names one unexpected name is renamed to (never two)
+        self.rules: list[tuple[str, str]] = []  # (the checkpoint's spelling, the model's), in order
+
+    def round(self) -> bool:
+        """Add the renames this round finds; whether it found any."""
+        left = [name for name in self.missing if name not in self.found]
+        sample = random.Random(0).sample(left, _SAMPLED) if len(left) > _SAMPLED else left  # a stride would alias
+        pool = sorted(name for name, now in self.renamed.items() if now not in self.wanted)
+        by_suffix = sorted(name[::-1] for name in pool)
+        edits: Counter[tuple[str, str]] = Counter()
+        for name in sample:
+            edit = _edit(name, _closest(name, pool, by_suffix))
+            if edit is not None and all(edit[0] != taken for taken, _ in self.rules):  # one spelling, one rename
+                edits[edit] += 1
+        before = len(self.rules)
+        for edit, _ in edits.most_common(_TRIED_PER_ROUND):
+            if len(self.rules) < _MAX_RULES:
+                self._keep_if_it_finds_more(*edit)
+        return len(self.rules) > before
+
+    def _keep_if_it_finds_more(self, old: str, new: str) -> None:
+        rule = re.compile(_pattern(old))
+        changed = {name: rule.sub(new, now) for name, now in self.renamed.items() if old in now}
+        changed = {name: now for name, now in changed.items() if now != self.renamed[name]}
+        kept = self.found - {self.renamed[name] for name in changed}
+        gained = [now for now in changed.values() if now in self.wanted]
+        if len(set(gained)) != len(gained) or any(now in kept for now in gained):
+            return  # two checkpoint tensors would be read into one
+        if len(kept) + len(gained) <= len(self.found):
+            return
+        self.rules.append((old, new))
+        self.renamed.update(changed)
+        self.found = kept | set(gained)
 
 
 def _closest(name: str, by_prefix: list[str], by_suffix: list[str]) -> Optional[str]:

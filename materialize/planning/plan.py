@@ -161,6 +161,7 @@ class Plan:
     # prefix added) automatically, in words; "" for none.
     key_map: str = ""
     renamed_by_model: dict[str, str] = field(default_factory=dict)  # by the model's own load code (see loadhooks)
+    state_dict_key: Optional[str] = None  # the entry of a training checkpoint the model state is taken from
 
     def of(self, action: Action) -> list[Entry]:
         return [e for e in self.entries if e.action == action]
@@ -183,6 +184,7 @@ class Plan:
     def to_dict(self) -> dict:
         return {
             "checkpoint": self.path,
+            "state_dict_key": self.state_dict_key,
             "device": str(self.device),
             "tensors": {action: len(self.of(action)) for action in ("load", "init", "keep")},
             "bytes_by_device": self.bytes_by_device,
@@ -381,7 +383,7 @@ def make_plan(
     replayed = replay_load_hooks(modules, to_ckpt, model_names, ckpt.path)
     to_ckpt = as_older_weight_norm(replayed.sources, model_names)
 
-    plan = Plan(path=str(ckpt.path), device=device, entries=[], post_hooked=post_hooked(modules),
+    plan = Plan(path=str(ckpt.path), device=device, entries=[], state_dict_key=ckpt.state_dict_key, post_hooked=post_hooked(modules),
                 key_map=rename.describe() if isinstance(rename, KeyMap) else "",
                 renamed_by_model=replayed.renamed,
                 built_on_meta=any(tensor.is_meta for tensor, named in groups if named[0][1].is_parameter))

@@ -5,8 +5,10 @@ config, timm's families, torchvision's builders, each under the deferred oracle 
 ``mz.materialize`` is eager construction bit for bit) and the load oracle (``mz.load_model`` is
 ``from_pretrained``; ``mz.build`` + ``mz.load`` is eager + ``load_state_dict``). The suite runs a sample
 drawn with a seed shown in pytest's header (``ZOO_SEED``, else the date; ``ZOO_SAMPLE`` cases) and every
-case of ``tests/zoo_failed.txt``, each as its own parameter named by the case. A case whose eager
-construction fails is skipped with the reason; a refusal, a difference or an error fails it.
+case of ``tests/zoo_failed.txt``, each as its own parameter named by the case, in one worker process (as
+``make zoo`` runs them: timm importable to transformers whatever the suite imported first). A case whose eager
+construction fails is skipped with the reason; a refusal, a difference or an error fails it, but for a case
+listed with its cause, which must still differ.
 """
 
 from __future__ import annotations
@@ -17,21 +19,34 @@ transformers = pytest.importorskip("transformers", reason="the zoo's transformer
 
 from vision import import_torchvision  # noqa: E402
 from zoo import sample  # noqa: E402
-from zoo.cases import LIBRARIES, case_names, run_case  # noqa: E402
-from zoo.outcomes import Skipped  # noqa: E402
-from zoo.report import read_failed  # noqa: E402
+from zoo.cases import LIBRARIES, case_names  # noqa: E402
+from zoo.report import known_differences  # noqa: E402
+from zoo.run import OneCase  # noqa: E402
 
+CASE_SECONDS = 300
 LIBRARIES_HERE = LIBRARIES if import_torchvision() is not None else ("hf",)  # make test-oldest: no timm, torchvision
-CASES = sample.sample(case_names(LIBRARIES_HERE), read_failed())
+KNOWN = known_differences()
+CASES = sample.sample(case_names(LIBRARIES_HERE), list(KNOWN))
 
 
-@pytest.mark.parametrize("case", CASES, ids=CASES)
-def test_zoo_case(case, tmp_path):
-    try:
-        notes = run_case(case, tmp_path)
-    except Skipped as skip:
-        pytest.skip(str(skip))
-    print("\n".join(notes))
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    one = OneCase(tmp_path_factory.mktemp("zoo"), CASE_SECONDS)
+    yield one
+    one.close()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_zoo_case(case, worker):
+    result = worker.run(case)
+    status, detail = result["status"], result.get("detail", "")
+    if status == "skipped":
+        pytest.skip(detail)
+    if KNOWN.get(case):  # a difference left open, its cause named in tests/zoo_failed.txt
+        assert status in ("different", "refused"), f"{case} is {status} now: take its cause out of tests/zoo_failed.txt"
+        return
+    assert status == "equal", f"{status}: {detail}" + (f" ({result['where']})" if result.get("where") else "")
+    print("\n".join(result.get("notes", [])))
 
 
 def test_the_sample_is_drawn_from_every_library_and_both_oracles_over_the_zoo():

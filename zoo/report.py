@@ -153,9 +153,20 @@ def add_failed(results: Iterable[dict[str, Any]], path: Path = FAILED_LIST) -> l
 
 
 def read_failed(path: Path = FAILED_LIST) -> list[str]:
+    return list(known_differences(path))
+
+
+def known_differences(path: Path = FAILED_LIST) -> dict[str, str]:
+    """Each listed case, with the reason it still differs where a line gives one (``case | reason``): those
+    run as expected failures that must fail, so a fix shows as one to unlist."""
     if not path.exists():
-        return []
-    return [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+        return {}
+    listed = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            case, _, reason = line.partition("|")
+            listed[case.strip()] = reason.strip()
+    return listed
 
 
 def write_report(results: dict[str, dict[str, Any]]) -> None:

@@ -123,6 +123,33 @@ class Worker:
         self.process.join()
 
 
+class OneCase:
+    """Cases one at a time in a worker process (what tests/test_zoo.py runs): imports as ``make zoo`` does
+    them, whatever the calling process imported first, and a case past ``case_seconds`` is a timeout."""
+
+    def __init__(self, scratch: Path, case_seconds: float, memory_mb: int = 0) -> None:
+        self.context = multiprocessing.get_context("spawn")
+        self.scratch, self.case_seconds, self.memory_mb = scratch, case_seconds, memory_mb
+        self.worker = Worker(self.context, scratch, memory_mb)
+
+    def run(self, case: str) -> dict[str, Any]:
+        self.worker.give(case)
+        if not self.worker.conn.poll(self.case_seconds):
+            result = {"case": case, "status": "timeout", "detail": f"still running after {self.case_seconds:g} s"}
+        else:
+            try:
+                return self.worker.conn.recv()
+            except (EOFError, OSError):
+                result = {"case": case, "status": "crashed",
+                          "detail": f"the worker died (exit code {self.worker.process.exitcode})"}
+        self.worker.kill()
+        self.worker = Worker(self.context, self.scratch, self.memory_mb)
+        return result
+
+    def close(self) -> None:
+        self.worker.stop()
+
+
 def load_results(path: Path = RESULTS) -> dict[str, dict[str, Any]]:
     """The last result of each case."""
     results: dict[str, dict[str, Any]] = {}

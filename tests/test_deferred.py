@@ -439,6 +439,22 @@ def test_a_tensor_made_on_a_recorded_weights_device_is_recorded_on_meta():
     assert not recorded.table.is_meta  # data, as made
 
 
+def test_an_init_function_held_by_a_module_loaded_after_an_earlier_recording_is_recorded_whole(tmp_path, monkeypatch):
+    eager_and_recorded(InitZoo)  # a recording before: the modules then loaded are scanned once
+    (tmp_path / "late_init_module.py").write_text(
+        "import torch\nfrom torch import nn\nfrom torch.nn.init import trunc_normal_ as init_like_timm\n\n"
+        "class Late(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.proj = nn.Linear(4, 4)\n        self.token = nn.Parameter(torch.zeros(1, 4))\n"
+        "        init_like_timm(self.token, std=0.5)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import late_init_module
+
+    eager, recorded = eager_and_recorded(late_init_module.Late)
+    mz.materialize(recorded)
+
+    assert_as_eager(recorded, eager)  # trunc_normal_ returns at once on meta: recorded only if patched there
+
+
 def test_a_sparse_tensor_is_refused_naming_the_module():
     class MakesSparse(nn.Module):
         def __init__(self) -> None:

@@ -75,6 +75,7 @@ from ..io.gcpause import gc_paused
 from .program import DEFAULT_GENERATOR, GeneratorRef, Program, Ref, SetGenerator, Step, TargetDevice
 from .replaying import values_of
 from .meta import MOVES, on_meta, stay_on_meta
+from .modtree import named_modules
 
 aten = torch.ops.aten
 
@@ -118,27 +119,37 @@ def deferred_init(fn: Callable[..., nn.Module], *args: Any, **kwargs: Any) -> nn
     """
     if getattr(_recording, "active", False):
         raise MetaInitError("deferred_init inside deferred_init: build the inner module as part of the outer one")
+    module, program = _recorded(fn, args, kwargs)
+    _programs[module] = program
+    # model.cuda() / .to(device) / .cpu() on the whole model keep its tensors on meta and say where the replay
+    # goes (torch would refuse to copy out of meta): an instance attribute, on the root module only.
+    module._apply = types.MethodType(_applied_on_meta, module)
+    return module
+
+
+@gc_paused  # the recording keeps every step it makes: the collector's passes would find nothing
+def _recorded(fn: Callable[..., nn.Module], args: tuple, kwargs: dict) -> tuple[nn.Module, Program]:
     program = Program()
     recorder = _Recorder(program)
     recorder.generator_index(None)
     _recording.active = True
     try:
         with _OnMeta(recorder), _whole_steps(recorder), recorder:
-            module = gc_paused(fn)(*args, **kwargs)  # the recording keeps every step: passes would find nothing
+            module = fn(*args, **kwargs)
     finally:
         _recording.active = False
     if not isinstance(module, nn.Module):
         raise MetaInitError(f"deferred_init: {getattr(fn, '__qualname__', fn)!r} returned {type(module).__name__}, "
                             "not an nn.Module")
-    for name, tensor in (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)):
-        sid = recorder.sids.get(tensor.untyped_storage()._cdata)
-        if sid is not None:
-            program.bindings[name] = Ref.of(sid, tensor)
-    _programs[module] = program
-    # model.cuda() / .to(device) / .cpu() on the whole model keep its tensors on meta and say where the replay
-    # goes (torch would refuse to copy out of meta): an instance attribute, on the root module only.
-    module._apply = types.MethodType(_applied_on_meta, module)
-    return module
+    sids = recorder.sids
+    for prefix, owner in named_modules(module, remove_duplicate=False):
+        dot = prefix + "." if prefix else ""
+        for registry in (owner._parameters, owner._buffers):
+            for attr, tensor in registry.items():
+                sid = sids.get(tensor.untyped_storage()._cdata) if tensor is not None else None
+                if sid is not None:
+                    program.bindings[dot + attr] = Ref.of(sid, tensor)
+    return module, program
 
 
 def _applied_on_meta(self: nn.Module, fn: Callable, recurse: bool = True) -> nn.Module:
@@ -383,7 +394,9 @@ class _Recorder(TorchDispatchMode):
                 writes.add(self.ref(value).sid)
         self.keep_constants_written(writes)
         try:
-            if shape.skippable and all(isinstance(args[i], torch.Tensor) and args[i].is_meta for i in written):
+            if func is aten.empty.memory_format and _on_meta_device(kwargs):  # every parameter's first op
+                out = torch.empty(*args, **kwargs)  # the binding's own path: a third of the op's generic call
+            elif shape.skippable and all(isinstance(args[i], torch.Tensor) and args[i].is_meta for i in written):
                 out = args[written[0]]  # writes values on meta, which has none: nothing to compute (as meta_init)
             elif func is aten._to_copy.default and args[0].is_meta and _leaves_meta(kwargs):  # .tolist(), .cpu()
                 out = func(self._values(args[0]), **kwargs)
@@ -645,17 +658,8 @@ def _whole_steps(recorder: _Recorder) -> Iterator[None]:
         replacements[original] = _recorded_call(recorder, original, draws=name not in _NO_DRAW)
     for original in (torch.random.manual_seed, torch.random.set_rng_state, torch.random.seed):
         replacements[original] = _seeding_call(recorder, original)
-    patched: list[tuple[dict, str, Callable]] = []
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if type(namespace) is not dict:
-            continue
-        for key, value in list(namespace.items()):
-            if type(value) is types.FunctionType and value in replacements:
-                patched.append((namespace, key, value))
-            elif type(value) is dict and len(value) < 256:
-                patched += [(value, k, v) for k, v in value.items()
-                            if type(v) is types.FunctionType and v in replacements]
+    patched = [(table, key, original) for table, key, original in _holders(frozenset(replacements))
+               if table.get(key) is original]
     for table, key, original in patched:
         table[key] = replacements[original]
     try:
@@ -663,6 +667,40 @@ def _whole_steps(recorder: _Recorder) -> Iterator[None]:
     finally:
         for table, key, original in patched:
             table[key] = original
+
+
+# Where loaded modules hold the whole-call functions: module name -> (its namespace, that namespace's length
+# when scanned, the places found). A recording scans only the modules new or grown since the last one: with
+# transformers, timm and torchvision loaded, a full scan was 40 ms, more than recording a small model.
+_scanned: dict[str, tuple[dict, int, list]] = {}
+_scanned_for: list[frozenset] = []
+
+
+def _holders(originals: frozenset) -> list[tuple[dict, Any, Callable]]:
+    if _scanned_for != [originals]:
+        _scanned.clear()
+        _scanned_for[:] = [originals]
+    found: list[tuple[dict, Any, Callable]] = []
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None)
+        if type(namespace) is not dict:
+            continue
+        known = _scanned.get(name)
+        if known is None or known[0] is not namespace or known[1] != len(namespace):
+            known = _scanned[name] = (namespace, len(namespace), _scan(namespace, originals))
+        found += known[2]
+    return found
+
+
+def _scan(namespace: dict, originals: frozenset) -> list[tuple[dict, Any, Callable]]:
+    """The names (and entries of small tables) of ``namespace`` holding one of ``originals``."""
+    found = []
+    for key, value in list(namespace.items()):
+        if type(value) is types.FunctionType and value in originals:
+            found.append((namespace, key, value))
+        elif type(value) is dict and len(value) < 256:
+            found += [(value, k, v) for k, v in value.items() if type(v) is types.FunctionType and v in originals]
+    return found
 
 
 def _seeding_call(recorder: _Recorder, original: Callable) -> Callable:

@@ -10,7 +10,7 @@ import torch
 DEFAULT_GENERATOR = 0  # the default generator of the device a model is replayed on
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a recording holds one per tensor an op reads, writes or makes
 class Ref:
     """A tensor as a view of a recorded storage (``sid``)."""
 
@@ -35,7 +35,7 @@ class TargetDevice:
     """A device the recording saw as ``meta``: the replay's device."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Step:
     """One op (an aten overload, a whole ``torch.nn.init`` call, or the remaking of a constant) and its effects."""
 

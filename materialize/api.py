@@ -40,7 +40,7 @@ from .options import PlanOptions, ProgressFn, ReadOptions
 from .report import Report
 from .sanitizer import nonfinite
 from .skeleton.deferred import program_of
-from .skeleton.meta import parameter_like
+from .skeleton.meta import buffer_like, parameter_like
 from .skeleton.modtree import named_modules
 from .skeleton.spec import ModelSpec, build, build_recorded
 from .integrations.sharded import is_dtensor, shard_spec
@@ -300,13 +300,14 @@ def materialize(model: nn.Module, *, device: Optional[DeviceLike] = None) -> nn.
                     made[id(tensor)] = targets[name] = empty_destination(
                         tuple(tensor.shape), dtype=tensor.dtype, device=target, name=name, stride=tuple(tensor.stride()))
     replay(program, targets, target)
-    as_parameters: dict[int, nn.Parameter] = {}
+    registered: dict[tuple[str, int], torch.Tensor] = {}  # (registry, id of the model's tensor) -> what it holds now
     for module, registry, attr, tensor in slots:
-        value = made[id(tensor)]
-        if registry == "_parameters":
-            if id(tensor) not in as_parameters:
-                as_parameters[id(tensor)] = (value if value is tensor
-                                             else parameter_like(tensor, value, tensor.requires_grad))
-            value = as_parameters[id(tensor)]
-        getattr(module, registry)[attr] = value
+        key = (registry, id(tensor))
+        if key not in registered:
+            value = made[id(tensor)]
+            if value is not tensor:  # keeps the model's class and attributes, as load_state_dict keeps its objects
+                value = (parameter_like(tensor, value, tensor.requires_grad) if registry == "_parameters"
+                         else buffer_like(tensor, value))
+            registered[key] = value
+        getattr(module, registry)[attr] = registered[key]
     return model

@@ -30,7 +30,7 @@ from .planning.keymap import KeyMapLike
 from .planning.loadhooks import run_post_hooks
 from .io.peak import PeakMemory
 from .checkpoint.base import contiguous_strides
-from .skeleton.meta import is_lazy, parameter_like, shared_memory_asked
+from .skeleton.meta import buffer_like, is_lazy, parameter_like, shared_memory_asked
 from .skeleton.modtree import named_modules
 from .planning.plan import DtypeRule, Entry, InitFn, Plan, Tolerated, initializer_of, make_plan, raise_for_mismatch
 from .options import PlanOptions, ProgressFn, ReadOptions
@@ -405,6 +405,8 @@ def _materialize_entry(
         tensor = entry.shard.wrap(tensor)
     if tensor is not original and isinstance(original, nn.Parameter):
         tensor = parameter_like(original, tensor, original.requires_grad and (tensor.is_floating_point() or tensor.is_complex()))
+    elif tensor is not original:
+        tensor = buffer_like(original, tensor)
     entry.hold(tensor, undo)
     if entry.action != "load" or view is not None:
         return []

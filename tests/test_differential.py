@@ -273,6 +273,32 @@ def _tf_subclass():
     return WithTorchFunctionParam()
 
 
+class SubclassTensors(nn.Module):
+    """Tensor subclasses in every registry: a ``__torch_function__`` parameter and buffer, an ``nn.Parameter``
+    subclass, a buffer carrying an attribute. ``load_state_dict`` copies into them, so they keep their class."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.lin.weight = TaggedParameter(torch.randn(4, 4) * 0.3, tag="lora_B")
+        self.scale = nn.Parameter(torch.ones(4).as_subclass(TracedTensor))
+        self.register_buffer("shift", torch.zeros(4).as_subclass(TracedTensor))
+        self.shift.kind = "traced"
+
+    def reset_parameters(self):  # what the constructor sets: a load on meta initializes a missing one so
+        with torch.no_grad():
+            self.scale.fill_(1.0)
+            self.shift.zero_()
+
+    def forward(self, x):
+        return self.lin(x) * self.scale + self.shift
+
+
+@scenario("tensor_subclass_parameter_and_buffer", randn(2, 4))
+def _subclass_tensors():
+    return SubclassTensors()
+
+
 class TinyResNet(nn.Module):
     def __init__(self):
         super().__init__()
@@ -1223,7 +1249,8 @@ DELIBERATE = [
                frozenset({"constructor_calls_to_cpu"}), frozenset({"accelerate", "meta_device"}),
                (r"^\[build\] building under \w+ raised",), build=True),
     Deliberate("What init_empty_weights or torch.device('meta') cannot build",
-               frozenset({"torch_function_subclass_parameter"}), frozenset({"accelerate"}),
+               frozenset({"torch_function_subclass_parameter", "tensor_subclass_parameter_and_buffer"}),
+               frozenset({"accelerate"}),
                (r"^\[build\] building under \w+ raised",), build=True),
     Deliberate("What init_empty_weights or torch.device('meta') cannot build",
                frozenset({"tied_embedding_head", "tied_head_registered_first"}), frozenset({"accelerate"}),
@@ -1250,6 +1277,17 @@ def unexplained(name: str, way: str, found: list[str]) -> list[str]:
 def test_loaded_model_is_the_model(cases, name, fmt, way):
     found = unexplained(name, way, differences(cases(name, fmt), way))
     assert not found, f"{len(found)} difference(s):\n  " + "\n  ".join(found)
+
+
+@pytest.mark.parametrize("name", ["tensor_subclass_parameter_and_buffer", "parameter_subclass"])
+def test_materialize_keeps_the_classes_and_attributes_of_tensor_subclasses(name):
+    build = SCENARIOS[name].build
+    torch.manual_seed(BUILD_SEED)
+    recorded = mz.deferred_init(build)
+
+    mz.materialize(recorded)
+
+    assert compare_models(recorded, seeded(build, BUILD_SEED)) == []
 
 
 def test_every_row_of_the_table_is_in_the_readme():

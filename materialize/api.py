@@ -36,7 +36,7 @@ from .loading import (
 )
 from .io.peak import PeakMemory
 from .planning.plan import InitFn, Plan
-from .options import PlanOptions, ProgressFn, ReadOptions
+from .options import IgnoreUnexpected, PlanOptions, ProgressFn, ReadOptions, unexpected_to_ignore
 from .report import Report
 from .sanitizer import nonfinite
 from .skeleton.deferred import program_of
@@ -67,6 +67,7 @@ def plan(
     mmap: bool = False,
     staging_bytes: Optional[int] = None,
     ignore_mismatched_sizes: bool = False,
+    ignore_unexpected: IgnoreUnexpected = False,
 ) -> Plan:
     """What :func:`load` would do, without reading any tensor data.
 
@@ -85,7 +86,7 @@ def plan(
         options = PlanOptions(
             device=resolve_device(device if device is not None else default_device(skeleton)), dtype=parse_dtype(dtype),
             strict=strict, key_map=key_map, init=init, ignore_mismatched_sizes=ignore_mismatched_sizes,
-            device_map=device_map, max_memory=max_memory,
+            ignore_unexpected=unexpected_to_ignore(ignore_unexpected), device_map=device_map, max_memory=max_memory,
         )
         the_plan, _, _ = planned(skeleton, ckpt, options)
     the_plan.fits = fit_report(the_plan, mmap=mmap, staging_bytes=staging_bytes)
@@ -203,7 +204,8 @@ def load_model(
         if skeleton is None:
             if load_options.get("device_map") is not None:
                 raise ModelRequiredError("a device map needs a model to place: pass one (CLI: --model SPEC)", path=ckpt.path)
-            for option in ("strict", "key_map", "init", "device_map", "max_memory", "check", "ignore_mismatched_sizes"):
+            for option in ("strict", "key_map", "init", "device_map", "max_memory", "check", "ignore_mismatched_sizes",
+                           "ignore_unexpected"):
                 load_options.pop(option, None)
             return load_tensors(ckpt, **load_options)
         return skeleton, load(skeleton, ckpt, **load_options)

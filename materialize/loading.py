@@ -33,7 +33,7 @@ from .checkpoint.base import contiguous_strides
 from .skeleton.meta import buffer_like, is_lazy, parameter_like, shared_memory_asked
 from .skeleton.modtree import named_modules
 from .planning.plan import DtypeRule, Entry, InitFn, Plan, Tolerated, initializer_of, make_plan, raise_for_mismatch
-from .options import PlanOptions, ProgressFn, ReadOptions
+from .options import IgnoreUnexpected, PlanOptions, ProgressFn, ReadOptions, unexpected_to_ignore
 from .report import Report
 from .sanitizer import audit, nonfinite, poison
 from .integrations.sharded import is_dtensor, local_of
@@ -59,18 +59,20 @@ def _model_defaults(
     model: nn.Module, options: PlanOptions
 ) -> tuple[PlanOptions, Optional[DtypeRule], Optional[Tolerated]]:
     """transformers models bring their own key renames and init (unless the caller gave others), fp32 lists,
-    and the missing and unexpected names they declare expected."""
+    and the missing and unexpected names they declare expected; the unexpected names the caller ignores
+    join those."""
     program = program_of(model)
     if program is not None and options.init is None:  # recorded by deferred_init: made as eager construction made it
         options = dataclasses.replace(options, init=ReplayInit(program))
     if not is_hf_model(model):
-        return options, None, None
+        asked = Tolerated(unexpected=options.ignore_unexpected) if options.ignore_unexpected is not None else None
+        return options, None, asked
     options = dataclasses.replace(
         options,
         key_map=options.key_map if options.key_map is not None else hf_key_map(model),
         init=options.init if options.init is not None else hf_init(model),
     )
-    return options, hf_dtype_rule(model), hf_tolerated(model)
+    return options, hf_dtype_rule(model), hf_tolerated(model).also_unexpected(options.ignore_unexpected)
 
 
 @gc_paused
@@ -94,6 +96,7 @@ def load(
     progress: Optional[ProgressFn] = None,
     direct_io: bool = False,
     ignore_mismatched_sizes: bool = False,
+    ignore_unexpected: IgnoreUnexpected = False,
 ) -> Report:
     """Materialize ``model`` on ``device`` from ``checkpoint``, each tensor allocated once.
 
@@ -128,6 +131,13 @@ def load(
             initialized instead, as ``from_pretrained`` does with the same
             option; listed in ``report.reinitialized``. Otherwise it is a
             :class:`ShapeMismatchError`.
+        ignore_unexpected: leave checkpoint tensors the model does not have
+            unread, listed in ``report.ignored`` instead of
+            ``report.unexpected``, while a strict load still requires every
+            tensor of the model: ``True`` for all of them (a pipeline stage,
+            which holds part of the model, loading the whole model's
+            checkpoint), or regular expressions searched in checkpoint names
+            for some (as transformers' ``_keys_to_ignore_on_load_unexpected``).
         trust_pickle: see :func:`open_checkpoint`.
         mmap: on CPU, make loaded tensors copy-on-write views of the files
             instead of copies (zero-copy: the load reads only headers, pages
@@ -166,7 +176,7 @@ def load(
     options = PlanOptions(
         device=resolve_device(device if device is not None else default_device(model)), dtype=parse_dtype(dtype),
         strict=strict, key_map=key_map, init=init, ignore_mismatched_sizes=ignore_mismatched_sizes,
-        device_map=device_map, max_memory=max_memory,
+        ignore_unexpected=unexpected_to_ignore(ignore_unexpected), device_map=device_map, max_memory=max_memory,
     )
     read = ReadOptions(mmap=mmap, staging_bytes=staging_bytes, allow_overflow=allow_overflow, check=check,
                        check_finite=check_finite, progress=progress, direct_io=direct_io)

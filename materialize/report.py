@@ -23,7 +23,8 @@ class Report:
     nonfinite: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
-    ignored: list[str] = field(default_factory=list)  # in the checkpoint, and declared by the model as not loaded
+    # In the checkpoint, left unread: declared by the model as not loaded, or ignored as asked (ignore_unexpected).
+    ignored: list[str] = field(default_factory=list)
     reinitialized: list[str] = field(default_factory=list)  # in the checkpoint in another shape (ignore_mismatched_sizes)
     key_map: str = ""  # how checkpoint names were renamed (a wrapper's "module." stripped, say), in words
     tied: list[list[str]] = field(default_factory=list)
@@ -83,7 +84,7 @@ class Report:
             ("tied groups", str(len(self.tied))),
             *((("untied (checkpoint differs)", str(len(self.untied))),) if self.untied else ()),
             ("unexpected (skipped)", str(len(self.unexpected))),
-            *((("ignored (as the model declares)", str(len(self.ignored))),) if self.ignored else ()),
+            *((("ignored (left unread)", str(len(self.ignored))),) if self.ignored else ()),
             *((("reinitialized (other shape)", str(len(self.reinitialized))),) if self.reinitialized else ()),
             *((("names renamed", self.key_map),) if self.key_map else ()),
             ("dtypes", ", ".join(f"{name} x{count}" for name, count in sorted(self.dtypes.items())) or "-"),

@@ -450,6 +450,26 @@ def _drops_legacy():
     return LegacyModel()
 
 
+class Trimmed(nn.Module):
+    """A submodule set to None after construction (a pipeline stage's head, cut as torchtitan cuts it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+        self.head = None
+
+    def forward(self, x):
+        return self.body(x)
+
+
+# The whole model's file: load_state_dict neither loads what lies in the vacant slot nor calls it unexpected.
+@scenario("submodule_set_to_none", randn(2, 4),
+          edit_file=lambda sd: {**sd, "head.weight": torch.full((2, 4), 0.5), "head.bias": torch.zeros(2)})
+def _trimmed():
+    return Trimmed()
+
+
 class MovesItself(nn.Module):
     def __init__(self, device: str = "cpu"):
         super().__init__()

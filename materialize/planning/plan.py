@@ -8,6 +8,7 @@ here first.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections import Counter
@@ -61,6 +62,13 @@ class Tolerated:
     # A checkpoint's value for a buffer the model computes (non-persistent) is
     # set aside, not loaded: the model's own value stands, as transformers does.
     computed_buffers_stand: bool = False
+
+    def also_unexpected(self, pattern: Optional[re.Pattern]) -> "Tolerated":
+        """These differences and the unexpected names ``pattern`` finds too (the caller's ``ignore_unexpected``)."""
+        if pattern is None:
+            return self
+        either = pattern if self.unexpected is None else re.compile(f"(?:{self.unexpected.pattern})|(?:{pattern.pattern})")
+        return dataclasses.replace(self, unexpected=either)
 
     def lets_go(self, model_name: str, info: TensorInfo) -> bool:
         """Whether the checkpoint tensor ``info``, mapped to ``model_name`` (not in the model), is expected."""
@@ -139,7 +147,8 @@ class Plan:
     entries: list[Entry]
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
-    ignored: list[str] = field(default_factory=list)  # checkpoint tensors the model declares it does not load
+    # Checkpoint tensors left unread: the model declares it does not load them, or the caller ignores them.
+    ignored: list[str] = field(default_factory=list)
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     init_modules: list[tuple[str, nn.Module]] = field(default_factory=list)
     fits: dict[str, dict] = field(default_factory=dict)  # filled by materialize.plan (capacity.fit_report)
@@ -311,6 +320,23 @@ def _bare(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_ATTRIBUTES)
 
 
+def _vacant_slots(modules: list[tuple[str, nn.Module]]) -> frozenset[str]:
+    """The names of submodules registered as ``None`` (``model.output = None``: a pipeline stage cut as
+    torchtitan cuts one)."""
+    return frozenset(f"{prefix}.{name}" if prefix else name
+                     for prefix, module in modules for name, child in module._modules.items() if child is None)
+
+
+def _under(model_name: str, vacant: frozenset[str]) -> bool:
+    """Whether ``model_name`` lies inside a submodule registered as ``None``: ``load_state_dict`` neither
+    loads such a name nor calls it unexpected (its parent has the name among its modules), so it is left
+    unread and listed as ignored."""
+    if not vacant:
+        return False
+    parts = model_name.split(".")
+    return any(".".join(parts[:end]) in vacant for end in range(1, len(parts)))
+
+
 def _set_aside_tolerated(plan: Plan, strays: list[tuple[str, TensorInfo]], tolerated: Tolerated) -> None:
     if tolerated.missing is not None:
         plan.missing = [name for name in plan.missing if not tolerated.missing.search(name)]
@@ -406,11 +432,14 @@ def make_plan(
     extra_state_owners = _extra_state_owners(modules)
     saved_tensors = {name: to_ckpt.pop(name) for name in extra_state_owners if name in to_ckpt}
     strays = [(m, piece.info) for m, source in to_ckpt.items() if m not in model_names for piece in pieces_of(source)]
+    vacant = _vacant_slots(modules)
+    plan.ignored.extend(info.name for m, info in strays if _under(m, vacant))
+    strays = [(m, info) for m, info in strays if not _under(m, vacant)]
     plan.unexpected = [info.name for _, info in strays]
     plan.ignored.extend(piece.info.name for info in replayed.dropped for piece in pieces_of(info))
     if tolerated is not None:
         _set_aside_tolerated(plan, strays, tolerated)
-    _match_extra_states(plan, extra_state_owners, saved_tensors, ckpt, rename, strict, tolerated)
+    _match_extra_states(plan, extra_state_owners, saved_tensors, ckpt, rename, strict, tolerated, vacant)
     _refuse_load_code_needing_values(plan, ckpt, replayed.needs_values)
     plan.strict_after_hooks = strict and bool(plan.post_hooked)
     raise_for_mismatch(plan, ckpt.path, strict and not plan.strict_after_hooks, replayed.unrun)
@@ -443,7 +472,7 @@ def _extra_state_owners(modules: list[tuple[str, nn.Module]]) -> dict[str, nn.Mo
 
 def _match_extra_states(plan: Plan, owners: dict[str, nn.Module], saved_tensors: dict[str, TensorInfo],
                         ckpt: Checkpoint, rename: Callable[[str], object], strict: bool,
-                        tolerated: Optional[Tolerated]) -> None:
+                        tolerated: Optional[Tolerated], vacant: frozenset[str] = frozenset()) -> None:
     """Pair each module's saved extra state with the module, as ``load_state_dict`` hands it to
     ``set_extra_state``: a checkpoint tensor (TransformerEngine saves its FP8 metadata so) or a torch
     file's plain value. One missing is missing (when strict), a value without its module unexpected."""
@@ -458,7 +487,9 @@ def _match_extra_states(plan: Plan, owners: dict[str, nn.Module], saved_tensors:
             plan.extra_states[name] = (module, saved.pop(name)[1])
         elif strict:
             plan.missing.append(name)
-    plan.unexpected.extend(name for name, _ in saved.values() if tolerated is None or not tolerated.lets_name_go(name))
+    for target, (name, _) in saved.items():
+        let_go = _under(target, vacant) or (tolerated is not None and tolerated.lets_name_go(name))
+        (plan.ignored if let_go else plan.unexpected).append(name)
 
 
 def _tie_units(named: list[tuple[str, Owner]], to_ckpt: dict[str, TensorInfo]
@@ -607,6 +638,9 @@ def raise_for_mismatch(plan: Plan, path: object, strict: bool, unrun: list[str])
     if shapes:  # what --no-strict alone would not get past
         remedies.append("ignore_mismatched_sizes=True (CLI: --ignore-mismatched-sizes) to initialize the tensors "
                         "of another shape instead (a new head)")
+    if strict and plan.unexpected and not plan.missing:  # a pipeline stage, a model of part of the checkpoint's
+        remedies.append("ignore_unexpected=True (CLI: --ignore-unexpected) to leave the checkpoint's other tensors "
+                        "unread and still require all of the model's")
     if strict and (plan.missing or plan.unexpected):
         remedies.append("strict=False (CLI: --no-strict) to initialize missing and skip unexpected tensors")
     hint = "; pass " + ", and ".join(remedies) if remedies else ""

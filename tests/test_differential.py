@@ -22,6 +22,7 @@ property test does the same on random trees of torch.nn layers.
 
 from __future__ import annotations
 
+import json
 import re
 import zlib
 from dataclasses import dataclass
@@ -1308,6 +1309,86 @@ def test_materialize_keeps_the_classes_and_attributes_of_tensor_subclasses(name)
     mz.materialize(recorded)
 
     assert compare_models(recorded, seeded(build, BUILD_SEED)) == []
+
+
+# --------------------------------------------------------------------------------------------------
+# What the zoo's refusals offer, followed: each way out gives the model load_state_dict gives
+# --------------------------------------------------------------------------------------------------
+
+
+def _meta_device(build: Callable[[], nn.Module]) -> nn.Module:
+    return build_way(build, "meta_device")
+
+
+def _set_cache(module: nn.Module) -> None:
+    if isinstance(module, WithCache):
+        module.cache.fill_(0.25)
+
+
+class ResettableCache(WithCache):
+    def reset_parameters(self):
+        with torch.no_grad():
+            self.cache.fill_(0.25)
+
+
+def _post_hooked_resettable():
+    model = PostHooked()
+    model.block = ResettableCache()
+    return model
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_tensor_a_post_hook_forgives_without_a_value_on_meta_is_refused_and_each_way_offered_gives_torchs_model(
+        tmp_path, fmt):
+    s = SCENARIOS["post_hook_clears_missing"]
+    case = Case(s.build, tmp_path, fmt, edit_file=s.edit_file, variants=False)
+    ref, ref_out, _ = case.reference("full", strict=True)
+    assert ref_out.error is None  # torch loads it: the hook clears block.cache from missing_keys
+
+    refused = _meta_device(s.build)
+    with pytest.raises(mz.InitError, match=r"no initializer for block\.cache: .*load post-hook may forgive") as raised:
+        mz.load(refused, case.files["full"])
+    assert "\n" not in str(raised.value) and str(case.files["full"]) in str(raised.value)
+    for offered in ("mz.meta_init()", "mz.deferred_init(", "init=fn(module)"):
+        assert offered in str(raised.value)
+    assert all(t.is_meta for t in refused.parameters())
+
+    for way in ("meta_init", "deferred"):
+        got = build_way(s.build, way)
+        report = mz.load(got, case.files["full"])
+        assert report.missing == [] and compare_models(got, ref) == [], way
+    got = _meta_device(s.build)
+    report = mz.load(got, case.files["full"], init=_set_cache)
+    assert report.initialized == ["block.cache"] and report.missing == []
+    assert compare_models(got, ref) == []
+
+
+def test_a_tensor_a_post_hook_forgives_on_meta_is_initialized_by_its_module_and_reported(tmp_path):
+    case = Case(_post_hooked_resettable, tmp_path, "safetensors",
+                edit_file=SCENARIOS["post_hook_clears_missing"].edit_file, variants=False)
+    ref, ref_out, _ = case.reference("full", strict=True)
+
+    got = _meta_device(_post_hooked_resettable)
+    report = mz.load(got, case.files["full"])
+
+    assert ref_out.error is None and ref_out.missing == []
+    assert report.missing == [] and report.initialized == ["block.cache"]
+    assert compare_models(got, ref) == []
+
+
+def test_the_cli_and_load_model_load_a_checkpoint_a_post_hook_completes(tmp_path):
+    from test_cli import run_cli
+
+    s = SCENARIOS["post_hook_clears_missing"]
+    case = Case(s.build, tmp_path, "safetensors", edit_file=s.edit_file, variants=False)
+    spec = f"{Path(__file__)}:PostHooked"
+
+    done = run_cli(case.files["full"], "--model", spec, "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["missing"] == []
+
+    model, report = mz.load_model(case.files["full"], model=spec)
+    assert report.missing == [] and compare_models(model, case.reference("full", strict=True)[0]) == []
 
 
 def test_every_row_of_the_table_is_in_the_readme():

@@ -682,6 +682,25 @@ def initializer_of(module: nn.Module, computed_only: bool = False) -> Optional[C
     return None
 
 
+def _forgiven_without_value(plan: Plan, names: list[str]) -> str:
+    """Why a strict load of a model with load post-hooks stops at tensors the checkpoint lacks, built on meta.
+
+    A hook may forgive a name (clear it from ``missing_keys``); ``load_state_dict``
+    then leaves the tensor as the model holds it. A model built on meta holds
+    no value, so the honest equivalent is its module's init (listed in
+    ``report.initialized``); without one, what would give the tensor the
+    value eager construction gave it is named.
+    """
+    buffers_only = all(not owner.is_parameter for entry in plan.of("init") if entry.name in names for owner in entry.owners)
+    builds = "mz.deferred_init(...) (it then gets eager construction's value)"
+    if buffers_only:
+        builds = f"mz.meta_init() (buffers stay real, with their values) or {builds}"
+    return (f"no initializer for {summarize_names(names)}: the checkpoint lacks them, which a load post-hook may "
+            "forgive (load_state_dict then leaves them as the model has them), but built on meta they have no value "
+            f"and their modules no reset_parameters(); build the model with {builds}, or pass init=fn(module) "
+            "or a checkpoint that holds them")
+
+
 def _init_modules(model: nn.Module, plan: Plan, init: Optional[InitFn], ckpt: Checkpoint) -> list[tuple[str, nn.Module]]:
     """The modules that own a tensor to initialize, each once, in model order."""
     wanted: dict[int, nn.Module] = {}
@@ -694,6 +713,8 @@ def _init_modules(model: nn.Module, plan: Plan, init: Optional[InitFn], ckpt: Ch
         computed_only[id(owner)] = computed_only.get(id(owner), True) and computed
     uninitializable = [entry.name for entry in to_fill if init is None
                        and initializer_of(entry.owners[0].module, computed_only[id(entry.owners[0].module)]) is None]
+    if uninitializable and plan.strict_after_hooks:
+        raise InitError(_forgiven_without_value(plan, uninitializable), path=ckpt.path)
     if uninitializable:
         raise InitError(
             f"no initializer for {summarize_names(uninitializable)}: the checkpoint lacks them and their modules "

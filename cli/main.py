@@ -235,7 +235,8 @@ def _inspect_text(ckpt: mz.Checkpoint) -> str:
 @checkpoint_argument
 @with_options(model_options + memory_options)
 def plan_command(checkpoint: str, as_json: bool, debug: bool, **options: Any) -> None:
-    """What a load would do: per-device bytes, ties, missing and unexpected; reads no tensor data."""
+    """What a load would do: per-device bytes, ties, missing and unexpected; reads no tensor data (but the few
+    values a model's own load code asks for, 1 MiB at most)."""
 
     def action() -> None:
         keywords = library_keywords(options)
@@ -302,6 +303,10 @@ def _plan_text(summary: dict[str, Any]) -> str:
     for key in ("missing", "unexpected", "ignored"):
         if summary[key]:
             lines.append(f"{key:<12} {', '.join(summary[key])}")
+    if summary["fed_to_load_code"]:
+        lines.append(f"load code    reads {', '.join(summary['fed_to_load_code'])} (the model's own, run once loaded)")
+    if summary["filled_by_load_code"]:
+        lines.append(f"made by code {', '.join(summary['filled_by_load_code'])} (the model's own load code)")
     renames = [f"{old} -> {new}" for old, new in summary["renamed_by_model"].items()]
     if renames:
         lines.append(f"renamed      {summarize_names(renames)} (by the model's own load code)")

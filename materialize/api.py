@@ -69,7 +69,8 @@ def plan(
     ignore_mismatched_sizes: bool = False,
     ignore_unexpected: IgnoreUnexpected = False,
 ) -> Plan:
-    """What :func:`load` would do, without reading any tensor data.
+    """What :func:`load` would do, without reading any tensor data (but the few values a model's own load code
+    asks for to decide what it does with names, a saved version number: 1 MiB at most).
 
     ``model`` is a module or anything :func:`load_model` accepts as one
     (a spec, ``"hf:ClassName"``, or ``None`` for a Hugging Face folder or a

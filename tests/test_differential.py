@@ -471,6 +471,120 @@ def _trimmed():
     return Trimmed()
 
 
+class KeepsScale(nn.Module):
+    """Saves a plain tensor attribute beside its parameters and takes it back, popped, in its load code: code
+    that uses what it reads, with no error on names alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = torch.ones(4)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "scale"] = self.scale
+
+    def _load_from_state_dict(self, state_dict, prefix, *rest):
+        self.scale = state_dict.pop(prefix + "scale")
+        super()._load_from_state_dict(state_dict, prefix, *rest)
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+class KeepsScaleModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = KeepsScale()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+def _set_scale(model):
+    model.block.scale = torch.tensor([0.5, 1.5, 2.5, 3.5])
+
+
+@scenario("load_from_state_dict_keeps_popped_tensor", randn(2, 4), mutate=_set_scale)
+def _keeps_scale():
+    return KeepsScaleModel()
+
+
+class Upgrading(nn.Module):
+    """Reads the format version it saved and renames what a version-1 save called otherwise: what it does with
+    names depends on a value."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "format_version"] = torch.tensor(2)
+
+    def _load_from_state_dict(self, state_dict, prefix, *rest):
+        if int(state_dict.pop(prefix + "format_version", torch.tensor(2))) < 2:
+            for kind in ("weight", "bias"):
+                if f"{prefix}fc.{kind}" in state_dict:
+                    state_dict[f"{prefix}proj.{kind}"] = state_dict.pop(f"{prefix}fc.{kind}")
+        super()._load_from_state_dict(state_dict, prefix, *rest)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+class UpgradingModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Upgrading()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+def _as_version_1(state):
+    older = {name.replace("block.proj.", "block.fc."): value for name, value in state.items()}
+    return {**older, "block.format_version": torch.tensor(1)}
+
+
+@scenario("load_from_state_dict_renames_by_saved_version", randn(2, 4), edit_file=_as_version_1)
+def _upgrading():
+    return UpgradingModel()
+
+
+def _read_calibration(module, state_dict, prefix, *rest):
+    if prefix + "calibration" in state_dict:
+        module.calibration = float(state_dict.pop(prefix + "calibration"))
+
+
+class Calibrated(nn.Module):
+    """A load pre-hook (not an override) that sets its module's attribute from a value it consumes."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calibration = 1.0
+        self.register_load_state_dict_pre_hook(_read_calibration)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "calibration"] = torch.tensor(self.calibration)
+
+    def forward(self, x):
+        return self.lin(x) * self.calibration
+
+
+def _calibrate(model):
+    model.calibration = 0.75
+
+
+@scenario("load_pre_hook_consumes_value", randn(2, 4), mutate=_calibrate)
+def _calibrated():
+    return Calibrated()
+
+
 class MovesItself(nn.Module):
     def __init__(self, device: str = "cpu"):
         super().__init__()
@@ -1262,10 +1376,6 @@ DELIBERATE = [
     Deliberate("A tensor the checkpoint lacks has no value on meta",
                frozenset({"non_persistent_buffers", "post_hook_clears_missing"}), frozenset({"meta_device"}),
                (r"InitError: .*no initializer for",)),
-    Deliberate("Load code that computes from checkpoint values is refused",
-               frozenset({"custom_state_serialized_key", "load_from_state_dict_consumes_value"}),
-               frozenset({"meta_init", "cpu", "accelerate", "meta_device", "deferred"}),
-               (r"the model's own load code, \w+\._load_from_state_dict.* computes from checkpoint values",)),
     Deliberate("What init_empty_weights or torch.device('meta') cannot build",
                frozenset({"constructor_calls_to_cpu"}), frozenset({"accelerate", "meta_device"}),
                (r"^\[build\] building under \w+ raised",), build=True),
@@ -1389,6 +1499,28 @@ def test_the_cli_and_load_model_load_a_checkpoint_a_post_hook_completes(tmp_path
 
     model, report = mz.load_model(case.files["full"], model=spec)
     assert report.missing == [] and compare_models(model, case.reference("full", strict=True)[0]) == []
+
+
+@pytest.mark.parametrize("name, class_name, fed", [
+    ("load_from_state_dict_consumes_value", "VersionedModel", ["block.format_version"]),
+    ("load_from_state_dict_keeps_popped_tensor", "KeepsScaleModel", ["block.scale"]),
+    ("custom_state_serialized_key", "CustomState", ["serialized"]),
+    ("load_from_state_dict_renames_by_saved_version", "UpgradingModel", ["block.format_version"]),
+])
+def test_the_cli_and_load_model_run_load_code_taking_values_as_load_state_dict_runs_it(tmp_path, name, class_name, fed):
+    from test_cli import run_cli
+
+    s = SCENARIOS[name]
+    case = Case(s.build, tmp_path, "safetensors", mutate=s.mutate, edit_file=s.edit_file, variants=False)
+    spec = f"{Path(__file__)}:{class_name}"
+
+    done = run_cli(case.files["full"], "--model", spec, "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["fed_to_load_code"] == fed
+
+    model, report = mz.load_model(case.files["full"], model=spec)
+    assert report.fed_to_load_code == fed and report.unexpected == report.missing == []
+    assert compare_models(model, case.reference("full", strict=True)[0]) == []
 
 
 def test_every_row_of_the_table_is_in_the_readme():

@@ -33,7 +33,7 @@ from ..errors import (
     summarize_names,
 )
 from .keymap import KeyMap, as_key_map, auto_strip_wrapper_prefix
-from .loadhooks import as_older_weight_norm, post_hooked, replay_load_hooks
+from .loadhooks import Fetch, LoadCodeRun, Replayed, as_older_weight_norm, post_hooked, replay_load_hooks
 from ..skeleton.meta import is_lazy
 from ..skeleton.modtree import named_modules
 from .namehints import mismatch_hint
@@ -41,7 +41,8 @@ from ..integrations.sharded import ShardSpec, refuse_unreadable_placements, shar
 from ..checkpoint.pieces import Stacked, pieces_of
 from .stacking import Chunks, Rearranged, StackSlot, Transposed, cut, deinterleave, rows_of, stack, transpose
 
-Action = Literal["load", "init", "keep"]
+# "code": the model's own load code makes the tensor from checkpoint values (torch's CustomState), once loaded.
+Action = Literal["load", "init", "keep", "code"]
 DtypeRule = Callable[[str, torch.dtype], torch.dtype]  # a model's own say: (name, the dtype it would get) -> its dtype
 
 
@@ -170,6 +171,10 @@ class Plan:
     # prefix added) automatically, in words; "" for none.
     key_map: str = ""
     renamed_by_model: dict[str, str] = field(default_factory=dict)  # by the model's own load code (see loadhooks)
+    # Modules' own load code that takes checkpoint values, run once the tensors are in place (see loadruns), and
+    # the checkpoint entries it reads that are no tensor of the model.
+    load_code_runs: list[LoadCodeRun] = field(default_factory=list)
+    fed_to_load_code: list[str] = field(default_factory=list)
 
     def of(self, action: Action) -> list[Entry]:
         return [e for e in self.entries if e.action == action]
@@ -209,6 +214,8 @@ class Plan:
             "initialized_modules": [name or "<root>" for name, _ in self.init_modules],
             "extra_states": list(self.extra_states),
             "renamed_by_model": self.renamed_by_model,
+            "fed_to_load_code": self.fed_to_load_code,
+            "filled_by_load_code": [e.name for e in self.of("code")],
             "memory": self.fits,
             "dtypes": dict(Counter(dtype_name(e.dtype) for e in self.entries)),
         }
@@ -320,6 +327,23 @@ def _bare(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_ATTRIBUTES)
 
 
+def _follow_load_code(plan: Plan, replayed: Replayed, strays: list[tuple[str, TensorInfo]]) -> None:
+    """What the model's own load code decides: names its override did not call missing or unexpected are
+    not (it made the tensor, or consumed the entry), and code that uses what it reads runs again on the
+    real module once the load is done, with the values it reads (see :mod:`materialize.planning.loadruns`)."""
+    plan.load_code_runs = replayed.runs
+    fed = {info.name for run in replayed.runs for info in run.fed.values()}
+    loaded = {id(entry.source) for entry in plan.entries if entry.action == "load"}
+    plan.fed_to_load_code = sorted({info.name for run in replayed.runs for info in run.fed.values()
+                                    if id(info) not in loaded})  # the others the code moved into the model
+    plan.ignored.extend(info.name for m, info in strays if replayed.left_alone(m, "unexpected") and info.name not in fed)
+    plan.missing = [name for name in plan.missing if not replayed.left_alone(name, "missing")]
+    fills = {name for run in replayed.runs for name in run.fills}
+    for entry in plan.entries:
+        if entry.source is None and entry.action != "load" and set(entry.names) <= fills:
+            entry.action = "code"
+
+
 def _vacant_slots(modules: list[tuple[str, nn.Module]]) -> frozenset[str]:
     """The names of submodules registered as ``None`` (``model.output = None``: a pipeline stage cut as
     torchtitan cuts one)."""
@@ -372,6 +396,7 @@ def make_plan(
     placement: Optional[Callable[[str], Union[torch.device, str]]] = None,
     dtype_rule: Optional[DtypeRule] = None,
     tolerated: Optional[Tolerated] = None,
+    fetch: Optional[Fetch] = None,
 ) -> Plan:
     """Match, group and place every tensor of ``model``; raise what a load would hit.
 
@@ -391,6 +416,10 @@ def make_plan(
     with ``computed_buffers_stand``, so are checkpoint values of buffers the
     model computes). Without it, a non-persistent buffer the checkpoint holds
     is loaded: a plain model's checkpoint is taken to know best.
+
+    ``fetch`` reads the few values the model's own load code needs to decide
+    what it does with names (a saved version number); without it such code
+    stays unrun (see :mod:`materialize.planning.loadhooks`).
     """
     device, dtype, strict, key_map, init = options.device, options.dtype, options.strict, options.key_map, options.init
     ignore_mismatched_sizes = options.ignore_mismatched_sizes
@@ -404,7 +433,7 @@ def make_plan(
                                    f"(they read like {summarize_names(list(ckpt)[:3])})", path=ckpt.path)
     rename = as_key_map(key_map) if key_map is not None else auto_strip_wrapper_prefix(ckpt, model_names)
     to_ckpt = _through_wrappers(_map_checkpoint_names(ckpt, rename), model_names)
-    replayed = replay_load_hooks(modules, to_ckpt, model_names, ckpt.path)
+    replayed = replay_load_hooks(modules, to_ckpt, model_names, ckpt.path, fetch=fetch)
     to_ckpt = as_older_weight_norm(replayed.sources, model_names)
 
     plan = Plan(path=str(ckpt.path), device=device, entries=[], post_hooked=post_hooked(modules),
@@ -435,6 +464,8 @@ def make_plan(
     vacant = _vacant_slots(modules)
     plan.ignored.extend(info.name for m, info in strays if _under(m, vacant))
     strays = [(m, info) for m, info in strays if not _under(m, vacant)]
+    _follow_load_code(plan, replayed, strays)
+    strays = [(m, info) for m, info in strays if not replayed.left_alone(m, "unexpected")]
     plan.unexpected = [info.name for _, info in strays]
     plan.ignored.extend(piece.info.name for info in replayed.dropped for piece in pieces_of(info))
     if tolerated is not None:
@@ -590,12 +621,12 @@ def _counter_older_saves_lack(owners: list[Owner]) -> bool:
 def _refuse_load_code_needing_values(plan: Plan, ckpt: Checkpoint, needs_values: list[tuple[str, str, list[str]]]) -> None:
     """Refuse, strict or not, a load whose names disagree where a module's own load code needs values to agree.
 
-    ``load_state_dict`` runs such code on the values (torch's CustomState
-    test saves ``serialized = param + 1`` and copies ``serialized - 1`` back;
-    a versioned module reads ``int(state_dict.pop("format_version"))``). A
-    load that reads bytes straight into the model cannot, and skipping what
-    the code would consume, or initializing what it would fill, gives another
-    model than the user's, silently: so it is an error, naming the code.
+    Code that still fails with the values planning reads for it (more than
+    the budget for them, or values of the model's own tensors: ``.item()`` of
+    a weight) may rename or consume what it reads: skipping what it would
+    consume, or initializing what it would fill, gives another model than
+    the user's, silently; so it is an error, naming the code. Where names
+    agree without it, it runs on the loaded values once the load is done.
     """
     for prefix, what, read in needs_values:
         inside = f"{prefix}." if prefix else ""
@@ -606,13 +637,24 @@ def _refuse_load_code_needing_values(plan: Plan, ckpt: Checkpoint, needs_values:
             continue
         names = summarize_names(unexpected + missing, limit=4)
         raise KeyMismatchError(
-            f"the model's own load code, {what} of '{prefix or '<root>'}', computes from checkpoint values "
-            f"({names or summarize_names(read, limit=4)}), which a load reading bytes straight into the model "
-            "cannot run; skipping what it reads would load another model than yours. Load this checkpoint with "
-            "torch instead: build the model on the CPU and call model.load_state_dict(torch.load(path, "
-            "weights_only=True))",
+            f"the model's own load code, {what} of '{prefix or '<root>'}', decides from checkpoint values what it "
+            f"does with {names or summarize_names(read, limit=4)}, which a load reading bytes straight into the "
+            f"model cannot follow; skipping what it reads would load another model than yours. {torch_load_hint(ckpt.format)}",
             path=ckpt.path, missing=missing, unexpected=unexpected,
         )
+
+
+def torch_load_hint(checkpoint_format: str) -> str:
+    """How to load a checkpoint of this format with torch instead, in its words."""
+    if checkpoint_format == "safetensors":
+        state = "safetensors.torch.load_file(path)"
+    elif checkpoint_format in ("torch", "torch-module"):
+        state = "torch.load(path, weights_only=True)"
+    else:  # sharded files, a DCP folder: torch's own readers of those
+        return ("Load this checkpoint with torch instead: build the model on the CPU and call model.load_state_dict "
+                "with the state dict its format's own reader makes (transformers' from_pretrained for a sharded "
+                "folder, torch.distributed.checkpoint.load for a DCP save)")
+    return f"Load this checkpoint with torch instead: build the model on the CPU and call model.load_state_dict({state})"
 
 
 def raise_for_mismatch(plan: Plan, path: object, strict: bool, unrun: list[str]) -> None:

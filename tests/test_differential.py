@@ -1523,6 +1523,62 @@ def test_the_cli_and_load_model_run_load_code_taking_values_as_load_state_dict_r
     assert compare_models(model, case.reference("full", strict=True)[0]) == []
 
 
+def test_the_cli_and_load_model_keep_tensor_subclasses(tmp_path):
+    from test_cli import run_cli
+
+    case = Case(SubclassTensors, tmp_path, "safetensors", variants=False)
+    spec = f"{Path(__file__)}:SubclassTensors"
+
+    done = run_cli(case.files["full"], "--model", spec, "--json")
+    assert done.returncode == 0, done.stderr
+
+    reference = case.reference("full", strict=True)[0]
+    model, _ = mz.load_model(case.files["full"], model=spec)  # built by the spec under meta_init
+    on_meta, _ = mz.load_model(case.files["full"], model=_meta_device(SubclassTensors))
+    assert compare_models(model, reference) == [] and compare_models(on_meta, reference) == []
+    assert type(on_meta.shift) is TracedTensor and on_meta.shift.kind == "traced"
+
+
+class Wrapping(torch.Tensor):
+    """A tensor subclass wrapping another (``__torch_dispatch__``), as quantized and two-part tensors are made."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda value: value.inner if isinstance(value, Wrapping) else value  # noqa: E731
+        return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+
+class WithWrapping(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.register_buffer("table", Wrapping(torch.ones(2)))
+
+
+@pytest.mark.parametrize("way", ["meta_device", "cpu"])
+def test_a_tensor_subclass_wrapping_others_is_refused_naming_it_and_torch_loads_it_as_the_error_says(tmp_path, way):
+    path = tmp_path / "m.pt"
+    torch.save({"lin.weight": torch.ones(2, 2), "lin.bias": torch.zeros(2), "table": torch.full((2,), 3.0)}, path)
+    model = build_way(WithWrapping, way)
+
+    with pytest.raises(mz.InitError, match=r"m\.pt: tensor 'table': is a Wrapping, a tensor subclass wrapping "
+                                           r"others") as raised:
+        mz.load(model, path)
+    assert str(raised.value).endswith("build the model on the CPU and call "
+                                      "model.load_state_dict(torch.load(path, weights_only=True))")
+
+    model = WithWrapping()
+    model.load_state_dict(torch.load(path, weights_only=True))
+    assert type(model.table) is Wrapping and torch.equal(model.table.inner, torch.full((2,), 3.0))
+
+
 def test_every_row_of_the_table_is_in_the_readme():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     table = readme[readme.index("## Where a load differs from load_state_dict"):]

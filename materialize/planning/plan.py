@@ -37,7 +37,7 @@ from .loadhooks import Fetch, LoadCodeRun, Replayed, as_older_weight_norm, post_
 from ..skeleton.meta import is_lazy
 from ..skeleton.modtree import named_modules
 from .namehints import mismatch_hint
-from ..integrations.sharded import ShardSpec, refuse_unreadable_placements, shard_region, shard_spec
+from ..integrations.sharded import ShardSpec, is_dtensor, refuse_unreadable_placements, shard_region, shard_spec
 from ..checkpoint.pieces import Stacked, pieces_of
 from .stacking import Chunks, Rearranged, StackSlot, Transposed, cut, deinterleave, rows_of, stack, transpose
 
@@ -327,6 +327,20 @@ def _bare(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_ATTRIBUTES)
 
 
+def _refuse_wrappers(plan: Plan, ckpt: Checkpoint) -> None:
+    """A tensor subclass that wraps others (its own ``__torch_dispatch__``: a quantized or a two-part tensor)
+    holds no memory of its own to read into, and made on meta a view of plain memory as that class would lack
+    what it wraps; ``load_state_dict`` copies into it through its own code. Refused, where it is to be made or
+    loaded, with the way to load it with torch."""
+    for entry in plan.entries:
+        tensor = entry.original
+        if (tensor.is_meta or entry.action == "load") and not is_lazy(tensor) and not is_dtensor(tensor) and \
+                type(tensor).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+            raise InitError(f"is a {type(tensor).__name__}, a tensor subclass wrapping others (its own "
+                            "__torch_dispatch__), which a load reading bytes into plain memory cannot make or fill. "
+                            f"{torch_load_hint(ckpt.format)}", path=ckpt.path, tensor=entry.name)
+
+
 def _follow_load_code(plan: Plan, replayed: Replayed, strays: list[tuple[str, TensorInfo]]) -> None:
     """What the model's own load code decides: names its override did not call missing or unexpected are
     not (it made the tensor, or consumed the entry), and code that uses what it reads runs again on the
@@ -472,6 +486,7 @@ def make_plan(
         _set_aside_tolerated(plan, strays, tolerated)
     _match_extra_states(plan, extra_state_owners, saved_tensors, ckpt, rename, strict, tolerated, vacant)
     _refuse_load_code_needing_values(plan, ckpt, replayed.needs_values)
+    _refuse_wrappers(plan, ckpt)
     plan.strict_after_hooks = strict and bool(plan.post_hooked)
     raise_for_mismatch(plan, ckpt.path, strict and not plan.strict_after_hooks, replayed.unrun)
     _raise_for_unmappable_disk(plan, ckpt)

@@ -33,7 +33,9 @@ def unexpected_to_ignore(ignore_unexpected: IgnoreUnexpected) -> Optional[re.Pat
     if ignore_unexpected is False or ignore_unexpected is None:
         return None
     patterns = [ignore_unexpected] if isinstance(ignore_unexpected, str) else list(ignore_unexpected)
-    if not patterns or not all(isinstance(pattern, str) and pattern for pattern in patterns):
+    if not patterns:
+        return None
+    if not all(isinstance(pattern, str) and pattern for pattern in patterns):
         raise ValueError(f"ignore_unexpected: expected True or regular expressions, got {ignore_unexpected!r}")
     for pattern in patterns:
         try:

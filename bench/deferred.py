@@ -11,7 +11,9 @@ each run a fresh process, the methods taking turns, median of ``--runs`` after a
   construction order, as for this bench's decoder; custom init, buffers drawn between layers, a seed in a
   constructor (``tests/test_deferred.py``'s models) come out otherwise.
 
-A result is verified when a checksum of every tensor equals eager construction's. Writes
+Each child first makes one meta computation, untimed, for every method alike: a process's first one imports
+torch's Python meta kernels (about a second; ``bench.deferred_zoo`` says more), a cost of building on meta at
+all, reported apart. A result is verified when a checksum of every tensor equals eager construction's. Writes
 ``bench/results/bench-deferred-<config>.md`` and ``.json``.
 """
 
@@ -58,6 +60,11 @@ def child(method: str, config: str) -> dict:
     from materialize.skeleton.spec import resolve_factory
 
     factory, args = resolve_factory(config)
+    # torch imports its Python meta kernels (torch._dynamo, the decompositions) at a process's first meta
+    # computation: about a second, once, whatever builds on meta. Paid here by every method alike, and reported.
+    started = time.perf_counter()
+    torch.ones(3, device="meta").cos()
+    meta_import_s = time.perf_counter() - started
     before = _rss_bytes()
     torch.manual_seed(0)
     started = time.perf_counter()
@@ -79,7 +86,7 @@ def child(method: str, config: str) -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     model_bytes = sum(t.numel() * t.element_size() for t in {**dict(model.named_parameters()), **dict(model.named_buffers())}.values())
     return {"load_s": seconds, "recorded_s": recorded_s, "rss_growth": peak - before, "model_bytes": model_bytes,
-            "checksum": _checksum(model)}
+            "checksum": _checksum(model), "meta_import_s": meta_import_s}
 
 
 def run(method: str, config: str, expected: dict) -> dict:
@@ -109,12 +116,17 @@ def main() -> None:
         name = f"bench-deferred-{Path(config).stem.removeprefix('bench-')}"
         rows = results["deferred_init + materialize"]
         recorded = sorted(row["recorded_s"] for row in rows)[len(rows) // 2]
+        eager = sorted(row["load_s"] for row in results["eager construction"])[len(rows) // 2]
+        meta_import = sorted(row["meta_import_s"] for row in rows)[len(rows) // 2]
         model_bytes = rows[0]["model_bytes"]
         intro = (f"Making `{config}` from scratch in fp32 on the CPU (model {model_bytes / 1e9:.2f} GB), "
                  f"{torch.get_num_threads()} threads; median of {args.runs} runs in fresh processes, methods in turns. "
-                 f"Recording alone: {recorded:.3f} s. Verified: every tensor's checksum equals eager construction's.")
+                 f"Recording alone: {recorded:.3f} s ({recorded / eager:.2f}x eager construction). Before the timer, "
+                 f"each process makes one meta computation, which imports torch's meta kernels: {meta_import:.2f} s, "
+                 "once a process, for any construction on meta. Verified: every tensor's checksum equals eager "
+                 "construction's.")
         write_table(args.out, name, intro, results, lambda label: "eager construction", "vs eager",
-                    {"config": config, "model_bytes": model_bytes, "recorded_s": recorded})
+                    {"config": config, "model_bytes": model_bytes, "recorded_s": recorded, "meta_import_s": meta_import})
 
 
 if __name__ == "__main__":

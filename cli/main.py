@@ -15,7 +15,7 @@ from materialize.errors import summarize_names
 from materialize.sizes import format_bytes
 
 from ._errors import one_line
-from .params import DEVICE, DEVICE_MAP, DTYPE, MAX_MEMORY, MODEL_ARG, RENAME, SIZE
+from .params import DEVICE, DEVICE_MAP, DTYPE, MAX_MEMORY, MODEL_ARG, REGEX, RENAME, SIZE
 from .progress import progress_for
 
 if TYPE_CHECKING:
@@ -90,6 +90,10 @@ model_options = [
     click.option("--strict/--no-strict", default=True, show_default=True, help="Missing or unexpected tensors are an error; --no-strict initializes missing ones."),
     click.option("--ignore-mismatched-sizes", is_flag=True,
                  help="Initialize, instead of loading, tensors whose checkpoint shape differs (a new head)."),
+    click.option("--ignore-unexpected", is_flag=True,
+                 help="Leave the checkpoint's tensors the model lacks unread (a pipeline stage), still requiring all of the model's."),
+    click.option("--ignore-unexpected-matching", "ignore_unexpected_patterns", type=REGEX, multiple=True, metavar="REGEX",
+                 help="Leave unread the unexpected checkpoint tensors whose names this finds (repeatable)."),
     click.option("--strip-prefix", metavar="PREFIX", help="Remove PREFIX from checkpoint names (e.g. 'model.')."),
     click.option("--add-prefix", metavar="PREFIX", help="Prepend PREFIX to checkpoint names."),
     click.option("--rename", "renames", type=RENAME, multiple=True, help="Regex rename of checkpoint names, applied in order after --strip-prefix."),
@@ -124,11 +128,14 @@ def key_map_from(strip_prefix: Optional[str], add_prefix: Optional[str], renames
 
 def library_keywords(options: dict[str, Any]) -> dict[str, Any]:
     """The library's keyword arguments for the options ``load`` and ``plan`` share (and those only ``load``
-    has): the same names, but for the model spec and its arguments, and the renames, which make one key map."""
+    has): the same names, but for the model spec and its arguments, the renames, which make one key map, and
+    the two ways to ignore unexpected tensors, which make one ``ignore_unexpected``."""
     keywords = dict(options)
     keywords["key_map"] = key_map_from(keywords.pop("strip_prefix"), keywords.pop("add_prefix"), keywords.pop("renames"))
     keywords["model"] = keywords.pop("model_spec")
     keywords["model_args"] = dict(keywords.pop("model_args"))
+    patterns = list(keywords.pop("ignore_unexpected_patterns"))
+    keywords["ignore_unexpected"] = True if keywords["ignore_unexpected"] else (patterns or False)
     return keywords
 
 
@@ -237,7 +244,8 @@ def _inspect_text(ckpt: mz.Checkpoint) -> str:
 @checkpoint_argument
 @with_options(model_options + memory_options)
 def plan_command(checkpoint: str, as_json: bool, debug: bool, **options: Any) -> None:
-    """What a load would do: per-device bytes, ties, missing and unexpected; reads no tensor data."""
+    """What a load would do: per-device bytes, ties, missing and unexpected; reads no tensor data (but the few
+    values a model's own load code asks for, 1 MiB at most)."""
 
     def action() -> None:
         keywords = library_keywords(options)
@@ -306,6 +314,10 @@ def _plan_text(summary: dict[str, Any]) -> str:
     for key in ("missing", "unexpected", "ignored"):
         if summary[key]:
             lines.append(f"{key:<12} {', '.join(summary[key])}")
+    if summary["fed_to_load_code"]:
+        lines.append(f"load code    reads {', '.join(summary['fed_to_load_code'])} (the model's own, run once loaded)")
+    if summary["filled_by_load_code"]:
+        lines.append(f"made by code {', '.join(summary['filled_by_load_code'])} (the model's own load code)")
     renames = [f"{old} -> {new}" for old, new in summary["renamed_by_model"].items()]
     if renames:
         lines.append(f"renamed      {summarize_names(renames)} (by the model's own load code)")

@@ -84,6 +84,21 @@ class RenameType(click.ParamType):
         return pattern, replacement
 
 
+class RegexType(click.ParamType):
+    """A regular expression, checked as it is typed."""
+
+    name = "regex"
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> str:
+        try:
+            re.compile(str(value))
+        except re.error as exc:
+            self.fail(f"{value!r} is not a valid regular expression: {exc}", param, ctx)
+        if not value:
+            self.fail("an empty expression finds every name: pass --ignore-unexpected for that", param, ctx)
+        return str(value)
+
+
 class SizeType(click.ParamType):
     name = "size"
 
@@ -139,5 +154,6 @@ DEVICE_MAP = DeviceMapType()
 MAX_MEMORY = MaxMemoryType()
 SIZE = SizeType()
 RENAME = RenameType()
+REGEX = RegexType()
 DEVICE = DeviceType()
 MODEL_ARG = ModelArgType()

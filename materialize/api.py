@@ -37,7 +37,7 @@ from .loading import (
 )
 from .io.peak import PeakMemory
 from .planning.plan import InitFn, Plan
-from .options import PlanOptions, ProgressFn, ReadOptions
+from .options import IgnoreUnexpected, PlanOptions, ProgressFn, ReadOptions, unexpected_to_ignore
 from .report import Report
 from .sanitizer import nonfinite
 from .skeleton.deferred import program_of
@@ -69,8 +69,10 @@ def plan(
     mmap: bool = False,
     staging_bytes: Optional[int] = None,
     ignore_mismatched_sizes: bool = False,
+    ignore_unexpected: IgnoreUnexpected = False,
 ) -> Plan:
-    """What :func:`load` would do, without reading any tensor data.
+    """What :func:`load` would do, without reading any tensor data (but the few values a model's own load code
+    asks for to decide what it does with names, a saved version number: 1 MiB at most).
 
     ``model`` is a module or anything :func:`load_model` accepts as one
     (a spec, ``"hf:ClassName"``, or ``None`` for a Hugging Face folder or a
@@ -88,7 +90,7 @@ def plan(
         options = PlanOptions(
             device=resolve_device(device if device is not None else default_device(skeleton)), dtype=parse_dtype(dtype),
             strict=strict, key_map=key_map, init=init, ignore_mismatched_sizes=ignore_mismatched_sizes,
-            device_map=device_map, max_memory=max_memory,
+            ignore_unexpected=unexpected_to_ignore(ignore_unexpected), device_map=device_map, max_memory=max_memory,
         )
         the_plan, _, _ = planned(skeleton, ckpt, options)
     the_plan.fits = fit_report(the_plan, mmap=mmap, staging_bytes=staging_bytes)
@@ -210,7 +212,8 @@ def load_model(
         if skeleton is None:
             if load_options.get("device_map") is not None:
                 raise ModelRequiredError("a device map needs a model to place: pass one (CLI: --model SPEC)", path=ckpt.path)
-            for option in ("strict", "key_map", "init", "device_map", "max_memory", "check", "ignore_mismatched_sizes"):
+            for option in ("strict", "key_map", "init", "device_map", "max_memory", "check", "ignore_mismatched_sizes",
+                           "ignore_unexpected"):
                 load_options.pop(option, None)
             return load_tensors(ckpt, **load_options)
         return skeleton, load(skeleton, ckpt, **load_options)
@@ -308,13 +311,15 @@ def materialize(model: nn.Module, *, device: Optional[DeviceLike] = None) -> nn.
                     made[id(tensor)] = targets[name] = empty_destination(
                         tuple(tensor.shape), dtype=tensor.dtype, device=target, name=name, stride=tuple(tensor.stride()))
     replay(program, targets, target)
-    as_placed: dict[int, torch.Tensor] = {}  # a tie is one object, as a parameter or a buffer
+    registered: dict[tuple[str, int], torch.Tensor] = {}  # (registry, id of the model's tensor) -> what it holds now
     for module, registry, attr, tensor in slots:
-        value = made[id(tensor)]
-        if id(tensor) not in as_placed:
-            as_placed[id(tensor)] = (value if value is tensor
-                                     else parameter_like(tensor, value, tensor.requires_grad)
-                                     if registry == "_parameters" else buffer_like(tensor, value))
-        getattr(module, registry)[attr] = as_placed[id(tensor)]
+        key = (registry, id(tensor))
+        if key not in registered:
+            value = made[id(tensor)]
+            if value is not tensor:  # keeps the model's class and attributes, as load_state_dict keeps its objects
+                value = (parameter_like(tensor, value, tensor.requires_grad) if registry == "_parameters"
+                         else buffer_like(tensor, value))
+            registered[key] = value
+        getattr(module, registry)[attr] = registered[key]
     refresh_flat_weights(model)
     return model

@@ -8,18 +8,19 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 from torch import nn
 
 from .io.capacity import expected_peak_host_bytes
-from .checkpoint import Checkpoint, open_checkpoint
+from .checkpoint import Checkpoint, TensorInfo, open_checkpoint
 from .integrations.devicemap import DeviceMapLike, Placement, compute_device_map
 from .dtypes import dtype_name, parse_dtype
 from .checkpoint.pieces import Job
-from .errors import AllocationError, MaterializeError, SanitizerError, StateDictKeyError, summarize_names
+from .errors import AllocationError, InitError, MaterializeError, SanitizerError, StateDictKeyError, summarize_names
 from .planning.extrastate import extra_state_reads, hand_over
+from .planning.loadruns import VALUES_BUDGET, load_code_reads, run_load_code
 from .io.executor import Reads, reads
 from .io.replay import ReplayInit
 from .skeleton.deferred import program_of
@@ -33,9 +34,9 @@ from .checkpoint.base import contiguous_strides
 from .skeleton.meta import buffer_like, is_lazy, parameter_like, shared_memory_asked
 from .skeleton.modtree import named_modules
 from .planning.plan import DtypeRule, Entry, InitFn, Plan, Tolerated, initializer_of, make_plan, raise_for_mismatch
-from .options import PlanOptions, ProgressFn, ReadOptions
+from .options import IgnoreUnexpected, PlanOptions, ProgressFn, ReadOptions, unexpected_to_ignore
 from .report import Report
-from .sanitizer import audit, nonfinite, poison
+from .sanitizer import audit, is_poisoned, nonfinite, poison
 from .integrations.sharded import is_dtensor, local_of
 from .planning.ties import TieSettling, compared_before_allocating
 from .io.transfer import resolve_device
@@ -68,18 +69,20 @@ def _model_defaults(
     model: nn.Module, options: PlanOptions
 ) -> tuple[PlanOptions, Optional[DtypeRule], Optional[Tolerated]]:
     """transformers models bring their own key renames and init (unless the caller gave others), fp32 lists,
-    and the missing and unexpected names they declare expected."""
+    and the missing and unexpected names they declare expected; the unexpected names the caller ignores
+    join those."""
     program = program_of(model)
     if program is not None and options.init is None:  # recorded by deferred_init: made as eager construction made it
         options = dataclasses.replace(options, init=ReplayInit(program))
     if not is_hf_model(model):
-        return options, None, None
+        asked = Tolerated(unexpected=options.ignore_unexpected) if options.ignore_unexpected is not None else None
+        return options, None, asked
     options = dataclasses.replace(
         options,
         key_map=options.key_map if options.key_map is not None else hf_key_map(model),
         init=options.init if options.init is not None else hf_init(model),
     )
-    return options, hf_dtype_rule(model), hf_tolerated(model)
+    return options, hf_dtype_rule(model), hf_tolerated(model).also_unexpected(options.ignore_unexpected)
 
 
 @gc_paused
@@ -104,6 +107,7 @@ def load(
     progress: Optional[ProgressFn] = None,
     direct_io: bool = False,
     ignore_mismatched_sizes: bool = False,
+    ignore_unexpected: IgnoreUnexpected = False,
 ) -> Report:
     """Materialize ``model`` on ``device`` from ``checkpoint``, each tensor allocated once.
 
@@ -138,6 +142,13 @@ def load(
             initialized instead, as ``from_pretrained`` does with the same
             option; listed in ``report.reinitialized``. Otherwise it is a
             :class:`ShapeMismatchError`.
+        ignore_unexpected: leave checkpoint tensors the model does not have
+            unread, listed in ``report.ignored`` instead of
+            ``report.unexpected``, while a strict load still requires every
+            tensor of the model: ``True`` for all of them (a pipeline stage,
+            which holds part of the model, loading the whole model's
+            checkpoint), or regular expressions searched in checkpoint names
+            for some (as transformers' ``_keys_to_ignore_on_load_unexpected``).
         trust_pickle: see :func:`open_checkpoint`.
         state_dict_key: the entry of a training checkpoint that holds the
             model's state, where it holds several (see :func:`open_checkpoint`).
@@ -178,7 +189,7 @@ def load(
     options = PlanOptions(
         device=resolve_device(device if device is not None else default_device(model)), dtype=parse_dtype(dtype),
         strict=strict, key_map=key_map, init=init, ignore_mismatched_sizes=ignore_mismatched_sizes,
-        device_map=device_map, max_memory=max_memory,
+        ignore_unexpected=unexpected_to_ignore(ignore_unexpected), device_map=device_map, max_memory=max_memory,
     )
     read = ReadOptions(mmap=mmap, staging_bytes=staging_bytes, allow_overflow=allow_overflow, check=check,
                        check_finite=check_finite, progress=progress, direct_io=direct_io)
@@ -235,7 +246,26 @@ def planned(model: nn.Module, ckpt: Checkpoint, options: PlanOptions) -> tuple[P
     map and init), those options, and where a device map places each tensor."""
     options, dtype_rule, tolerated = _model_defaults(model, options)
     placement = _placement_for(model, ckpt, options)
-    return make_plan(model, ckpt, options, placement=placement, dtype_rule=dtype_rule, tolerated=tolerated), options, placement
+    the_plan = make_plan(model, ckpt, options, placement=placement, dtype_rule=dtype_rule, tolerated=tolerated,
+                         fetch=_value_reader(ckpt))
+    return the_plan, options, placement
+
+
+def _value_reader(ckpt: Checkpoint) -> Callable[[TensorInfo], Optional[torch.Tensor]]:
+    """Reads of the few checkpoint values a model's own load code needs while planning (a saved version
+    number), onto the CPU, as ``load_state_dict`` hands them to it; ``None`` past :data:`VALUES_BUDGET` in all."""
+    left = [VALUES_BUDGET]
+
+    def fetch(info: TensorInfo) -> Optional[torch.Tensor]:
+        if type(info) is not TensorInfo or info.nbytes > left[0]:  # a stacked or rearranged source: not a saved value
+            return None
+        left[0] -= info.nbytes
+        value = torch.empty(info.shape, dtype=info.dtype)
+        with reads(ckpt.files, ReadOptions()) as reader:
+            reader.read([Job(value, info)])
+        return value
+
+    return fetch
 
 
 def _placement_for(model: nn.Module, ckpt: Checkpoint, options: PlanOptions) -> Optional[Placement]:
@@ -280,6 +310,7 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
 
     devices_written = {the_plan.device, *(entry.device for entry in the_plan.entries)}  # a device map's, a mesh's
     in_place: list[str] = []  # the model's own tensors, once the reads into them have begun
+    grad_mode = torch.is_grad_enabled()  # the caller's, in which load_state_dict would run the model's load code
     with PeakMemory(devices_written) as memory, torch.no_grad():
         try:
             compared_in_file = compared_before_allocating(the_plan, mmap)
@@ -288,6 +319,7 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
                 for job in _materialize_entry(entry, undo, reader, mmap, mapped, check)
             ]
             extra_jobs, extra_states = extra_state_reads(the_plan)
+            fed_jobs, fed_values = load_code_reads(the_plan)
             if isinstance(init, ReplayInit):
                 init.fill(the_plan)
             else:
@@ -298,10 +330,14 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
                         initializer_of(module, computed_only=True)()  # planning made sure the module has one
             in_place = [entry.name for entry in the_plan.entries
                         if entry.action == "load" and not entry.original.is_meta and entry.held() is entry.original]
-            reader.read(jobs + extra_jobs, progress=read_options.progress)
+            reader.read(jobs + extra_jobs + fed_jobs, progress=read_options.progress)
             ties = TieSettling(the_plan, compared_in_file, reader.read, undo, allow_overflow=allow_overflow,
                                allocate=lambda entry: _materialize_entry(entry, undo, None, False, [], check))
             retied, untied = ties.settle()
+            if the_plan.load_code_runs:
+                with torch.set_grad_enabled(grad_mode):
+                    run_load_code(the_plan, fed_values, ckpt.format)
+                _refuse_unfilled(the_plan)
             compared = {index for check in the_plan.tie_checks for index in check}  # reported by the settling
             registered = [(entry, entry.held()) for entry in the_plan.entries]
             if reader.counted is not None:
@@ -325,6 +361,8 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
         unexpected=list(the_plan.unexpected),
         ignored=list(the_plan.ignored),
         reinitialized=list(the_plan.reinitialized),
+        fed_to_load_code=list(the_plan.fed_to_load_code),
+        filled_by_load_code=[e.name for e in the_plan.of("code")],
         key_map=the_plan.key_map,
         tied=[list(entry.names) for index, entry in enumerate(the_plan.entries)
               if len(entry.names) > 1 and index not in compared] + retied,
@@ -334,6 +372,17 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
         nonfinite=(nonfinite((entry.name, local_of(tensor)) for entry, tensor in registered)
                    if read_options.check_finite else []),
     )
+
+
+def _refuse_unfilled(plan: Plan) -> None:
+    """A tensor the load allocated for the model's own load code to make (poisoned until then) that the code
+    left unwritten holds no value: an error naming it."""
+    unfilled = [entry.name for entry in plan.of("code")
+                if entry.held() is not entry.original and is_poisoned(local_of(entry.held()))]
+    if unfilled:
+        raise InitError(f"the model's own load code was to make {summarize_names(unfilled)} (it does not call them "
+                        "missing) and left them unwritten: built on meta they hold no value; build the model on the "
+                        "CPU, or pass a checkpoint that holds them", path=plan.path)
 
 
 def _tell_what_stays_overwritten(error: BaseException, in_place: list[str]) -> None:
@@ -414,8 +463,8 @@ def _materialize_entry(
             tensor.share_memory_()  # empty yet: moving it costs no copy of values
     sharded = entry.shard is not None
     local = local_of(tensor) if sharded else tensor  # what this process fills: a DTensor's shard on this rank
-    if check and view is None and entry.action != "keep":
-        poison(local)  # whatever is not written later is caught by the audit
+    if (check and view is None and entry.action != "keep") or (entry.action == "code" and tensor is not original):
+        poison(local)  # whatever is not written later is caught by the audit (the load code's, by _refuse_unfilled)
     if sharded and not is_dtensor(tensor):
         tensor = entry.shard.wrap(tensor)
     if tensor is not original and isinstance(original, nn.Parameter):

@@ -24,8 +24,13 @@ class Report:
     nonfinite: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
-    ignored: list[str] = field(default_factory=list)  # in the checkpoint, and declared by the model as not loaded
+    # In the checkpoint, left unread: declared by the model as not loaded, or ignored as asked (ignore_unexpected).
+    ignored: list[str] = field(default_factory=list)
     reinitialized: list[str] = field(default_factory=list)  # in the checkpoint in another shape (ignore_mismatched_sizes)
+    # Checkpoint entries that are no tensor of the model, read for the model's own load code (a saved version), and
+    # the model's tensors that code made from checkpoint values (torch's CustomState).
+    fed_to_load_code: list[str] = field(default_factory=list)
+    filled_by_load_code: list[str] = field(default_factory=list)
     key_map: str = ""  # how checkpoint names were renamed (a wrapper's "module." stripped, say), in words
     tied: list[list[str]] = field(default_factory=list)
     untied: list[list[str]] = field(default_factory=list)  # tied by the model, loaded apart: the checkpoint's values differ
@@ -59,6 +64,8 @@ class Report:
             "unexpected": self.unexpected,
             "ignored": self.ignored,
             "reinitialized": self.reinitialized,
+            "fed_to_load_code": self.fed_to_load_code,
+            "filled_by_load_code": self.filled_by_load_code,
             "key_map": self.key_map,
             "tied": self.tied,
             "untied": self.untied,
@@ -86,8 +93,10 @@ class Report:
             ("tied groups", str(len(self.tied))),
             *((("untied (checkpoint differs)", str(len(self.untied))),) if self.untied else ()),
             ("unexpected (skipped)", str(len(self.unexpected))),
-            *((("ignored (as the model declares)", str(len(self.ignored))),) if self.ignored else ()),
+            *((("ignored (left unread)", str(len(self.ignored))),) if self.ignored else ()),
             *((("reinitialized (other shape)", str(len(self.reinitialized))),) if self.reinitialized else ()),
+            *((("read for the model's load code", str(len(self.fed_to_load_code))),) if self.fed_to_load_code else ()),
+            *((("made by the model's load code", str(len(self.filled_by_load_code))),) if self.filled_by_load_code else ()),
             *((("names renamed", self.key_map),) if self.key_map else ()),
             ("dtypes", ", ".join(f"{name} x{count}" for name, count in sorted(self.dtypes.items())) or "-"),
             ("model size", format_bytes(self.model_bytes)),

@@ -95,16 +95,17 @@ def tokens() -> torch.Tensor:
 SHARDED_WORKER = Path(__file__).with_name("sharded_worker.py")
 
 
-def run_ranks(scenario: str, checkpoint: Path, workdir: Path, world: int = 2) -> list[dict]:
-    """Run a scenario of ``sharded_worker.py`` on ``world`` real processes (gloo over a file store); each rank's findings."""
+def run_ranks(scenario: str, checkpoint: Path, workdir: Path, world: int = 2, worker: Path = SHARDED_WORKER) -> list[dict]:
+    """Run a scenario of ``worker`` (``sharded_worker.py``, or another taking the same arguments) on ``world`` real
+    processes (gloo over a file store); each rank's findings."""
     workdir.mkdir(parents=True, exist_ok=True)
     store = workdir / "store"
     outs = [workdir / f"rank{rank}.json" for rank in range(world)]
     root = str(SHARDED_WORKER.parent.parent)  # bench/ (the tiny model's module) importable, as in this process
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     processes = [
-        subprocess.Popen([sys.executable, str(SHARDED_WORKER), scenario, str(checkpoint), str(store), str(rank), str(world),
-                          str(out)], cwd=SHARDED_WORKER.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        subprocess.Popen([sys.executable, str(worker), scenario, str(checkpoint), str(store), str(rank), str(world),
+                          str(out)], cwd=worker.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env=env)
         for rank, out in enumerate(outs)
     ]

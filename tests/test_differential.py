@@ -22,6 +22,7 @@ property test does the same on random trees of torch.nn layers.
 
 from __future__ import annotations
 
+import json
 import re
 import zlib
 from dataclasses import dataclass
@@ -273,6 +274,32 @@ def _tf_subclass():
     return WithTorchFunctionParam()
 
 
+class SubclassTensors(nn.Module):
+    """Tensor subclasses in every registry: a ``__torch_function__`` parameter and buffer, an ``nn.Parameter``
+    subclass, a buffer carrying an attribute. ``load_state_dict`` copies into them, so they keep their class."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.lin.weight = TaggedParameter(torch.randn(4, 4) * 0.3, tag="lora_B")
+        self.scale = nn.Parameter(torch.ones(4).as_subclass(TracedTensor))
+        self.register_buffer("shift", torch.zeros(4).as_subclass(TracedTensor))
+        self.shift.kind = "traced"
+
+    def reset_parameters(self):  # what the constructor sets: a load on meta initializes a missing one so
+        with torch.no_grad():
+            self.scale.fill_(1.0)
+            self.shift.zero_()
+
+    def forward(self, x):
+        return self.lin(x) * self.scale + self.shift
+
+
+@scenario("tensor_subclass_parameter_and_buffer", randn(2, 4))
+def _subclass_tensors():
+    return SubclassTensors()
+
+
 class TinyResNet(nn.Module):
     def __init__(self):
         super().__init__()
@@ -422,6 +449,140 @@ class LegacyModel(nn.Module):
           edit_file=lambda sd: {**sd, "block.legacy_scale": torch.full((4,), 2.0)})
 def _drops_legacy():
     return LegacyModel()
+
+
+class Trimmed(nn.Module):
+    """A submodule set to None after construction (a pipeline stage's head, cut as torchtitan cuts it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+        self.head = None
+
+    def forward(self, x):
+        return self.body(x)
+
+
+# The whole model's file: load_state_dict neither loads what lies in the vacant slot nor calls it unexpected.
+@scenario("submodule_set_to_none", randn(2, 4),
+          edit_file=lambda sd: {**sd, "head.weight": torch.full((2, 4), 0.5), "head.bias": torch.zeros(2)})
+def _trimmed():
+    return Trimmed()
+
+
+class KeepsScale(nn.Module):
+    """Saves a plain tensor attribute beside its parameters and takes it back, popped, in its load code: code
+    that uses what it reads, with no error on names alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = torch.ones(4)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "scale"] = self.scale
+
+    def _load_from_state_dict(self, state_dict, prefix, *rest):
+        self.scale = state_dict.pop(prefix + "scale")
+        super()._load_from_state_dict(state_dict, prefix, *rest)
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+class KeepsScaleModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = KeepsScale()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+def _set_scale(model):
+    model.block.scale = torch.tensor([0.5, 1.5, 2.5, 3.5])
+
+
+@scenario("load_from_state_dict_keeps_popped_tensor", randn(2, 4), mutate=_set_scale)
+def _keeps_scale():
+    return KeepsScaleModel()
+
+
+class Upgrading(nn.Module):
+    """Reads the format version it saved and renames what a version-1 save called otherwise: what it does with
+    names depends on a value."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "format_version"] = torch.tensor(2)
+
+    def _load_from_state_dict(self, state_dict, prefix, *rest):
+        if int(state_dict.pop(prefix + "format_version", torch.tensor(2))) < 2:
+            for kind in ("weight", "bias"):
+                if f"{prefix}fc.{kind}" in state_dict:
+                    state_dict[f"{prefix}proj.{kind}"] = state_dict.pop(f"{prefix}fc.{kind}")
+        super()._load_from_state_dict(state_dict, prefix, *rest)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+class UpgradingModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Upgrading()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+def _as_version_1(state):
+    older = {name.replace("block.proj.", "block.fc."): value for name, value in state.items()}
+    return {**older, "block.format_version": torch.tensor(1)}
+
+
+@scenario("load_from_state_dict_renames_by_saved_version", randn(2, 4), edit_file=_as_version_1)
+def _upgrading():
+    return UpgradingModel()
+
+
+def _read_calibration(module, state_dict, prefix, *rest):
+    if prefix + "calibration" in state_dict:
+        module.calibration = float(state_dict.pop(prefix + "calibration"))
+
+
+class Calibrated(nn.Module):
+    """A load pre-hook (not an override) that sets its module's attribute from a value it consumes."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calibration = 1.0
+        self.register_load_state_dict_pre_hook(_read_calibration)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "calibration"] = torch.tensor(self.calibration)
+
+    def forward(self, x):
+        return self.lin(x) * self.calibration
+
+
+def _calibrate(model):
+    model.calibration = 0.75
+
+
+@scenario("load_pre_hook_consumes_value", randn(2, 4), mutate=_calibrate)
+def _calibrated():
+    return Calibrated()
 
 
 class MovesItself(nn.Module):
@@ -1215,15 +1376,12 @@ DELIBERATE = [
     Deliberate("A tensor the checkpoint lacks has no value on meta",
                frozenset({"non_persistent_buffers", "post_hook_clears_missing"}), frozenset({"meta_device"}),
                (r"InitError: .*no initializer for",)),
-    Deliberate("Load code that computes from checkpoint values is refused",
-               frozenset({"custom_state_serialized_key", "load_from_state_dict_consumes_value"}),
-               frozenset({"meta_init", "cpu", "accelerate", "meta_device", "deferred"}),
-               (r"the model's own load code, \w+\._load_from_state_dict.* computes from checkpoint values",)),
     Deliberate("What init_empty_weights or torch.device('meta') cannot build",
                frozenset({"constructor_calls_to_cpu"}), frozenset({"accelerate", "meta_device"}),
                (r"^\[build\] building under \w+ raised",), build=True),
     Deliberate("What init_empty_weights or torch.device('meta') cannot build",
-               frozenset({"torch_function_subclass_parameter"}), frozenset({"accelerate"}),
+               frozenset({"torch_function_subclass_parameter", "tensor_subclass_parameter_and_buffer"}),
+               frozenset({"accelerate"}),
                (r"^\[build\] building under \w+ raised",), build=True),
     Deliberate("What init_empty_weights or torch.device('meta') cannot build",
                frozenset({"tied_embedding_head", "tied_head_registered_first"}), frozenset({"accelerate"}),
@@ -1250,6 +1408,175 @@ def unexplained(name: str, way: str, found: list[str]) -> list[str]:
 def test_loaded_model_is_the_model(cases, name, fmt, way):
     found = unexplained(name, way, differences(cases(name, fmt), way))
     assert not found, f"{len(found)} difference(s):\n  " + "\n  ".join(found)
+
+
+@pytest.mark.parametrize("name", ["tensor_subclass_parameter_and_buffer", "parameter_subclass"])
+def test_materialize_keeps_the_classes_and_attributes_of_tensor_subclasses(name):
+    build = SCENARIOS[name].build
+    torch.manual_seed(BUILD_SEED)
+    recorded = mz.deferred_init(build)
+
+    mz.materialize(recorded)
+
+    assert compare_models(recorded, seeded(build, BUILD_SEED)) == []
+
+
+# --------------------------------------------------------------------------------------------------
+# What the zoo's refusals offer, followed: each way out gives the model load_state_dict gives
+# --------------------------------------------------------------------------------------------------
+
+
+def _meta_device(build: Callable[[], nn.Module]) -> nn.Module:
+    return build_way(build, "meta_device")
+
+
+def _set_cache(module: nn.Module) -> None:
+    if isinstance(module, WithCache):
+        module.cache.fill_(0.25)
+
+
+class ResettableCache(WithCache):
+    def reset_parameters(self):
+        with torch.no_grad():
+            self.cache.fill_(0.25)
+
+
+def _post_hooked_resettable():
+    model = PostHooked()
+    model.block = ResettableCache()
+    return model
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_tensor_a_post_hook_forgives_without_a_value_on_meta_is_refused_and_each_way_offered_gives_torchs_model(
+        tmp_path, fmt):
+    s = SCENARIOS["post_hook_clears_missing"]
+    case = Case(s.build, tmp_path, fmt, edit_file=s.edit_file, variants=False)
+    ref, ref_out, _ = case.reference("full", strict=True)
+    assert ref_out.error is None  # torch loads it: the hook clears block.cache from missing_keys
+
+    refused = _meta_device(s.build)
+    with pytest.raises(mz.InitError, match=r"no initializer for block\.cache: .*load post-hook may forgive") as raised:
+        mz.load(refused, case.files["full"])
+    assert "\n" not in str(raised.value) and str(case.files["full"]) in str(raised.value)
+    for offered in ("mz.meta_init()", "mz.deferred_init(", "init=fn(module)"):
+        assert offered in str(raised.value)
+    assert all(t.is_meta for t in refused.parameters())
+
+    for way in ("meta_init", "deferred"):
+        got = build_way(s.build, way)
+        report = mz.load(got, case.files["full"])
+        assert report.missing == [] and compare_models(got, ref) == [], way
+    got = _meta_device(s.build)
+    report = mz.load(got, case.files["full"], init=_set_cache)
+    assert report.initialized == ["block.cache"] and report.missing == []
+    assert compare_models(got, ref) == []
+
+
+def test_a_tensor_a_post_hook_forgives_on_meta_is_initialized_by_its_module_and_reported(tmp_path):
+    case = Case(_post_hooked_resettable, tmp_path, "safetensors",
+                edit_file=SCENARIOS["post_hook_clears_missing"].edit_file, variants=False)
+    ref, ref_out, _ = case.reference("full", strict=True)
+
+    got = _meta_device(_post_hooked_resettable)
+    report = mz.load(got, case.files["full"])
+
+    assert ref_out.error is None and ref_out.missing == []
+    assert report.missing == [] and report.initialized == ["block.cache"]
+    assert compare_models(got, ref) == []
+
+
+def test_the_cli_and_load_model_load_a_checkpoint_a_post_hook_completes(tmp_path):
+    from test_cli import run_cli
+
+    s = SCENARIOS["post_hook_clears_missing"]
+    case = Case(s.build, tmp_path, "safetensors", edit_file=s.edit_file, variants=False)
+    spec = f"{Path(__file__)}:PostHooked"
+
+    done = run_cli(case.files["full"], "--model", spec, "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["missing"] == []
+
+    model, report = mz.load_model(case.files["full"], model=spec)
+    assert report.missing == [] and compare_models(model, case.reference("full", strict=True)[0]) == []
+
+
+@pytest.mark.parametrize("name, class_name, fed", [
+    ("load_from_state_dict_consumes_value", "VersionedModel", ["block.format_version"]),
+    ("load_from_state_dict_keeps_popped_tensor", "KeepsScaleModel", ["block.scale"]),
+    ("custom_state_serialized_key", "CustomState", ["serialized"]),
+    ("load_from_state_dict_renames_by_saved_version", "UpgradingModel", ["block.format_version"]),
+])
+def test_the_cli_and_load_model_run_load_code_taking_values_as_load_state_dict_runs_it(tmp_path, name, class_name, fed):
+    from test_cli import run_cli
+
+    s = SCENARIOS[name]
+    case = Case(s.build, tmp_path, "safetensors", mutate=s.mutate, edit_file=s.edit_file, variants=False)
+    spec = f"{Path(__file__)}:{class_name}"
+
+    done = run_cli(case.files["full"], "--model", spec, "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["fed_to_load_code"] == fed
+
+    model, report = mz.load_model(case.files["full"], model=spec)
+    assert report.fed_to_load_code == fed and report.unexpected == report.missing == []
+    assert compare_models(model, case.reference("full", strict=True)[0]) == []
+
+
+def test_the_cli_and_load_model_keep_tensor_subclasses(tmp_path):
+    from test_cli import run_cli
+
+    case = Case(SubclassTensors, tmp_path, "safetensors", variants=False)
+    spec = f"{Path(__file__)}:SubclassTensors"
+
+    done = run_cli(case.files["full"], "--model", spec, "--json")
+    assert done.returncode == 0, done.stderr
+
+    reference = case.reference("full", strict=True)[0]
+    model, _ = mz.load_model(case.files["full"], model=spec)  # built by the spec under meta_init
+    on_meta, _ = mz.load_model(case.files["full"], model=_meta_device(SubclassTensors))
+    assert compare_models(model, reference) == [] and compare_models(on_meta, reference) == []
+    assert type(on_meta.shift) is TracedTensor and on_meta.shift.kind == "traced"
+
+
+class Wrapping(torch.Tensor):
+    """A tensor subclass wrapping another (``__torch_dispatch__``), as quantized and two-part tensors are made."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda value: value.inner if isinstance(value, Wrapping) else value  # noqa: E731
+        return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+
+class WithWrapping(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.register_buffer("table", Wrapping(torch.ones(2)))
+
+
+@pytest.mark.parametrize("way", ["meta_device", "cpu"])
+def test_a_tensor_subclass_wrapping_others_is_refused_naming_it_and_torch_loads_it_as_the_error_says(tmp_path, way):
+    path = tmp_path / "m.pt"
+    torch.save({"lin.weight": torch.ones(2, 2), "lin.bias": torch.zeros(2), "table": torch.full((2,), 3.0)}, path)
+    model = build_way(WithWrapping, way)
+
+    with pytest.raises(mz.InitError, match=r"m\.pt: tensor 'table': is a Wrapping, a tensor subclass wrapping "
+                                           r"others") as raised:
+        mz.load(model, path)
+    assert str(raised.value).endswith("build the model on the CPU and call "
+                                      "model.load_state_dict(torch.load(path, weights_only=True))")
+
+    model = WithWrapping()
+    model.load_state_dict(torch.load(path, weights_only=True))
+    assert type(model.table) is Wrapping and torch.equal(model.table.inner, torch.full((2,), 3.0))
 
 
 def test_every_row_of_the_table_is_in_the_readme():

@@ -75,6 +75,11 @@ def _missing_and_stray(tmp: Path) -> list[str]:
     return [str(tmp / "m.safetensors"), *model_flags()]
 
 
+def _stray_only(tmp: Path) -> list[str]:  # the whole model's file into a model of part of it
+    save_file({**tiny_state(), "extra.scale": torch.ones(3)}, str(tmp / "m.safetensors"))
+    return [str(tmp / "m.safetensors"), *model_flags()]
+
+
 def _prefixed(tmp: Path) -> list[str]:  # a wrapper's save, with a step counter beside (no prefix on every name)
     state = {f"backbone.{k}": v for k, v in tiny_state().items()}
     save_file({**state, "step": torch.tensor(3)}, str(tmp / "m.safetensors"))
@@ -161,6 +166,7 @@ def _class_that_does_not_fit(tmp: Path) -> list[str]:  # --model hf:LlamaForCaus
 CASES = {
     "shape mismatch": Case(r"^--ignore-mismatched-sizes$", _shape_mismatch),
     "missing and unexpected": Case(r"^--no-strict$", _missing_and_stray),
+    "unexpected only": Case(r"^--ignore-unexpected$", _stray_only),
     "a prefix the checkpoint adds": Case(r"^--strip-prefix backbone\.$", _prefixed, then_loads=False),
     "a prefix the checkpoint lacks": Case(r"^--add-prefix model\.$", _prefix_missing, then_loads=False),
     "renamed segments": Case(r"^--rename ", _renamed),
@@ -233,8 +239,8 @@ def test_every_hint_the_code_can_print_has_a_case():
         text = path.read_text()
         written.update(re.findall(r"\(CLI: (--[\w-]+)", text))
         written.update(re.findall(r"try (--[\w-]+)", text))
-    covered = {"--ignore-mismatched-sizes", "--no-strict", "--strip-prefix", "--add-prefix", "--trust-pickle",
-               "--state-dict-key",
+    covered = {"--ignore-mismatched-sizes", "--no-strict", "--ignore-unexpected", "--strip-prefix", "--add-prefix",
+               "--trust-pickle", "--state-dict-key",
                "--allow-overflow", "--mmap", "--device", "--model", "--overwrite",
                "--rename",  # written as (CLI: {cli}), built from --rename flags
                "--allow-expansion",  # tests/test_convert.py follows it (it writes 19 MB)

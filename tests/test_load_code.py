@@ -3,12 +3,14 @@ modules' extra state (get_extra_state) handed back as load_state_dict hands it."
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
 import textwrap
 
 import pytest
+import safetensors.torch
 import torch
 from torch import nn
 from torch.nn.utils import parametrizations
@@ -183,9 +185,9 @@ def test_planning_runs_the_load_code_without_touching_the_models_tensors(tmp_pat
 class ChecksValues(nn.Module):
     """Load code that looks at a value: it cannot run on names, but the names may match without it."""
 
-    def __init__(self, renames: bool) -> None:
+    def __init__(self, renames: bool, shape: tuple[int, int] = (2, 2)) -> None:
         super().__init__()
-        self.lin = nn.Linear(2, 2)
+        self.lin = nn.Linear(shape[1], shape[0])
         self.renames = renames
         self.register_load_state_dict_pre_hook(ChecksValues._hook)
 
@@ -210,11 +212,36 @@ def test_load_code_that_needs_values_leaves_matching_names_to_load(tmp_path):
     assert_state_equal(model, state)
 
 
-def test_load_code_that_needs_values_is_named_when_names_then_disagree_and_its_halfway_work_is_undone(tmp_path):
+def test_load_code_that_needs_values_is_given_them_and_its_renames_are_followed(tmp_path):
     torch.manual_seed(5)
-    path = write_safetensors({"old.weight": torch.randn(2, 2), "old.bias": torch.randn(2)}, tmp_path / "old.safetensors")
+    older = {"old.weight": torch.randn(2, 2), "old.bias": torch.randn(2)}
+    path = write_safetensors(older, tmp_path / "old.safetensors")
+    reference = ChecksValues(renames=True)
+    reference.load_state_dict(dict(older))
+
+    for strict in (True, False):
+        with mz.meta_init():
+            model = ChecksValues(renames=True)
+
+        report = mz.load(model, path, strict=strict)
+
+        assert_state_equal(model, reference.state_dict())
+        assert report.missing == report.unexpected == [] and sorted(report.loaded) == ["lin.bias", "lin.weight"]
+        assert report.fed_to_load_code == []  # what it reads it renames into the model: loaded, read once
+        assert report.bytes_read == 24
+    assert mz.plan(model, path).renamed_by_model == {"old.weight": "lin.weight", "old.bias": "lin.bias"}
+
+
+# More than the values planning reads for load code (VALUES_BUDGET): the code stays unrun on names.
+BIG = (600, 600)
+
+
+def test_load_code_needing_more_values_than_planning_reads_is_named_when_names_then_disagree_and_undone(tmp_path):
+    torch.manual_seed(5)
+    path = write_safetensors({"old.weight": torch.randn(*BIG), "old.bias": torch.randn(BIG[0])},
+                             tmp_path / "old.safetensors")
     with mz.meta_init():
-        model = ChecksValues(renames=True)
+        model = ChecksValues(renames=True, shape=BIG)
 
     for strict in (True, False):  # not strict, the load would skip what the code renames: another model
         with pytest.raises(mz.KeyMismatchError) as caught:
@@ -223,25 +250,27 @@ def test_load_code_that_needs_values_is_named_when_names_then_disagree_and_its_h
         message = str(caught.value)
         assert "\n" not in message and "old.safetensors" in message
         assert "the model's own load code, ChecksValues's load_state_dict pre-hook (ChecksValues, which raised " \
-            "RuntimeError" in message and "computes from checkpoint values" in message
+            "RuntimeError" in message and "decides from checkpoint values what it does with" in message
         assert sorted(caught.value.unexpected) == ["old.bias", "old.weight"]  # popped, then put back
         assert sorted(caught.value.missing) == ["lin.bias", "lin.weight"]
         assert model.lin.weight.is_meta  # left as it was
 
 
-def test_the_refusal_of_load_code_needing_values_is_followed_with_torch_as_it_says(tmp_path):
-    # Its hint: build the model on the CPU and call load_state_dict(torch.load(path, weights_only=True)).
+@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
+def test_the_refusal_of_load_code_needing_values_is_followed_with_torch_as_it_says(tmp_path, fmt):
     torch.manual_seed(5)
-    state = {"old.weight": torch.randn(2, 2), "old.bias": torch.randn(2)}
-    torch.save(state, tmp_path / "old.pt")
+    state = {"old.weight": torch.randn(*BIG), "old.bias": torch.randn(BIG[0])}
+    path = tmp_path / f"old.{fmt}"
+    torch.save(state, path) if fmt == "pt" else write_safetensors(state, path)
     with mz.meta_init():
-        model = ChecksValues(renames=True)
-    with pytest.raises(mz.KeyMismatchError, match=r"build the model on the CPU and call model\.load_state_dict\("
-                                                  r"torch\.load\(path, weights_only=True\)\)"):
-        mz.load(model, tmp_path / "old.pt")
+        model = ChecksValues(renames=True, shape=BIG)
+    with pytest.raises(mz.KeyMismatchError) as caught:
+        mz.load(model, path)
+    offered = {"pt": "torch.load(path, weights_only=True)", "safetensors": "safetensors.torch.load_file(path)"}[fmt]
+    assert str(caught.value).endswith(f"build the model on the CPU and call model.load_state_dict({offered})")
 
-    model = ChecksValues(renames=True)
-    model.load_state_dict(torch.load(tmp_path / "old.pt", weights_only=True))
+    model = ChecksValues(renames=True, shape=BIG)
+    model.load_state_dict(torch.load(path, weights_only=True) if fmt == "pt" else safetensors.torch.load_file(path))
 
     assert torch.equal(model.lin.weight, state["old.weight"]) and torch.equal(model.lin.bias, state["old.bias"])
 
@@ -577,3 +606,109 @@ def test_plan_shows_what_the_models_load_code_renamed(tmp_path):
     renamed = [line for line in result.stdout.splitlines() if line.startswith("renamed")]
     assert len(renamed) == 1 and "0.weight_g -> 0.parametrizations.weight.original0" in renamed[0]
     assert "by the model's own load code" in renamed[0]
+
+
+class Serialized(nn.Module):
+    """torch's CustomState: its parameter saved as ``serialized`` = param + 1, copied back as serialized - 1;
+    ``fills`` False: its load code forgets the copy (but still reads the entry, into an attribute)."""
+
+    def __init__(self, fills: bool = True) -> None:
+        super().__init__()
+        self.param = nn.Parameter(torch.ones(3))
+        self.fills = fills
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "serialized"] = self.param.data + 1
+
+    def _load_from_state_dict(self, state_dict, prefix, *rest):
+        self.seen = state_dict[prefix + "serialized"]
+        if self.fills:
+            self.param.data.copy_(self.seen - 1)
+
+
+def test_a_tensor_load_code_makes_is_written_once_by_it_under_the_sanitizer_and_the_plan_says_so(tmp_path):
+    path = write_safetensors({"serialized": torch.tensor([3.0, 4.0, 5.0])}, tmp_path / "custom.safetensors")
+    with mz.meta_init():
+        model = Serialized()
+
+    summary = mz.plan(model, path).to_dict()
+    report = mz.load(model, path, check=True)
+
+    assert summary["fed_to_load_code"] == ["serialized"] and summary["filled_by_load_code"] == ["param"]
+    assert summary["missing"] == summary["unexpected"] == []
+    assert torch.equal(model.param.detach(), torch.tensor([2.0, 3.0, 4.0]))
+    assert report.filled_by_load_code == ["param"] and report.fed_to_load_code == ["serialized"]
+    assert report.loaded == report.initialized == []
+    (tmp_path / "custom.py").write_text("import torch\nfrom torch import nn\n\n\n" + inspect.getsource(Serialized))
+    result = subprocess.run([materialize_command(), "plan", str(path), "--model", f"{tmp_path / 'custom.py'}:Serialized"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "load code    reads serialized" in result.stdout and "made by code param" in result.stdout
+
+
+def test_a_tensor_load_code_was_to_make_and_left_unwritten_is_an_error_naming_it(tmp_path):
+    path = write_safetensors({"serialized": torch.tensor([3.0, 4.0, 5.0])}, tmp_path / "custom.safetensors")
+    with mz.meta_init():
+        model = Serialized(fills=False)
+
+    with pytest.raises(mz.InitError, match=r"custom\.safetensors: the model's own load code was to make param"):
+        mz.load(model, path)
+
+    assert model.param.is_meta  # put back
+    real = Serialized(fills=False)  # built real: load_state_dict keeps its value, and so does the load
+    mz.load(real, path)
+    assert torch.equal(real.param.detach(), torch.ones(3)) and torch.equal(real.seen, torch.tensor([3.0, 4.0, 5.0]))
+
+
+class RejectsValues(nn.Module):
+    """Load code that refuses what it reads, as load_state_dict collects it: in error_msgs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs):
+        if int(state_dict.pop(prefix + "version")) > 3:
+            error_msgs.append("saved by a newer version (4); upgrade")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs)
+
+
+def test_load_code_refusing_the_checkpoints_values_fails_the_load_naming_it(tmp_path):
+    path = write_safetensors({"version": torch.tensor(4), "lin.weight": torch.ones(2, 2), "lin.bias": torch.ones(2)},
+                             tmp_path / "newer.safetensors")
+    with pytest.raises(RuntimeError, match="saved by a newer version"):
+        RejectsValues().load_state_dict(safetensors.torch.load_file(path))
+    with mz.meta_init():
+        model = RejectsValues()
+
+    with pytest.raises(mz.CheckpointError, match=r"newer\.safetensors: the model's own load code, "
+                                                  r"RejectsValues\._load_from_state_dict of '<root>', refused the "
+                                                  r"checkpoint's values: saved by a newer version \(4\); upgrade"):
+        mz.load(model, path)
+
+    assert model.lin.weight.is_meta
+
+
+class NegatesOnValue(nn.Module):
+    """Load code that, given values, puts a tensor of its making where it left the entry on names alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def _load_from_state_dict(self, state_dict, prefix, *rest):
+        if state_dict[prefix + "lin.weight"].sum().item() < 0:
+            state_dict[prefix + "lin.weight"] = -state_dict[prefix + "lin.weight"]
+        super()._load_from_state_dict(state_dict, prefix, *rest)
+
+
+def test_load_code_doing_with_values_what_it_did_not_on_names_stops_the_load(tmp_path):
+    path = write_torch({"lin.weight": -torch.ones(2, 2), "lin.bias": torch.ones(2)}, tmp_path / "negative.pth")
+    with mz.meta_init():
+        model = NegatesOnValue()
+
+    with pytest.raises(mz.KeyMismatchError, match=r"negative\.pth: the model's own load code, NegatesOnValue\."
+                                                  r"_load_from_state_dict of '<root>', replaced or removed lin\.weight"):
+        mz.load(model, path)
+
+    assert model.lin.weight.is_meta

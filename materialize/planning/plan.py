@@ -8,6 +8,7 @@ here first.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections import Counter
@@ -32,15 +33,16 @@ from ..errors import (
     summarize_names,
 )
 from .keymap import KeyMap, as_key_map, auto_strip_wrapper_prefix
-from .loadhooks import as_older_weight_norm, post_hooked, replay_load_hooks
+from .loadhooks import Fetch, LoadCodeRun, Replayed, as_older_weight_norm, post_hooked, replay_load_hooks
 from ..skeleton.meta import is_lazy
 from ..skeleton.modtree import named_modules
 from .namehints import mismatch_hint
-from ..integrations.sharded import ShardSpec, refuse_unreadable_placements, shard_region, shard_spec
+from ..integrations.sharded import ShardSpec, is_dtensor, refuse_unreadable_placements, shard_region, shard_spec
 from ..checkpoint.pieces import Stacked, pieces_of
 from .stacking import Chunks, Rearranged, StackSlot, Transposed, cut, deinterleave, rows_of, stack, transpose
 
-Action = Literal["load", "init", "keep"]
+# "code": the model's own load code makes the tensor from checkpoint values (torch's CustomState), once loaded.
+Action = Literal["load", "init", "keep", "code"]
 DtypeRule = Callable[[str, torch.dtype], torch.dtype]  # a model's own say: (name, the dtype it would get) -> its dtype
 
 
@@ -61,6 +63,13 @@ class Tolerated:
     # A checkpoint's value for a buffer the model computes (non-persistent) is
     # set aside, not loaded: the model's own value stands, as transformers does.
     computed_buffers_stand: bool = False
+
+    def also_unexpected(self, pattern: Optional[re.Pattern]) -> "Tolerated":
+        """These differences and the unexpected names ``pattern`` finds too (the caller's ``ignore_unexpected``)."""
+        if pattern is None:
+            return self
+        either = pattern if self.unexpected is None else re.compile(f"(?:{self.unexpected.pattern})|(?:{pattern.pattern})")
+        return dataclasses.replace(self, unexpected=either)
 
     def lets_go(self, model_name: str, info: TensorInfo) -> bool:
         """Whether the checkpoint tensor ``info``, mapped to ``model_name`` (not in the model), is expected."""
@@ -139,7 +148,8 @@ class Plan:
     entries: list[Entry]
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
-    ignored: list[str] = field(default_factory=list)  # checkpoint tensors the model declares it does not load
+    # Checkpoint tensors left unread: the model declares it does not load them, or the caller ignores them.
+    ignored: list[str] = field(default_factory=list)
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     init_modules: list[tuple[str, nn.Module]] = field(default_factory=list)
     fits: dict[str, dict] = field(default_factory=dict)  # filled by materialize.plan (capacity.fit_report)
@@ -162,6 +172,10 @@ class Plan:
     key_map: str = ""
     renamed_by_model: dict[str, str] = field(default_factory=dict)  # by the model's own load code (see loadhooks)
     state_dict_key: Optional[str] = None  # the entry of a training checkpoint the model state is taken from
+    # Modules' own load code that takes checkpoint values, run once the tensors are in place (see loadruns), and
+    # the checkpoint entries it reads that are no tensor of the model.
+    load_code_runs: list[LoadCodeRun] = field(default_factory=list)
+    fed_to_load_code: list[str] = field(default_factory=list)
 
     def of(self, action: Action) -> list[Entry]:
         return [e for e in self.entries if e.action == action]
@@ -202,6 +216,8 @@ class Plan:
             "initialized_modules": [name or "<root>" for name, _ in self.init_modules],
             "extra_states": list(self.extra_states),
             "renamed_by_model": self.renamed_by_model,
+            "fed_to_load_code": self.fed_to_load_code,
+            "filled_by_load_code": [e.name for e in self.of("code")],
             "memory": self.fits,
             "dtypes": dict(Counter(dtype_name(e.dtype) for e in self.entries)),
         }
@@ -313,6 +329,54 @@ def _bare(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_ATTRIBUTES)
 
 
+def _refuse_wrappers(plan: Plan, ckpt: Checkpoint) -> None:
+    """A tensor subclass that wraps others (its own ``__torch_dispatch__``: a quantized or a two-part tensor)
+    holds no memory of its own to read into, and made on meta a view of plain memory as that class would lack
+    what it wraps; ``load_state_dict`` copies into it through its own code. Refused, where it is to be made or
+    loaded, with the way to load it with torch."""
+    for entry in plan.entries:
+        tensor = entry.original
+        if (tensor.is_meta or entry.action == "load") and not is_lazy(tensor) and not is_dtensor(tensor) and \
+                type(tensor).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+            raise InitError(f"is a {type(tensor).__name__}, a tensor subclass wrapping others (its own "
+                            "__torch_dispatch__), which a load reading bytes into plain memory cannot make or fill. "
+                            f"{torch_load_hint(ckpt.format)}", path=ckpt.path, tensor=entry.name)
+
+
+def _follow_load_code(plan: Plan, replayed: Replayed, strays: list[tuple[str, TensorInfo]]) -> None:
+    """What the model's own load code decides: names its override did not call missing or unexpected are
+    not (it made the tensor, or consumed the entry), and code that uses what it reads runs again on the
+    real module once the load is done, with the values it reads (see :mod:`materialize.planning.loadruns`)."""
+    plan.load_code_runs = replayed.runs
+    fed = {info.name for run in replayed.runs for info in run.fed.values()}
+    loaded = {id(entry.source) for entry in plan.entries if entry.action == "load"}
+    plan.fed_to_load_code = sorted({info.name for run in replayed.runs for info in run.fed.values()
+                                    if id(info) not in loaded})  # the others the code moved into the model
+    plan.ignored.extend(info.name for m, info in strays if replayed.left_alone(m, "unexpected") and info.name not in fed)
+    plan.missing = [name for name in plan.missing if not replayed.left_alone(name, "missing")]
+    fills = {name for run in replayed.runs for name in run.fills}
+    for entry in plan.entries:
+        if entry.source is None and entry.action != "load" and set(entry.names) <= fills:
+            entry.action = "code"
+
+
+def _vacant_slots(modules: list[tuple[str, nn.Module]]) -> frozenset[str]:
+    """The names of submodules registered as ``None`` (``model.output = None``: a pipeline stage cut as
+    torchtitan cuts one)."""
+    return frozenset(f"{prefix}.{name}" if prefix else name
+                     for prefix, module in modules for name, child in module._modules.items() if child is None)
+
+
+def _under(model_name: str, vacant: frozenset[str]) -> bool:
+    """Whether ``model_name`` lies inside a submodule registered as ``None``: ``load_state_dict`` neither
+    loads such a name nor calls it unexpected (its parent has the name among its modules), so it is left
+    unread and listed as ignored."""
+    if not vacant:
+        return False
+    parts = model_name.split(".")
+    return any(".".join(parts[:end]) in vacant for end in range(1, len(parts)))
+
+
 def _set_aside_tolerated(plan: Plan, strays: list[tuple[str, TensorInfo]], tolerated: Tolerated) -> None:
     if tolerated.missing is not None:
         plan.missing = [name for name in plan.missing if not tolerated.missing.search(name)]
@@ -348,6 +412,7 @@ def make_plan(
     placement: Optional[Callable[[str], Union[torch.device, str]]] = None,
     dtype_rule: Optional[DtypeRule] = None,
     tolerated: Optional[Tolerated] = None,
+    fetch: Optional[Fetch] = None,
 ) -> Plan:
     """Match, group and place every tensor of ``model``; raise what a load would hit.
 
@@ -367,6 +432,10 @@ def make_plan(
     with ``computed_buffers_stand``, so are checkpoint values of buffers the
     model computes). Without it, a non-persistent buffer the checkpoint holds
     is loaded: a plain model's checkpoint is taken to know best.
+
+    ``fetch`` reads the few values the model's own load code needs to decide
+    what it does with names (a saved version number); without it such code
+    stays unrun (see :mod:`materialize.planning.loadhooks`).
     """
     device, dtype, strict, key_map, init = options.device, options.dtype, options.strict, options.key_map, options.init
     ignore_mismatched_sizes = options.ignore_mismatched_sizes
@@ -380,7 +449,7 @@ def make_plan(
                                    f"(they read like {summarize_names(list(ckpt)[:3])})", path=ckpt.path)
     rename = as_key_map(key_map) if key_map is not None else auto_strip_wrapper_prefix(ckpt, model_names)
     to_ckpt = _through_wrappers(_map_checkpoint_names(ckpt, rename), model_names)
-    replayed = replay_load_hooks(modules, to_ckpt, model_names, ckpt.path)
+    replayed = replay_load_hooks(modules, to_ckpt, model_names, ckpt.path, fetch=fetch)
     to_ckpt = as_older_weight_norm(replayed.sources, model_names)
 
     plan = Plan(path=str(ckpt.path), device=device, entries=[], state_dict_key=ckpt.state_dict_key, post_hooked=post_hooked(modules),
@@ -408,12 +477,18 @@ def make_plan(
     extra_state_owners = _extra_state_owners(modules)
     saved_tensors = {name: to_ckpt.pop(name) for name in extra_state_owners if name in to_ckpt}
     strays = [(m, piece.info) for m, source in to_ckpt.items() if m not in model_names for piece in pieces_of(source)]
+    vacant = _vacant_slots(modules)
+    plan.ignored.extend(info.name for m, info in strays if _under(m, vacant))
+    strays = [(m, info) for m, info in strays if not _under(m, vacant)]
+    _follow_load_code(plan, replayed, strays)
+    strays = [(m, info) for m, info in strays if not replayed.left_alone(m, "unexpected")]
     plan.unexpected = [info.name for _, info in strays]
     plan.ignored.extend(piece.info.name for info in replayed.dropped for piece in pieces_of(info))
     if tolerated is not None:
         _set_aside_tolerated(plan, strays, tolerated)
-    _match_extra_states(plan, extra_state_owners, saved_tensors, ckpt, rename, strict, tolerated)
+    _match_extra_states(plan, extra_state_owners, saved_tensors, ckpt, rename, strict, tolerated, vacant)
     _refuse_load_code_needing_values(plan, ckpt, replayed.needs_values)
+    _refuse_wrappers(plan, ckpt)
     plan.strict_after_hooks = strict and bool(plan.post_hooked)
     raise_for_mismatch(plan, ckpt.path, strict and not plan.strict_after_hooks, replayed.unrun)
     _raise_for_unmappable_disk(plan, ckpt)
@@ -445,7 +520,7 @@ def _extra_state_owners(modules: list[tuple[str, nn.Module]]) -> dict[str, nn.Mo
 
 def _match_extra_states(plan: Plan, owners: dict[str, nn.Module], saved_tensors: dict[str, TensorInfo],
                         ckpt: Checkpoint, rename: Callable[[str], object], strict: bool,
-                        tolerated: Optional[Tolerated]) -> None:
+                        tolerated: Optional[Tolerated], vacant: frozenset[str] = frozenset()) -> None:
     """Pair each module's saved extra state with the module, as ``load_state_dict`` hands it to
     ``set_extra_state``: a checkpoint tensor (TransformerEngine saves its FP8 metadata so) or a torch
     file's plain value. One missing is missing (when strict), a value without its module unexpected."""
@@ -460,7 +535,9 @@ def _match_extra_states(plan: Plan, owners: dict[str, nn.Module], saved_tensors:
             plan.extra_states[name] = (module, saved.pop(name)[1])
         elif strict:
             plan.missing.append(name)
-    plan.unexpected.extend(name for name, _ in saved.values() if tolerated is None or not tolerated.lets_name_go(name))
+    for target, (name, _) in saved.items():
+        let_go = _under(target, vacant) or (tolerated is not None and tolerated.lets_name_go(name))
+        (plan.ignored if let_go else plan.unexpected).append(name)
 
 
 def _tie_units(named: list[tuple[str, Owner]], to_ckpt: dict[str, TensorInfo]
@@ -561,12 +638,12 @@ def _counter_older_saves_lack(owners: list[Owner]) -> bool:
 def _refuse_load_code_needing_values(plan: Plan, ckpt: Checkpoint, needs_values: list[tuple[str, str, list[str]]]) -> None:
     """Refuse, strict or not, a load whose names disagree where a module's own load code needs values to agree.
 
-    ``load_state_dict`` runs such code on the values (torch's CustomState
-    test saves ``serialized = param + 1`` and copies ``serialized - 1`` back;
-    a versioned module reads ``int(state_dict.pop("format_version"))``). A
-    load that reads bytes straight into the model cannot, and skipping what
-    the code would consume, or initializing what it would fill, gives another
-    model than the user's, silently: so it is an error, naming the code.
+    Code that still fails with the values planning reads for it (more than
+    the budget for them, or values of the model's own tensors: ``.item()`` of
+    a weight) may rename or consume what it reads: skipping what it would
+    consume, or initializing what it would fill, gives another model than
+    the user's, silently; so it is an error, naming the code. Where names
+    agree without it, it runs on the loaded values once the load is done.
     """
     for prefix, what, read in needs_values:
         inside = f"{prefix}." if prefix else ""
@@ -577,13 +654,24 @@ def _refuse_load_code_needing_values(plan: Plan, ckpt: Checkpoint, needs_values:
             continue
         names = summarize_names(unexpected + missing, limit=4)
         raise KeyMismatchError(
-            f"the model's own load code, {what} of '{prefix or '<root>'}', computes from checkpoint values "
-            f"({names or summarize_names(read, limit=4)}), which a load reading bytes straight into the model "
-            "cannot run; skipping what it reads would load another model than yours. Load this checkpoint with "
-            "torch instead: build the model on the CPU and call model.load_state_dict(torch.load(path, "
-            "weights_only=True))",
+            f"the model's own load code, {what} of '{prefix or '<root>'}', decides from checkpoint values what it "
+            f"does with {names or summarize_names(read, limit=4)}, which a load reading bytes straight into the "
+            f"model cannot follow; skipping what it reads would load another model than yours. {torch_load_hint(ckpt.format)}",
             path=ckpt.path, missing=missing, unexpected=unexpected,
         )
+
+
+def torch_load_hint(checkpoint_format: str) -> str:
+    """How to load a checkpoint of this format with torch instead, in its words."""
+    if checkpoint_format == "safetensors":
+        state = "safetensors.torch.load_file(path)"
+    elif checkpoint_format in ("torch", "torch-module"):
+        state = "torch.load(path, weights_only=True)"
+    else:  # sharded files, a DCP folder: torch's own readers of those
+        return ("Load this checkpoint with torch instead: build the model on the CPU and call model.load_state_dict "
+                "with the state dict its format's own reader makes (transformers' from_pretrained for a sharded "
+                "folder, torch.distributed.checkpoint.load for a DCP save)")
+    return f"Load this checkpoint with torch instead: build the model on the CPU and call model.load_state_dict({state})"
 
 
 def raise_for_mismatch(plan: Plan, path: object, strict: bool, unrun: list[str]) -> None:
@@ -609,6 +697,9 @@ def raise_for_mismatch(plan: Plan, path: object, strict: bool, unrun: list[str])
     if shapes:  # what --no-strict alone would not get past
         remedies.append("ignore_mismatched_sizes=True (CLI: --ignore-mismatched-sizes) to initialize the tensors "
                         "of another shape instead (a new head)")
+    if strict and plan.unexpected and not plan.missing:  # a pipeline stage, a model of part of the checkpoint's
+        remedies.append("ignore_unexpected=True (CLI: --ignore-unexpected) to leave the checkpoint's other tensors "
+                        "unread and still require all of the model's")
     if strict and (plan.missing or plan.unexpected):
         remedies.append("strict=False (CLI: --no-strict) to initialize missing and skip unexpected tensors")
     hint = "; pass " + ", and ".join(remedies) if remedies else ""
@@ -650,6 +741,25 @@ def initializer_of(module: nn.Module, computed_only: bool = False) -> Optional[C
     return None
 
 
+def _forgiven_without_value(plan: Plan, names: list[str]) -> str:
+    """Why a strict load of a model with load post-hooks stops at tensors the checkpoint lacks, built on meta.
+
+    A hook may forgive a name (clear it from ``missing_keys``); ``load_state_dict``
+    then leaves the tensor as the model holds it. A model built on meta holds
+    no value, so the honest equivalent is its module's init (listed in
+    ``report.initialized``); without one, what would give the tensor the
+    value eager construction gave it is named.
+    """
+    buffers_only = all(not owner.is_parameter for entry in plan.of("init") if entry.name in names for owner in entry.owners)
+    builds = "mz.deferred_init(...) (it then gets eager construction's value)"
+    if buffers_only:
+        builds = f"mz.meta_init() (buffers stay real, with their values) or {builds}"
+    return (f"no initializer for {summarize_names(names)}: the checkpoint lacks them, which a load post-hook may "
+            "forgive (load_state_dict then leaves them as the model has them), but built on meta they have no value "
+            f"and their modules no reset_parameters(); build the model with {builds}, or pass init=fn(module) "
+            "or a checkpoint that holds them")
+
+
 def _init_modules(model: nn.Module, plan: Plan, init: Optional[InitFn], ckpt: Checkpoint) -> list[tuple[str, nn.Module]]:
     """The modules that own a tensor to initialize, each once, in model order."""
     wanted: dict[int, nn.Module] = {}
@@ -662,6 +772,8 @@ def _init_modules(model: nn.Module, plan: Plan, init: Optional[InitFn], ckpt: Ch
         computed_only[id(owner)] = computed_only.get(id(owner), True) and computed
     uninitializable = [entry.name for entry in to_fill if init is None
                        and initializer_of(entry.owners[0].module, computed_only[id(entry.owners[0].module)]) is None]
+    if uninitializable and plan.strict_after_hooks:
+        raise InitError(_forgiven_without_value(plan, uninitializable), path=ckpt.path)
     if uninitializable:
         raise InitError(
             f"no initializer for {summarize_names(uninitializable)}: the checkpoint lacks them and their modules "

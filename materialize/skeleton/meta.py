@@ -74,11 +74,17 @@ def parameter_like(original: nn.Parameter, tensor: torch.Tensor, requires_grad: 
 
 
 def buffer_like(original: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` as a buffer standing for ``original``: of its class (a ``__torch_function__`` subclass) and
-    with its Python attributes (transformers marks buffers ``persistent`` and ``_is_buffer``), as a buffer
-    filled in place keeps them."""
-    kind = type(original)
-    made = tensor if kind is torch.Tensor or type(tensor) is kind else torch.Tensor._make_subclass(kind, tensor)
+    """``tensor`` as a buffer of ``original``'s class, with its Python attributes (transformers marks buffers
+    ``persistent`` and ``_is_buffer``).
+
+    ``load_state_dict`` copies into a model's own buffer, so a buffer of a
+    ``__torch_function__`` subclass stays that class, with the attributes
+    set on it. A buffer a load allocates anew (its model was built on meta)
+    is made so too: a view of the new memory as that class
+    (``Tensor.as_subclass``, which runs no constructor of the subclass).
+    """
+    kind = original.cls_to_become if is_lazy(original) else type(original)
+    made = tensor if type(tensor) is kind else tensor.as_subclass(kind)
     if original.__dict__:
         made.__dict__.update(original.__dict__)
     return made

@@ -216,6 +216,19 @@ def test_tensors_carry_the_attributes_from_pretrained_gives_them_but_buffers_kee
     assert {n: b.__dict__ for n, b in model.named_buffers()} == eager and eager["model.rotary_emb.inv_freq"]
 
 
+def test_a_table_the_constructor_computes_is_bf16_rounded_in_a_bf16_build_and_exact_in_fp32_as_docs_say(tmp_path):
+    source, _ = _tiny("gptj")  # embed_positions: a non-persistent sinusoidal table computed in construction
+    table = lambda model: next(b for n, b in model.named_buffers() if n.endswith("embed_positions"))
+    eager_table = table(source).clone()
+    folder = _save(source, tmp_path / "gptj", as_bin=False, dtype=torch.bfloat16)
+
+    bf16_build, _ = mz.load_model(folder)
+    fp32_build, _ = mz.load_model(folder, dtype=torch.float32)
+
+    assert not torch.equal(table(bf16_build).float(), eager_table)  # the open difference docs/huggingface.md lists
+    assert torch.equal(table(fp32_build), eager_table)  # and what it says avoids it
+
+
 def test_tied_embeddings_stay_tied(tmp_path):
     source, _ = _tiny("llama")
     folder = _save(source, tmp_path / "llama", as_bin=False, dtype=torch.float32)

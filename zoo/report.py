@@ -7,6 +7,8 @@ with its count and an example. A case is counted under every cause its differenc
 
 from __future__ import annotations
 
+import importlib
+
 import re
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -42,6 +44,7 @@ def cause(text: str) -> str:
             what = f"__dict__ differs in {keys}"
         what = _NUMBER.sub("N", what)
         return f"{stage}{subject}: {what}"[:200]
+    text = re.sub(r"/[^\s:']*/", "", text)  # a scratch folder's path: the same cause in every case
     text = re.sub(r"^\w+ builds at no tiny level: ", "no tiny level builds: ", text)  # one row per error, not per class
     text = _QUOTED.sub("'…'", _NUMBER.sub("N", text))
     return text[:160]
@@ -60,12 +63,16 @@ def _cell(text: Any, limit: int = 220) -> str:
 
 
 def _versions() -> str:
+    try:
+        from zoo.vision import import_libraries
+
+        import_libraries()  # timm and torchvision live apart (.venv/vision): their versions from their modules
+    except ImportError:
+        pass
     found = []
     for package in ("torch", "transformers", "timm", "torchvision"):
         try:
-            from importlib.metadata import version
-
-            found.append(f"{package} {version(package)}")
+            found.append(f"{package} {importlib.import_module(package).__version__}")
         except Exception:
             found.append(f"{package} (not installed)")
     return ", ".join(found)
@@ -116,6 +123,7 @@ def render(results: dict[str, dict[str, Any]]) -> str:
         for oracle in ORACLES:
             c = counts.get((library, oracle), Counter())
             lines.append(f"| {library} | {oracle} | {sum(c.values())} | " + " | ".join(str(c[s]) for s in STATUSES) + " |")
+    lines += _open_causes(results)
     lines += _grouped("Failures by cause", [r for r in results.values() if r["status"] in FAILING], with_status=True)
     lines += _grouped("Skips by reason", [r for r in results.values() if r["status"] == "skipped"], with_status=False)
     lines += ["", "## Every case", "", "| case | status | first difference, reason or notes |", "|---|---|---|"]
@@ -124,6 +132,19 @@ def render(results: dict[str, dict[str, Any]]) -> str:
         detail = result.get("detail") or "; ".join(result.get("notes", []))
         lines.append(f"| {_cell(case, 120)} | {result['status']} | {_cell(detail)} |")
     return "\n".join(lines) + "\n"
+
+
+def _open_causes(results: dict[str, dict[str, Any]]) -> list[str]:
+    """The differences and refusals left open on purpose, each with the cause ``tests/zoo_failed.txt`` gives."""
+    known = {case: reason for case, reason in known_differences().items() if reason}
+    lines = ["", "## Left open, with their causes", ""]
+    if not known:
+        return lines + ["None.", ""]
+    lines += ["Each runs in `make test` as a case that must still fail; fixed, it fails there until unlisted.", "",
+              "| case | last status | cause |", "|---|---|---|"]
+    for case, reason in sorted(known.items()):
+        lines.append(f"| {_cell(case, 120)} | {results.get(case, {}).get('status', 'not run')} | {_cell(reason, 300)} |")
+    return lines
 
 
 def _grouped(title: str, failing: list[dict[str, Any]], *, with_status: bool) -> list[str]:

@@ -455,6 +455,36 @@ def test_an_init_function_held_by_a_module_loaded_after_an_earlier_recording_is_
     assert_as_eager(recorded, eager)  # trunc_normal_ returns at once on meta: recorded only if patched there
 
 
+def test_an_init_call_eager_construction_refuses_is_refused_by_the_replay_naming_it():
+    class FanOfAVector(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.empty(4))
+            nn.init.kaiming_uniform_(self.scale)  # recorded whole, never run on meta
+
+    with pytest.raises(ValueError, match="fewer than 2 dimensions"):
+        FanOfAVector()
+    recorded = mz.deferred_init(FanOfAVector)
+    with pytest.raises(mz.ReplayError, match="FanOfAVector's kaiming_uniform_ for tensor 'scale'.*fewer than 2"):
+        mz.materialize(recorded)
+
+
+def test_a_constructor_saving_the_generators_state_is_refused_naming_it():
+    class ForksTheGenerator(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(2, 2)
+            with torch.random.fork_rng():  # saves the state: the recording's is not eager construction's
+                torch.manual_seed(5)
+                self.side = nn.Parameter(torch.randn(2))
+            self.after = nn.Parameter(torch.randn(2))
+
+    with pytest.raises(mz.MetaInitError, match="ForksTheGenerator saves the random generator's state"):
+        mz.deferred_init(ForksTheGenerator)
+    ForksTheGenerator()  # eagerly it builds, and the functions are torch's own again
+    assert torch.random.get_rng_state.__module__ == "torch.random"
+
+
 def test_a_sparse_tensor_is_refused_naming_the_module():
     class MakesSparse(nn.Module):
         def __init__(self) -> None:

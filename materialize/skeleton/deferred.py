@@ -658,6 +658,7 @@ def _whole_steps(recorder: _Recorder) -> Iterator[None]:
         replacements[original] = _recorded_call(recorder, original, draws=name not in _NO_DRAW)
     for original in (torch.random.manual_seed, torch.random.set_rng_state, torch.random.seed):
         replacements[original] = _seeding_call(recorder, original)
+    replacements[torch.random.get_rng_state] = _state_refused(recorder, torch.random.get_rng_state)
     patched = [(table, key, original) for table, key, original in _holders(frozenset(replacements))
                if table.get(key) is original]
     for table, key, original in patched:
@@ -718,6 +719,21 @@ def _seeding_call(recorder: _Recorder, original: Callable) -> Callable:
         result = original(*args, **kwargs)
         recorder.seeded()
         return result
+
+    call.__name__ = original.__name__
+    return call
+
+
+def _state_refused(recorder: _Recorder, original: Callable) -> Callable:
+    """torch.get_rng_state (and torch.random.fork_rng, which calls it) in a constructor: the state it would
+    give is the recording's, not eager construction's (draws on meta never moved the generator), and setting
+    it back later would replay another stream. Refused, loud, rather than a model quietly not eager's."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() == recorder.thread:
+            raise MetaInitError(f"deferred_init: {_module_being_built()} saves the random generator's state "
+                                "(torch.get_rng_state, torch.random.fork_rng), which a recording does not have as "
+                                "eager construction has it; build that module outside deferred_init and load into it")
+        return original(*args, **kwargs)
 
     call.__name__ = original.__name__
     return call

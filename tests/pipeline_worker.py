@@ -13,16 +13,14 @@ python pipeline_worker.py SCENARIO CHECKPOINT STORE RANK WORLD OUT
 from __future__ import annotations
 
 import copy
-import json
-import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import materialize as mz
+from sharded_worker import finish_rank
 
 DIM, VOCAB, LAYERS = 8, 32, 4
 
@@ -124,15 +122,7 @@ def gpipe(checkpoint: str, rank: int, world: int) -> dict:
 def main() -> None:
     scenario, checkpoint, store, rank, world, out = sys.argv[1:7]
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=int(rank), world_size=int(world))
-    try:
-        result = {"gpipe": gpipe}[scenario](checkpoint, int(rank), int(world))
-    except BaseException:
-        result = {"crash": traceback.format_exc()}
-    with open(out, "w") as handle:
-        json.dump(result, handle)
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)  # gloo's teardown at exit aborts now and then on its own (see sharded_worker.py)
+    finish_rank(lambda: {"gpipe": gpipe}[scenario](checkpoint, int(rank), int(world)), out)
 
 
 if __name__ == "__main__":

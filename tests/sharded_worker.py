@@ -585,16 +585,11 @@ def _compare(model: nn.Module, source: nn.Module) -> dict:
     return {"placements": placements, "equal": equal}
 
 
-def main() -> None:
-    scenario, checkpoint, store, rank, world, out = sys.argv[1:7]
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=int(rank), world_size=int(world))
+def finish_rank(run, out: str) -> None:
+    """Run this rank's scenario, write its result (or its traceback) to ``out``, meet the other ranks, and leave
+    without gloo's teardown at exit, which aborts now and then on its own."""
     try:
-        mesh = init_device_mesh("cpu", (int(world),))
-        result = {"fsdp": fsdp, "fsdp_mixed": fsdp_mixed, "tp": tensor_parallel, "stacked": stacked, "partial": partial,
-                  "fsdp_own_head": fsdp_own_head, "save_fsdp": save_fsdp, "save_tp": save_tp,
-                  "fsdp_wrapped": fsdp_wrapped, "fsdp_replayed": fsdp_replayed,
-                  "tp_materialized": tp_materialized, "tp_fsdp": tp_fsdp,
-                  "strided_zoo": strided_zoo}[scenario](checkpoint, mesh)
+        result = run()
     except BaseException:
         result = {"crash": traceback.format_exc()}
     with open(out, "w") as handle:
@@ -602,6 +597,21 @@ def main() -> None:
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)
+
+
+def main() -> None:
+    scenario, checkpoint, store, rank, world, out = sys.argv[1:7]
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=int(rank), world_size=int(world))
+
+    def run() -> dict:
+        mesh = init_device_mesh("cpu", (int(world),))
+        return {"fsdp": fsdp, "fsdp_mixed": fsdp_mixed, "tp": tensor_parallel, "stacked": stacked, "partial": partial,
+                "fsdp_own_head": fsdp_own_head, "save_fsdp": save_fsdp, "save_tp": save_tp,
+                "fsdp_wrapped": fsdp_wrapped, "fsdp_replayed": fsdp_replayed,
+                "tp_materialized": tp_materialized, "tp_fsdp": tp_fsdp,
+                "strided_zoo": strided_zoo}[scenario](checkpoint, mesh)
+
+    finish_rank(run, out)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 #   make bench  compare loaders on a 1.9 GB checkpoint (bench/results/)
 #   make bench-strided  experts saved transposed or interleaved, 1 GB
 #   make bench-dcp  the 1.9 GB checkpoint as a dcp.save training save, against dcp.load
-#   make bench-deferred  the bench models made from scratch: deferred_init + materialize against eager construction
+#   make bench-deferred  the bench models made from scratch: deferred_init + materialize against eager construction;
+#                        then the recording against eager construction over a sample of the zoo's models
 #   make bench-sharded  the 1.9 GB checkpoint into an FSDP2 model on 2 ranks, against set_model_state_dict;
 #                       then into torchtitan's 2-D layout on 4 ranks, against dcp.load
 #   make zoo    every transformers class of the auto mappings (tiny configs), timm family and torchvision builder
@@ -115,6 +116,7 @@ bench-dcp: $(BENCH_STAMP)
 
 bench-deferred: $(BENCH_STAMP)
 	$(PY) -m bench.deferred
+	$(PY) -m bench.deferred_zoo --sample 240
 
 bench-sharded: $(BENCH_STAMP)
 	$(PY) -m bench.sharded --config $(CONFIG)

@@ -117,3 +117,18 @@ def test_the_sharded_bench_loads_torchtitans_2d_layout_on_four_ranks_by_every_me
     assert "| torch DCP: to_empty + dcp.load, a DCP save of the same 2-D layout |" in (out / "bench-sharded-2d.md").read_text()
     assert (tmp_path / "data" / "bench-tiny" / "dcp-2d-4" / ".metadata").is_file()  # the ranks wrote it, once
     assert not (tmp_path / "results" / "bench-sharded.json").exists()  # the 1-D table is its own run
+
+
+def test_the_deferred_bench_times_the_recording_and_eager_construction_of_the_models_of_the_zoo(tmp_path):
+    out = tmp_path / "results"
+
+    subprocess.run([sys.executable, "-m", "bench.deferred_zoo", "--sample", "3", "--seed", "2", "--runs", "1",
+                    "--out", str(out)], cwd=ROOT, check=True, capture_output=True, text=True)
+
+    report = json.loads((out / "bench-deferred-zoo.json").read_text())
+    timed = report["rows"]
+    assert len(timed) + len(report["left_out"]) <= 3 and timed
+    assert all(row["eager_s"] > 0 and row["recorded_s"] > 0 and "/deferred/" in row["case"] for row in timed)
+    assert report["ratio_of_sums"] == sum(r["recorded_s"] for r in timed) / sum(r["eager_s"] for r in timed)
+    assert report["meta_import_s"] > 0
+    assert "recorded / eager" in (out / "bench-deferred-zoo.md").read_text()

@@ -485,6 +485,17 @@ def test_a_constructor_saving_the_generators_state_is_refused_naming_it():
     assert torch.random.get_rng_state.__module__ == "torch.random"
 
 
+def test_a_reseed_through_the_wrapper_torch_dynamo_puts_on_manual_seed_is_recorded():
+    import torch._dynamo  # noqa: F401 - wraps torch.manual_seed in place (a process's first meta kernel imports it)
+    as_before = torch.manual_seed
+
+    eager, recorded = eager_and_recorded(ReseedsAsBefore)
+    mz.materialize(recorded)
+
+    assert_as_eager(recorded, eager)
+    assert torch.manual_seed is as_before  # put back as found
+
+
 def test_a_sparse_tensor_is_refused_naming_the_module():
     class MakesSparse(nn.Module):
         def __init__(self) -> None:

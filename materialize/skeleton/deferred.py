@@ -56,6 +56,7 @@ being built and the op.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 import types
@@ -652,22 +653,26 @@ def _whole_steps(recorder: _Recorder) -> Iterator[None]:
     names imported from it (``from torch.nn.init import trunc_normal_``), and tables of them
     (transformers' ``initialization.TORCH_INIT_FUNCTIONS``, which its ``init.trunc_normal_`` calls); and
     torch's seeding functions, seen where they are called."""
-    replacements: dict[Callable, Callable] = {}
+    makers: dict[Callable, Callable[[Callable], Callable]] = {}  # an original -> what replaces it, or a wrapper of it
     for name in _WHOLE_STEPS:
-        original = getattr(nn.init, name)
-        replacements[original] = _recorded_call(recorder, original, draws=name not in _NO_DRAW)
+        makers[getattr(nn.init, name)] = functools.partial(_recorded_call, recorder, draws=name not in _NO_DRAW)
     for original in (torch.random.manual_seed, torch.random.set_rng_state, torch.random.seed):
-        replacements[original] = _seeding_call(recorder, original)
-    replacements[torch.random.get_rng_state] = _state_refused(recorder, torch.random.get_rng_state)
-    patched = [(table, key, original) for table, key, original in _holders(frozenset(replacements))
-               if table.get(key) is original]
-    for table, key, original in patched:
-        table[key] = replacements[original]
+        makers[original] = functools.partial(_seeding_call, recorder)
+    makers[torch.random.get_rng_state] = functools.partial(_state_refused, recorder)
+    replacements: dict[int, Callable] = {}  # one replacement per function object found, wherever it is held
+    patched = []
+    for table, key, value, original in _holders(frozenset(makers)):
+        if table.get(key) is value:
+            if id(value) not in replacements:
+                replacements[id(value)] = makers[original](value)
+            patched.append((table, key, value))
+    for table, key, value in patched:
+        table[key] = replacements[id(value)]
     try:
         yield
     finally:
-        for table, key, original in patched:
-            table[key] = original
+        for table, key, value in patched:
+            table[key] = value
 
 
 # Where loaded modules hold the whole-call functions: module name -> (its namespace, that namespace's length
@@ -682,35 +687,55 @@ _scanned_for: list[frozenset] = []
 _last_holders: list = [-1, []]  # len(sys.modules) at the last scan, and what it found
 
 
-def _holders(originals: frozenset) -> list[tuple[dict, Any, Callable]]:
+def _holders(originals: frozenset) -> list[tuple[dict, Any, Callable, Callable]]:
+    """(table, key, the function it holds, the original that function is or wraps) for every place found."""
     if _scanned_for != [originals]:
         _scanned.clear()
         _scanned_for[:] = [originals]
         _last_holders[:] = [-1, []]
     if _last_holders[0] == len(sys.modules):  # nothing imported since: 2,600 modules walked were 2 ms a recording
         return _last_holders[1]
-    found: list[tuple[dict, Any, Callable]] = []
+    found: list[tuple[dict, Any, Callable, Callable]] = []
     for name, module in list(sys.modules.items()):
         namespace = getattr(module, "__dict__", None)
         if type(namespace) is not dict:
             continue
         known = _scanned.get(name)
-        if known is None or known[0] is not namespace or known[1] != len(namespace):
+        # Rescanned when it grew, or a place found holds another function now (importing torch._dynamo wraps
+        # torch.manual_seed in place: the wrapper calls the original directly, not through any namespace).
+        if (known is None or known[0] is not namespace or known[1] != len(namespace)
+                or any(table.get(key) is not value for table, key, value, _ in known[2])):
             known = _scanned[name] = (namespace, len(namespace), _scan(namespace, originals))
         found += known[2]
     _last_holders[:] = [len(sys.modules), found]
     return found
 
 
-def _scan(namespace: dict, originals: frozenset) -> list[tuple[dict, Any, Callable]]:
-    """The names (and entries of small tables) of ``namespace`` holding one of ``originals``."""
+def _scan(namespace: dict, originals: frozenset) -> list[tuple[dict, Any, Callable, Callable]]:
+    """The names (and entries of small tables) of ``namespace`` holding one of ``originals`` or a wrapper of
+    one (``functools.wraps``' ``__wrapped__``)."""
     found = []
     for key, value in list(namespace.items()):
-        if type(value) is types.FunctionType and value in originals:
-            found.append((namespace, key, value))
+        if type(value) is types.FunctionType:
+            original = _original_in(value, originals)
+            if original is not None:
+                found.append((namespace, key, value, original))
         elif type(value) is dict and len(value) < 256:
-            found += [(value, k, v) for k, v in value.items() if type(v) is types.FunctionType and v in originals]
+            for k, v in value.items():
+                original = _original_in(v, originals) if type(v) is types.FunctionType else None
+                if original is not None:
+                    found.append((value, k, v, original))
     return found
+
+
+def _original_in(function: Callable, originals: frozenset) -> Optional[Callable]:
+    for _ in range(8):  # a chain of wrappers, never a cycle
+        if function in originals:
+            return function
+        function = getattr(function, "__wrapped__", None)
+        if function is None:
+            return None
+    return None
 
 
 def _seeding_call(recorder: _Recorder, original: Callable) -> Callable:

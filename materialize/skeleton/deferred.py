@@ -372,7 +372,7 @@ class _Recorder(TorchDispatchMode):
         written, fresh, draws = shape.written, shape.fresh, shape.draws
         if not written and not fresh:  # a view or detach: seen later as a view of its storage
             return func(*args, **kwargs)
-        if shape.factory and not self.device_asked and not _on_meta_device(kwargs):
+        if shape.factory and not self.device_asked and _device_type(kwargs) != "meta":
             # A factory the function mode does not see: the legacy constructors (torch.Tensor(n),
             # torch.FloatTensor(n), t.new(n)), torch.normal(mean, std, size=). Made real, it would cost its memory
             # and hold values drawn now from a generator whose meta draws never happened.
@@ -395,11 +395,11 @@ class _Recorder(TorchDispatchMode):
                 writes.add(self.ref(value).sid)
         self.keep_constants_written(writes)
         try:
-            if func is aten.empty.memory_format and _on_meta_device(kwargs):  # every parameter's first op
+            if func is aten.empty.memory_format and _device_type(kwargs) == "meta":  # every parameter's first op
                 out = torch.empty(*args, **kwargs)  # the binding's own path: a third of the op's generic call
             elif shape.skippable and all(isinstance(args[i], torch.Tensor) and args[i].is_meta for i in written):
                 out = args[written[0]]  # writes values on meta, which has none: nothing to compute (as meta_init)
-            elif func is aten._to_copy.default and args[0].is_meta and _leaves_meta(kwargs):  # .tolist(), .cpu()
+            elif func is aten._to_copy.default and args[0].is_meta and _device_type(kwargs) not in (None, "meta"):  # .cpu()
                 out = func(self._values(args[0]), **kwargs)
             elif func is aten.copy_.default and not args[0].is_meta and args[1].is_meta:  # real.copy_(meta)
                 out = func(args[0], self._values(args[1]), *args[2:], **kwargs)
@@ -438,11 +438,15 @@ class _Recorder(TorchDispatchMode):
             self.after_draw(generator, bool(drawn_real))
         self.program.steps.append(Step(replayed, t_args, t_kwargs, tuple(made), frozenset(reads), frozenset(writes),
                                        generator, _module_being_built()))
-        if self.values_asked:
-            self.values_asked = {ref: values for ref, values in self.values_asked.items() if ref.sid not in writes}
+        self.forget_values(writes)
         for tensor in drawn_real or ():
             self.set_eager_values(tensor)
         return out
+
+    def forget_values(self, written: set) -> None:
+        """Values asked of tensors before an op wrote them are not theirs any more (see _values)."""
+        if self.values_asked:
+            self.values_asked = {ref: values for ref, values in self.values_asked.items() if ref.sid not in written}
 
     @staticmethod
     def drawn_real(func: Any, args: tuple, kwargs: dict, written: tuple, outs: tuple, fresh: tuple) -> list:
@@ -548,14 +552,10 @@ def _state_bytes(state: torch.Tensor) -> bytes:
         return state.numpy().tobytes()
 
 
-def _on_meta_device(kwargs: dict) -> bool:
+def _device_type(kwargs: dict) -> Optional[str]:
+    """The type of the device an op was given (``"meta"``, ``"cpu"``...), None where it was given none."""
     device = kwargs.get("device")
-    return device is not None and torch.device(device).type == "meta"
-
-
-def _leaves_meta(kwargs: dict) -> bool:
-    device = kwargs.get("device")
-    return device is not None and torch.device(device).type != "meta"
+    return torch.device(device).type if device is not None else None
 
 
 def _remade(saved: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -795,9 +795,7 @@ def _recorded_call(recorder: _Recorder, original: Callable, *, draws: bool) -> C
         recorder.keep_constants_written({target.sid})
         recorder.program.steps.append(Step(original, (target, *t_args), t_kwargs, (), frozenset(reads),
                                            frozenset({target.sid}), generator, _module_being_built(), whole_call=True))
-        if recorder.values_asked:  # values asked before this call are not its tensor's any more
-            recorder.values_asked = {ref: values for ref, values in recorder.values_asked.items()
-                                     if ref.sid != target.sid}
+        recorder.forget_values({target.sid})
         return generator
 
     call.__name__ = original.__name__

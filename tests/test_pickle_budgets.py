@@ -18,6 +18,7 @@ import sys
 import textwrap
 import zipfile
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -95,11 +96,11 @@ def _compressed_pickle(folder: Path) -> Path:  # a few KB inflating to far more
     return _torch_file(folder / "deflated.pt", genuine[:2] + padding + genuine[2:], compress_pickle=True)
 
 
-def _dcp_metadata(folder: Path) -> Path:
+def _dcp_metadata(folder: Path, name: str = "dcp") -> Path:
     dcp = pytest.importorskip("torch.distributed.checkpoint")
     import warnings
 
-    checkpoint = folder / "dcp"
+    checkpoint = folder / name
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a single-process save warns that no process group exists
         dcp.save({"w": torch.arange(4.0)}, checkpoint_id=str(checkpoint))
@@ -114,6 +115,50 @@ def _legacy_magic_number(folder: Path) -> Path:  # the legacy format's leading p
     return path
 
 
+def _flooded_dict(count: int, key: Callable[[int], bytes] = lambda k: _long(k * (2**61 - 1))) -> bytes:
+    """A dict of ``count`` keys that all hash alike: the C unpickler builds it in quadratic time."""
+    return pickle.EMPTY_DICT + pickle.MARK + b"".join(key(k) + pickle.NONE for k in range(1, count + 1)) + pickle.SETITEMS
+
+
+def _long(value: int) -> bytes:
+    encoded = pickle.encode_long(value)
+    return pickle.LONG1 + bytes([len(encoded)]) + encoded
+
+
+def _hash_flooded_state_dict(folder: Path) -> Path:  # 2.4 MB
+    return _torch_file(folder / "flooded.pt", _state_dict_pickle(pickled_text("junk"), _flooded_dict(200_000)))
+
+
+def _hash_flooded_tuple_keys(folder: Path) -> Path:  # a tuple's hash mixes its items' hashes: equal items, equal hashes
+    key = lambda k: pickle.BININT1 + b"\x01" + _long(k * (2**61 - 1)) + pickle.TUPLE2  # noqa: E731
+    return _torch_file(folder / "tuples.pt", _state_dict_pickle(pickled_text("junk"), _flooded_dict(100_000, key)))
+
+
+def _hash_flooded_set(folder: Path) -> Path:
+    items = b"".join(_long(k * (2**61 - 1)) for k in range(1, 100_001))
+    flooded = pickle.EMPTY_SET + pickle.MARK + items + pickle.ADDITEMS
+    return _torch_file(folder / "set.pt", _state_dict_pickle(pickled_text("junk"), flooded))
+
+
+def _hash_flooded_ordered_dict_call(folder: Path) -> Path:  # OrderedDict([(k, None), ...]) hashes in the call
+    pairs = b"".join(_long(k * (2**61 - 1)) + pickle.NONE + pickle.TUPLE2 + pickle.APPEND for k in range(1, 100_001))
+    call = pickle.GLOBAL + b"collections\nOrderedDict\n" + pickle.EMPTY_LIST + pairs + pickle.TUPLE1 + pickle.REDUCE
+    return _torch_file(folder / "ordered.pt", _state_dict_pickle(pickled_text("junk"), call))
+
+
+def _hash_flooded_dcp_metadata(folder: Path) -> Path:
+    checkpoint = _dcp_metadata(folder, name="dcp-flooded")
+    (checkpoint / ".metadata").write_bytes(PROTO2 + _flooded_dict(200_000) + pickle.STOP)
+    return checkpoint
+
+
+def _hash_flooded_legacy_pickle(folder: Path) -> Path:  # under the 1 MiB cap on a legacy file's leading pickles
+    path = folder / "legacy-flooded.pt"
+    path.write_bytes(PROTO2 + _flooded_dict(80_000) + pickle.STOP)
+    assert path.stat().st_size < 1 << 20
+    return path
+
+
 HOSTILE = {
     "hash of a shared key": (_hash_of_a_shared_key, "objects"),
     "walk of a shared value": (_walk_of_a_shared_value, "objects"),
@@ -125,6 +170,12 @@ HOSTILE = {
     "compressed data.pkl": (_compressed_pickle, "compressed"),
     "DCP metadata": (_dcp_metadata, "objects"),
     "legacy leading pickle": (_legacy_magic_number, "objects"),
+    "hash-flooded state dict": (_hash_flooded_state_dict, "hash alike"),
+    "hash-flooded tuple keys": (_hash_flooded_tuple_keys, "hash alike"),
+    "hash-flooded set": (_hash_flooded_set, "hash alike"),
+    "hash-flooded OrderedDict call": (_hash_flooded_ordered_dict_call, "hash alike"),
+    "hash-flooded DCP metadata": (_hash_flooded_dcp_metadata, "hash alike"),
+    "hash-flooded legacy pickle": (_hash_flooded_legacy_pickle, "hash alike"),
 }
 
 _CHILD = textwrap.dedent("""
@@ -171,6 +222,33 @@ def test_the_limits_are_stated_where_refusals_name_them():
     assert pickle_budget.MAX_DEPTH == 200 and pickle_budget.OBJECTS_PER_BYTE == 16
     reliability = (Path(__file__).resolve().parents[1] / "docs" / "reliability.md").read_text()
     assert "200" in reliability and "16 per byte" in reliability
+
+
+def test_keys_whose_hash_is_not_chosen_by_the_file_load_however_many(tmp_path):
+    # An optimizer's state is keyed by parameter index, a DCP's storage by (name, offsets): small integers and
+    # tuples of them, which the flood bound leaves alone; a few keys of any kind pass too.
+    state = {"w": torch.arange(3.0), "steps": {k: None for k in range(20_000)},
+             "offsets": {("layer", k, 2 * k): None for k in range(20_000)},
+             "by_rate": {0.1 * k: None for k in range(100)}, "big": {2**40 + k: None for k in range(100)}}
+    torch.save(state, tmp_path / "keys.pt")
+
+    tensors, _ = mz.load_tensors(tmp_path / "keys.pt")
+
+    assert list(tensors) == ["w"] and torch.equal(tensors["w"], torch.arange(3.0))
+
+
+def test_the_flood_bound_counts_only_where_the_unpickler_hashes():
+    big_ints = PROTO2 + pickle.EMPTY_LIST + pickle.MARK + _long(2**61 - 1) * 50_000 + pickle.APPENDS + pickle.STOP
+    floats_as_values = PROTO2 + _flooded_dict(50_000, key=lambda k: pickled_text(str(k))).replace(
+        pickle.NONE, pickle.BINFLOAT + struct.pack(">d", 0.5)) + pickle.STOP
+
+    for data in (big_ints, floats_as_values):
+        pickle_budget.check_budget(data, path="x.pt", what="data.pkl")  # lists and values are never hashed
+    with pytest.raises(mz.MaterializeError, match=r"x\.pt.*8,192.*hash alike"):
+        pickle_budget.check_budget(PROTO2 + _flooded_dict(pickle_budget.MAX_CHOSEN_HASHES + 1) + pickle.STOP,
+                                   path="x.pt", what="data.pkl")
+    pickle_budget.check_budget(PROTO2 + _flooded_dict(pickle_budget.MAX_CHOSEN_HASHES) + pickle.STOP,
+                               path="x.pt", what="data.pkl")
 
 
 def test_a_structure_just_inside_the_depth_limit_loads_as_torch_load(tmp_path):
@@ -258,7 +336,7 @@ def test_the_scan_accepts_what_torch_save_writes_and_counts_a_shared_chain_exact
     torch.save(state, buffer)
     pickle_budget.check_budget(_data_pkl(buffer.getvalue()), path="genuine.pt", what="data.pkl")
 
-    objects, depth, _ = pickle_budget._scan(PROTO2 + doubling_tuples(10, first=0) + pickle.STOP, limit=10**9)
+    objects, depth, _, _ = pickle_budget._scan(PROTO2 + doubling_tuples(10, first=0) + pickle.STOP, limit=10**9)
     assert (objects, depth) == (2**11 - 1, 10)  # the innermost None counts one, nests none
-    late_objects, late_depth, _ = pickle_budget._scan(PROTO2 + doubling_lists_filled_late(10, first=0) + pickle.STOP, limit=10**9)
+    late_objects, late_depth, _, _ = pickle_budget._scan(PROTO2 + doubling_lists_filled_late(10, first=0) + pickle.STOP, limit=10**9)
     assert (late_objects, late_depth) == (2**11 - 1, 11)

@@ -18,6 +18,17 @@ it nests. Both are bounded:
   object per opcode, at least a byte each; torch's own saves share only
   globals, strings and tied tensors, and stay near one per byte.
 
+- :data:`MAX_CHOSEN_HASHES` objects, in all, whose hash the file can
+  choose, where the unpickler hashes them (dict keys, set items, and the
+  arguments of a call, which may build either): integers outside the 32
+  bits the ``BININT`` opcodes hold, floats, frozensets, and any tuple or call
+  result holding one. ``k * (2**61 - 1)`` hashes to 0 for every ``k``, and
+  200,000 such keys make the C unpickler build one dict in quadratic time,
+  out of reach of any signal. Strings and bytes hash under a seed chosen at
+  start-up (unless ``PYTHONHASHSEED`` fixes it), small integers to
+  themselves (all distinct), tuples of those by a 64-bit mix that a file
+  cannot steer to one value; torch's saves key everything by one of those.
+
 The count is over the whole stack and memo model, mutations included (a list
 filled after it was referenced still counts what it holds in the end), so the
 order in which a hostile pickle builds its structure does not matter. The
@@ -36,6 +47,9 @@ from ..errors import BudgetError
 MAX_DEPTH = 200
 OBJECTS_PER_BYTE = 16
 OBJECTS_FLOOR = 1 << 20
+# 8,192 int keys that all hash alike take 0.4 s to insert; a tuple key holding one costs more per comparison,
+# so a key counts as many objects as it holds.
+MAX_CHOSEN_HASHES = 8192
 
 
 # How each opcode's argument is laid out: a fixed width, a length prefix of 1, 4 or 8 bytes, one line, two lines.
@@ -45,7 +59,7 @@ _PREFIX_KIND = {-2: _PREFIX1, -3: _PREFIX4, -4: _PREFIX4, -5: _PREFIX8}
 # What each opcode does to the stack, as far as the count is concerned.
 # A call's result counts as a container of its callable and arguments (it may keep them), as a tuple of its items.
 (_ATOM, _NEW_CONTAINER, _MARK, _FROM_MARK, _FROM_TOP, _INTO_TOP, _INTO_TOP_FROM_MARK, _PUT, _MEMOIZE, _GET,
- _POP, _POP_MARK, _DUP, _KEEP, _STOP) = range(15)
+ _POP, _POP_MARK, _DUP, _KEEP, _STOP, _CHOSEN_ATOM) = range(16)
 _EFFECTS = {
     "EMPTY_LIST": (_NEW_CONTAINER, 0), "EMPTY_TUPLE": (_NEW_CONTAINER, 0), "EMPTY_DICT": (_NEW_CONTAINER, 0),
     "EMPTY_SET": (_NEW_CONTAINER, 0),
@@ -60,7 +74,15 @@ _EFFECTS = {
     "GET": (_GET, 0), "BINGET": (_GET, 0), "LONG_BINGET": (_GET, 0),
     "POP": (_POP, 0), "POP_MARK": (_POP_MARK, 0), "DUP": (_DUP, 0),
     "PROTO": (_KEEP, 0), "FRAME": (_KEEP, 0), "READONLY_BUFFER": (_KEEP, 0), "STOP": (_STOP, 0),
+    # Values whose hash the file chooses (see MAX_CHOSEN_HASHES).
+    "LONG1": (_CHOSEN_ATOM, 0), "LONG4": (_CHOSEN_ATOM, 0), "INT": (_CHOSEN_ATOM, 0), "LONG": (_CHOSEN_ATOM, 0),
+    "BINFLOAT": (_CHOSEN_ATOM, 0), "FLOAT": (_CHOSEN_ATOM, 0),
 }
+# Where the unpickler hashes what it is given: keys (every other item, from the first) or all the items.
+_HASHES_KEYS = {ord(op.code) for op in pickletools.opcodes if op.name in ("SETITEM", "SETITEMS", "DICT")}
+_HASHES_ITEMS = {ord(op.code) for op in pickletools.opcodes if op.name in ("ADDITEMS", "FROZENSET")}
+_CALLS = {ord(op.code) for op in pickletools.opcodes if op.name in ("REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST")}
+_FROZENSET = next(ord(op.code) for op in pickletools.opcodes if op.name == "FROZENSET")
 
 
 def _opcode_table() -> list[Optional[tuple[int, int, int, int]]]:
@@ -97,22 +119,37 @@ class _Node:
     """A container (or a call's result) the pickle builds: what it holds (atoms are ``None``), and, as far as
     the scan has seen, how many objects a walk of it meets and how deep it nests."""
 
-    __slots__ = ("items", "objects", "depth", "used")
+    __slots__ = ("items", "objects", "depth", "used", "chosen")
 
     def __init__(self, items: list) -> None:
         self.items = items
         self.used = False  # held by another container: a later change to this one leaves that one's count stale
         objects = depth = 1
+        chosen = 0  # values inside whose hash the file chooses (see MAX_CHOSEN_HASHES)
         for child in items:
             if child is None:
                 objects += 1
             else:
                 child.used = True
                 objects += child.objects
+                chosen += child.chosen
                 if child.depth >= depth:
                     depth = child.depth + 1
         self.objects = objects if objects < _CAP else _CAP
         self.depth = depth
+        self.chosen = chosen if chosen < _CAP else _CAP
+
+
+class _ChosenAtom(_Node):
+    """An integer or float: one object, no nesting, a hash the file chooses. One instance stands for them all."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.depth = 0
+        self.chosen = 1
+
+
+_CHOSEN = _ChosenAtom()
 
 
 Value = Union[_Node, None]
@@ -125,7 +162,12 @@ def check_budget(data: bytes, *, path: Union[str, Path], what: str) -> None:
     follows reports them. Raises :class:`BudgetError` naming the file and the limit.
     """
     limit = OBJECTS_PER_BYTE * len(data) + OBJECTS_FLOOR
-    objects, depth, memo_index = _scan(data, limit)
+    objects, depth, memo_index, chosen = _scan(data, limit)
+    if chosen > MAX_CHOSEN_HASHES:
+        raise BudgetError(
+            f"{what} has the unpickler hash more than {MAX_CHOSEN_HASHES:,} objects whose hash a file can choose "
+            "(dict keys, set items or call arguments that are integers past 32 bits, floats, frozensets or tuples "
+            "holding them); keys that all hash alike make building a dict take quadratic time", path=path)
     if memo_index > len(data):
         raise BudgetError(
             f"{what} stores an object at memo index {memo_index:,}, past any a {len(data):,}-byte pickle can use "
@@ -140,9 +182,10 @@ def check_budget(data: bytes, *, path: Union[str, Path], what: str) -> None:
             path=path)
 
 
-def _scan(data: bytes, limit: int) -> tuple[int, int, int]:
-    """The most objects a walk of any one container of the pickle meets, the deepest nesting, and the memo
-    index where the scan stopped at one past the pickle's length (0 if none).
+def _scan(data: bytes, limit: int) -> tuple[int, int, int, int]:
+    """The most objects a walk of any one container of the pickle meets, the deepest nesting, the memo
+    index where the scan stopped at one past the pickle's length (0 if none), and how many objects whose
+    hash the file chooses are hashed (each key counted as the objects it holds; see :data:`MAX_CHOSEN_HASHES`).
 
     A pickle numbers the objects it keeps for later (its memo) itself;
     numbers beyond its length are no pickler's, and Python's C unpickler
@@ -166,7 +209,7 @@ def _scan(data: bytes, limit: int) -> tuple[int, int, int]:
     pos = 0
     unpack_from = struct.unpack_from
     stale = False
-    most = deepest = 0
+    most = deepest = hashed = 0
     try:
         while pos < end:
             code = data[pos]
@@ -174,7 +217,7 @@ def _scan(data: bytes, limit: int) -> tuple[int, int, int]:
             if code == 0x72:
                 index = unpack_from("<I", data, pos + 1)[0]
                 if index > end:
-                    return most, deepest, index
+                    return most, deepest, index, hashed
                 memo[index] = stack[-1]
                 pos += 5
                 continue
@@ -219,10 +262,13 @@ def _scan(data: bytes, limit: int) -> tuple[int, int, int]:
             if effect == _ATOM:
                 stack.append(None)
                 continue
+            if effect == _CHOSEN_ATOM:
+                stack.append(_CHOSEN)
+                continue
             if effect == _PUT:
                 index = _memo_index(data, width, start, pos)
                 if index > end:
-                    return most, deepest, index
+                    return most, deepest, index, hashed
                 memo[index] = stack[-1]
                 continue
             if effect == _GET:
@@ -238,12 +284,18 @@ def _scan(data: bytes, limit: int) -> tuple[int, int, int]:
                 del stack[-count:]
                 nodes.append(node)
                 stack.append(node)
+                if node.chosen and code in _CALLS:
+                    hashed += _chosen_weight(node.items[1:])
             elif effect == _FROM_MARK:
                 mark = marks.pop()
                 node = _Node(stack[mark:])
                 del stack[mark:]
                 nodes.append(node)
                 stack.append(node)
+                if code in _HASHES_KEYS or code in _HASHES_ITEMS or code in _CALLS:
+                    hashed += _hashed_weight(code, node.items)
+                    if code == _FROZENSET:  # XOR-combined item hashes: equal for many sets of small integers
+                        node.chosen += 1
             elif effect == _NEW_CONTAINER:
                 node = _Node([])
                 nodes.append(node)
@@ -255,6 +307,8 @@ def _scan(data: bytes, limit: int) -> tuple[int, int, int]:
                 del stack[mark:]
                 node = _filled(stack, nodes, items)
                 stale = stale or node.used
+                if code in _HASHES_KEYS or code in _HASHES_ITEMS:
+                    hashed += _hashed_weight(code, items)
             elif effect == _MEMOIZE:
                 memo[len(memo)] = stack[-1]
                 continue
@@ -278,13 +332,23 @@ def _scan(data: bytes, limit: int) -> tuple[int, int, int]:
                 most = node.objects
             if node.depth > deepest:
                 deepest = node.depth
-            if not stale and (most > limit or deepest > MAX_DEPTH):
-                return most, deepest, 0
+            if hashed > MAX_CHOSEN_HASHES or (not stale and (most > limit or deepest > MAX_DEPTH)):
+                return most, deepest, 0, hashed
     except (IndexError, KeyError, ValueError, struct.error):
         pass  # malformed: the unpickler says how
     if stale:
-        return (*_measure(nodes, limit), 0)
-    return most, deepest, 0
+        return (*_measure(nodes, limit), 0, hashed)
+    return most, deepest, 0, hashed
+
+
+def _hashed_weight(code: int, items: list[Value]) -> int:
+    """What hashing ``items`` costs at worst, counted in objects whose hash the file chooses."""
+    return _chosen_weight(items[::2] if code in _HASHES_KEYS else items)
+
+
+def _chosen_weight(values: list[Value]) -> int:
+    # A key holding a chosen hash costs a comparison per object it holds, each time it meets a colliding key.
+    return sum(value.objects for value in values if value is not None and value.chosen)
 
 
 def _memo_index(data: bytes, width: int, start: int, end: int) -> int:
@@ -298,13 +362,14 @@ def _memo_index(data: bytes, width: int, start: int, end: int) -> int:
 def _filled(stack: list[Value], nodes: list[_Node], items: list[Value]) -> _Node:
     """The container on top of the stack, given ``items``; an atom there (a global given state) becomes one."""
     top = stack[-1]
-    if top is None:
+    if top is None or top is _CHOSEN:
         top = _Node([])
         nodes.append(top)
         stack[-1] = top
     added = _Node(items)  # what the items add, less the one object it counts for itself
     top.items.extend(items)
     top.objects = min(top.objects + added.objects - 1, _CAP)
+    top.chosen = min(top.chosen + added.chosen, _CAP)
     if added.depth > top.depth:
         top.depth = added.depth
     return top
@@ -332,7 +397,7 @@ def _measure(nodes: list[_Node], limit: int) -> tuple[int, int]:
             while index < len(node.items):
                 child = node.items[index]
                 index += 1
-                if child is not None and id(child) not in counted and id(child) not in in_progress:
+                if child is not None and child is not _CHOSEN and id(child) not in counted and id(child) not in in_progress:
                     work[-1] = (node, index)
                     work.append((child, 0))
                     in_progress.add(id(child))
@@ -340,7 +405,7 @@ def _measure(nodes: list[_Node], limit: int) -> tuple[int, int]:
             else:
                 objects, depth = 1, 1
                 for child in node.items:
-                    if child is None:
+                    if child is None or child is _CHOSEN:
                         objects += 1
                     else:
                         known = counted.get(id(child))

@@ -39,6 +39,7 @@ from ..errors import AllocationError, CastOverflowError
 from ..options import ProgressFn
 from .fileio import MAX_IOVECS, FileSet, Part, byte_view
 from .hostmem import prefault
+from .kernelthreads import set_this_threads_kernel_threads
 from .scatter import RowScatter, row_scatter
 from .transfer import Completion, CopyStartError, Staging, on_callers_streams, wait_all
 
@@ -328,9 +329,14 @@ def _with_gaps(run: list[Span], views: list[memoryview]) -> list[Part]:
 
 def _single_threaded_kernels() -> None:
     # Our reader threads already use every core; torch's intra-op threads on
-    # top of them (per calling thread, so the caller's setting is untouched)
-    # oversubscribe the cores and made casts 2-3x slower when measured.
-    torch.set_num_threads(1)
+    # top of them oversubscribe the cores and made casts 2-3x slower when
+    # measured. torch.set_num_threads cannot say so: it also stores the count
+    # process-wide, where every thread that has not run a parallel kernel yet
+    # (the caller's own, often) starts from it. The OpenMP setting is this
+    # thread's alone; torch's first read (get_num_threads) comes first, as it
+    # would otherwise overwrite it from the process-wide count.
+    torch.get_num_threads()
+    set_this_threads_kernel_threads(1)
 
 
 def _run_in_tasks(work: Callable[[list[Span]], None], pieces: list[Span], threads: int, *, run_bytes: int) -> None:

@@ -7,6 +7,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import huggingface_hub
@@ -18,14 +20,16 @@ import materialize as mz
 from materialize.integrations import hub
 
 REPO = "some-org/some-model"
+CLI = str(Path(sys.executable).parent / "materialize")
 
 
 @pytest.fixture
 def served(tmp_path, monkeypatch):
     """A fake hub: snapshot_download copies the remote files its patterns match, and records what it fetched."""
-    remote, local = tmp_path / "remote", tmp_path / "snapshot"
+    remote = tmp_path / "remote"
+    local = tmp_path / "cache" / f"models--{REPO.replace('/', '--')}" / "snapshots" / ("ab" * 20)
     remote.mkdir()
-    local.mkdir()
+    local.mkdir(parents=True)
     fetched: list[str] = []
 
     def snapshot_download(repo_id, revision=None, allow_patterns=None):
@@ -168,3 +172,62 @@ def test_a_cached_snapshot_file_linking_out_of_its_repo_is_refused(cached, tmp_p
 
     assert "'tokenizer.json'" in str(caught.value) and str(secret) in str(caught.value)
     assert not (tmp_path / "out").exists()
+
+
+def _offline_cache_with_outside(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A real huggingface_hub cache holding REPO, and a folder beside it holding other weights."""
+    from conftest import hub_cache
+
+    folder, outside = tmp_path / "repo", tmp_path / "outside"
+    folder.mkdir()
+    outside.mkdir()
+    save_file(_state(), folder / "model.safetensors")
+    save_file({"secret": torch.zeros(3)}, outside / "model.safetensors")
+    cache = hub_cache(tmp_path, folder, REPO)
+    return cache, cache / f"models--{REPO.replace('/', '--')}", outside
+
+
+def _cli_offline(cache: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([CLI, REPO, *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_an_offline_repo_id_loads_from_a_real_cache(tmp_path):
+    cache, _, _ = _offline_cache_with_outside(tmp_path)
+
+    done = _cli_offline(cache, "--json")
+
+    assert done.returncode == 0, done.stderr
+    assert sorted(json.loads(done.stdout)["loaded"]) == sorted(_state())
+
+
+@pytest.mark.parametrize("ref", ["../../../outside", "../../../outside\n"])
+def test_a_cache_ref_leading_out_of_the_repo_is_refused_naming_it(tmp_path, ref):
+    cache, repo, outside = _offline_cache_with_outside(tmp_path)
+    (repo / "refs" / "main").write_text(ref)
+
+    done = _cli_offline(cache, "--json")
+
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and "refs/main" in done.stderr and str(outside) in done.stderr, done.stderr
+
+
+def test_a_cache_ref_that_is_a_fifo_is_refused_not_read(tmp_path):
+    cache, repo, _ = _offline_cache_with_outside(tmp_path)
+    (repo / "refs" / "main").unlink()
+    os.mkfifo(repo / "refs" / "main")  # reading it would wait for a writer forever
+
+    done = _cli_offline(cache)
+
+    assert done.returncode == 1 and "refs/main" in done.stderr and "not a plain file" in done.stderr, done.stderr
+
+
+def test_a_snapshot_that_links_out_of_the_repo_is_refused_naming_where_it_leads(tmp_path):
+    cache, repo, outside = _offline_cache_with_outside(tmp_path)
+    commit = (repo / "refs" / "main").read_text()
+    shutil.rmtree(repo / "snapshots" / commit)
+    (repo / "snapshots" / commit).symlink_to(outside, target_is_directory=True)
+
+    done = _cli_offline(cache)
+
+    assert done.returncode == 1 and str(outside) in done.stderr and "outside" in done.stderr, done.stderr

@@ -16,6 +16,9 @@ from pathlib import Path
 from ..errors import CheckpointError
 
 
+_HUB_REPO_FOLDERS = ("models--", "datasets--", "spaces--")  # the cache's repo folders, one per kind of repo
+
+
 def allowed_roots(folder: Path) -> list[Path]:
     """Where a folder's files may really live: the folder, and in a hub cache snapshot its repo's blobs.
 
@@ -25,7 +28,7 @@ def allowed_roots(folder: Path) -> list[Path]:
     folder = folder.resolve()
     roots = [folder]
     for ancestor in (folder, *folder.parents):
-        if ancestor.parent.name == "snapshots":
+        if ancestor.parent.name == "snapshots" and ancestor.parent.parent.name.startswith(_HUB_REPO_FOLDERS):
             roots.append(ancestor.parent.parent / "blobs")
             break
     return roots

@@ -9,6 +9,13 @@ weight files. Many repos hold the weights twice (Mistral's
 a load reads one copy. huggingface_hub's own settings apply unchanged: the
 cache location (``HF_HOME``, ``HF_HUB_CACHE``), offline mode
 (``HF_HUB_OFFLINE``) and tokens. A repo already in the cache needs no network.
+
+What the cache says is confined like a checkpoint folder's links: the
+snapshot a revision resolves to must be a folder of the repo's own
+``snapshots/``, and the file naming a branch's commit (``refs/main``) a small
+plain file holding a commit hash, or the load is refused naming it and where
+it leads (``refs/main`` holding ``../../../elsewhere`` would otherwise make an
+offline load read another folder, a FIFO there would hang it).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import re
 from pathlib import Path
 from typing import Optional, Union
 
-from ..errors import CheckpointAccessError, CheckpointNotFoundError
+from ..errors import CheckpointAccessError, CheckpointError, CheckpointNotFoundError
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
 CONFIG_PATTERNS = ["*.json"]
@@ -27,6 +34,8 @@ SAFETENSORS_PATTERNS = ["*.safetensors"]
 TORCH_PATTERNS = ["*.bin", "*.pt", "*.pth"]
 INDEXED_SAFETENSORS = ("model.safetensors.index.json", "model.safetensors")
 INDEXED_TORCH = ("pytorch_model.bin.index.json", "pytorch_model.bin")
+COMMIT_HASH = re.compile(r"^[0-9a-f]{40}$")
+MAX_REF_BYTES = 256  # a commit hash, and room for a line end
 
 
 def looks_like_repo_id(source: Union[str, os.PathLike]) -> bool:
@@ -72,8 +81,9 @@ def _download(repo_id: str, revision: Optional[str], patterns: list[str]) -> Pat
     )
 
     where = f"{repo_id}@{revision}" if revision else repo_id
+    _check_ref(repo_id, revision)
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+        return _inside_snapshots(repo_id, Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns)))
     except LocalEntryNotFoundError:
         raise CheckpointNotFoundError(
             "not in the local Hugging Face cache, and the hub cannot be reached (offline, HF_HUB_OFFLINE=1 "
@@ -88,3 +98,42 @@ def _download(repo_id: str, revision: Optional[str], patterns: list[str]) -> Pat
         raise CheckpointNotFoundError("no such hub repo (or it is private: log in with hf auth login)", path=where) from None
     except HfHubHTTPError as exc:
         raise CheckpointAccessError(f"hub request failed: {str(exc).splitlines()[0]}", path=where) from None
+
+
+def _check_ref(repo_id: str, revision: Optional[str]) -> None:
+    """The cache's file naming the revision's commit, where there is one: a small plain file holding a hash."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    name = revision or "main"
+    if COMMIT_HASH.match(name):
+        return  # a commit is looked up under snapshots/ directly
+    ref = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") / "refs" / name
+    if not os.path.lexists(ref):
+        return
+    if ref.is_symlink() or not ref.is_file():
+        target = os.path.realpath(ref)
+        raise CheckpointError(f"the hub cache's refs/{name} is not a plain file (it leads to {target})", path=ref)
+    if ref.stat().st_size > MAX_REF_BYTES:
+        raise CheckpointError(f"the hub cache's refs/{name} holds {ref.stat().st_size:,} bytes, not a commit hash", path=ref)
+    held = ref.read_text(encoding="utf-8", errors="replace")
+    if not COMMIT_HASH.match(held):
+        leads = os.path.normpath(ref.parent.parent / "snapshots" / held)
+        raise CheckpointError(f"the hub cache's refs/{name} holds {held!r}, not a commit hash; it would lead to {leads}",
+                              path=ref)
+
+
+def _inside_snapshots(repo_id: str, folder: Path) -> Path:
+    """``folder``, the snapshot huggingface_hub gave, refused unless it is a folder of the repo's own ``snapshots/``."""
+    from huggingface_hub.file_download import repo_folder_name
+
+    lexical = Path(os.path.normpath(folder))
+    repo = lexical.parent.parent
+    if lexical.parent.name != "snapshots" or repo.name != repo_folder_name(repo_id=repo_id, repo_type="model"):
+        raise CheckpointError(f"the hub cache resolves this repo to {lexical}, outside its own snapshots folder",
+                              path=folder)
+    real = folder.resolve()
+    if not real.is_relative_to(repo.resolve() / "snapshots"):
+        raise CheckpointError(f"the hub cache's snapshot {folder.name} is a symlink to {real}, outside the repo's "
+                              "cache folder", path=folder)
+    return folder

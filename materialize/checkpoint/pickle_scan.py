@@ -40,7 +40,7 @@ def _allocates(function: str) -> bool:
         module.split(".")[0] == "torch" and name.endswith(("Tensor", "Storage")))
 
 
-def hostile_calls(data: bytes) -> tuple[list[tuple[Any, Any, Any]], list[str]]:
+def hostile_calls(data: bytes) -> tuple[list[tuple[Any, Any, Any]], list[str], list[str]]:
     """What no torch.save writes, found in one walk of the opcodes, as far as it reads.
 
     First, (offset, size, stride) of every rebuilt tensor where any of them
@@ -49,10 +49,12 @@ def hostile_calls(data: bytes) -> tuple[list[tuple[Any, Any, Any]], list[str]]:
     stride)``, which both torch's readers apply): every BUILD state of that
     shape is read too. Second, the globals called with a number among their
     arguments where such a call allocates that many bytes or elements
-    (:func:`_allocates`).
+    (:func:`_allocates`). Third, every global the pickle names, once each
+    (``module name``), in order.
     """
     layouts: list[tuple[Any, Any, Any]] = []
     allocations: list[str] = []
+    named: dict[str, None] = {}
 
     def call(function: str, args: Any) -> Any:
         layout = _layout(args) if function in _REBUILDS else None
@@ -67,8 +69,8 @@ def hostile_calls(data: bytes) -> tuple[list[tuple[Any, Any, Any]], list[str]]:
         if layout is not None:
             layouts.append(layout)
 
-    _walk(data, call, build=build)
-    return layouts, allocations
+    _walk(data, call, build=build, named=named)
+    return layouts, allocations, list(named)
 
 
 def _holds_a_number(args: Any, depth: int = 0) -> bool:
@@ -103,9 +105,10 @@ def quantized_tensors(data: bytes) -> tuple[int, list[str]]:
     return calls, names
 
 
-def _walk(data: bytes, call: Call, item: Optional[Item] = None, build: Optional[Callable[[Any], None]] = None) -> None:
+def _walk(data: bytes, call: Call, item: Optional[Item] = None, build: Optional[Callable[[Any], None]] = None,
+          named: Optional[dict[str, None]] = None) -> None:
     """Follow ``data``'s opcodes on a stack of plain values: each REDUCE and NEWOBJ goes to ``call``, each dict
-    item to ``item``, each BUILD's state to ``build``."""
+    item to ``item``, each BUILD's state to ``build``, each global's name into ``named``."""
     stack: list[Any] = []
     marks: list[int] = []
     memo: dict[int, Any] = {}
@@ -122,9 +125,13 @@ def _walk(data: bytes, call: Call, item: Optional[Item] = None, build: Optional[
                 marks.append(len(stack))
             elif name == "GLOBAL":
                 stack.append(("global", arg))
+                if named is not None:
+                    named[arg] = None
             elif name == "STACK_GLOBAL":
                 attr, module = stack.pop(), stack.pop()
                 stack.append(("global", f"{module} {attr}"))
+                if named is not None:
+                    named[f"{module} {attr}"] = None
             elif name == "EMPTY_TUPLE":
                 stack.append(())
             elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):

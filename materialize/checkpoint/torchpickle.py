@@ -290,12 +290,13 @@ def unpickle(
             "(CLI: --trust-pickle) if you trust the file", path=path)
     if protocol == 3:  # torch's reader warns at protocol 3's mark, then reads the opcodes it knows all the same
         data = pickle.PROTO + bytes([2]) + data[2:]
-    layouts, allocations = hostile_calls(data)
+    layouts, allocations, named = hostile_calls(data)
     if allocations:  # torch's reader would make them: gigabytes asked for by a few bytes
         raise CheckpointError(
             f"{what} calls {allocations[0]} with a count, which would allocate memory the file does not hold; "
             "torch.save never writes that", path=path)
     stand_ins: dict[str, Any] = {}  # stand-in classes, and the inert globals let through as themselves
+    _add_stand_ins(stand_ins, _refused_globals(path, named, what))
     while True:
         refs.clear()
         unpickler = _WeightsOnlyUnpickler(io.BytesIO(data), encoding="utf-8")
@@ -305,15 +306,50 @@ def unpickle(
                 return _load(path, unpickler, trust_pickle=False, what=what), layouts
             with _STAND_IN_SCOPE(list(stand_ins.values())):
                 return _load(path, unpickler, trust_pickle=False, what=what), layouts
-        except _RefusedGlobal as refused:
-            if _STAND_IN_SCOPE is None or refused.name in stand_ins or len(stand_ins) >= _MAX_STAND_INS:
+        except _RefusedGlobal as refused:  # one the probes did not find: a name they could not spell
+            if refused.name in stand_ins:
                 raise refused.error from None
-            if refused.name in INERT_GLOBALS:
-                stand_ins[refused.name] = INERT_GLOBALS[refused.name]
-            elif "." in refused.name:
-                stand_ins[refused.name] = stand_in_class(refused.name)
-            else:  # another builtin (getattr, eval, ...): never
-                raise refused.error from None
+            _add_stand_ins(stand_ins, [refused])
+
+
+def _refused_globals(path: Path, named: list[str], what: str) -> list[_RefusedGlobal]:
+    """The globals among ``named`` (``module name``) that torch's weights-only reader refuses, each asked of it
+    on a pickle naming that global alone.
+
+    Found one at a time, by reading the whole pickle again after each
+    refusal, a file naming many classes after megabytes of data cost a read
+    per class: 20 classes after 1 MB took 8 s.
+    """
+    refused = []
+    if _STAND_IN_SCOPE is None:
+        return refused
+    for name in named[:_MAX_STAND_INS + 1]:
+        module, _, attr = name.partition(" ")
+        if "\n" in name or not attr:
+            continue  # not a name the text opcode can spell: left to the read itself
+        probe = pickle.PROTO + b"\x02" + pickle.GLOBAL + f"{module}\n{attr}\n".encode("utf-8", "surrogatepass") + pickle.STOP
+        unpickler = _WeightsOnlyUnpickler(io.BytesIO(probe), encoding="utf-8")
+        try:
+            _load(path, unpickler, trust_pickle=False, what=what)
+        except _RefusedGlobal as found:
+            refused.append(found)
+        except Exception:  # noqa: BLE001  (anything else about the global is for the read itself to report)
+            continue
+    return refused
+
+
+def _add_stand_ins(stand_ins: dict[str, Any], refused: list[_RefusedGlobal]) -> None:
+    """Stand-ins for the refused globals, or the first one's refusal: builtins (getattr, eval, ...) are never
+    stood in for, nor more than :data:`_MAX_STAND_INS` classes."""
+    for one in refused:
+        if _STAND_IN_SCOPE is None or len(stand_ins) >= _MAX_STAND_INS:
+            raise one.error from None
+        if one.name in INERT_GLOBALS:
+            stand_ins[one.name] = INERT_GLOBALS[one.name]
+        elif "." in one.name:
+            stand_ins[one.name] = stand_in_class(one.name)
+        else:
+            raise one.error from None
 
 
 class _RefusedGlobal(Exception):

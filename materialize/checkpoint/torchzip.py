@@ -8,6 +8,7 @@ uncompressed at a known offset: the same direct path as safetensors, with no
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import os
@@ -34,8 +35,10 @@ def _record_offsets(
     Every record's local header is checked against the central directory
     (signature, name, method) and records must not overlap each other or the
     central directory: readers that trust one or the other would otherwise
-    read different bytes from a damaged file. Record CRCs are not verified
-    (that would cost a pass over all the data).
+    read different bytes from a damaged file. No record's data is read here,
+    so a compressed or oversized record is refused before it costs anything;
+    the cost is one header read per record and a sort of their spans.
+    Record CRCs are checked by :func:`_verify_small_records`.
     """
     offsets: dict[str, tuple[int, int]] = {}
     data_dir = f"{prefix}/data/"
@@ -72,13 +75,21 @@ def _record_offsets(
             spans.append((info.header_offset, data_start + info.compress_size, name))
             if name.startswith(data_dir):
                 offsets[name[len(data_dir):]] = (base + data_start, info.file_size)
-            elif info.file_size <= _SMALL_RECORD:
-                _read(path, archive, name)  # zipfile checks its CRC: the cheap records are verified in full
     spans.sort()
     for (_, end, name), (next_start, _, next_name) in zip(spans, spans[1:] + [(archive.start_dir, 0, "central directory")]):
         if end > next_start:
             raise CheckpointError(f"zip record {name!r} overlaps {next_name!r} (corrupt zip)", path=path)
     return offsets
+
+
+def _verify_small_records(path: Path, archive: zipfile.ZipFile, prefix: str, already_read: set[str]) -> None:
+    """Reads every record outside ``data/`` of up to 1 MB so that zipfile checks its CRC; only after
+    :func:`_record_offsets` has bounded each one to its own stored bytes, so this is one pass over them."""
+    data_dir = f"{prefix}/data/"
+    for info in archive.infolist():
+        if info.file_size <= _SMALL_RECORD and not info.filename.startswith(data_dir) \
+                and info.filename not in already_read:
+            _read(path, archive, info.filename)
 
 
 _END_RECORD = struct.Struct("<4sHHHHIIH")
@@ -233,11 +244,22 @@ def _read_zip(
     file_size = window.base + window.length if window is not None else os.path.getsize(path)
     with _open_archive(path, window) as archive:
         names = archive.namelist()
-        duplicated = sorted({n for n in names if names.count(n) > 1}) if len(set(names)) != len(names) else []
+        # Counted once, not per name: a zip of 150,000 records would otherwise take minutes to refuse.
+        present = set(names)
+        duplicated = sorted(n for n, k in collections.Counter(names).items() if k > 1) if len(present) != len(names) else []
         if duplicated:  # readers disagree on which copy counts: torch's takes the first, zipfile the last
             raise CheckpointError(f"the zip holds records more than once: {', '.join(duplicated[:5])}", path=path)
         prefix = _archive_prefix(path, names)
-        if f"{prefix}/byteorder" in names and _read(path, archive, f"{prefix}/byteorder").strip() == b"big":
+        # Every record is checked (method, sizes, place) before any is read: a compressed data.pkl of a few MB
+        # would otherwise be inflated to gigabytes only to be refused afterwards.
+        try:
+            records = _record_offsets(path, archive, prefix, window)
+        except CheckpointError:
+            raise
+        except ZIP_ERRORS as exc:
+            raise CheckpointError(f"cannot locate the storage records: {first_line(exc)}", path=path) from None
+        byteorder = f"{prefix}/byteorder"
+        if byteorder in present and _read(path, archive, byteorder).strip() == b"big":
             raise UnsupportedFormatError("was saved on a big-endian machine; re-save it on a little-endian one", path=path)
         refs: dict[int, StorageRef] = {}
         data = _read(path, archive, f"{prefix}/data.pkl")
@@ -245,11 +267,6 @@ def _read_zip(
             payload = read_payload(path, data, refs, trust_pickle=trust_pickle, state_dict_key=state_dict_key)
         else:
             payload = Payload({single: read_bare_tensor(path, data, refs, what=f"tensor '{single}'")}, None, {})
-        try:
-            records = _record_offsets(path, archive, prefix, window)
-        except CheckpointError:
-            raise
-        except ZIP_ERRORS as exc:
-            raise CheckpointError(f"cannot locate the storage records: {first_line(exc)}", path=path) from None
+        _verify_small_records(path, archive, prefix, {byteorder, f"{prefix}/data.pkl"})
     return payload._replace(tensors={name: tensor_info(path, name, t, refs, records, file_size)
                                      for name, t in payload.tensors.items()})

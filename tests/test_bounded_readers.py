@@ -73,13 +73,14 @@ def _bounded(path: Path, *values_of: str) -> dict:
 # ---------------------------------------------------------------- torch zip
 
 
-def _stored_zip(records: list[tuple[str, bytes]]) -> bytes:
-    """A zip of stored records, written directly: zipfile refuses (or warns at) what these tests need."""
+def _stored_zip(records: list[tuple[str, bytes]], central_extra: bytes = b"") -> bytes:
+    """A zip of stored records, written directly: zipfile refuses (or warns at) what these tests need; each central
+    directory entry carries ``central_extra``."""
     body, directory = bytearray(), bytearray()
     for name, data in records:
         raw, crc = name.encode(), zlib.crc32(data)
         directory += struct.pack("<4s6H3I5H2I", b"PK\x01\x02", 20, 20, 0, 0, 0, 0, crc, len(data), len(data),
-                                 len(raw), 0, 0, 0, 0, 0, len(body)) + raw
+                                 len(raw), len(central_extra), 0, 0, 0, 0, len(body)) + raw + central_extra
         body += struct.pack("<4s5H3I2H", b"PK\x03\x04", 20, 0, 0, 0, 0, crc, len(data), len(data), len(raw), 0) + raw + data
     count, start = len(records), len(body) + len(directory)
     zip64 = struct.pack("<4sQ2H2I4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, count, count, len(directory), len(body))
@@ -108,22 +109,22 @@ def test_a_zip_of_150000_records_with_one_name_twice_is_refused_naming_it(tmp_pa
     assert str(path) in outcome["message"] and f"more than once: {prefix}/extra/74999" in outcome["message"]
 
 
-def test_a_zip_of_150000_records_loads_and_each_is_still_verified(tmp_path):
+def test_a_zip_of_50000_records_loads_and_each_is_still_verified(tmp_path):
     genuine = _genuine_records()
     prefix = genuine[0][0].split("/")[0]
-    junk = [(f"{prefix}/extra/{number}", b"x") for number in range(150_000)]
+    junk = [(f"{prefix}/extra/{number}", b"x") for number in range(50_000)]
     path = tmp_path / "many.pt"
     path.write_bytes(_stored_zip(genuine + junk))
     assert _bounded(path)["error"] is None
 
     damaged = bytearray(path.read_bytes())
-    last = damaged.rindex(b"extra/149999\x78")  # the record's one byte, in its local header's wake
-    damaged[last + len("extra/149999")] = ord("z")
+    last = damaged.rindex(b"extra/49999\x78")  # the record's one byte, in its local header's wake
+    damaged[last + len("extra/49999")] = ord("z")
     path.write_bytes(bytes(damaged))
 
     outcome = _bounded(path)
 
-    assert outcome["ours"] and str(path) in outcome["message"] and "extra/149999" in outcome["message"], outcome
+    assert outcome["ours"] and str(path) in outcome["message"] and "extra/49999" in outcome["message"], outcome
 
 
 def _deflated_pickle_file(path: Path, inflated: int) -> Path:
@@ -290,3 +291,40 @@ def test_numbers_too_long_for_any_field_are_refused_where_a_field_needs_them_and
                                   ' "__metadata__": {"id": "' + long + '"}}', bytes(4))
     with mz.open_checkpoint(kept) as ckpt:
         assert ckpt["w"].shape == (1,) and ckpt.metadata == {"id": long}
+
+
+def test_a_zip_whose_records_carry_thousands_of_extra_fields_is_refused_before_zipfile_reads_them(tmp_path):
+    genuine = _genuine_records()
+    prefix = genuine[0][0].split("/")[0]
+    fields = b"\x99\x99\x00\x00" * 16_383  # 64 KB of empty fields: zipfile copies the rest of them at each one
+    path = tmp_path / "extras.pt"
+    path.write_bytes(_stored_zip(genuine + [(f"{prefix}/extra/{number}", b"x") for number in range(1000)],
+                                 central_extra=fields))
+
+    outcome = _bounded(path)
+
+    assert outcome["ours"], outcome
+    assert str(path) in outcome["message"] and f"{genuine[0][0]!r} carries more than 64 extra fields" in outcome["message"]
+
+
+def test_a_zip_whose_records_carry_a_few_extra_fields_still_loads(tmp_path):
+    path = tmp_path / "few.pt"
+    path.write_bytes(_stored_zip(_genuine_records(), central_extra=b"\x99\x99\x00\x00" * 64))
+
+    tensors, _ = mz.load_tensors(path)
+
+    assert torch.equal(tensors["w"], torch.arange(6.0))
+
+
+# ---------------------------------------------------------------- torch pickles
+
+
+def test_a_deepspeed_shape_of_200000_huge_sizes_is_not_multiplied(tmp_path):
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"ds_version": "0.14", "module": {"w": torch.zeros(0), "b": torch.ones(2)},
+                "param_shapes": [{"w": (2**62,) * 200_000}]}, path)
+
+    outcome = _bounded(path)
+
+    assert outcome["error"] == "UnsupportedFormatError", outcome
+    assert str(path) in outcome["message"] and "ZeRO-3" in outcome["message"]

@@ -248,6 +248,10 @@ class _DataFiles:
         self.metadata_path = metadata_path
         self.roots = allowed_roots(folder)
         self._checked: dict[str, Path] = {}
+        self.sizes: dict[Path, int] = {}
+        # Chunks stored at the same bytes are read once: metadata listing 20,000 chunks in one stored tensor
+        # costs one zip read, not 20,000.
+        self.tensors: dict[tuple[Path, int, int], TensorInfo] = {}
 
     def get(self, relative: str, fqn: str) -> Path:
         path = self._checked.get(relative)
@@ -259,6 +263,7 @@ class _DataFiles:
                                   path=self.metadata_path)
         confine(path, self.roots, what=f"the chunk file '{relative}' of '{fqn}'", about=self.metadata_path)
         self._checked[relative] = path
+        self.sizes[path] = os.path.getsize(path)
         return path
 
 
@@ -282,10 +287,12 @@ def _chunk(data_files: _DataFiles, metadata_path: Path, fqn: str, shape: tuple[i
     data_path = data_files.get(relative, fqn)
     start = _field(where, "offset", int, f"the storage of {what}", metadata_path)
     length = _field(where, "length", int, f"the storage of {what}", metadata_path)
-    if start < 0 or length <= 0 or start + length > os.path.getsize(data_path):
+    if start < 0 or length <= 0 or start + length > data_files.sizes[data_path]:
         raise CheckpointError(f"the chunk of '{fqn}' at bytes [{start}, {start + length}) runs past the end of the file "
                               "(truncated?)", path=data_path, tensor=fqn)
-    info = read_embedded_tensor(data_path, start, length, fqn)
+    info = data_files.tensors.get((data_path, start, length))
+    if info is None:
+        info = data_files.tensors[data_path, start, length] = read_embedded_tensor(data_path, start, length, fqn)
     if info.shape != sizes or info.dtype != dtype:
         raise CheckpointError(f"a chunk holds a {list(info.shape)} {info.dtype_name} tensor; the metadata says "
                               f"{list(sizes)} {str(dtype).removeprefix('torch.')}", path=data_path, tensor=fqn)
@@ -329,17 +336,61 @@ def _blocks(name: str, shape: tuple[int, ...], chunks: list[tuple[tuple, TensorI
     def describe(offsets: tuple, info: TensorInfo) -> str:
         return ", ".join(f"{o}:{o + n}" for o, n in zip(offsets, info.shape))
 
-    for number, (offsets, info) in enumerate(chunks):
-        for other_offsets, other in chunks[number + 1:]:
-            if all(o < p + m and p < o + n for o, n, p, m in zip(offsets, info.shape, other_offsets, other.shape)):
-                raise CheckpointError(f"the chunks of tensor '{name}' overlap: [{describe(offsets, info)}] and "
-                                      f"[{describe(other_offsets, other)}]", path=metadata_path)
-    covered = sum(info.numel for _, info in chunks)
-    if covered != math.prod(shape):
-        raise CheckpointError(f"the chunks of tensor '{name}' cover {covered} of its {math.prod(shape)} elements",
-                              path=metadata_path)
+    _check_tiling(name, shape, chunks, metadata_path, describe)
     pieces = tuple(Piece(dataclasses.replace(info, name=f"{name}[{describe(offsets, info)}]"), 0,
                          box=(offsets, tuple(info.shape))) for offsets, info in sorted(chunks, key=lambda chunk: chunk[0]))
     first = pieces[0].info
     return Stacked(name=name, dtype_name=first.dtype_name, itemsize=first.itemsize, shape=shape, path=first.path,
                    offset=first.offset, pieces=pieces)
+
+
+# Corners weighed per chunk in the tiling check: 2**d for each chunk cut along d dimensions. Real saves cut one to
+# three dimensions (a device mesh's sharded axes), so this admits over 500,000 chunks of a tensor cut along two.
+MAX_TILING_CORNERS = 1 << 21
+
+
+def _check_tiling(name: str, shape: tuple[int, ...], chunks: list[tuple[tuple, TensorInfo]], metadata_path: Path,
+                  describe: Any) -> None:
+    """Refuses blocks that overlap or leave a gap, in time and memory linear in the chunks (times 2**d).
+
+    The count of chunks covering each element is a sum of signed corner terms
+    (inclusion-exclusion, +1 or -1 at each of a block's 2**d corners); the
+    blocks tile the tensor exactly where their corner weights add up to the
+    tensor's own four (or 2**d) corners. Where they do not, the lowest corner
+    left over (in row-major order) is an element covered twice or not at all:
+    each corner term below it in every dimension has cancelled, so the count
+    there is 1 plus the leftover weight. Dimensions no chunk cuts are left out.
+    """
+    cut = [k for k in range(len(shape)) if any(offsets[k] != 0 or info.shape[k] != shape[k] for offsets, info in chunks)]
+    if len(chunks) << len(cut) > MAX_TILING_CORNERS:
+        raise UnsupportedFormatError(
+            f"the {len(chunks)} chunks of tensor '{name}' are cut along {len(cut)} dimensions; checking that they tile "
+            f"it would weigh more than {MAX_TILING_CORNERS} corners", path=metadata_path)
+    weights: dict[tuple[int, ...], int] = {}
+
+    def weigh(low: tuple[int, ...], high: tuple[int, ...], sign: int) -> None:
+        corners: list[tuple[tuple[int, ...], int]] = [((), sign)]
+        for lo, hi in zip(low, high):
+            corners = [(c + (lo,), w) for c, w in corners] + [(c + (hi,), -w) for c, w in corners]
+        for corner, weight in corners:
+            weights[corner] = weights.get(corner, 0) + weight
+
+    for offsets, info in chunks:
+        weigh(tuple(offsets[k] for k in cut), tuple(offsets[k] + info.shape[k] for k in cut), 1)
+    weigh((0,) * len(cut), tuple(shape[k] for k in cut), -1)
+    leftover = [corner for corner, weight in weights.items() if weight]
+    if not leftover:
+        return
+    element = min(leftover)
+    covering = [(offsets, info) for offsets, info in chunks
+                if all(offsets[k] <= at < offsets[k] + info.shape[k] for k, at in zip(cut, element))]
+    if len(covering) > 1:
+        (offsets, info), (other_offsets, other) = covering[:2]
+        raise CheckpointError(f"the chunks of tensor '{name}' overlap: [{describe(offsets, info)}] and "
+                              f"[{describe(other_offsets, other)}]", path=metadata_path)
+    covered, total = sum(info.numel for _, info in chunks), math.prod(shape)
+    if covered != total:
+        raise CheckpointError(f"the chunks of tensor '{name}' cover {covered} of its {total} elements", path=metadata_path)
+    at = dict(zip(cut, element))
+    raise CheckpointError(f"the chunks of tensor '{name}' overlap: they hold its {total} elements but leave element "
+                          f"{[at.get(k, 0) for k in range(len(shape))]} uncovered", path=metadata_path)

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
 from ..errors import CheckpointError
 from ..io.fileio import open_for_reading
-from .base import TensorInfo, make_info, shape_fits_int64
+from .base import TensorInfo, make_info
 
 # The format's own reference reader caps headers at 100 MB; a larger length
 # is refused before any allocation.
@@ -42,6 +43,30 @@ def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
 
 class _DuplicateKey(Exception):
     pass
+
+
+# No field of a header needs more digits: offsets are below 2**64 (20 digits), dimensions below 2**63. A longer
+# number is kept as a marker, not converted: json converts digit strings in quadratic time, so a header of thousands
+# of numbers of thousands of digits would take minutes before any entry is checked.
+MAX_DIGITS = 20
+_LONG_NUMBER = re.compile(r"[0-9]{%d}" % (MAX_DIGITS + 1))
+
+
+class _Huge:
+    """A number of more than :data:`MAX_DIGITS` digits in a header, left unconverted."""
+
+    __slots__ = ("digits", "negative")
+
+    def __init__(self, text: str) -> None:
+        self.negative = text.startswith("-")
+        self.digits = len(text) - self.negative
+
+    def __repr__(self) -> str:
+        return f"<{'-' if self.negative else ''}{self.digits} digits>"
+
+
+def _bounded_int(text: str) -> "int | _Huge":
+    return int(text) if len(text) <= MAX_DIGITS else _Huge(text)
 
 
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
@@ -81,7 +106,9 @@ def _parse_header(path: Path, raw: bytes, *, data_start: int, file_size: int) ->
     except UnicodeDecodeError as exc:
         raise CheckpointError(f"header is not valid UTF-8 (byte {exc.start})", path=path) from None
     try:
-        header = json.loads(text, object_pairs_hook=_reject_duplicates)
+        # The hook costs a call per number, so only headers holding a long run of digits pay it.
+        long_numbers = {"parse_int": _bounded_int} if _LONG_NUMBER.search(text) else {}
+        header = json.loads(text, object_pairs_hook=_reject_duplicates, **long_numbers)
     except _DuplicateKey as dup:
         raise CheckpointError("header lists the tensor twice", path=path, tensor=str(dup.args[0])) from None
     except json.JSONDecodeError as exc:
@@ -120,13 +147,18 @@ def _parse_entry(path: Path, name: str, entry: object, data_start: int, data_siz
     numel = _numel_of_shape(shape)
     if numel is None:
         raise CheckpointError(f"shape must be a list of non-negative integers, got {_short(shape)}", path=path, tensor=name)
-    if not 0 < numel < _SURELY_FITS and not shape_fits_int64(shape):
+    if numel < 0:
         raise CheckpointError(f"shape {_short(shape)} is larger than any tensor can be (dimensions past 2**63)",
                               path=path, tensor=name)
     offsets = entry.get("data_offsets")
+    if type(offsets) is list and len(offsets) == 2 and any(type(o) is _Huge and not o.negative for o in offsets) \
+            and all(type(o) is _Huge or type(o) is int and o >= 0 for o in offsets):
+        raise CheckpointError(f"data_offsets {_short(offsets)} run past the data region's {data_size} bytes",
+                              path=path, tensor=name)
     if type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int or type(offsets[1]) is not int \
             or offsets[0] < 0 or offsets[1] < 0:
-        raise CheckpointError(f"data_offsets must be two non-negative integers, got {offsets!r}", path=path, tensor=name)
+        raise CheckpointError(f"data_offsets must be two non-negative integers, got {_short(offsets)}", path=path,
+                              tensor=name)
     begin, end = offsets
     torch_name, itemsize = known
     if begin > end:
@@ -140,19 +172,34 @@ def _parse_entry(path: Path, name: str, entry: object, data_start: int, data_siz
     return make_info(name, torch_name, itemsize, tuple(shape), path, data_start + begin), begin, end
 
 
-_SURELY_FITS = 2**62  # a non-empty tensor of fewer elements has every dimension and stride below 2**63
+_DIMENSION_LIMIT = 2**63
 
 
 def _numel_of_shape(shape: object) -> "int | None":
-    """The element count of a shape that is a list of non-negative ints, else None."""
+    """The element count of a shape that is a list of non-negative ints, else None; -1 where torch cannot
+    describe the shape (a dimension, or the strides the dimensions multiply into, at 2**63 or past it).
+
+    Nothing is multiplied past 2**63: the product of thousands of huge dimensions, a step at a time, would be
+    quadratic in the header's size. Every dimension is still checked, so the verdict is the one
+    :func:`~.base.shape_fits_int64` gives.
+    """
     if type(shape) is not list:
         return None
-    numel = 1
+    numel = extent = 1
+    fits = True
     for dim in shape:
-        if type(dim) is not int or dim < 0:
+        if type(dim) is int:
+            if dim < 0:
+                return None
+            if fits:
+                numel *= dim
+                extent *= dim or 1
+                fits = dim < _DIMENSION_LIMIT and extent < _DIMENSION_LIMIT
+        elif type(dim) is _Huge and not dim.negative:
+            fits = False
+        else:
             return None
-        numel *= dim
-    return numel
+    return numel if fits else -1
 
 
 def _short(value: object) -> str:

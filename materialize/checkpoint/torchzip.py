@@ -8,6 +8,7 @@ uncompressed at a known offset: the same direct path as safetensors, with no
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import os
@@ -34,8 +35,10 @@ def _record_offsets(
     Every record's local header is checked against the central directory
     (signature, name, method) and records must not overlap each other or the
     central directory: readers that trust one or the other would otherwise
-    read different bytes from a damaged file. Record CRCs are not verified
-    (that would cost a pass over all the data).
+    read different bytes from a damaged file. No record's data is read here,
+    so a compressed or oversized record is refused before it costs anything;
+    the cost is one header read per record and a sort of their spans.
+    Record CRCs are checked by :func:`_verify_small_records`.
     """
     offsets: dict[str, tuple[int, int]] = {}
     data_dir = f"{prefix}/data/"
@@ -72,13 +75,21 @@ def _record_offsets(
             spans.append((info.header_offset, data_start + info.compress_size, name))
             if name.startswith(data_dir):
                 offsets[name[len(data_dir):]] = (base + data_start, info.file_size)
-            elif info.file_size <= _SMALL_RECORD:
-                _read(path, archive, name)  # zipfile checks its CRC: the cheap records are verified in full
     spans.sort()
     for (_, end, name), (next_start, _, next_name) in zip(spans, spans[1:] + [(archive.start_dir, 0, "central directory")]):
         if end > next_start:
             raise CheckpointError(f"zip record {name!r} overlaps {next_name!r} (corrupt zip)", path=path)
     return offsets
+
+
+def _verify_small_records(path: Path, archive: zipfile.ZipFile, prefix: str, already_read: set[str]) -> None:
+    """Reads every record outside ``data/`` of up to 1 MB so that zipfile checks its CRC; only after
+    :func:`_record_offsets` has bounded each one to its own stored bytes, so this is one pass over them."""
+    data_dir = f"{prefix}/data/"
+    for info in archive.infolist():
+        if info.file_size <= _SMALL_RECORD and not info.filename.startswith(data_dir) \
+                and info.filename not in already_read:
+            _read(path, archive, info.filename)
 
 
 _END_RECORD = struct.Struct("<4sHHHHIIH")
@@ -177,7 +188,48 @@ class _Window(io.RawIOBase):
         return len(data)
 
 
+# zipfile decodes a record's extra fields by slicing off one at a time, each slice a copy of the rest: quadratic in
+# their count, 70 ms for one 64 KB extra of 4-byte fields, a minute for a zip of a thousand such records. torch
+# writes at most two fields a record; a record with more than this many is refused before zipfile reads any.
+MAX_EXTRA_FIELDS = 64
+
+
+def _check_extra_fields(path: Path, handle: BinaryIO) -> None:
+    """Refuses a central directory entry of more than :data:`MAX_EXTRA_FIELDS` extra fields (one pass over the
+    directory); anything else wrong with the directory is left to zipfile, which reads it next."""
+    try:
+        end = zipfile._EndRecData(handle)  # type: ignore[attr-defined]
+        size, offset, location = (end[zipfile._ECD_SIZE], end[zipfile._ECD_OFFSET],  # type: ignore[attr-defined]
+                                  end[zipfile._ECD_LOCATION]) if end else (0, 0, 0)  # type: ignore[attr-defined]
+        start = location - size - (_ZIP64_LOCATOR.size + _ZIP64_END_RECORD.size
+                                   if end and end[zipfile._ECD_SIGNATURE] == b"PK\x06\x06" else 0)  # type: ignore[attr-defined]
+    except (*ZIP_ERRORS, AttributeError, IndexError, struct.error):  # zipfile, reading it next, says what is wrong
+        return
+    if not end or start < 0:
+        return
+    handle.seek(start)
+    directory = handle.read(size)
+    at = 0
+    while directory[at:at + 4] == b"PK\x01\x02" and at + _CENTRAL_ENTRY_SIZE <= len(directory):
+        flags, = struct.unpack_from("<H", directory, at + 8)
+        name_len, extra_len, comment_len = struct.unpack_from("<HHH", directory, at + 28)
+        extra_at = at + _CENTRAL_ENTRY_SIZE + name_len
+        extra, fields = directory[extra_at:extra_at + extra_len], 0
+        walked = 0
+        while walked + 4 <= len(extra) and fields <= MAX_EXTRA_FIELDS:
+            walked += 4 + int.from_bytes(extra[walked + 2:walked + 4], "little")
+            fields += 1
+        if fields > MAX_EXTRA_FIELDS:
+            name = directory[at + _CENTRAL_ENTRY_SIZE:extra_at].decode("utf-8" if flags & 0x800 else "cp437", "replace")
+            raise CheckpointError(f"zip record {name!r} carries more than {MAX_EXTRA_FIELDS} extra fields "
+                                  "(corrupt zip)", path=path)
+        at = extra_at + extra_len + comment_len
+
+
 def _open_archive(path: Path, source: Optional[BinaryIO] = None) -> zipfile.ZipFile:
+    with contextlib.ExitStack() as opened:
+        handle = source.copy() if isinstance(source, _Window) else opened.enter_context(open(path, "rb"))
+        _check_extra_fields(path, handle)
     try:
         return zipfile.ZipFile(source if source is not None else path)
     except (NotImplementedError, UnicodeDecodeError, ValueError, EOFError) as exc:
@@ -233,11 +285,22 @@ def _read_zip(
     file_size = window.base + window.length if window is not None else os.path.getsize(path)
     with _open_archive(path, window) as archive:
         names = archive.namelist()
-        duplicated = sorted({n for n in names if names.count(n) > 1}) if len(set(names)) != len(names) else []
+        # Counted once, not per name: a zip of 150,000 records would otherwise take minutes to refuse.
+        present = set(names)
+        duplicated = sorted(n for n, k in collections.Counter(names).items() if k > 1) if len(present) != len(names) else []
         if duplicated:  # readers disagree on which copy counts: torch's takes the first, zipfile the last
             raise CheckpointError(f"the zip holds records more than once: {', '.join(duplicated[:5])}", path=path)
         prefix = _archive_prefix(path, names)
-        if f"{prefix}/byteorder" in names and _read(path, archive, f"{prefix}/byteorder").strip() == b"big":
+        # Every record is checked (method, sizes, place) before any is read: a compressed data.pkl of a few MB
+        # would otherwise be inflated to gigabytes only to be refused afterwards.
+        try:
+            records = _record_offsets(path, archive, prefix, window)
+        except CheckpointError:
+            raise
+        except ZIP_ERRORS as exc:
+            raise CheckpointError(f"cannot locate the storage records: {first_line(exc)}", path=path) from None
+        byteorder = f"{prefix}/byteorder"
+        if byteorder in present and _read(path, archive, byteorder).strip() == b"big":
             raise UnsupportedFormatError("was saved on a big-endian machine; re-save it on a little-endian one", path=path)
         refs: dict[int, StorageRef] = {}
         data = _read(path, archive, f"{prefix}/data.pkl")
@@ -245,11 +308,6 @@ def _read_zip(
             payload = read_payload(path, data, refs, trust_pickle=trust_pickle, state_dict_key=state_dict_key)
         else:
             payload = Payload({single: read_bare_tensor(path, data, refs, what=f"tensor '{single}'")}, None, {})
-        try:
-            records = _record_offsets(path, archive, prefix, window)
-        except CheckpointError:
-            raise
-        except ZIP_ERRORS as exc:
-            raise CheckpointError(f"cannot locate the storage records: {first_line(exc)}", path=path) from None
+        _verify_small_records(path, archive, prefix, {byteorder, f"{prefix}/data.pkl"})
     return payload._replace(tensors={name: tensor_info(path, name, t, refs, records, file_size)
                                      for name, t in payload.tensors.items()})

@@ -56,6 +56,7 @@ from .io.hostmem import empty_destination
 from .loading import DtypeLike, opened
 from .integrations.hub import resolve as resolve_source
 from .sizes import format_bytes, parse_size
+from .text import printable
 
 BATCH_BYTES = 256 * 1024 * 1024
 # A tensor may write up to MAX_EXPANSION times the bytes it reads (a cast from fp8 to fp32 is 4x) without
@@ -91,7 +92,8 @@ class ConvertReport:
         ]
         if self.copied:
             rows.append(("copied", ", ".join(self.copied)))
-        return "\n".join(f"{key:<14} {value}" for key, value in rows)
+        # escaped: the source's file names (its companion files') are the source's choice
+        return "\n".join(f"{key:<14} {printable(value)}" for key, value in rows)
 
 
 @dataclass(frozen=True)

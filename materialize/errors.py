@@ -138,7 +138,8 @@ class AllocationError(MaterializeError, MemoryError):
 
 
 class OutputError(MaterializeError, OSError):
-    """A conversion cannot write its output (it exists, or the disk refuses)."""
+    """A conversion cannot write its output (it exists, or the disk refuses), or a tensor's name cannot be a
+    safetensors name (``__metadata__``, a lone surrogate)."""
 
 
 class ExpansionError(MaterializeError, ValueError):

@@ -60,14 +60,13 @@ def _run(debug: bool, action: Callable[[], None], *, inspecting: bool = False) -
         sys.exit(1)
 
 
-def _show_warning(message: Warning | str, category: type[Warning], *rest: Any, **keywords: Any) -> None:
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: Any = None, line: Optional[str] = None) -> None:
     if issubclass(category, mz.MaterializeWarning):
         echo_stderr_line("Warning", str(message))  # on stderr: --json keeps stdout to itself
-    else:
-        _PYTHON_SHOWWARNING(message, category, *rest, **keywords)
-
-
-_PYTHON_SHOWWARNING = warnings.showwarning
+    else:  # Python's own form, escaped too: another library's warning can quote a name from the file
+        shown = warnings.formatwarning(message, category, filename, lineno, line)
+        click.echo("\n".join(map(printable, shown.rstrip("\n").split("\n"))), err=True)
 
 
 def _emit(as_json: bool, payload: Callable[[], dict], lines: Callable[[], Iterable[str]],
@@ -338,9 +337,11 @@ def _plan_text(summary: dict[str, Any]) -> str:
         if summary[key]:
             lines.append(f"{key:<12} {', '.join(map(printable, summary[key]))}")
     if summary["fed_to_load_code"]:
-        lines.append(f"load code    reads {', '.join(map(printable, summary['fed_to_load_code']))} (the model's own, run once loaded)")
+        fed = ", ".join(map(printable, summary["fed_to_load_code"]))
+        lines.append(f"load code    reads {fed} (the model's own, run once loaded)")
     if summary["filled_by_load_code"]:
-        lines.append(f"made by code {', '.join(map(printable, summary['filled_by_load_code']))} (the model's own load code)")
+        filled = ", ".join(map(printable, summary["filled_by_load_code"]))
+        lines.append(f"made by code {filled} (the model's own load code)")
     renames = [f"{printable(old)} -> {printable(new)}" for old, new in summary["renamed_by_model"].items()]
     if renames:
         lines.append(f"renamed      {summarize_names(renames)} (by the model's own load code)")

@@ -209,8 +209,8 @@ def _check_names(items: list[_Item]) -> None:
         try:
             name.encode("utf-8")
         except UnicodeEncodeError:
-            raise OutputError(f"the name holds a lone surrogate, which has no UTF-8 form, as safetensors names must; {fix}",
-                              path=item.info.path, tensor=name) from None
+            raise OutputError("the name holds a lone surrogate, which has no UTF-8 form, as safetensors names must; "
+                              f"{fix}", path=item.info.path, tensor=name) from None
 
 
 def _check_expansion(items: list[_Item]) -> None:

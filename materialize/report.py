@@ -123,7 +123,8 @@ class Report:
             lines.append(f"{'NaN/Inf in'.ljust(width)}  {', '.join(map(printable, self.nonfinite[:6]))}"
                          + (f" (+{len(self.nonfinite) - 6})" if len(self.nonfinite) > 6 else ""))
         if self.untied:
-            lines.append(f"{'untied'.ljust(width)}  " + "; ".join(" / ".join(map(printable, group)) for group in self.untied[:3]))
+            groups = "; ".join(" / ".join(map(printable, group)) for group in self.untied[:3])
+            lines.append(f"{'untied'.ljust(width)}  {groups}")
         if self.unexpected:
             lines.append(f"{'unexpected'.ljust(width)}  {', '.join(map(printable, self.unexpected[:6]))}"
                          + (f" (+{len(self.unexpected) - 6})" if len(self.unexpected) > 6 else ""))

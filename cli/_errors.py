@@ -6,6 +6,7 @@ import errno
 import os
 
 import materialize as mz
+from materialize.text import printable
 
 # Most specific first: the first matching class gives the hint.
 HINTS: list[tuple[type[BaseException], str]] = [
@@ -27,10 +28,15 @@ HINTS: list[tuple[type[BaseException], str]] = [
 
 
 def one_line(error: BaseException, *, inspecting: bool = False) -> str:
-    """The message printed after 'Error: ' for an error the CLI expects.
+    """The message printed after 'Error: ' for an error the CLI expects, escaped (see
+    :func:`~materialize.text.printable`): a file or tensor name in it cannot drive the terminal.
 
     ``inspecting``: the command was ``inspect`` already, so no hint sends the user there.
     """
+    return printable(_message(error, inspecting))
+
+
+def _message(error: BaseException, inspecting: bool) -> str:
     if isinstance(error, mz.MaterializeError):
         hint = next(h for cls, h in HINTS if isinstance(error, cls))
         if "materialize inspect" in hint and (inspecting or not _inspect_would_work(error)):

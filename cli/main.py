@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Optional
 
 import click
@@ -13,8 +12,10 @@ import click
 import materialize as mz
 from materialize.errors import summarize_names
 from materialize.sizes import format_bytes
+from materialize.text import printable
 
 from ._errors import one_line
+from ._output import JSON_HELP, echo_lines, echo_stderr_line, json_text, never_fail_to_encode
 from .params import DEVICE, DEVICE_MAP, DTYPE, MAX_MEMORY, MODEL_ARG, REGEX, RENAME, SIZE
 from .progress import progress_for
 
@@ -59,18 +60,23 @@ def _run(debug: bool, action: Callable[[], None], *, inspecting: bool = False) -
         sys.exit(1)
 
 
-def _show_warning(message: Warning | str, category: type[Warning], *rest: Any, **keywords: Any) -> None:
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: Any = None, line: Optional[str] = None) -> None:
     if issubclass(category, mz.MaterializeWarning):
-        click.echo(f"Warning: {message}", err=True)  # on stderr: --json keeps stdout to itself
+        echo_stderr_line("Warning", str(message))  # on stderr: --json keeps stdout to itself
+    else:  # Python's own form, escaped too: another library's warning can quote a name from the file
+        shown = warnings.formatwarning(message, category, filename, lineno, line)
+        click.echo("\n".join(map(printable, shown.rstrip("\n").split("\n"))), err=True)
+
+
+def _emit(as_json: bool, payload: Callable[[], dict], lines: Callable[[], Iterable[str]],
+          about: Optional[str] = None) -> None:
+    """The command's output: only the form asked for is built (a text form can be far larger than the JSON);
+    ``about``, the file a value too deep to write as JSON is refused for."""
+    if as_json:
+        click.echo(json_text(payload(), about=about))
     else:
-        _PYTHON_SHOWWARNING(message, category, *rest, **keywords)
-
-
-_PYTHON_SHOWWARNING = warnings.showwarning
-
-
-def _emit(as_json: bool, payload: dict, text: str) -> None:
-    click.echo(json.dumps(payload, indent=2) if as_json else text)
+        echo_lines(lines())
 
 
 # readable=False: the library opens the file and reports the real error, with exit 1
@@ -100,7 +106,7 @@ model_options = [
     click.option("--revision", metavar="REV", help="Hub revision (branch, tag or commit) when CHECKPOINT is a repo id."),
     click.option("--trust-pickle", is_flag=True, help="Allow a pickled model (torch.save(model)): imports its classes and may run its code."),
     state_dict_key_option,
-    click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout and nothing else there."),
+    click.option("--json", "as_json", is_flag=True, help=JSON_HELP),
     click.option("--debug", is_flag=True, help="Show the traceback of an error."),
 ]
 memory_options = [  # a plan's memory estimate depends on them too
@@ -158,7 +164,11 @@ def main() -> None:
       materialize inspect CHECKPOINT
       materialize plan CHECKPOINT --model SPEC
       materialize convert SRC DST [--dtype bf16] [--shard-size 5GB]
+
+    Names from files are shown with control and other non-printable characters as backslash escapes
+    (\x1b, \n, \u202e); --json gives them exactly.
     """
+    never_fail_to_encode()
 
 
 @main.command(DEFAULT_COMMAND)
@@ -177,11 +187,17 @@ def load_command(checkpoint: str, as_json: bool, debug: bool, **options: Any) ->
         finally:
             if progress is not None:
                 progress.close()
-        payload, text = report.to_dict(), str(report)
-        if options["check"]:  # a failed check raised; getting here is the verdict
-            payload["check"] = "passed"
-            text += "\ncheck                 passed: every tensor written exactly once, as planned, no poison left"
-        _emit(as_json, payload, text)
+        checked = options["check"]  # a failed check raised; getting here is the verdict
+
+        def payload() -> dict:
+            return {**report.to_dict(), **({"check": "passed"} if checked else {})}
+
+        def lines() -> list[str]:
+            return str(report).split("\n") + (
+                ["check                 passed: every tensor written exactly once, as planned, no poison left"]
+                if checked else [])
+
+        _emit(as_json, payload, lines, report.checkpoint)
         if options["check_finite"] and report.nonfinite:  # a check that finds what it looks for fails the command
             raise mz.MaterializeError(f"NaN or Inf in {len(report.nonfinite)} tensor(s): "
                                       f"{summarize_names(report.nonfinite)}", path=report.checkpoint)
@@ -193,7 +209,7 @@ def load_command(checkpoint: str, as_json: bool, debug: bool, **options: Any) ->
 @checkpoint_argument
 @click.option("--trust-pickle", is_flag=True, help="Allow a pickled model (torch.save(model)).")
 @state_dict_key_option
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 @click.option("--debug", is_flag=True, help="Show the traceback of an error.")
 def inspect_command(checkpoint: str, trust_pickle: bool, state_dict_key: Optional[str], as_json: bool,
                     debug: bool) -> None:
@@ -201,7 +217,7 @@ def inspect_command(checkpoint: str, trust_pickle: bool, state_dict_key: Optiona
 
     def action() -> None:
         with mz.open_checkpoint(checkpoint, trust_pickle=trust_pickle, state_dict_key=state_dict_key) as ckpt:
-            _emit(as_json, _inspect_dict(ckpt), _inspect_text(ckpt))
+            _emit(as_json, lambda: _inspect_dict(ckpt), lambda: _inspect_lines(ckpt), str(ckpt.path))
 
     _run(debug, action, inspecting=True)
 
@@ -223,21 +239,26 @@ def _inspect_dict(ckpt: mz.Checkpoint) -> dict[str, Any]:
     }
 
 
-def _inspect_text(ckpt: mz.Checkpoint) -> str:
-    lines = [
-        f"{ckpt.path}  ({ckpt.format}, {len(ckpt)} tensors, {format_bytes(ckpt.nbytes)}, {len(ckpt.shards)} file(s))",
-    ]
+# The name column is as wide as the longest name up to this many characters; a longer name is shown in full
+# on its own row, the other columns after it, so that one long name does not pad every row (a 4 MB name beside
+# 4,000 tensors would print 16 GB).
+NAME_COLUMN = 64
+
+
+def _inspect_lines(ckpt: mz.Checkpoint) -> Iterator[str]:
+    """``inspect``'s rows, one a tensor, names escaped (see materialize.text.printable): what it prints is
+    bounded by the names' own length (4 characters per byte of the file at most) plus a row's columns."""
+    yield f"{ckpt.path}  ({ckpt.format}, {len(ckpt)} tensors, {format_bytes(ckpt.nbytes)}, {len(ckpt.shards)} file(s))"
     if ckpt.state_dict_key is not None:
-        lines.append(f"state dict: entry {ckpt.state_dict_key!r} of the saved dict")
+        yield f"state dict: entry {ckpt.state_dict_key!r} of the saved dict"
     if ckpt.module is not None:
-        lines.append(f"pickled module: {type(ckpt.module).__module__}.{type(ckpt.module).__qualname__}")
-    width = max((len(n) for n in ckpt), default=4)
+        yield f"pickled module: {type(ckpt.module).__module__}.{type(ckpt.module).__qualname__}"
+    width = max((len(shown) for shown in map(printable, ckpt) if len(shown) <= NAME_COLUMN), default=4)
     many_files = len(ckpt.shards) > 1
     for info in ckpt.values():
         shape = "x".join(map(str, info.shape)) or "scalar"
-        row = f"{info.name.ljust(width)}  {info.dtype_name:<14} {shape:<20} {format_bytes(info.nbytes):>10}"
-        lines.append(row + (f"  {info.path.name}" if many_files else ""))
-    return "\n".join(lines)
+        row = f"{printable(info.name).ljust(width)}  {info.dtype_name:<14} {shape:<20} {format_bytes(info.nbytes):>10}"
+        yield row + (f"  {printable(info.path.name)}" if many_files else "")
 
 
 @main.command("plan")
@@ -250,7 +271,7 @@ def plan_command(checkpoint: str, as_json: bool, debug: bool, **options: Any) ->
     def action() -> None:
         keywords = library_keywords(options)
         the_plan = mz.plan(keywords.pop("model"), checkpoint, **keywords)
-        _emit(as_json, the_plan.to_dict(), _plan_text(the_plan.to_dict()))
+        _emit(as_json, the_plan.to_dict, lambda: _plan_text(the_plan.to_dict()).split("\n"), str(the_plan.path))
 
     _run(debug, action)
 
@@ -268,7 +289,7 @@ def plan_command(checkpoint: str, as_json: bool, debug: bool, **options: Any) ->
 @click.option("--revision", default=None, help="Hub revision when SRC is a repo id.")
 @click.option("--trust-pickle", is_flag=True, help="Allow a pickled model (torch.save(model)); runs its code.")
 @state_dict_key_option
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 @click.option("--debug", is_flag=True, help="Show the traceback of an error.")
 def convert_command(src: str, dst: str, dtype: "Optional[torch.dtype]", shard_size: int, overwrite: bool,
                     allow_overflow: bool, allow_expansion: bool, revision: Optional[str], trust_pickle: bool,
@@ -289,12 +310,13 @@ def convert_command(src: str, dst: str, dtype: "Optional[torch.dtype]", shard_si
         finally:
             if progress is not None:
                 progress.close()
-        _emit(as_json, report.to_dict(), str(report))
+        _emit(as_json, report.to_dict, lambda: str(report).split("\n"), report.source)
 
     _run(debug, action)
 
 
 def _plan_text(summary: dict[str, Any]) -> str:
+    """The plan in words; each name from the checkpoint or the model escaped (see materialize.text.printable)."""
     counts = summary["tensors"]
     entry = summary["state_dict_key"]
     lines = [
@@ -308,17 +330,19 @@ def _plan_text(summary: dict[str, Any]) -> str:
         peak = "peak host memory" if device == "cpu" else f"memory on {device}"
         available = f" of {format_bytes(memory['available'])} available" if memory["available"] is not None else ""
         lines.append(f"{peak}: {format_bytes(memory['needed'])}{available}: {verdict}")
-    lines += [f"tied         {', '.join(group)}" for group in summary["tied_groups"]]
-    lines += [f"tie to check {' / '.join(names[0] for names in check)} (the checkpoint holds each: tied if equal)"
+    lines += [f"tied         {', '.join(map(printable, group))}" for group in summary["tied_groups"]]
+    lines += [f"tie to check {' / '.join(printable(names[0]) for names in check)} (the checkpoint holds each: tied if equal)"
               for check in summary["ties_to_compare"]]
     for key in ("missing", "unexpected", "ignored"):
         if summary[key]:
-            lines.append(f"{key:<12} {', '.join(summary[key])}")
+            lines.append(f"{key:<12} {', '.join(map(printable, summary[key]))}")
     if summary["fed_to_load_code"]:
-        lines.append(f"load code    reads {', '.join(summary['fed_to_load_code'])} (the model's own, run once loaded)")
+        fed = ", ".join(map(printable, summary["fed_to_load_code"]))
+        lines.append(f"load code    reads {fed} (the model's own, run once loaded)")
     if summary["filled_by_load_code"]:
-        lines.append(f"made by code {', '.join(summary['filled_by_load_code'])} (the model's own load code)")
-    renames = [f"{old} -> {new}" for old, new in summary["renamed_by_model"].items()]
+        filled = ", ".join(map(printable, summary["filled_by_load_code"]))
+        lines.append(f"made by code {filled} (the model's own load code)")
+    renames = [f"{printable(old)} -> {printable(new)}" for old, new in summary["renamed_by_model"].items()]
     if renames:
         lines.append(f"renamed      {summarize_names(renames)} (by the model's own load code)")
     return "\n".join(lines)

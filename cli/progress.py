@@ -8,6 +8,7 @@ import time
 from typing import Optional, TextIO
 
 from materialize.sizes import format_bytes
+from materialize.text import printable
 
 REFRESH_SECONDS = 0.1
 
@@ -33,7 +34,9 @@ class ProgressLine:
             self._last = now
             rate = done / max(now - self.started, 1e-9) / 1e9
             percent = 100.0 * done / total if total else 100.0
-            self.stream.write(f"\rloading {format_bytes(done)} / {format_bytes(total)}  {percent:5.1f}%  {rate:.2f} GB/s ")
+            # the carriage return is the line's own; what follows it passes the same escaping as all output
+            status = printable(f"loading {format_bytes(done)} / {format_bytes(total)}  {percent:5.1f}%  {rate:.2f} GB/s ")
+            self.stream.write(f"\r{status}")
             self.stream.flush()
             self._shown = True
 

@@ -56,6 +56,7 @@ from .io.hostmem import empty_destination
 from .loading import DtypeLike, opened
 from .integrations.hub import resolve as resolve_source
 from .sizes import format_bytes, parse_size
+from .text import printable
 
 BATCH_BYTES = 256 * 1024 * 1024
 # A tensor may write up to MAX_EXPANSION times the bytes it reads (a cast from fp8 to fp32 is 4x) without
@@ -91,7 +92,8 @@ class ConvertReport:
         ]
         if self.copied:
             rows.append(("copied", ", ".join(self.copied)))
-        return "\n".join(f"{key:<14} {value}" for key, value in rows)
+        # escaped: the source's file names (its companion files') are the source's choice
+        return "\n".join(f"{key:<14} {printable(value)}" for key, value in rows)
 
 
 @dataclass(frozen=True)
@@ -143,8 +145,11 @@ def convert(
     Raises:
         CheckpointError: a companion file of a source folder is a symlink
             leading out of it (besides everything :func:`open_checkpoint` refuses).
-        OutputError: ``dst`` exists, cannot be written, or a companion file's
-            name cannot be a file name in it.
+        OutputError: ``dst`` exists, cannot be written, a companion file's
+            name cannot be a file name in it, or a tensor's name cannot be a
+            safetensors name: ``__metadata__`` (the header's metadata) or one
+            holding a lone surrogate (no UTF-8 form). Such a tensor is refused,
+            never renamed, before anything is written: rename it in the source.
     """
     started = time.perf_counter()
     cast = parse_dtype(dtype)
@@ -159,6 +164,7 @@ def convert(
                 f"{ckpt.path}: modules' extra state that is not a tensor ({summarize_names(list(ckpt.extra_states))}) "
                 "has no place in safetensors and is left out; keep the torch file for it"), stacklevel=2)
         items = [_Item(info, cast if cast is not None and info.dtype.is_floating_point else info.dtype) for info in ckpt.values()]
+        _check_names(items)
         if not allow_expansion:
             _check_expansion(items)
         single_file = destination.suffix == ".safetensors"
@@ -182,6 +188,29 @@ def convert(
             bytes_written=sum(item.nbytes for item in items), seconds=time.perf_counter() - started, copied=copied,
             state_dict_key=ckpt.state_dict_key,
         )
+
+
+def _check_names(items: list[_Item]) -> None:
+    """Refuse, before anything is written, a tensor name a safetensors file cannot hold.
+
+    ``__metadata__`` is where the header keeps the file's metadata (safetensors
+    and this library's reader refuse a tensor under it), and a name with a lone
+    surrogate (a torch file's ``str`` can hold one) has no UTF-8 form, which the
+    header's JSON must have. Neither is renamed silently: a load by name would
+    then miss it. The fix is the source's: give the tensor another name there.
+    """
+    fix = ("rename it in the source (a torch file: torch.load it, move the tensor to another key of the dict, "
+           "torch.save it) and convert that")
+    for item in items:
+        name = item.info.name
+        if name == "__metadata__":
+            raise OutputError(f"safetensors keeps a file's metadata under this name, so no tensor can have it; {fix}",
+                              path=item.info.path, tensor=name)
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise OutputError("the name holds a lone surrogate, which has no UTF-8 form, as safetensors names must; "
+                              f"{fix}", path=item.info.path, tensor=name) from None
 
 
 def _check_expansion(items: list[_Item]) -> None:

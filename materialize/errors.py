@@ -10,9 +10,19 @@ from __future__ import annotations
 import os
 from typing import Optional, Sequence
 
+from .text import printable
+
 
 class MaterializeError(Exception):
-    """Base class: a load, build or data error a user can cause."""
+    """Base class: a load, build or data error a user can cause.
+
+    Its message shows the file and tensor it is about through
+    :func:`~materialize.text.printable`: a name from a hostile file cannot
+    drive the terminal or log the message is printed to, nor break the
+    message's one line. The exact ones stay in ``path`` and ``tensor``.
+    Names written into a message's text are written with ``!r`` or through
+    :func:`summarize_names`, which escape them too.
+    """
 
     def __init__(
         self,
@@ -29,9 +39,9 @@ class MaterializeError(Exception):
     def _format(self) -> str:
         where = []
         if self.path is not None:
-            where.append(self.path)
+            where.append(printable(self.path))
         if self.tensor is not None:
-            where.append(f"tensor '{self.tensor}'")
+            where.append(f"tensor '{printable(self.tensor)}'")
         return f"{': '.join(where)}: {self.reason}" if where else self.reason
 
     def __str__(self) -> str:
@@ -128,7 +138,8 @@ class AllocationError(MaterializeError, MemoryError):
 
 
 class OutputError(MaterializeError, OSError):
-    """A conversion cannot write its output (it exists, or the disk refuses)."""
+    """A conversion cannot write its output (it exists, or the disk refuses), or a tensor's name cannot be a
+    safetensors name (``__metadata__``, a lone surrogate)."""
 
 
 class ExpansionError(MaterializeError, ValueError):
@@ -144,8 +155,8 @@ class ShardingError(MaterializeError, ValueError):
 
 
 def summarize_names(names: Sequence[str], limit: int = 8) -> str:
-    """A short, one-line rendering of many tensor names."""
-    shown = ", ".join(names[:limit])
+    """A short, one-line rendering of many tensor names (each through :func:`~materialize.text.printable`)."""
+    shown = ", ".join(map(printable, names[:limit]))
     extra = len(names) - limit
     return f"{shown} (and {extra} more)" if extra > 0 else shown
 

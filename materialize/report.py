@@ -6,11 +6,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .sizes import format_bytes
+from .text import printable
 
 
 @dataclass
 class Report:
-    """The outcome of one load. ``str(report)`` is a table; :meth:`to_dict` is JSON-ready."""
+    """The outcome of one load. ``str(report)`` is a table, its names and paths escaped (see
+    :func:`~materialize.text.printable`); :meth:`to_dict` is JSON-ready, with them exact."""
 
     checkpoint: str
     format: str
@@ -112,17 +114,18 @@ class Report:
             if len(self.peak_device_bytes_by_device) > 1:
                 rows += [(f"  on {place}", format_bytes(n)) for place, n in self.peak_device_bytes_by_device.items()]
         width = max(len(label) for label, _ in rows)
-        lines = [f"{label.ljust(width)}  {value}" for label, value in rows]
+        lines = [f"{label.ljust(width)}  {printable(value)}" for label, value in rows]
         if self.initialized:
-            lines.append(f"{'initialized'.ljust(width)}  {', '.join(self.initialized[:6])}"
+            lines.append(f"{'initialized'.ljust(width)}  {', '.join(map(printable, self.initialized[:6]))}"
                          + (f" (+{len(self.initialized) - 6})" if len(self.initialized) > 6 else "")
                          + (" (replayed as eager construction made them)" if self.replayed else ""))
         if self.nonfinite:
-            lines.append(f"{'NaN/Inf in'.ljust(width)}  {', '.join(self.nonfinite[:6])}"
+            lines.append(f"{'NaN/Inf in'.ljust(width)}  {', '.join(map(printable, self.nonfinite[:6]))}"
                          + (f" (+{len(self.nonfinite) - 6})" if len(self.nonfinite) > 6 else ""))
         if self.untied:
-            lines.append(f"{'untied'.ljust(width)}  " + "; ".join(" / ".join(group) for group in self.untied[:3]))
+            groups = "; ".join(" / ".join(map(printable, group)) for group in self.untied[:3])
+            lines.append(f"{'untied'.ljust(width)}  {groups}")
         if self.unexpected:
-            lines.append(f"{'unexpected'.ljust(width)}  {', '.join(self.unexpected[:6])}"
+            lines.append(f"{'unexpected'.ljust(width)}  {', '.join(map(printable, self.unexpected[:6]))}"
                          + (f" (+{len(self.unexpected) - 6})" if len(self.unexpected) > 6 else ""))
         return "\n".join(lines)

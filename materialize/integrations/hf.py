@@ -112,10 +112,9 @@ def build_hf(folder: Path, *, model_class: Optional[str] = None, dtype: Optional
     so that a load keeps them so (see :func:`hf_dtype_rule`). torch's default
     dtype is one per process and is left alone: the build runs in a mode of
     its own thread (:func:`~materialize.skeleton.buildmode.building`), where
-    what torch would make in its default dtype is made in ``dtype``.
-    Values computed from integers (a sinusoidal table's ``arange(n) / n``)
-    are computed in torch's default (fp32) and then cast, as
-    ``from_pretrained``'s init recomputes them.
+    what torch would make in its default dtype is made in ``dtype``
+    (integers promoted to a float, ``arange(n) / n``, are cast to it as they
+    come out), so dtypes are those ``torch.set_default_dtype`` would give.
 
     With ``checkpoint`` (the one the model is built for), the build is
     bounded by it, so that a config asking for millions of layers or a buffer

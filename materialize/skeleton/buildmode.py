@@ -26,6 +26,7 @@ from torch.nn.modules import module as module_hooks
 from torch.overrides import TorchFunctionMode
 
 _torch_default_dtype = torch.get_default_dtype
+_torch_set_default_dtype = torch.set_default_dtype
 _local = threading.local()
 _install_lock = threading.Lock()
 _active = 0
@@ -119,6 +120,19 @@ def _get_default_dtype() -> torch.dtype:
     return mode.dtype if mode is not None and mode.dtype is not None else _torch_default_dtype()
 
 
+def _set_default_dtype(dtype: torch.dtype) -> None:
+    """torch.set_default_dtype, or in a thread building, the build's dtype: a constructor building a part of
+    itself with transformers' ``from_config`` sets it and puts back what ``torch.get_default_dtype()`` answered,
+    which must stay this thread's."""
+    mode = _thread_build()
+    if mode is None:
+        _torch_set_default_dtype(dtype)
+        return
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError("only floating-point types are supported as the default type")
+    mode.dtype = None if dtype == _torch_default_dtype() else dtype
+
+
 def _count_registration(module: nn.Module, name: str, value: Any) -> None:
     mode = _thread_build()
     if mode is not None and mode.bounds is not None and value is not None:
@@ -129,8 +143,9 @@ def _install() -> None:
     global _active
     with _install_lock:
         if _active == 0:
-            # torch.get_default_dtype is answered per thread: threads not building get torch's own answer.
+            # Answered per thread: threads not building get torch's own answer, and set torch's own default.
             torch.get_default_dtype = _get_default_dtype
+            torch.set_default_dtype = _set_default_dtype
             _hook_handles[:] = [
                 module_hooks.register_module_parameter_registration_hook(_count_registration),
                 module_hooks.register_module_buffer_registration_hook(_count_registration),
@@ -144,6 +159,7 @@ def _uninstall() -> None:
         _active -= 1
         if _active == 0:
             torch.get_default_dtype = _torch_default_dtype
+            torch.set_default_dtype = _torch_set_default_dtype
             for handle in _hook_handles:
                 handle.remove()
             _hook_handles.clear()
@@ -259,15 +275,13 @@ def building(dtype: Optional[torch.dtype] = None, bounds: Optional[BuildBounds] 
 
     Factories given no dtype (``torch.zeros``, ``nn.Linear``'s ``torch.empty``, ``torch.arange(0.0, n)``) make
     ``dtype``, integers promoted to a float (``torch.arange(n) / n``) come out in ``dtype``, and
-    ``torch.get_default_dtype()`` answers ``dtype`` in this thread; a tensor made in a dtype named
+    ``torch.get_default_dtype()`` answers ``dtype`` in this thread (``torch.set_default_dtype`` sets this
+    thread's build dtype, as transformers' ``from_config`` does for a part built inside); a tensor made in a dtype named
     (``dtype=torch.float32``, ``.float()``) keeps it, as under ``torch.set_default_dtype(dtype)``. torch's
     C++ code making tensors of its own, and ``torch.Tensor(n)``, still take torch's default.
     """
     if dtype is not None and (not dtype.is_floating_point or dtype == _torch_default_dtype()):
         dtype = None
-    if dtype is None and bounds is None:
-        yield
-        return
     mode = _BuildMode(dtype, bounds)
     _install()
     stack = getattr(_local, "modes", None)

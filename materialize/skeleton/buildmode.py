@@ -133,6 +133,23 @@ def _set_default_dtype(dtype: torch.dtype) -> None:
     mode.dtype = None if dtype == _torch_default_dtype() else dtype
 
 
+def _tensor_new(cls: type, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``torch.Tensor(...)`` (the legacy constructor, which no torch function mode sees), in a thread building, made
+    in the build's dtype where torch's default would be taken, and its size asked of the bounds first."""
+    mode = _thread_build() if cls is torch.Tensor else None
+    if mode is not None and mode.bounds is not None and args and all(type(a) is int for a in args):
+        numel = 1
+        for size in args:
+            numel *= size
+        mode.bounds.asks(numel * _torch_default_dtype().itemsize, f"torch.Tensor{args}")
+    made = torch._C.TensorBase.__new__(cls, *args, **kwargs)
+    if mode is not None and mode.dtype is not None and made.dtype == _torch_default_dtype():
+        made = made.to(mode.dtype)
+    if mode is not None and mode.bounds is not None and not made.is_meta:
+        mode.bounds.holds(made, "torch.Tensor")
+    return made
+
+
 def _count_registration(module: nn.Module, name: str, value: Any) -> None:
     mode = _thread_build()
     if mode is not None and mode.bounds is not None and value is not None:
@@ -146,6 +163,7 @@ def _install() -> None:
             # Answered per thread: threads not building get torch's own answer, and set torch's own default.
             torch.get_default_dtype = _get_default_dtype
             torch.set_default_dtype = _set_default_dtype
+            torch.Tensor.__new__ = _tensor_new
             _hook_handles[:] = [
                 module_hooks.register_module_parameter_registration_hook(_count_registration),
                 module_hooks.register_module_buffer_registration_hook(_count_registration),
@@ -160,6 +178,7 @@ def _uninstall() -> None:
         if _active == 0:
             torch.get_default_dtype = _torch_default_dtype
             torch.set_default_dtype = _torch_set_default_dtype
+            del torch.Tensor.__new__  # torch's own again, inherited
             for handle in _hook_handles:
                 handle.remove()
             _hook_handles.clear()
@@ -278,7 +297,9 @@ def building(dtype: Optional[torch.dtype] = None, bounds: Optional[BuildBounds] 
     ``torch.get_default_dtype()`` answers ``dtype`` in this thread (``torch.set_default_dtype`` sets this
     thread's build dtype, as transformers' ``from_config`` does for a part built inside); a tensor made in a dtype named
     (``dtype=torch.float32``, ``.float()``) keeps it, as under ``torch.set_default_dtype(dtype)``. torch's
-    C++ code making tensors of its own, and ``torch.Tensor(n)``, still take torch's default.
+    C++ code making tensors of its own still takes torch's default. ``torch.Tensor(n)`` (the legacy
+    constructor, which modes do not see) is made in ``dtype`` by a ``torch.Tensor.__new__`` that answers
+    other threads as torch's does.
     """
     if dtype is not None and (not dtype.is_floating_point or dtype == _torch_default_dtype()):
         dtype = None

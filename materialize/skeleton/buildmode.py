@@ -158,6 +158,12 @@ def _count_registration(module: nn.Module, name: str, value: Any) -> None:
 
 def _install() -> None:
     global _active
+    try:
+        # Imported first: on import, dynamo checks the signature of torch.Tensor.__new__ against its own, which the
+        # build's would fail. transformers' models import it anyway (its masking code does).
+        import torch._dynamo  # noqa: F401
+    except ImportError:
+        pass
     with _install_lock:
         if _active == 0:
             # Answered per thread: threads not building get torch's own answer, and set torch's own default.

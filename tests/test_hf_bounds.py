@@ -195,7 +195,9 @@ def test_a_default_dtype_a_constructor_sets_inside_a_build_is_the_builds_own():
         inner = torch.zeros(1).dtype
         torch.set_default_dtype(before)
         after = torch.zeros(1).dtype
+        legacy = torch.Tensor(2).dtype  # wav2vec2's masked_spec_embed, Deformable DETR's level_embed
 
-    assert (before, inner, after) == (torch.bfloat16, torch.float16, torch.bfloat16)
+    assert (before, inner, after, legacy) == (torch.bfloat16, torch.float16, torch.bfloat16, torch.bfloat16)
+    assert torch.Tensor(2).dtype == torch.float32 and "__new__" not in torch.Tensor.__dict__
     assert torch.get_default_dtype() == torch.float32 and torch.zeros(1).dtype == torch.float32
     assert torch.set_default_dtype.__module__ == "torch" and not torch.get_default_dtype.__module__.startswith("materialize")

@@ -265,7 +265,8 @@ def _skeleton(
         return (build_recorded if record else build)(model, **dict(model_args or {}))
     if builds_hf or (folder is not None and is_transformers_folder(folder)):
         class_name = (model[len(HF_SPEC_PREFIX):] or None) if builds_hf else None
-        return build_hf(folder, model_class=class_name, dtype=parse_dtype(dtype) or dominant_float_dtype(ckpt))
+        return build_hf(folder, model_class=class_name, dtype=parse_dtype(dtype) or dominant_float_dtype(ckpt),
+                        checkpoint=ckpt)
     return ckpt.module
 
 

@@ -49,7 +49,7 @@ from .dtypes import parse_dtype
 from .checkpoint.pieces import Job
 from .io.executor import Reads, reads
 from .options import ProgressFn, ReadOptions
-from .errors import ConvertWarning, ExpansionError, MaterializeError, OutputError, summarize_names
+from .errors import ConvertWarning, ExpansionError, MaterializeError, ModelSpecError, OutputError, summarize_names
 from .io.fileio import byte_view
 from .io.gcpause import gc_paused
 from .io.hostmem import empty_destination
@@ -169,13 +169,14 @@ def convert(
             _check_expansion(items)
         single_file = destination.suffix == ".safetensors"
         companions = [] if single_file else _companions(source)  # refused before a byte is written, as expansion is
+        config = _read_config(companions) if cast is not None else None  # so is a config.json that cannot be read
         shards = [items] if single_file or shard_bytes is None else _groups(items, shard_bytes)
         temporary = destination.parent / f".{destination.name}.partial-{os.getpid()}"
         try:
             with reads(ckpt.files, ReadOptions(allow_overflow=allow_overflow)) as reader:
                 written, copied = _write_all(ckpt, companions, shards, temporary, single_file, reader, progress)
             if cast is not None and "config.json" in copied:
-                _config_says_dtype(temporary / "config.json", cast)
+                _config_says_dtype(temporary / "config.json", cast, config)
             _move_into_place(temporary, destination)
         except BaseException as exc:
             _remove(temporary)
@@ -313,29 +314,39 @@ def _write_file(ckpt: Checkpoint, items: list[_Item], path: Path, reader: Reads,
         os.fsync(out.fileno())
 
 
-def _config_says_dtype(path: Path, dtype: torch.dtype) -> None:
-    """A copied Hugging Face ``config.json`` says the dtype written (``from_pretrained`` loads in it): its
-    ``dtype`` / ``torch_dtype`` fields, the nested configs' (``text_config``) too; ``dtype`` if it had none."""
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return  # not a config this code understands: copied as it was
+def _read_config(companions: list[tuple[Path, str]]) -> object:
+    """The source's ``config.json`` as read by :func:`~materialize.integrations.hf.read_config` (one error naming it
+    where it cannot be read); None where the folder has none."""
+    from .integrations.hf import read_config
+
+    return next((read_config(real) for real, name in companions if name == "config.json"), None)
+
+
+def _config_says_dtype(path: Path, dtype: torch.dtype, config: object) -> None:
+    """A copied Hugging Face ``config.json`` (``config``, as read) says the dtype written (``from_pretrained``
+    loads in it): its ``dtype`` / ``torch_dtype`` fields, the nested configs' (``text_config``) too; ``dtype``
+    if it had none."""
     if not isinstance(config, dict):
         return
     name = str(dtype).removeprefix("torch.")
 
-    def set_dtype(node: dict) -> bool:
-        found = False
+    found = False
+    nodes = [config]  # a walk, not a recursion: a config may nest as deep as its read allowed
+    while nodes:
+        node = nodes.pop()
         for key, value in node.items():
             if key in ("dtype", "torch_dtype") and (value is None or isinstance(value, str)):
                 node[key], found = name, True
             elif isinstance(value, dict):
-                found = set_dtype(value) or found
-        return found
-
-    if not set_dtype(config):
+                nodes.append(value)
+    if not found:
         config["dtype"] = name
-    path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    try:
+        text = json.dumps(config, indent=2)
+    except RecursionError:  # read just inside the limit, written a few frames deeper
+        raise ModelSpecError("cannot be written back: its JSON is nested as deep as Python's recursion limit",
+                             path=path.name) from None
+    path.write_text(text + "\n", encoding="utf-8")
 
 
 def _companions(source: object) -> list[tuple[Path, str]]:

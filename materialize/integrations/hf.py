@@ -14,24 +14,50 @@ import math
 import re
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
-from ..checkpoint import TensorInfo
+from ..checkpoint import Checkpoint, TensorInfo
 from ..checkpoint.base import is_extra_state
 from ..checkpoint.confine import allowed_roots, confine
 from ..errors import CheckpointError, MaterializeError, ModelSpecError, ModelSpecUsageError, first_line, torchvision_mismatch
+from ..skeleton.buildmode import BuildBounds, building
 from ..skeleton.meta import meta_init
 from ..planning.plan import DtypeRule, Tolerated
 from ..planning.stacking import Chunks, Deinterleave, Rearranged, StackSlot, Transposed
 
 CONFIG_NAME = "config.json"
 HF_SPEC_PREFIX = "hf:"
+# A build may register or copy this many tensors per tensor of its checkpoint, plus TENSOR_FLOOR: a model
+# registers each of its checkpoint's tensors about once, plus a few buffers it computes (per-layer rotary
+# frequencies, masks); its checkpoint may also hold each expert apart where the model stacks them.
+TENSORS_PER_CHECKPOINT_TENSOR = 4
+TENSOR_FLOOR = 10_000
+# Tensors not on meta a build may hold at once, beyond its checkpoint's bytes (each tensor counted at the
+# larger of its itemsize and the build dtype's): computed buffers (position ids, rotary tables, masks) of
+# models whose checkpoint is small beside their context length.
+REAL_BYTES_FLOOR = 256 << 20
+
+
+def read_config(path: Path) -> Any:
+    """``path``'s JSON (a ``config.json``), or a :class:`ModelSpecError` naming it where it cannot be read.
+
+    Every read of a config goes through here: a file nested deeper than
+    Python's recursion limit, invalid JSON or bytes that are not UTF-8 are
+    one error naming the file, never a raw ``RecursionError``.
+    """
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ModelSpecError("cannot be read: its JSON is nested deeper than Python's recursion limit", path=path) from None
+    except UnicodeError as exc:
+        raise ModelSpecError(f"cannot be read: not UTF-8 ({first_line(exc)})", path=path) from None
+    except ValueError as exc:
+        raise ModelSpecError(f"cannot be read: not valid JSON ({first_line(exc)})", path=path) from None
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -55,8 +81,8 @@ def is_transformers_folder(path: Path) -> bool:
     if not is_hf_folder(path):
         return False
     try:
-        config = json.loads((path / CONFIG_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        config = read_config(path / CONFIG_NAME)
+    except (OSError, MaterializeError):
         return True
     return not isinstance(config, dict) or "model_type" in config or "architectures" in config
 
@@ -71,7 +97,8 @@ def _transformers() -> Any:
     return transformers
 
 
-def build_hf(folder: Path, *, model_class: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> nn.Module:
+def build_hf(folder: Path, *, model_class: Optional[str] = None, dtype: Optional[torch.dtype] = None,
+             checkpoint: Optional[Checkpoint] = None) -> nn.Module:
     """A transformers model for ``folder``'s ``config.json``, parameters on meta.
 
     ``model_class`` is a transformers class name (``"AutoModelForCausalLM"``,
@@ -83,16 +110,30 @@ def build_hf(folder: Path, *, model_class: Optional[str] = None, dtype: Optional
     computes come out in that dtype, and tensors the model creates in a dtype
     of its own (a DeBERTa ``q_bias``, a HunYuan router made fp32) stand out,
     so that a load keeps them so (see :func:`hf_dtype_rule`). torch's default
-    dtype is one per process: it is set for the length of the build.
+    dtype is one per process and is left alone: the build runs in a mode of
+    its own thread (:func:`~materialize.skeleton.buildmode.building`), where
+    what torch would make in its default dtype is made in ``dtype``
+    (integers promoted to a float, ``arange(n) / n``, are cast to it as they
+    come out), so dtypes are those ``torch.set_default_dtype`` would give.
+
+    With ``checkpoint`` (the one the model is built for), the build is
+    bounded by it, so that a config asking for millions of layers or a buffer
+    of gigabytes is refused early, naming the config's largest sizes: it may
+    register (or copy) at most :data:`TENSORS_PER_CHECKPOINT_TENSOR` tensors
+    per checkpoint tensor plus :data:`TENSOR_FLOOR`, and hold at most the
+    checkpoint's bytes plus :data:`REAL_BYTES_FLOOR` in tensors not on meta
+    at once, each allocation asked before it is made.
     """
     try:
-        return _build_hf(folder, model_class, dtype)
+        return _build_hf(folder, model_class, dtype, checkpoint)
     except ImportError as exc:  # transformers' lazy import of the model's code, or of what that code imports
         raise ModelSpecError(f"transformers cannot import the code of this model: {first_line(exc)}"
                              f"{torchvision_mismatch(exc)}", path=folder / CONFIG_NAME) from None
 
 
-def _build_hf(folder: Path, model_class: Optional[str], dtype: Optional[torch.dtype]) -> nn.Module:
+def _build_hf(folder: Path, model_class: Optional[str], dtype: Optional[torch.dtype],
+              checkpoint: Optional[Checkpoint]) -> nn.Module:
+    saved = read_config(folder / CONFIG_NAME) if is_hf_folder(folder) else None
     if not is_transformers_folder(folder):
         raise ModelSpecError(
             "names no model_type or architectures: not a transformers model's config "
@@ -103,7 +144,7 @@ def _build_hf(folder: Path, model_class: Optional[str], dtype: Optional[torch.dt
     try:
         # Never None: transformers would then ask on the terminal whether to run the repository's code.
         config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, RecursionError) as exc:
         config = _config_of_class(transformers, folder, model_class)
         if config is None:
             raise _unbuildable(folder, f"cannot read its config.json: {first_line(exc)}") from None
@@ -112,7 +153,11 @@ def _build_hf(folder: Path, model_class: Optional[str], dtype: Optional[torch.dt
     cls = getattr(transformers, name, None)
     if cls is None:
         raise _unbuildable(folder, f"transformers has no model class {name!r} (installed: transformers {transformers.__version__})")
-    with meta_init(), _default_dtype(dtype or _config_dtype(config)):
+    built_in = dtype or _config_dtype(config)
+    if built_in is not None and (not built_in.is_floating_point or built_in.itemsize < 2):
+        built_in = None
+    bounds = _bounds(checkpoint, built_in, folder, saved) if checkpoint is not None else None
+    with meta_init(), building(built_in, bounds):
         try:
             model = cls.from_config(config) if name.startswith("Auto") else cls(config)
         except MaterializeError:
@@ -134,8 +179,8 @@ def _unbuildable(folder: Path, reason: str) -> ModelSpecError:
     as such: that code is never run here.
     """
     try:
-        custom = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8")).get("auto_map")
-    except (OSError, ValueError, AttributeError):
+        custom = read_config(folder / CONFIG_NAME).get("auto_map")
+    except (OSError, MaterializeError, AttributeError):
         custom = None
     if isinstance(custom, dict) and custom:
         code = next((value for key, value in custom.items() if key.startswith("AutoModel")), next(iter(custom.values())))
@@ -162,13 +207,13 @@ def _config_of_class(transformers: Any, folder: Path, model_class: Optional[str]
     that fails too.
     """
     try:
-        saved = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
+        saved = read_config(folder / CONFIG_NAME)
         name = model_class or next(iter(saved.get("architectures") or []), None)
         config_class = getattr(getattr(transformers, name, None), "config_class", None) if isinstance(name, str) else None
         if config_class is None:
             return None
         return config_class.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None
 
 
@@ -178,18 +223,48 @@ def _config_dtype(config: Any) -> Optional[torch.dtype]:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
-@contextmanager
-def _default_dtype(dtype: Optional[torch.dtype]) -> Iterator[None]:
-    """torch's default dtype set to ``dtype`` (a floating one) for the block; anything else leaves it."""
-    if dtype is None or not dtype.is_floating_point or dtype.itemsize < 2 or dtype == torch.get_default_dtype():
-        yield
-        return
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
+def _bounds(checkpoint: Checkpoint, dtype: Optional[torch.dtype], folder: Path, saved: Any) -> BuildBounds:
+    """What building for ``checkpoint`` may make (see :func:`build_hf`), refused naming the config's largest sizes."""
+    itemsize = (dtype or torch.get_default_dtype()).itemsize
+    infos = list(checkpoint.values())
+    held = sum(info.numel * max(info.itemsize, itemsize) for info in infos)
+    max_tensors = TENSORS_PER_CHECKPOINT_TENSOR * len(infos) + TENSOR_FLOOR
+
+    def refuse(what: str) -> ModelSpecError:
+        sizes = ", ".join(f"{name}={value}" for name, value in _largest_sizes(saved))
+        return _unbuildable(folder, (
+            f"{what}, where its checkpoint holds {len(infos):,} tensors of {_bytes(checkpoint.nbytes)} (a build may "
+            f"make {TENSORS_PER_CHECKPOINT_TENSOR} tensors per checkpoint tensor plus {TENSOR_FLOOR:,}, and hold the "
+            f"checkpoint's bytes plus {_bytes(REAL_BYTES_FLOOR)} off meta): the config asks for a larger model than "
+            f"its checkpoint{f' (its largest sizes: {sizes})' if sizes else ''}; fix that field of config.json"))
+
+    return BuildBounds(max_tensors=max_tensors, max_real_bytes=held + REAL_BYTES_FLOOR, refuse=refuse)
+
+
+def _bytes(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
+def _largest_sizes(config: Any, count: int = 2) -> list[tuple[str, int]]:
+    """The ``count`` largest integers of a config (dotted names into nested configs): what a build makes many
+    or large of (layers, positions, widths). Token ids are numbers, not sizes, and are left out."""
+    found: list[tuple[int, str]] = []
+    stack = [("", config)]
+    while stack:
+        prefix, node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        for key, value in node.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                stack.append((f"{name}.", value))
+            elif isinstance(value, int) and not isinstance(value, bool) and "token_id" not in str(key):
+                found.append((value, name))
+    found.sort(key=lambda item: (-item[0], item[1]))
+    return [(name, value) for value, name in found[:count]]
 
 
 def _refuse_quantized(config: Any, folder: Path) -> None:

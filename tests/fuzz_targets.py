@@ -1953,8 +1953,13 @@ class KnownBug:
 
 
 # Failures the library is known to have, each pinned by an xfail test in test_fuzz_short.py.
-# Empty: the sixteen found by the first fuzz runs are fixed and their tests now pass.
-KNOWN_BUGS: list[KnownBug] = []
+# (The sixteen found by the first fuzz runs are fixed and their tests now pass.)
+KNOWN_BUGS: list[KnownBug] = [
+    # A config.json nested past the recursion limit: json.loads raises RecursionError, which the check for a
+    # transformers config does not catch (it catches ValueError), so a plan or load without a model fails with it.
+    KnownBug("test_config_json_nested_deeper_than_the_recursion_limit_is_a_materialize_error", (RecursionError,),
+             "hf.py", "is_transformers_folder", "json.loads"),
+]
 
 _PACKAGE = Path(mz.__file__).resolve().parent
 

@@ -45,15 +45,21 @@ a finding and one whose cost grows faster than its size is::
 (size_MB: the input's bytes / 2**20). The child stamps each input's size
 in shared memory beside its start time, and the parent works out that
 input's deadline from both; the child compares its peak with that input's
-memory limit. The per-MB constants are loose on purpose, for a slow, shared
-two-core machine: the readers take well under a second per MB of header,
-index, zip directory or pickle (about 0.1 s on an idle core) and hold a few
-MB of Python objects per MB read, so a reader must be some ten times slower
-than that before it shows, which a quadratic one is from a few MB on
-(a hash-flooded dict of 250,000 keys, 3 MB of pickle, takes hours). The
-small inputs of the other targets gain nothing from them. The ``cx_*``
-targets (``fuzz_targets.COMPLEXITY_CASES``) are the ones that make such
-inputs: expensive rather than malformed, up to a few MB each.
+memory limit. The constants are set for a slow, shared two-core machine.
+The linear readers take 0.1 to 2 s per MB there (an index or a pickle of
+plain keys at the low end; at the high end a safetensors header of 100,000
+one-byte tensors, listed, inspected and loaded, and a DCP tensor of 20,000
+chunks in order, each chunk's embedded zip parsed at every open: the one
+closest to its limit), and hold a few MB of Python objects per MB read. A
+quadratic reader takes minutes at a few MB (a hash-flooded dict of 200,000
+keys is 2*10^10 probes; a zip of 150,000 records, one name twice, counted
+name by name, as many comparisons) and is stopped at 10 s + 4 s per MB.
+The small inputs of the other targets gain nothing from the per-MB part.
+The ``cx_*`` targets (``fuzz_targets.COMPLEXITY_CASES``) make inputs
+expensive rather than malformed, up to a few MB each (a zip of many
+records, 17 MB); each case's ``seeds``, its known expensive inputs, run
+first, once per run: a child killed on one is replaced by one that starts
+at the next.
 
 Failures that match ``fuzz_targets.KNOWN_BUGS`` (bugs pinned by xfail tests
 in tests/test_fuzz_short.py) are tagged as known. Exit status 1 when anything

@@ -13,7 +13,10 @@
 #               under ZOO_CASE_SECONDS; resumable (data/zoo/results.jsonl); writes docs/zoo.md and adds what
 #               failed to tests/zoo_failed.txt, which make test runs beside a sample (ZOO_SEED, ZOO_SAMPLE)
 #   make fuzz   fuzz the header, index, zip and pickle readers (FUZZ_SECONDS, default 600; each input under
-#               FUZZ_INPUT_SECONDS, FUZZ_MEMORY_MB of address space, FUZZ_INPUT_MEMORY_MB of peak growth)
+#               FUZZ_INPUT_SECONDS + FUZZ_INPUT_SECONDS_PER_MB per MB of it, FUZZ_MEMORY_MB of address space,
+#               FUZZ_INPUT_MEMORY_MB + FUZZ_INPUT_MEMORY_MB_PER_MB per MB of peak growth); the cx_* targets make
+#               inputs expensive rather than malformed (fuzz/run.py's docstring); FUZZ_TARGETS picks some
+#               (e.g. FUZZ_TARGETS="cx_torch_pickle cx_safetensors"; default all)
 #
 # The environment is locked: every package of test, demo and bench is installed at the exact version
 # requirements-lock.txt names, so an upstream release changes nothing here until it is taken on purpose.
@@ -39,6 +42,9 @@ FUZZ_SECONDS ?= 600
 FUZZ_INPUT_SECONDS ?= 10
 FUZZ_MEMORY_MB ?= 3072
 FUZZ_INPUT_MEMORY_MB ?= 1024
+FUZZ_INPUT_SECONDS_PER_MB ?= 4
+FUZZ_INPUT_MEMORY_MB_PER_MB ?= 64
+FUZZ_TARGETS ?=
 
 .PHONY: demo test bench bench-strided bench-dcp bench-deferred bench-sharded zoo fuzz venv clean lock test-latest test-oldest
 
@@ -127,7 +133,8 @@ zoo: $(STAMP)
 
 fuzz: $(STAMP)
 	$(PY) -m fuzz.run --seconds $(FUZZ_SECONDS) --input-seconds $(FUZZ_INPUT_SECONDS) --memory-mb $(FUZZ_MEMORY_MB) \
-		--input-memory-mb $(FUZZ_INPUT_MEMORY_MB)
+		--input-memory-mb $(FUZZ_INPUT_MEMORY_MB) --input-seconds-per-mb $(FUZZ_INPUT_SECONDS_PER_MB) \
+		--input-memory-mb-per-mb $(FUZZ_INPUT_MEMORY_MB_PER_MB) $(foreach target,$(FUZZ_TARGETS),--target $(target))
 
 clean:
 	rm -rf $(VENV) .venv-lock .venv-latest .venv-oldest .venv-oldest-hf data .pytest_cache

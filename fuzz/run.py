@@ -3,6 +3,7 @@
     python -m fuzz.run --seconds 120          # the budget is split evenly across targets
     python -m fuzz.run --seconds 60 --target torch_pickle_ops --input-seconds 5 --memory-mb 2048
     python -m fuzz.run --replay fuzz/crashes/safetensors_structured-0123abcd4567.bin
+    python -m fuzz.run --seconds 3600 --target cx_torch_pickle --target cx_safetensors   # complexity only
 
 Hypothesis generates the inputs (no atheris, no native fuzzer). Unlike a
 test, the run does not stop at the first failure: it records it, keeps the
@@ -18,20 +19,47 @@ whose address space is capped with ``RLIMIT_AS`` (``--memory-mb``, default
 ``MemoryError`` (recorded like any other exception that is not a
 ``MaterializeError``) instead of the kernel's OOM killer. Before each input
 the child writes it to ``fuzz/crashes/.current-<case>.bin`` and stamps its
-start in shared memory; the parent watches. An input still running after
-``--input-seconds`` (default 10) is a hang: the parent has the child dump its
+start and its size in shared memory; the parent watches. An input still
+running after its time limit (``--input-seconds``, default 10, plus a part
+in proportion to its size: see below) is a hang: the parent has the child dump its
 Python stack (faulthandler, SIGUSR1), kills it, keeps the input as
 ``<case>-hang-<hash>.bin`` (the stack beside it, ``.traceback.txt``) and
 starts a new child for the rest of the target's time. A child that dies
 (killed by a signal: a segfault, an abort, the OOM killer) leaves its input
 as ``<case>-died-<hash>.bin``. An input that fits under the cap but makes
-resident memory rise more than ``--input-memory-mb`` (default 1024; the peak
-is measured per input through /proc/self/clear_refs) is counted, and the
+resident memory rise more than its memory limit (``--input-memory-mb``,
+default 1024, plus its part in proportion to the size; the peak is measured per input through /proc/self/clear_refs) is counted, and the
 first few are kept as ``<case>-memory-<hash>.bin``: a load that takes
 gigabytes for a small file and then succeeds (or fails cleanly) is found
 too, though nothing raised. Hangs,
 deaths and memory use are failures, never known bugs. ``--replay`` runs saved
 inputs under the same limits, one child each.
+
+Limits in proportion to the input. Both per-input limits grow with the
+input's size, so that a large input a linear reader gets through is never
+a finding and one whose cost grows faster than its size is::
+
+    seconds    = --input-seconds   + --input-seconds-per-mb    * size_MB   (default 10 + 4 per MB)
+    memory MiB = --input-memory-mb + --input-memory-mb-per-mb  * size_MB   (default 1024 + 64 per MB)
+
+(size_MB: the input's bytes / 2**20). The child stamps each input's size
+in shared memory beside its start time, and the parent works out that
+input's deadline from both; the child compares its peak with that input's
+memory limit. The constants are set for a slow, shared two-core machine.
+The linear readers take 0.1 to 2 s per MB there (an index or a pickle of
+plain keys at the low end; at the high end a safetensors header of 100,000
+one-byte tensors, listed, inspected and loaded, and a DCP tensor of 20,000
+chunks in order, each chunk's embedded zip parsed at every open: the one
+closest to its limit), and hold a few MB of Python objects per MB read. A
+quadratic reader takes minutes at a few MB (a hash-flooded dict of 200,000
+keys is 2*10^10 probes; a zip of 150,000 records, one name twice, counted
+name by name, as many comparisons) and is stopped at 10 s + 4 s per MB.
+The small inputs of the other targets gain nothing from the per-MB part.
+The ``cx_*`` targets (``fuzz_targets.COMPLEXITY_CASES``) make inputs
+expensive rather than malformed, up to a few MB each (a zip of many
+records, 17 MB); each case's ``seeds``, its known expensive inputs, run
+first, once per run: a child killed on one is replaced by one that starts
+at the next.
 
 Failures that match ``fuzz_targets.KNOWN_BUGS`` (bugs pinned by xfail tests
 in tests/test_fuzz_short.py) are tagged as known. Exit status 1 when anything
@@ -71,6 +99,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 DEFAULT_INPUT_SECONDS = 10.0
 DEFAULT_MEMORY_MB = 3072
 DEFAULT_INPUT_MEMORY_MB = 1024
+DEFAULT_INPUT_SECONDS_PER_MB = 4.0  # see "Limits in proportion to the input" above
+DEFAULT_INPUT_MEMORY_MB_PER_MB = 64
 _KEPT_OVER_MEMORY = 5  # inputs kept per case for going over input_memory_mb (all are counted)
 _POLL = 0.05  # how often the parent looks at its child
 _STACK_DUMP_WAIT = 1.0  # how long a hung child gets to write its stack before it is killed
@@ -102,6 +132,18 @@ class Limits:
     input_seconds: float = DEFAULT_INPUT_SECONDS  # wall-clock time one input may run
     memory_mb: int = DEFAULT_MEMORY_MB  # the child's address space (RLIMIT_AS); 0: no limit
     input_memory_mb: int = DEFAULT_INPUT_MEMORY_MB  # resident memory one input may add at its peak; 0: not measured
+    input_seconds_per_mb: float = DEFAULT_INPUT_SECONDS_PER_MB  # added to input_seconds per MB of the input
+    input_memory_mb_per_mb: float = DEFAULT_INPUT_MEMORY_MB_PER_MB  # added to input_memory_mb per MB of the input
+
+    def seconds_for(self, size: int) -> float:
+        """The wall-clock time an input of ``size`` bytes may run."""
+        return self.input_seconds + self.input_seconds_per_mb * size / 2**20
+
+    def memory_bytes_for(self, size: int) -> int:
+        """How far an input of ``size`` bytes may raise resident memory at its peak; 0: not measured."""
+        if not self.input_memory_mb:
+            return 0
+        return int((self.input_memory_mb + self.input_memory_mb_per_mb * size / 2**20) * 2**20)
 
 
 @dataclass
@@ -139,6 +181,7 @@ class Outcome:
     memory: list[Stop] = field(default_factory=list)  # the first _KEPT_OVER_MEMORY of them
     errors: list[str] = field(default_factory=list)  # a child that failed outside any input (the runner's fault)
     children: int = 0
+    seeds_tried: int = 0  # the case's seed inputs handed to a child so far
 
     @property
     def new_failures(self) -> int:
@@ -190,10 +233,12 @@ class _Shared:
 
     def __init__(self) -> None:
         self.started = _SPAWN.RawValue("d", 0.0)  # time.monotonic() at the current input's start; 0: between inputs
+        self.size = _SPAWN.RawValue("q", 0)  # the current input's bytes, stamped before started: its deadline depends on it
         self.examples = _SPAWN.RawValue("q", 0)
         self.failures = _SPAWN.RawValue("q", 0)
         self.known = _SPAWN.RawValue("q", 0)
         self.grown = _SPAWN.RawValue("q", 0)  # replay: how far the input raised resident memory
+        self.next_seed = _SPAWN.RawValue("q", 0)  # the case's seed input to try next (see fuzz_case)
 
 
 def _status(*fields: str) -> list[int]:
@@ -250,8 +295,8 @@ def _open_stack_file(path: Path) -> Any:
     return handle
 
 
-def _worker(ref: str, deadline: float, max_examples: Optional[int], seed: Optional[int], limits: Limits,
-            current: str, stack: str, shared: _Shared, conn: Any) -> None:
+def _worker(ref: str, deadline: float, max_examples: Optional[int], seed: Optional[int], first_seed: int,
+            limits: Limits, current: str, stack: str, shared: _Shared, conn: Any) -> None:
     case = find_case(ref)  # its imports (torch) before the limit, which is for the inputs
     _apply_limits(limits.memory_mb)
     stack_file = _open_stack_file(Path(stack))  # noqa: F841 (kept open for faulthandler)
@@ -262,21 +307,10 @@ def _worker(ref: str, deadline: float, max_examples: Optional[int], seed: Option
     def more() -> bool:
         return time.monotonic() < deadline and (max_examples is None or shared.examples.value < max_examples)
 
-    @settings(
-        max_examples=max_examples or 10**9,
-        deadline=None,
-        database=None,
-        phases=[Phase.generate],
-        suppress_health_check=list(HealthCheck),
-        verbosity=Verbosity.quiet,
-        print_blob=False,
-    )
-    @given(case.inputs)
-    def run(data: bytes) -> None:
-        if not more():
-            raise _TimeUp
+    def one(data: bytes) -> None:
         current_path.write_bytes(data)  # first the input, then the stamp: a stamped input is always on disk
         resident = _reset_peak() if limits.input_memory_mb else None
+        shared.size.value = len(data)
         shared.started.value = time.monotonic()
         shared.examples.value += 1
         reports = []
@@ -294,13 +328,36 @@ def _worker(ref: str, deadline: float, max_examples: Optional[int], seed: Option
         finally:
             shared.started.value = 0.0
         grown = _peak_growth(resident)
-        if limits.input_memory_mb and grown > limits.input_memory_mb * 2**20:
+        if limits.input_memory_mb and grown > limits.memory_bytes_for(len(data)):
             reports.append(("memory", data, grown))
         for report in reports:  # sent outside the timed span: a hang can never be cut mid-message
             conn.send(report)
 
+    @settings(
+        max_examples=max_examples or 10**9,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+        verbosity=Verbosity.quiet,
+        print_blob=False,
+    )
+    @given(case.inputs)
+    def run(data: bytes) -> None:
+        if not more():
+            raise _TimeUp
+        one(data)
+
     attempt = 0
     try:
+        # The case's known inputs first, each once per fuzz_case: the index of the next is kept in shared
+        # memory before one runs, so that the child that replaces one killed on a seed goes on past it.
+        seeds = getattr(case, "seeds", ())
+        for index in range(first_seed, len(seeds)):
+            if not more():
+                break
+            shared.next_seed.value = index + 1
+            one(seeds[index]())
         # A run also ends when hypothesis believes the strategy is exhausted;
         # start over (new seed) until the time or the examples are spent.
         while more():
@@ -323,6 +380,7 @@ def _replay_worker(ref: str, path: str, limits: Limits, stack: str, shared: _Sha
     warnings.simplefilter("ignore")
     data = Path(path).read_bytes()
     resident = _reset_peak()
+    shared.size.value = len(data)
     shared.started.value = time.monotonic()
     try:
         case.target(data)
@@ -390,6 +448,8 @@ def fuzz_case(
 ) -> Outcome:
     """Fuzz one case in child processes, each input under ``limits``; hangs and deaths saved in ``directory`` at once.
 
+    The case's ``seeds`` (known inputs, each a function making one), if it
+    has any, are tried first, each once, before hypothesis draws any.
     ``ref`` is a name of ``fuzz_targets.CASES`` or ``module:attribute``. With
     ``max_examples``, stop after that many inputs; with ``seed``, the inputs
     are the same on every run (each new child takes the next seed). Without
@@ -416,11 +476,12 @@ def _run_child(case: Any, ref: str, deadline: float, max_examples: Optional[int]
                limits: Limits, current: Path, stack: Path, directory: Path, outcome: Outcome) -> Optional[Stop]:
     """One child, watched until it finishes; returns the hang or death that ended it early, if one did."""
     shared = _Shared()
+    shared.next_seed.value = outcome.seeds_tried
     receive, send = _SPAWN.Pipe(duplex=False)
     current.unlink(missing_ok=True)
     process = _SPAWN.Process(
         target=_worker, name=f"fuzz-{case.name}", daemon=True,
-        args=(ref, deadline, max_examples, seed, limits, str(current), str(stack), shared, send),
+        args=(ref, deadline, max_examples, seed, outcome.seeds_tried, limits, str(current), str(stack), shared, send),
     )
     process.start()
     send.close()  # the child holds the only writing end: its death is an EOF here
@@ -447,7 +508,8 @@ def _run_child(case: Any, ref: str, deadline: float, max_examples: Optional[int]
                 outcome.over_memory += 1
                 if len(outcome.memory) < _KEPT_OVER_MEMORY:
                     stop = Stop("memory", data, f"resident memory rose {grown / 2**20:.0f} MiB during this input "
-                                                f"(more than {limits.input_memory_mb} MiB), and it went on")
+                                                f"(more than {limits.memory_bytes_for(len(data)) / 2**20:.0f} MiB, "
+                                                f"the limit of its {len(data) / 2**20:.2f} MB), and it went on")
                     stop.path = _save(directory, f"{case.name}-memory", data)
                     outcome.memory.append(stop)
             elif message[0] == "error":
@@ -474,12 +536,14 @@ def _run_child(case: Any, ref: str, deadline: float, max_examples: Optional[int]
                 stopped = Stop("died", data, _describe_exit(process.exitcode))
                 break
             started = shared.started.value
-            if started and time.monotonic() - started > limits.input_seconds:
+            if started and time.monotonic() - started > limits.seconds_for(shared.size.value):
+                size = shared.size.value
                 data = current.read_bytes() if current.exists() else b""
                 _kill(process, stack=stack)
-                stopped = Stop("hang", data, f"still running after {limits.input_seconds:g} s, killed")
+                stopped = Stop("hang", data, f"still running after {limits.seconds_for(size):.1f} s "
+                                             f"(the limit of its {size / 2**20:.2f} MB), killed")
                 break
-            if not started and time.monotonic() > deadline + limits.input_seconds + 60:
+            if not started and time.monotonic() > deadline + limits.seconds_for(shared.size.value) + 60:
                 # Between inputs and far past its time: the strategy or the runner is stuck, not a target.
                 _kill(process, stack=stack)
                 outcome.errors.append(f"the child stopped making progress outside any input:\n{_stack_text(stack)}")
@@ -489,6 +553,7 @@ def _run_child(case: Any, ref: str, deadline: float, max_examples: Optional[int]
             _kill(process)
         receive.close()
     outcome.examples += shared.examples.value
+    outcome.seeds_tried = max(outcome.seeds_tried, shared.next_seed.value)
     outcome.failures += shared.failures.value
     outcome.known += shared.known.value
     if stopped is not None:
@@ -574,14 +639,18 @@ def _replay_one(ref: str, path: Path, limits: Limits) -> str:
         while process.is_alive():
             process.join(_POLL)
             started = shared.started.value
-            if started and process.is_alive() and time.monotonic() - started > limits.input_seconds:
+            size = shared.size.value
+            if started and process.is_alive() and time.monotonic() - started > limits.seconds_for(size):
                 _kill(process, stack=stack)
                 text = _stack_text(stack)
-                return f"HANGS (still running after {limits.input_seconds:g} s, killed)" + (f"; its stack:\n{text}" if text else "")
+                return (f"HANGS (still running after {limits.seconds_for(size):.1f} s, the limit of its "
+                        f"{size / 2**20:.2f} MB; killed)" + (f"; its stack:\n{text}" if text else ""))
         if process.exitcode == 0:
-            grown = shared.grown.value / 2**20
-            if limits.input_memory_mb and grown > limits.input_memory_mb:
-                return f"USES TOO MUCH MEMORY (resident memory rose {grown:.0f} MiB, more than {limits.input_memory_mb} MiB)"
+            grown = shared.grown.value
+            size = shared.size.value
+            if limits.input_memory_mb and grown > limits.memory_bytes_for(size):
+                return (f"USES TOO MUCH MEMORY (resident memory rose {grown / 2**20:.0f} MiB, more than "
+                        f"{limits.memory_bytes_for(size) / 2**20:.0f} MiB, the limit of its {size / 2**20:.2f} MB)")
             return "passes"
         if process.exitcode == 1:
             return "FAILS (traceback above)"
@@ -607,11 +676,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-memory-mb", type=int, default=DEFAULT_INPUT_MEMORY_MB,
                         help="resident memory one input may add at its peak; an input past it is kept as a memory "
                              "failure (it runs on); 0: not measured (default %(default)s)")
+    parser.add_argument("--input-seconds-per-mb", type=float, default=DEFAULT_INPUT_SECONDS_PER_MB,
+                        help="seconds added to --input-seconds per MB of the input (default %(default)s)")
+    parser.add_argument("--input-memory-mb-per-mb", type=float, default=DEFAULT_INPUT_MEMORY_MB_PER_MB,
+                        help="MiB added to --input-memory-mb per MB of the input (default %(default)s)")
     parser.add_argument("--replay", nargs="+", metavar="FILE", help="re-run saved inputs (under the same limits) instead of fuzzing")
     parser.add_argument("--ignore-known", action="store_true",
                         help="exit 0 when every failure is one of fuzz_targets.KNOWN_BUGS (pinned by xfail tests)")
     args = parser.parse_args(argv)
-    limits = Limits(input_seconds=args.input_seconds, memory_mb=args.memory_mb, input_memory_mb=args.input_memory_mb)
+    limits = Limits(input_seconds=args.input_seconds, memory_mb=args.memory_mb, input_memory_mb=args.input_memory_mb,
+                    input_seconds_per_mb=args.input_seconds_per_mb, input_memory_mb_per_mb=args.input_memory_mb_per_mb)
     if args.replay:
         return replay(args.replay, limits=limits)
 

@@ -2,8 +2,10 @@
 
 Tiny probe targets stand in for the readers: one sleeps, one kills its own
 process (as the kernel's OOM killer would), one allocates past the memory
-limit, one touches more memory than one input may. Each runs in a child
-process of its own, as every fuzz target does.
+limit, one touches more memory than one input may; and, for the limits that
+grow with the input, ones that spend time or memory in proportion to their
+input's size (which must pass) or to its square (which must be caught). Each
+runs in a child process of its own, as every fuzz target does.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Probe:
     name: str
     target: Callable[[bytes], None]
     inputs: st.SearchStrategy[bytes]
+    seeds: tuple[Callable[[], bytes], ...] = ()
 
 
 def probe(data: bytes) -> None:
@@ -45,15 +48,64 @@ def probe(data: bytes) -> None:
         hog[::4096] = b"x" * len(range(0, HOG, 4096))
 
 
+MB = 2**20
+SECONDS_PER_MB = 1.0  # of the proportional limits below; the linear probes spend a third of it
+MIB_PER_MB = 16
+
+
+def _mb(data: bytes) -> float:
+    return len(data) / MB
+
+
+def _touch(nbytes: int) -> None:
+    hog = bytearray(nbytes)
+    hog[::4096] = b"x" * len(range(0, nbytes, 4096))
+
+
+def sleeps_linearly(data: bytes) -> None:
+    time.sleep(SECONDS_PER_MB / 3 * _mb(data))
+
+
+def sleeps_quadratically(data: bytes) -> None:  # 9 s for 3 MB, where the limit is 3.5 s
+    time.sleep(SECONDS_PER_MB * _mb(data) ** 2)
+
+
+def touches_linearly(data: bytes) -> None:  # 36 MiB for 3 MB: past the fixed 32 MiB, well under the 80 MiB limit
+    _touch(int(MIB_PER_MB * 3 / 4 * _mb(data) * MB))
+
+
+def touches_quadratically(data: bytes) -> None:  # 144 MiB for 3 MB, where the limit is 80 MiB
+    _touch(int(MIB_PER_MB * _mb(data) ** 2 * MB))
+
+
+def seeded(data: bytes) -> None:
+    if data == b"seed-hang":
+        while True:
+            time.sleep(60)
+
+
+_SIZES = st.sampled_from([b"", b"x" * 1024, b"x" * (3 * MB)])
+
 # The children import this module to find them: `test_fuzz_runner:HANG`.
 HANG = Probe("probe_hang", probe, st.just(b"hang"))
 DIE = Probe("probe_die", probe, st.just(b"die"))
 ALLOC = Probe("probe_alloc", probe, st.just(b"alloc"))
 HOG_ONCE = Probe("probe_hog", probe, st.sampled_from([b"fine", b"hog"]))
+SLEEP_LINEAR = Probe("probe_sleeplinear", sleeps_linearly, _SIZES)
+SLEEP_SQUARE = Probe("probe_sleepsquare", sleeps_quadratically, _SIZES)
+TOUCH_LINEAR = Probe("probe_touchlinear", touches_linearly, _SIZES)
+TOUCH_SQUARE = Probe("probe_touchsquare", touches_quadratically, _SIZES)
+SEEDED = Probe("probe_seeded", seeded, st.just(b"drawn"),
+               seeds=(lambda: b"seed-0", lambda: b"seed-hang", lambda: b"seed-2"))
 PROBES = {probe.name: f"{__name__}:{attr}"
-          for probe, attr in ((HANG, "HANG"), (DIE, "DIE"), (ALLOC, "ALLOC"), (HOG_ONCE, "HOG_ONCE"))}
+          for probe, attr in ((HANG, "HANG"), (DIE, "DIE"), (ALLOC, "ALLOC"), (HOG_ONCE, "HOG_ONCE"),
+                              (SLEEP_LINEAR, "SLEEP_LINEAR"), (SLEEP_SQUARE, "SLEEP_SQUARE"),
+                              (TOUCH_LINEAR, "TOUCH_LINEAR"), (TOUCH_SQUARE, "TOUCH_SQUARE"), (SEEDED, "SEEDED"))}
 
 LIMITS = fuzz_run.Limits(input_seconds=0.5, memory_mb=1024, input_memory_mb=128)
+# 0.5 s + 1 s per MB, 32 MiB + 16 MiB per MB: 3.5 s and 80 MiB for 3 MB.
+PROPORTIONAL = fuzz_run.Limits(input_seconds=0.5, memory_mb=1024, input_memory_mb=32,
+                               input_seconds_per_mb=SECONDS_PER_MB, input_memory_mb_per_mb=MIB_PER_MB)
 
 
 def test_an_input_past_the_time_limit_is_killed_kept_as_a_hang_and_the_run_goes_on_in_a_new_child(tmp_path):
@@ -110,3 +162,63 @@ def test_replay_runs_each_saved_input_under_the_same_limits(tmp_path, capsys):
     assert verdicts[str(saved["probe_alloc-0"])].startswith("FAILS")  # a MemoryError, under the limit
     assert verdicts[str(saved["probe_hog-memory-0"])].startswith("USES TOO MUCH MEMORY")
     assert verdicts[str(saved["probe_hang-1"])] == "passes"
+
+
+def test_the_limits_grow_with_the_input_by_the_documented_rule():
+    limits = fuzz_run.Limits(input_seconds=10, input_memory_mb=1024, input_seconds_per_mb=4, input_memory_mb_per_mb=64)
+
+    assert limits.seconds_for(0) == 10 and limits.seconds_for(3 * MB) == 22
+    assert limits.memory_bytes_for(0) == 1024 * MB and limits.memory_bytes_for(3 * MB) == (1024 + 192) * MB
+    assert fuzz_run.Limits(input_memory_mb=0).memory_bytes_for(3 * MB) == 0  # not measured stays not measured
+
+
+def test_time_in_proportion_to_the_input_passes_and_time_in_its_square_is_a_hang(tmp_path):
+    linear = fuzz_run.fuzz_case(PROBES["probe_sleeplinear"], 120, limits=PROPORTIONAL, directory=tmp_path,
+                                max_examples=8, seed=0)
+    square = fuzz_run.fuzz_case(PROBES["probe_sleepsquare"], 120, limits=PROPORTIONAL, directory=tmp_path,
+                                max_examples=8, seed=0)
+
+    # The linear probe takes 1 s over 3 MB, twice the fixed part of the limit: only the proportional part lets it by.
+    assert linear.examples == 8 and linear.all_failures == 0, linear
+    assert square.hangs and not square.deaths and not square.errors and square.failures == 0
+    hang = square.hangs[0]
+    assert len(hang.data) == 3 * MB and "3.5 s (the limit of its 3.00 MB)" in hang.detail
+
+
+def test_memory_in_proportion_to_the_input_passes_and_memory_in_its_square_is_kept(tmp_path):
+    linear = fuzz_run.fuzz_case(PROBES["probe_touchlinear"], 120, limits=PROPORTIONAL, directory=tmp_path,
+                                max_examples=8, seed=0)
+    square = fuzz_run.fuzz_case(PROBES["probe_touchsquare"], 120, limits=PROPORTIONAL, directory=tmp_path,
+                                max_examples=8, seed=0)
+
+    assert linear.examples == 8 and linear.all_failures == 0, linear
+    assert square.examples == 8 and square.over_memory and not square.hangs and square.failures == 0
+    kept = square.memory[0]
+    assert len(kept.data) == 3 * MB and "more than 80 MiB, the limit of its 3.00 MB" in kept.detail
+
+
+def test_a_case_s_seeds_run_first_once_each_and_a_hung_one_is_not_tried_again(tmp_path):
+    outcome = fuzz_run.fuzz_case(PROBES["probe_seeded"], 120, limits=LIMITS, directory=tmp_path, max_examples=5,
+                                 seed=0)
+
+    assert outcome.seeds_tried == 3 and outcome.children == 2
+    assert [hang.data for hang in outcome.hangs] == [b"seed-hang"]
+    # Both children counted: seed-0 and the hung seed in the first, seed-2 and two drawn inputs in the second.
+    assert outcome.examples == 5
+
+
+def test_replay_gives_each_input_the_limits_of_its_size(tmp_path, capsys):
+    saved = {}
+    for name, probe_name in (("square", "probe_sleepsquare"), ("linear", "probe_sleeplinear"),
+                             ("touch", "probe_touchsquare")):
+        saved[name] = tmp_path / f"{probe_name}-0.bin"
+        saved[name].write_bytes(b"x" * (3 * MB))
+
+    status = fuzz_run.replay([str(path) for path in saved.values()], limits=PROPORTIONAL, cases=PROBES)
+
+    out = capsys.readouterr().out
+    assert status == 1
+    verdicts = {line.split(": ", 1)[0]: line.split(": ", 1)[1] for line in out.splitlines() if line.startswith(str(tmp_path))}
+    assert verdicts[str(saved["square"])].startswith("HANGS (still running after 3.5 s")
+    assert verdicts[str(saved["linear"])] == "passes"
+    assert verdicts[str(saved["touch"])].startswith("USES TOO MUCH MEMORY")

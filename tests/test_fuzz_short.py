@@ -27,6 +27,8 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 import fuzz_targets
 import materialize as mz
 from fuzz_targets import (
+    cx_config,
+    expensive_configs,
     mutated_torch_bytes,
     raw_index,
     raw_safetensors,
@@ -133,12 +135,55 @@ def test_pickles_rewritten_opcode_by_opcode_open_and_load_or_raise_a_materialize
     assert outcome.examples == examples, report
 
 
+# Inputs made to be expensive rather than malformed (the cx_* cases: hash-flooded pickles, zips of many
+# records, DCP tensors of many chunks, huge safetensors numbers and names, large indexes and configs), each
+# under limits in proportion to its size (fuzz/run.py's defaults: 10 s + 4 s per MB, 1 GiB + 64 MiB per MB
+# of peak growth), as `make fuzz` runs them: the known expensive input of each class (the case's seeds)
+# first, then a couple drawn. The first hang ends a case, so a reader that is quadratic costs one limit.
+CX_LIMITS = fuzz_run.Limits(input_seconds=fuzz_run.DEFAULT_INPUT_SECONDS, memory_mb=PICKLE_LIMITS.memory_mb,
+                            input_memory_mb=fuzz_run.DEFAULT_INPUT_MEMORY_MB)
+# The cases whose seeds are slow on this code for reasons being fixed on other branches: hash-flooded dicts
+# built quadratically by the unpickler (every pickle), a count of each zip name over all names when one is
+# there twice, DCP chunks checked pairwise for overlap (and each chunk's zip parsed again), safetensors
+# dimensions multiplied before the int64 check, inspect padding every row to a 4 MB name.
+CX_FIXED_ELSEWHERE = {"cx_torch_pickle", "cx_dcp_pickle", "cx_legacy_pickle", "cx_torch_records", "cx_dcp_chunks",
+                      "cx_safetensors"}
+CX_DRAWN = 2
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(case.name, marks=[pytest.mark.xfail(strict=False, reason="fixed on other branches")]
+                 if case.name in CX_FIXED_ELSEWHERE else [])
+    for case in fuzz_targets.COMPLEXITY_CASES
+])
+def test_expensive_inputs_load_or_raise_a_materialize_error_within_limits_in_proportion_to_their_size(case, tmp_path):
+    examples = len(fuzz_run.find_case(case).seeds) + CX_DRAWN
+    outcome = fuzz_run.fuzz_case(case, 900, limits=CX_LIMITS, directory=tmp_path, max_examples=examples, seed=0,
+                                 restart=False)
+
+    report = "\n".join(fuzz_run.describe(fuzz_run.find_case(case), outcome, tmp_path))
+    assert outcome.new_failures == 0, report
+    assert outcome.examples == examples, report
+
+
 # Inputs the fuzzer found breaking a reader, kept as they were found (tests/fuzz_findings/README.md says
 # what each did), replayed through their target under the same limits: a regression is a failure here.
 FINDINGS = sorted((Path(__file__).parent / "fuzz_findings").glob("*.bin"))
 
 
-@pytest.mark.parametrize("finding", FINDINGS, ids=lambda path: path.name)
+
+
+def _replay_marks(path: Path) -> list:
+    case = fuzz_run._case_of(path)
+    if case in CX_FIXED_ELSEWHERE:
+        return [pytest.mark.xfail(strict=False, reason="fixed on other branches")]
+    if case == "cx_config":
+        return [pytest.mark.xfail(strict=True, reason="pinned by test_config_json_nested_deeper_than_the_recursion_limit_"
+                                                      "is_a_materialize_error")]
+    return []
+
+
+@pytest.mark.parametrize("finding", [pytest.param(path, marks=_replay_marks(path), id=path.name) for path in FINDINGS])
 def test_each_kept_fuzz_finding_replays_within_the_limits(finding, capsys):
     assert fuzz_run.replay([str(finding)], limits=PICKLE_LIMITS) == 0, capsys.readouterr().out
 
@@ -378,3 +423,11 @@ def test_torch_view_with_a_negative_stride_is_refused_not_read_as_a_contiguous_o
 
         with pytest.raises(mz.MaterializeError):
             mz.open_checkpoint(path)
+
+
+@pytest.mark.xfail(strict=True, raises=RecursionError, reason="is_transformers_folder catches ValueError, not RecursionError")
+@EXPLICIT_ONLY
+@example(data=('{"hidden_size": ' + DEEP_JSON + "}").encode())
+@given(data=expensive_configs())
+def test_config_json_nested_deeper_than_the_recursion_limit_is_a_materialize_error(data):
+    cx_config(data)

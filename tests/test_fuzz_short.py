@@ -142,20 +142,10 @@ def test_pickles_rewritten_opcode_by_opcode_open_and_load_or_raise_a_materialize
 # first, then a couple drawn. The first hang ends a case, so a reader that is quadratic costs one limit.
 CX_LIMITS = fuzz_run.Limits(input_seconds=fuzz_run.DEFAULT_INPUT_SECONDS, memory_mb=PICKLE_LIMITS.memory_mb,
                             input_memory_mb=fuzz_run.DEFAULT_INPUT_MEMORY_MB)
-# The cases whose seeds are slow on this code for reasons being fixed on other branches: hash-flooded dicts
-# built quadratically by the unpickler (every pickle), a count of each zip name over all names when one is
-# there twice, DCP chunks checked pairwise for overlap (and each chunk's zip parsed again), safetensors
-# dimensions multiplied before the int64 check, inspect padding every row to a 4 MB name.
-CX_FIXED_ELSEWHERE = {"cx_torch_pickle", "cx_dcp_pickle", "cx_legacy_pickle", "cx_torch_records", "cx_dcp_chunks",
-                      "cx_safetensors"}
 CX_DRAWN = 2
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(case.name, marks=[pytest.mark.xfail(strict=False, reason="fixed on other branches")]
-                 if case.name in CX_FIXED_ELSEWHERE else [])
-    for case in fuzz_targets.COMPLEXITY_CASES
-])
+@pytest.mark.parametrize("case", [case.name for case in fuzz_targets.COMPLEXITY_CASES])
 def test_expensive_inputs_load_or_raise_a_materialize_error_within_limits_in_proportion_to_their_size(case, tmp_path):
     examples = len(fuzz_run.find_case(case).seeds) + CX_DRAWN
     outcome = fuzz_run.fuzz_case(case, 900, limits=CX_LIMITS, directory=tmp_path, max_examples=examples, seed=0,
@@ -173,17 +163,7 @@ FINDINGS = sorted((Path(__file__).parent / "fuzz_findings").glob("*.bin"))
 
 
 
-def _replay_marks(path: Path) -> list:
-    case = fuzz_run._case_of(path)
-    if case in CX_FIXED_ELSEWHERE:
-        return [pytest.mark.xfail(strict=False, reason="fixed on other branches")]
-    if case == "cx_config":
-        return [pytest.mark.xfail(strict=True, reason="pinned by test_config_json_nested_deeper_than_the_recursion_limit_"
-                                                      "is_a_materialize_error")]
-    return []
-
-
-@pytest.mark.parametrize("finding", [pytest.param(path, marks=_replay_marks(path), id=path.name) for path in FINDINGS])
+@pytest.mark.parametrize("finding", FINDINGS, ids=[path.name for path in FINDINGS])
 def test_each_kept_fuzz_finding_replays_within_the_limits(finding, capsys):
     assert fuzz_run.replay([str(finding)], limits=PICKLE_LIMITS) == 0, capsys.readouterr().out
 
@@ -425,7 +405,6 @@ def test_torch_view_with_a_negative_stride_is_refused_not_read_as_a_contiguous_o
             mz.open_checkpoint(path)
 
 
-@pytest.mark.xfail(strict=True, raises=RecursionError, reason="is_transformers_folder catches ValueError, not RecursionError")
 @EXPLICIT_ONLY
 @example(data=('{"hidden_size": ' + DEEP_JSON + "}").encode())
 @given(data=expensive_configs())

@@ -1517,8 +1517,12 @@ def _open_list_inspect_load(path: Path, *, folder: Path | None = None) -> None:
 
 def cx_torch_zip(data: bytes) -> None:
     """``data`` is a whole ``.pt`` file (a zip); torch.load is not asked to compare: its cost is not ours."""
-    with tempfile.TemporaryDirectory(prefix="fuzz-cx-pt-") as tmp:
-        path = Path(tmp) / "model.pt"
+    _open_list_inspect_load_file(data, "model.pt")
+
+
+def _open_list_inspect_load_file(data: bytes, name: str) -> None:
+    with tempfile.TemporaryDirectory(prefix="fuzz-cx-") as tmp:
+        path = Path(tmp) / name
         path.write_bytes(data)
         _open_list_inspect_load(path)
 
@@ -1788,10 +1792,7 @@ def expensive_safetensors(draw: st.DrawFn) -> bytes:
 
 def cx_safetensors(data: bytes) -> None:
     """``data`` is a whole ``.safetensors`` file."""
-    with tempfile.TemporaryDirectory(prefix="fuzz-cx-st-") as tmp:
-        path = Path(tmp) / "model.safetensors"
-        path.write_bytes(data)
-        _open_list_inspect_load(path)
+    _open_list_inspect_load_file(data, "model.safetensors")
 
 
 # JSON documents: a shard index of many entries or long names, a config.json, deeply nested either.

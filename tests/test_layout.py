@@ -9,7 +9,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "materialize"
 FOLDERS = {"checkpoint", "skeleton", "planning", "io", "integrations"}
-TOP_LEVEL = {"__init__", "api", "options", "loading", "conversion", "sanitizer", "errors", "report", "dtypes", "sizes"}
+TOP_LEVEL = {"__init__", "api", "options", "loading", "conversion", "sanitizer", "errors", "report", "dtypes", "sizes",
+             "text"}
 
 
 def module_name(path: Path) -> str:

@@ -162,8 +162,12 @@ def summarize_names(names: Sequence[str], limit: int = 8) -> str:
 
 
 def first_line(error: BaseException) -> str:
-    """The first line of an exception's message, or its type's name where it has none."""
-    text = str(error).strip()
+    """The first line of an exception's message, or its type's name where it has none (or where making the
+    message fails: a KeyError about a file's object holds the object, whose ``str`` may raise)."""
+    try:
+        text = str(error).strip()
+    except Exception:  # noqa: BLE001
+        return type(error).__name__
     return text.splitlines()[0] if text else type(error).__name__
 
 

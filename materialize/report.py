@@ -116,16 +116,18 @@ class Report:
         width = max(len(label) for label, _ in rows)
         lines = [f"{label.ljust(width)}  {printable(value)}" for label, value in rows]
         if self.initialized:
-            lines.append(f"{'initialized'.ljust(width)}  {', '.join(map(printable, self.initialized[:6]))}"
-                         + (f" (+{len(self.initialized) - 6})" if len(self.initialized) > 6 else "")
+            lines.append(f"{'initialized'.ljust(width)}  {_first_names(self.initialized)}"
                          + (" (replayed as eager construction made them)" if self.replayed else ""))
         if self.nonfinite:
-            lines.append(f"{'NaN/Inf in'.ljust(width)}  {', '.join(map(printable, self.nonfinite[:6]))}"
-                         + (f" (+{len(self.nonfinite) - 6})" if len(self.nonfinite) > 6 else ""))
+            lines.append(f"{'NaN/Inf in'.ljust(width)}  {_first_names(self.nonfinite)}")
         if self.untied:
             groups = "; ".join(" / ".join(map(printable, group)) for group in self.untied[:3])
             lines.append(f"{'untied'.ljust(width)}  {groups}")
         if self.unexpected:
-            lines.append(f"{'unexpected'.ljust(width)}  {', '.join(map(printable, self.unexpected[:6]))}"
-                         + (f" (+{len(self.unexpected) - 6})" if len(self.unexpected) > 6 else ""))
+            lines.append(f"{'unexpected'.ljust(width)}  {_first_names(self.unexpected)}")
         return "\n".join(lines)
+
+
+def _first_names(names: list[str], shown: int = 6) -> str:
+    """The first ``shown`` names, escaped, and how many more there are."""
+    return ", ".join(map(printable, names[:shown])) + (f" (+{len(names) - shown})" if len(names) > shown else "")

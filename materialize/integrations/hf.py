@@ -25,6 +25,7 @@ from ..checkpoint import Checkpoint, TensorInfo
 from ..checkpoint.base import is_extra_state
 from ..checkpoint.confine import allowed_roots, confine
 from ..errors import CheckpointError, MaterializeError, ModelSpecError, ModelSpecUsageError, first_line, torchvision_mismatch
+from ..sizes import format_bytes
 from ..skeleton.buildmode import BuildBounds, building
 from ..skeleton.meta import meta_init
 from ..planning.plan import DtypeRule, Tolerated
@@ -133,7 +134,7 @@ def build_hf(folder: Path, *, model_class: Optional[str] = None, dtype: Optional
 
 def _build_hf(folder: Path, model_class: Optional[str], dtype: Optional[torch.dtype],
               checkpoint: Optional[Checkpoint]) -> nn.Module:
-    saved = read_config(folder / CONFIG_NAME) if is_hf_folder(folder) else None
+    saved = read_config(folder / CONFIG_NAME) if is_hf_folder(folder) else None  # unreadable: refused here, saying why
     if not is_transformers_folder(folder):
         raise ModelSpecError(
             "names no model_type or architectures: not a transformers model's config "
@@ -233,19 +234,12 @@ def _bounds(checkpoint: Checkpoint, dtype: Optional[torch.dtype], folder: Path, 
     def refuse(what: str) -> ModelSpecError:
         sizes = ", ".join(f"{name}={value}" for name, value in _largest_sizes(saved))
         return _unbuildable(folder, (
-            f"{what}, where its checkpoint holds {len(infos):,} tensors of {_bytes(checkpoint.nbytes)} (a build may "
-            f"make {TENSORS_PER_CHECKPOINT_TENSOR} tensors per checkpoint tensor plus {TENSOR_FLOOR:,}, and hold the "
-            f"checkpoint's bytes plus {_bytes(REAL_BYTES_FLOOR)} off meta): the config asks for a larger model than "
+            f"{what}, where its checkpoint holds {len(infos):,} tensors of {format_bytes(checkpoint.nbytes)} (a build "
+            f"may make {TENSORS_PER_CHECKPOINT_TENSOR} tensors per checkpoint tensor plus {TENSOR_FLOOR:,}, and hold the "
+            f"checkpoint's bytes plus {format_bytes(REAL_BYTES_FLOOR)} off meta): the config asks for a larger model than "
             f"its checkpoint{f' (its largest sizes: {sizes})' if sizes else ''}; fix that field of config.json"))
 
     return BuildBounds(max_tensors=max_tensors, max_real_bytes=held + REAL_BYTES_FLOOR, refuse=refuse)
-
-
-def _bytes(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} bytes"
 
 
 def _largest_sizes(config: Any, count: int = 2) -> list[tuple[str, int]]:

@@ -13,6 +13,7 @@ of building for hours or allocating without end.
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Iterator
@@ -25,11 +26,12 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.overrides import TorchFunctionMode
 
+from ..sizes import format_bytes
+from .sharedhooks import SharedHooks
+
 _torch_default_dtype = torch.get_default_dtype
 _torch_set_default_dtype = torch.set_default_dtype
 _local = threading.local()
-_install_lock = threading.Lock()
-_active = 0
 _hook_handles: list = []
 
 # Factories whose floating output is in torch's default dtype unless given one.
@@ -80,8 +82,8 @@ class BuildBounds:
 
     def asks(self, nbytes: int, what: str) -> None:
         if nbytes and self.real_bytes + nbytes > self.max_real_bytes:
-            raise self.refuse(f"its construction asked for {_size(nbytes)} at once ({what}) beside {_size(self.real_bytes)} "
-                              f"held, more than {_size(self.max_real_bytes)}")
+            raise self.refuse(f"its construction asked for {format_bytes(nbytes)} at once ({what}) beside "
+                              f"{format_bytes(self.real_bytes)} held, more than {format_bytes(self.max_real_bytes)}")
 
     def holds(self, tensor: torch.Tensor, what: str) -> None:
         """Count ``tensor``'s storage until it is freed (once, whatever views of it there are)."""
@@ -94,18 +96,11 @@ class BuildBounds:
         self.real_bytes += nbytes
         weakref.finalize(storage, self._freed, key)
         if self.real_bytes > self.max_real_bytes:
-            raise self.refuse(f"its construction held {_size(self.real_bytes)} of tensors not on meta ({what}), more than "
-                              f"{_size(self.max_real_bytes)}")
+            raise self.refuse(f"its construction held {format_bytes(self.real_bytes)} of tensors not on meta ({what}), "
+                              f"more than {format_bytes(self.max_real_bytes)}")
 
     def _freed(self, key: int) -> None:
         self.real_bytes -= self._storages.pop(key, 0)
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} bytes"
 
 
 def _thread_build() -> Optional["_BuildMode"]:
@@ -138,10 +133,7 @@ def _tensor_new(cls: type, *args: Any, **kwargs: Any) -> torch.Tensor:
     in the build's dtype where torch's default would be taken, and its size asked of the bounds first."""
     mode = _thread_build() if cls is torch.Tensor else None
     if mode is not None and mode.bounds is not None and args and all(type(a) is int for a in args):
-        numel = 1
-        for size in args:
-            numel *= size
-        mode.bounds.asks(numel * _torch_default_dtype().itemsize, f"torch.Tensor{args}")
+        mode.bounds.asks(math.prod(args) * _torch_default_dtype().itemsize, f"torch.Tensor{args}")
     made = torch._C.TensorBase.__new__(cls, *args, **kwargs)
     if mode is not None and mode.dtype is not None and made.dtype == _torch_default_dtype():
         made = made.to(mode.dtype)
@@ -157,60 +149,47 @@ def _count_registration(module: nn.Module, name: str, value: Any) -> None:
 
 
 def _install() -> None:
-    global _active
+    # Answered per thread: threads not building get torch's own answer, and set torch's own default.
+    torch.get_default_dtype = _get_default_dtype
+    torch.set_default_dtype = _set_default_dtype
+    torch.Tensor.__new__ = _tensor_new
+    _hook_handles[:] = [
+        module_hooks.register_module_parameter_registration_hook(_count_registration),
+        module_hooks.register_module_buffer_registration_hook(_count_registration),
+    ]
+
+
+def _uninstall() -> None:
+    torch.get_default_dtype = _torch_default_dtype
+    torch.set_default_dtype = _torch_set_default_dtype
+    del torch.Tensor.__new__  # torch's own again, inherited
+    for handle in _hook_handles:
+        handle.remove()
+    _hook_handles.clear()
+
+
+_HOOKS = SharedHooks(_install, _uninstall)
+
+
+def _import_dynamo() -> None:
     try:
         # Imported first: on import, dynamo checks the signature of torch.Tensor.__new__ against its own, which the
         # build's would fail. transformers' models import it anyway (its masking code does).
         import torch._dynamo  # noqa: F401
     except ImportError:
         pass
-    with _install_lock:
-        if _active == 0:
-            # Answered per thread: threads not building get torch's own answer, and set torch's own default.
-            torch.get_default_dtype = _get_default_dtype
-            torch.set_default_dtype = _set_default_dtype
-            torch.Tensor.__new__ = _tensor_new
-            _hook_handles[:] = [
-                module_hooks.register_module_parameter_registration_hook(_count_registration),
-                module_hooks.register_module_buffer_registration_hook(_count_registration),
-            ]
-        _active += 1
-
-
-def _uninstall() -> None:
-    global _active
-    with _install_lock:
-        _active -= 1
-        if _active == 0:
-            torch.get_default_dtype = _torch_default_dtype
-            torch.set_default_dtype = _torch_set_default_dtype
-            del torch.Tensor.__new__  # torch's own again, inherited
-            for handle in _hook_handles:
-                handle.remove()
-            _hook_handles.clear()
 
 
 def _has_float_tensor(values: Any) -> bool:
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            if value.is_floating_point() or value.is_complex():
-                return True
-        elif type(value) in (list, tuple) and _has_float_tensor(value):
-            return True
-    return False
+    return any(t.is_floating_point() or t.is_complex() for value in values for t in _tensors(value))
 
 
 def _has_real_tensor(values: Any) -> bool:
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            if not value.is_meta:
-                return True
-        elif type(value) in (list, tuple) and _has_real_tensor(value):
-            return True
-    return False
+    return any(not t.is_meta for value in values for t in _tensors(value))
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """``value`` if a tensor, else the tensors of the lists and tuples it nests."""
     if isinstance(value, torch.Tensor):
         yield value
     elif type(value) in (list, tuple):
@@ -290,7 +269,7 @@ class _BuildMode(TorchFunctionMode):
         except Exception:  # noqa: BLE001 - no meta kernel, or a value asked: counted once made
             return
         nbytes = sum(t.nbytes for t in _tensors(shaped) if not t._is_view())
-        self.bounds.asks(nbytes, f"{name} making {_size(nbytes)}")
+        self.bounds.asks(nbytes, f"{name} making {format_bytes(nbytes)}")
 
 
 @contextmanager
@@ -310,7 +289,8 @@ def building(dtype: Optional[torch.dtype] = None, bounds: Optional[BuildBounds] 
     if dtype is not None and (not dtype.is_floating_point or dtype == _torch_default_dtype()):
         dtype = None
     mode = _BuildMode(dtype, bounds)
-    _install()
+    _import_dynamo()
+    _HOOKS.acquire()
     stack = getattr(_local, "modes", None)
     if stack is None:
         stack = _local.modes = []
@@ -320,4 +300,4 @@ def building(dtype: Optional[torch.dtype] = None, bounds: Optional[BuildBounds] 
             yield
     finally:
         stack.pop()
-        _uninstall()
+        _HOOKS.release()

@@ -21,10 +21,9 @@ from torch.nn.modules import module as module_hooks
 from torch.overrides import TorchFunctionMode
 
 from ..errors import MetaInitError
+from .sharedhooks import SharedHooks
 
 _state = threading.local()
-_install_lock = threading.Lock()
-_active_contexts = 0
 _hook_handles: list = []
 
 
@@ -110,7 +109,7 @@ def _unfilled() -> dict[int, torch.Tensor]:
     return _thread_state("unfilled", dict)
 
 
-def _put_unfilled_bufferson_meta() -> None:
+def _put_unfilled_buffers_on_meta() -> None:
     """A buffer the constructor filled from values computed on meta holds nothing; on meta, a load recomputes it.
 
     The usual case: a buffer computed on ``self.weight.device`` (meta here) and
@@ -128,25 +127,20 @@ def _put_unfilled_bufferson_meta() -> None:
 
 
 def _install_hooks() -> None:
-    global _active_contexts
-    with _install_lock:
-        if _active_contexts == 0:
-            _hook_handles[:] = [
-                module_hooks.register_module_parameter_registration_hook(_to_meta_parameter),
-                module_hooks.register_module_buffer_registration_hook(_to_meta_buffer),
-            ]
-        _active_contexts += 1
+    _hook_handles[:] = [
+        module_hooks.register_module_parameter_registration_hook(_to_meta_parameter),
+        module_hooks.register_module_buffer_registration_hook(_to_meta_buffer),
+    ]
 
 
 def _remove_hooks() -> None:
-    """The last context to leave, in any thread, takes the hooks away: none linger process-wide."""
-    global _active_contexts
-    with _install_lock:
-        _active_contexts -= 1
-        if _active_contexts == 0:
-            for handle in _hook_handles:
-                handle.remove()
-            _hook_handles.clear()
+    for handle in _hook_handles:
+        handle.remove()
+    _hook_handles.clear()
+
+
+# The last context to leave, in any thread, takes the hooks away: none linger process-wide.
+_HOOKS = SharedHooks(_install_hooks, _remove_hooks)
 
 
 class _SkipInPlaceOnMeta(TorchFunctionMode):
@@ -273,7 +267,7 @@ def meta_init(include_buffers: bool = False) -> Iterator[None]:
     it is put on meta instead, for the load to recompute with its module's
     ``reset_parameters()``, as for buffers built on meta.
     """
-    _install_hooks()
+    _HOOKS.acquire()
     stack = _depth_flags()
     stack.append(include_buffers)
     try:
@@ -282,8 +276,8 @@ def meta_init(include_buffers: bool = False) -> Iterator[None]:
     finally:
         stack.pop()
         if not stack:
-            _put_unfilled_bufferson_meta()
-        _remove_hooks()
+            _put_unfilled_buffers_on_meta()
+        _HOOKS.release()
 
 
 def is_meta(tensor: torch.Tensor) -> bool:

@@ -30,7 +30,7 @@ STAMP := $(VENV)/.installed
 DEMO_DIR := data/demo
 LOCK := requirements-lock.txt
 PIP := -m pip install --quiet --disable-pip-version-check
-VERSIONS := grep -iE '^(torch|transformers|accelerate|huggingface.hub|safetensors|click|tokenizers|pytest|hypothesis)=='
+VERSIONS := grep -iE '^(torch|transformers|accelerate|huggingface.hub|safetensors|click|tqdm|tokenizers|pytest|hypothesis)=='
 
 BENCH_STAMP := $(VENV)/.bench-installed
 CONFIG ?= configs/bench-llama-1b.toml

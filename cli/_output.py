@@ -1,10 +1,11 @@
 """Everything the CLI writes goes through here: text escaped (see materialize.text.printable), JSON strict.
 
 Text: each line of a command's output, each ``Error:`` and ``Warning:`` line
-and the progress line pass through :func:`~materialize.text.printable`, so no
-control character of a tensor or file name reaches the terminal and no name
-adds a line; the only control characters written are the line ends (and the
-progress line's own carriage return and erase).
+and each step the progress bar names pass through
+:func:`~materialize.text.printable`, so no control character of a tensor or
+file name reaches the terminal and no name adds a line; the only control
+characters written are the line ends (and the progress bar's own carriage
+returns).
 
 JSON: :func:`json_text` writes strict JSON (RFC 8259, I-JSON): ``NaN``,
 ``Infinity`` and ``-Infinity`` (which a shard index's metadata can hold, as

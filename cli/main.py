@@ -5,19 +5,20 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Optional
 
 import click
 
 import materialize as mz
 from materialize.errors import summarize_names
+from materialize.progress import Progress, above_the_bar
 from materialize.sizes import format_bytes
 from materialize.text import printable
 
 from ._errors import one_line
 from ._output import JSON_HELP, echo_lines, echo_stderr_line, json_text, never_fail_to_encode
 from .params import DEVICE, DEVICE_MAP, DTYPE, MAX_MEMORY, MODEL_ARG, REGEX, RENAME, SIZE
-from .progress import progress_for
 
 if TYPE_CHECKING:
     import torch
@@ -62,11 +63,29 @@ def _run(debug: bool, action: Callable[[], None], *, inspecting: bool = False) -
 
 def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
                   file: Any = None, line: Optional[str] = None) -> None:
-    if issubclass(category, mz.MaterializeWarning):
-        echo_stderr_line("Warning", str(message))  # on stderr: --json keeps stdout to itself
-    else:  # Python's own form, escaped too: another library's warning can quote a name from the file
-        shown = warnings.formatwarning(message, category, filename, lineno, line)
-        click.echo("\n".join(map(printable, shown.rstrip("\n").split("\n"))), err=True)
+    with above_the_bar():  # a line of its own, not the end of the progress bar's
+        if issubclass(category, mz.MaterializeWarning):
+            echo_stderr_line("Warning", str(message))  # on stderr: --json keeps stdout to itself
+        else:  # Python's own form, escaped too: another library's warning can quote a name from the file
+            shown = warnings.formatwarning(message, category, filename, lineno, line)
+            click.echo("\n".join(map(printable, shown.rstrip("\n").split("\n"))), err=True)
+
+
+@contextmanager
+def _progress(as_json: bool) -> Iterator[Optional[Progress]]:
+    """The library's progress bar on stderr, where a person watches it: stderr is a terminal and no --json.
+
+    stdout is not asked: ``materialize ... > report.txt`` still shows the bar on the terminal, as git shows
+    its progress. Closed before an error is printed, its line cleared (the report that follows says what
+    it said), so every ``Error:`` line starts on a clean line.
+    """
+    if as_json or not sys.stderr.isatty():
+        yield None
+        return
+    with Progress(sys.stderr, leave=False) as bar:
+        if "torch" not in sys.modules:
+            bar.phase("importing torch")  # the command's first seconds, before the library can tell its steps
+        yield bar
 
 
 def _emit(as_json: bool, payload: Callable[[], dict], lines: Callable[[], Iterable[str]],
@@ -181,12 +200,8 @@ def load_command(checkpoint: str, as_json: bool, debug: bool, **options: Any) ->
     """
 
     def action() -> None:
-        progress = progress_for(not as_json)
-        try:
+        with _progress(as_json) as progress:
             _, report = mz.load_model(checkpoint, progress=progress, **library_keywords(options))
-        finally:
-            if progress is not None:
-                progress.close()
         checked = options["check"]  # a failed check raised; getting here is the verdict
 
         def payload() -> dict:
@@ -301,15 +316,11 @@ def convert_command(src: str, dst: str, dtype: "Optional[torch.dtype]", shard_si
     """
 
     def action() -> None:
-        progress = progress_for(not as_json)
-        try:
+        with _progress(as_json) as progress:
             report = mz.convert(
                 src, dst, dtype=dtype, shard_size=shard_size, overwrite=overwrite, trust_pickle=trust_pickle,
                 state_dict_key=state_dict_key, allow_overflow=allow_overflow, allow_expansion=allow_expansion, revision=revision, progress=progress,
             )
-        finally:
-            if progress is not None:
-                progress.close()
         _emit(as_json, report.to_dict, lambda: str(report).split("\n"), report.source)
 
     _run(debug, action)

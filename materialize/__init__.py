@@ -64,6 +64,7 @@ _EXPORTS = {
     "ConvertWarning": "errors",
     "convert": "conversion",
     "ConvertReport": "conversion",
+    "Progress": "progress",
 }
 
 __all__ = sorted(_EXPORTS)

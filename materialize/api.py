@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,10 +35,12 @@ from .loading import (
     opened,
     planned,
     refresh_flat_weights,
+    shown_name,
 )
 from .io.peak import PeakMemory
 from .planning.plan import InitFn, Plan
 from .options import IgnoreUnexpected, PlanOptions, ProgressFn, ReadOptions, unexpected_to_ignore
+from .progress import ProgressLike, counted, report_phase, takes_progress
 from .report import Report
 from .sanitizer import nonfinite
 from .skeleton.deferred import program_of
@@ -112,6 +115,7 @@ def _bytes_copied(ckpt: Checkpoint, groups: list, cast: Optional[torch.dtype], m
 
 
 @gc_paused
+@takes_progress
 def load_tensors(
     checkpoint: CheckpointLike,
     *,
@@ -123,22 +127,23 @@ def load_tensors(
     staging_bytes: Optional[int] = None,
     allow_overflow: bool = False,
     check_finite: bool = False,
-    progress: Optional[ProgressFn] = None,
+    progress: ProgressLike = None,
     direct_io: bool = False,
 ) -> tuple[dict[str, torch.Tensor], Report]:
     """Materialize every tensor of a checkpoint as a plain dict on ``device``.
 
     ``mmap=True`` (CPU): tensors are copy-on-write views of the files,
-    ``direct_io=True`` reads around the page cache, and ``state_dict_key``
-    picks a training checkpoint's entry, as in :func:`load`.
+    ``direct_io=True`` reads around the page cache, ``state_dict_key``
+    picks a training checkpoint's entry, and ``progress`` shows the load, as in :func:`load`.
     """
     target = resolve_device(device if device is not None else "cpu")
     cast = parse_dtype(dtype)
     read_options = ReadOptions(mmap=mmap, staging_bytes=staging_bytes, allow_overflow=allow_overflow,
                                check_finite=check_finite, progress=progress, direct_io=direct_io)
     started = time.perf_counter()
-    with opened(checkpoint, trust_pickle, state_dict_key) as ckpt, PeakMemory([target]) as memory, \
+    with opened(checkpoint, trust_pickle, state_dict_key, progress=progress) as ckpt, PeakMemory([target]) as memory, \
             reads(ckpt.files, read_options, maps=mmap and target.type == "cpu") as reader:
+        report_phase(progress, f"loading {counted(len(ckpt), 'tensor')}")
         made: dict[str, torch.Tensor] = {}
         jobs = []
         mapped: list[str] = []
@@ -184,6 +189,7 @@ def load_tensors(
 
 
 @gc_paused
+@takes_progress
 def load_model(
     source: CheckpointLike,
     *,
@@ -204,11 +210,13 @@ def load_model(
     pickled module in the checkpoint is its own skeleton (needs
     ``trust_pickle``), and a plain state dict is materialized as a ``dict`` of
     tensors. ``state_dict_key`` picks a training checkpoint's entry (see
-    :func:`open_checkpoint`).
+    :func:`open_checkpoint`). ``progress`` (see :func:`load`) is told of
+    the download, the opening and the build too.
     """
     record = not load_options.get("strict", True) or load_options.get("ignore_mismatched_sizes", False)
     with _opened_with_skeleton(source, model, model_args, revision, trust_pickle, load_options.get("dtype"),
-                               record=record, state_dict_key=state_dict_key) as (ckpt, skeleton):
+                               record=record, state_dict_key=state_dict_key,
+                               progress=load_options.get("progress")) as (ckpt, skeleton):
         if skeleton is None:
             if load_options.get("device_map") is not None:
                 raise ModelRequiredError("a device map needs a model to place: pass one (CLI: --model SPEC)", path=ckpt.path)
@@ -230,6 +238,7 @@ def _opened_with_skeleton(
     *,
     record: bool = False,
     state_dict_key: Optional[str] = None,
+    progress: Optional[ProgressFn] = None,
 ) -> Iterator[tuple[Checkpoint, Optional[nn.Module]]]:
     """Resolve a hub id, open the checkpoint, and build the model the source calls for (None: none).
 
@@ -239,13 +248,14 @@ def _opened_with_skeleton(
     ``record`` (a load that may initialize tensors: ``strict=False``,
     ``ignore_mismatched_sizes``), a spec is built by
     :func:`~materialize.skeleton.spec.build_recorded`, so what the checkpoint
-    lacks is made as eager construction made it.
+    lacks is made as eager construction made it. ``progress`` is told each step.
     """
     if not isinstance(source, Checkpoint):
+        report_phase(progress, f"opening {shown_name(source)}")  # before a hub id's download, which is part of it
         source = resolve_source(source, revision=revision)
     folder = None if isinstance(source, Checkpoint) else Path(source)
     with opened(source, trust_pickle, state_dict_key) as ckpt:
-        yield ckpt, _skeleton(model, model_args, folder, ckpt, dtype, record)
+        yield ckpt, _skeleton(model, model_args, folder, ckpt, dtype, record, progress)
 
 
 def _skeleton(
@@ -255,6 +265,7 @@ def _skeleton(
     ckpt: Checkpoint,
     dtype: DtypeLike = None,
     record: bool = False,
+    progress: Optional[ProgressFn] = None,
 ) -> Optional[nn.Module]:
     if isinstance(model, nn.Module):
         return model
@@ -262,12 +273,21 @@ def _skeleton(
     if builds_hf and (folder is None or not is_hf_folder(folder)):
         raise ModelSpecError(f"{model!r} needs a Hugging Face folder or hub id holding config.json as the source")
     if model is not None and not builds_hf:
+        report_phase(progress, f"building {_spec_words(model)}")
         return (build_recorded if record else build)(model, **dict(model_args or {}))
     if builds_hf or (folder is not None and is_transformers_folder(folder)):
         class_name = (model[len(HF_SPEC_PREFIX):] or None) if builds_hf else None
+        report_phase(progress, f"building {model if builds_hf else 'the model config.json names'}")
         return build_hf(folder, model_class=class_name, dtype=parse_dtype(dtype) or dominant_float_dtype(ckpt),
                         checkpoint=ckpt)
     return ckpt.module
+
+
+def _spec_words(model: ModelSpec) -> str:
+    """A model spec as a progress step names it: as written, or a callable by its name."""
+    if isinstance(model, (str, os.PathLike)):
+        return os.fspath(model)
+    return getattr(model, "__qualname__", None) or type(model).__name__
 
 
 @gc_paused

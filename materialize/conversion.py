@@ -49,11 +49,12 @@ from .dtypes import parse_dtype
 from .checkpoint.pieces import Job
 from .io.executor import Reads, reads
 from .options import ProgressFn, ReadOptions
+from .progress import ProgressLike, counted, report_phase, takes_progress
 from .errors import ConvertWarning, ExpansionError, MaterializeError, ModelSpecError, OutputError, summarize_names
 from .io.fileio import byte_view
 from .io.gcpause import gc_paused
 from .io.hostmem import empty_destination
-from .loading import DtypeLike, opened
+from .loading import DtypeLike, opened, shown_name
 from .integrations.hub import resolve as resolve_source
 from .sizes import format_bytes, parse_size
 from .text import printable
@@ -107,6 +108,7 @@ class _Item:
 
 
 @gc_paused
+@takes_progress
 def convert(
     src: Union[str, os.PathLike, Checkpoint],
     dst: Union[str, os.PathLike],
@@ -119,7 +121,7 @@ def convert(
     allow_overflow: bool = False,
     allow_expansion: bool = False,
     revision: Optional[str] = None,
-    progress: Optional[ProgressFn] = None,
+    progress: ProgressLike = None,
 ) -> ConvertReport:
     """Write the tensors of ``src`` to ``dst`` as safetensors (see the module docstring).
 
@@ -141,6 +143,7 @@ def convert(
             2 KB can hold ``torch.zeros(1).expand(400_000_000)``: 1.6 GB to write.
             Tensors sharing a storage (a tie, views of one weight) each read
             their own span and never count as expanded.
+        progress: as :func:`~materialize.load`'s; the bytes are those written.
 
     Raises:
         CheckpointError: a companion file of a source folder is a symlink
@@ -157,6 +160,8 @@ def convert(
     destination = Path(dst)
     if (destination.exists() or destination.is_symlink()) and not overwrite:
         raise OutputError("already exists; remove it or pass overwrite=True (CLI: --overwrite)", path=destination)
+    if not isinstance(src, Checkpoint):
+        report_phase(progress, f"opening {shown_name(src)}")  # before a hub id's download, which is part of it
     source = src if isinstance(src, Checkpoint) else resolve_source(src, revision=revision)
     with opened(source, trust_pickle, state_dict_key) as ckpt:
         if ckpt.extra_states:
@@ -172,6 +177,7 @@ def convert(
         config = _read_config(companions) if cast is not None else None  # so is a config.json that cannot be read
         shards = [items] if single_file or shard_bytes is None else _groups(items, shard_bytes)
         temporary = destination.parent / f".{destination.name}.partial-{os.getpid()}"
+        report_phase(progress, f"writing {counted(len(items), 'tensor')}")
         try:
             with reads(ckpt.files, ReadOptions(allow_overflow=allow_overflow)) as reader:
                 written, copied = _write_all(ckpt, companions, shards, temporary, single_file, reader, progress)
@@ -259,6 +265,8 @@ def _write_all(
 ) -> tuple[list[str], list[str]]:
     total = sum(item.nbytes for shard in shards for item in shard)
     done = [0]
+    if progress is not None and total:
+        progress(0, total)  # writing starts now: a rate shown from here on is the conversion's own
 
     def advanced(nbytes: int) -> None:
         done[0] += nbytes

@@ -8,6 +8,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
@@ -25,6 +26,7 @@ from .io.executor import Reads, reads
 from .io.replay import ReplayInit
 from .skeleton.deferred import program_of
 from .io.gcpause import gc_paused
+from .integrations.hub import looks_like_repo_id
 from .integrations.hf import forget_ties, hf_dtype_rule, hf_init, hf_key_map, hf_tolerated, is_hf_model, mark_loaded
 from .io.hostmem import admit_host_copies, empty_destination, with_whole_load
 from .planning.keymap import KeyMapLike
@@ -35,6 +37,7 @@ from .skeleton.meta import buffer_like, is_lazy, parameter_like, shared_memory_a
 from .skeleton.modtree import named_modules
 from .planning.plan import DtypeRule, Entry, InitFn, Plan, Tolerated, initializer_of, make_plan, raise_for_mismatch
 from .options import IgnoreUnexpected, PlanOptions, ProgressFn, ReadOptions, unexpected_to_ignore
+from .progress import ProgressLike, counted, report_phase, takes_progress
 from .report import Report
 from .sanitizer import audit, is_poisoned, nonfinite, poison
 from .integrations.sharded import is_dtensor, local_of
@@ -47,8 +50,10 @@ DtypeLike = Union[str, torch.dtype, None]
 
 
 @contextmanager
-def opened(checkpoint: CheckpointLike, trust_pickle: bool, state_dict_key: Optional[str] = None) -> Iterator[Checkpoint]:
-    """A path opened for the length of the block; an open :class:`Checkpoint` as it is (its caller closes it)."""
+def opened(checkpoint: CheckpointLike, trust_pickle: bool, state_dict_key: Optional[str] = None, *,
+           progress: Optional[ProgressFn] = None) -> Iterator[Checkpoint]:
+    """A path opened for the length of the block (``progress`` told so); an open :class:`Checkpoint` as it is
+    (its caller closes it)."""
     if isinstance(checkpoint, Checkpoint):
         if state_dict_key is not None and state_dict_key != checkpoint.state_dict_key:
             # its tensors were taken from another entry when it was opened: the key would be silently ignored
@@ -57,8 +62,15 @@ def opened(checkpoint: CheckpointLike, trust_pickle: bool, state_dict_key: Optio
                 f"{state_dict_key!r}: pass state_dict_key to open_checkpoint instead", path=checkpoint.path)
         yield checkpoint  # the caller owns it and closes it
         return
+    report_phase(progress, f"opening {shown_name(checkpoint)}")
     with open_checkpoint(checkpoint, trust_pickle=trust_pickle, state_dict_key=state_dict_key) as ckpt:
         yield ckpt
+
+
+def shown_name(source: Union[str, os.PathLike]) -> str:
+    """A source as a progress step names it: a hub id whole, a path by its last part (a folder's, a file's)."""
+    text = os.fspath(source)
+    return text if looks_like_repo_id(text) else (Path(text).name or text)
 
 
 def _entry_words(key: Optional[str]) -> str:
@@ -86,6 +98,7 @@ def _model_defaults(
 
 
 @gc_paused
+@takes_progress
 def load(
     model: nn.Module,
     checkpoint: CheckpointLike,
@@ -104,7 +117,7 @@ def load(
     allow_overflow: bool = False,
     check: bool = False,
     check_finite: bool = False,
-    progress: Optional[ProgressFn] = None,
+    progress: ProgressLike = None,
     direct_io: bool = False,
     ignore_mismatched_sizes: bool = False,
     ignore_unexpected: IgnoreUnexpected = False,
@@ -173,7 +186,10 @@ def load(
             fresh memory, count every byte written, and prove after the load
             that each tensor was written exactly once, as planned.
         check_finite: list tensors holding NaN or Inf in ``report.nonfinite``.
-        progress: ``fn(bytes_done, bytes_total)``, called from reader threads.
+        progress: ``True`` for a bar on stderr (:class:`~materialize.progress.Progress`),
+            or ``fn(bytes_done, bytes_total)``, called from reader threads; one
+            with a ``phase(text)`` method is also told each step before the
+            reads (see :mod:`materialize.progress`).
         direct_io: read the files with ``O_DIRECT``, around the page cache:
             for cold checkpoints on fast storage, and to leave the page cache
             alone. A checkpoint already in the page cache is read from
@@ -193,8 +209,10 @@ def load(
     )
     read = ReadOptions(mmap=mmap, staging_bytes=staging_bytes, allow_overflow=allow_overflow, check=check,
                        check_finite=check_finite, progress=progress, direct_io=direct_io)
-    with opened(checkpoint, trust_pickle, state_dict_key) as ckpt:
+    with opened(checkpoint, trust_pickle, state_dict_key, progress=progress) as ckpt:
+        report_phase(progress, f"planning {counted(len(ckpt), 'tensor')}")
         the_plan, options, placement = planned(model, ckpt, options)
+        report_phase(progress, f"loading {counted(len(the_plan.of('load')), 'tensor')}")
         report = execute(the_plan, ckpt, read, init=options.init)
     if is_hf_model(model):
         mark_loaded(model, report.loaded)

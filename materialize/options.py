@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
+from .progress import ProgressFn
+
 if TYPE_CHECKING:
     from .integrations.devicemap import DeviceMapLike
     from .planning.keymap import KeyMapLike
 
-ProgressFn = Callable[[int, int], None]
 InitFn = Callable[[torch.nn.Module], None]
 IgnoreUnexpected = Union[bool, str, Sequence[str]]
 

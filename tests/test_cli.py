@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -18,6 +19,7 @@ import materialize
 from bench.models.transformer import DecoderLM
 
 from conftest import DECODER_SPEC
+from terminal import run_on_a_terminal, screen
 
 # ---------------------------------------------------------------- helpers
 
@@ -531,46 +533,113 @@ def test_version_flag_prints_the_version():
 
 # ---------------------------------------------------------------- progress on a terminal
 
-
-def _run_on_a_terminal(*args: object) -> tuple[int, str]:
-    """Run the CLI with stdout and stderr on a pseudo-terminal, as a person would."""
-    import pty
-
-    main_fd, child_fd = pty.openpty()
-    process = subprocess.Popen([materialize_command(), *map(str, args)], stdout=child_fd, stderr=child_fd, close_fds=True)
-    os.close(child_fd)
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(main_fd, 65536)
-        except OSError:  # the child closed the terminal
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(main_fd)
-    return process.wait(timeout=300), b"".join(chunks).decode(errors="replace")
+WIDE_MODEL = """from torch import nn
 
 
-def test_a_terminal_shows_a_progress_line_with_throughput(tmp_path):
+def make() -> nn.Module:
+    return nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(12)])
+"""
+BAR_TEXTS = ("importing torch", "opening ", "building ", "planning ", "loading ", "writing ", "%|", "B/s]")
+
+
+def write_wide_model(folder: Path) -> tuple[Path, str]:
+    """A checkpoint of 50 MB (24 tensors), many reader tasks of 16 MB, and the spec of its model."""
+    (folder / "wide.py").write_text(WIDE_MODEL)
+    path = folder / "wide.safetensors"
+    state = {f"{layer}.{kind}": torch.zeros(shape) for layer in range(12)
+             for kind, shape in (("weight", (1024, 1024)), ("bias", (1024,)))}
+    save_file(state, str(path))
+    return path, f"{folder / 'wide.py'}:make"
+
+
+def on_a_terminal(*args: object, redraw_each_update: bool = False) -> tuple[int, str, list[str]]:
+    """The CLI on a pseudo-terminal: exit code, what the terminal received, what its screen shows after.
+    ``redraw_each_update``: tqdm's own TQDM_MININTERVAL=0, so a read of a few milliseconds draws each step."""
+    env = {**os.environ, "TQDM_MININTERVAL": "0"} if redraw_each_update else None
+    code, output = run_on_a_terminal([materialize_command(), *map(str, args)], env=env)
+    return code, output, screen(output)
+
+
+def assert_no_bar_left(shown: list[str]) -> None:
+    left = [line for line in shown if any(text in line for text in BAR_TEXTS)]
+    assert left == []
+
+
+def test_a_terminal_shows_each_step_then_bytes_rate_and_time_left_and_the_report_on_clean_lines(tmp_path):
+    path, spec = write_wide_model(tmp_path)
+
+    code, output, shown = on_a_terminal(path, "--model", spec, redraw_each_update=True)
+
+    assert code == 0, output
+    steps = ["importing torch", "opening wide.safetensors", f"building {spec}", "planning 24 tensors",
+             "loading 24 tensors"]
+    assert [output.index(step) for step in steps] == sorted(output.index(step) for step in steps)
+    updates = re.findall(r"loading 24 tensors: +(\d+)%\|[^|]*\| ([\d.]+[kMG]?)B/50\.4MB "
+                         r"\[\d\d:\d\d<(\d\d:\d\d), ([\d.]+[kMG]?B/s)\]", output)
+    assert len(updates) >= 3 and updates[-1][:3] == ("100", "50.4M", "00:00")  # bytes, rate and time left
+    assert "0.00 GB/s" not in output.split("checkpoint ")[0]
+    assert shown[0].startswith("checkpoint ") and "wide.safetensors" in shown[0]  # the report where the bar was
+    assert shown[-1].startswith("host memory growth ")
+    assert_no_bar_left(shown)
+
+
+def test_an_error_after_the_bar_is_drawn_starts_on_a_clean_line(tmp_path):
+    _, spec = write_wide_model(tmp_path)
+    small = tmp_path / "small.safetensors"
+    write_small_safetensors(small)
+
+    code, output, shown = on_a_terminal(small, "--model", spec)
+
+    assert code == 1
+    assert "planning 2 tensors" in output  # drawn, then cleared before the error
+    assert len(shown) == 1 and shown[0].startswith("Error: ") and "small.safetensors" in shown[0]
+
+
+def test_a_mapped_load_shows_its_steps_but_no_rate_and_ends_clean(tmp_path):
+    path, spec = write_wide_model(tmp_path)
+
+    code, output, shown = on_a_terminal(path, "--model", spec, "--mmap")
+
+    assert code == 0, output
+    assert "opening wide.safetensors" in output and "loading 24 tensors" in output
+    assert "%|" not in output and "B/s]" not in output  # 0 bytes read: no bar, no 0.00 GB/s rate
+    assert shown[0].startswith("checkpoint ") and "zero-copy views       24" in shown
+    assert_no_bar_left(shown)
+
+
+def test_a_warning_during_a_conversion_gets_a_line_of_its_own_above_the_bar(tmp_path):
+    source = tmp_path / "stateful.pth"
+    torch.save({"w": torch.ones(1000, 1000), "counter._extra_state": {"steps": 3}}, source)
+
+    code, output, shown = on_a_terminal("convert", source, tmp_path / "out.safetensors", redraw_each_update=True)
+
+    assert code == 0, output
+    assert "opening stateful.pth" in output and "writing 1 tensor: 100%|" in output
+    assert shown[0].startswith("Warning: ") and "counter._extra_state" in shown[0]
+    assert shown[1].startswith("source ")
+    assert_no_bar_left(shown)
+
+
+def test_without_a_terminal_nothing_of_the_bar_is_written(tmp_path):
     path = tmp_path / "model.safetensors"
     write_small_safetensors(path)
 
-    code, output = _run_on_a_terminal(path)
+    result = run_cli(path, env={**os.environ, "TQDM_MININTERVAL": "0"})
 
-    assert code == 0
-    assert "loading" in output and "GB/s" in output and "100.0%" in output
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert result.stdout.startswith("checkpoint ") and "\r" not in result.stdout
 
 
-def test_json_output_has_no_progress_line_even_on_a_terminal(tmp_path):
+def test_json_output_has_no_progress_bar_even_on_a_terminal(tmp_path):
     path = tmp_path / "model.safetensors"
-    write_small_safetensors(path)
+    tensors = write_small_safetensors(path)
 
-    code, output = _run_on_a_terminal(path, "--json")
+    code, output, _ = on_a_terminal(path, "--json", redraw_each_update=True)
 
     assert code == 0
-    assert "loading" not in output
-    assert json.loads(output)["bytes_read"] == nbytes(write_small_safetensors(tmp_path / "again.safetensors"))
+    assert "\r" not in output.replace("\r\n", "\n")  # only JSON's own line ends: no bar drawn
+    assert json.loads(output)["bytes_read"] == nbytes(tensors)
 
 
 # ---------------------------------------------------------------- zero-copy and staging options
@@ -629,28 +698,6 @@ def test_every_dtype_the_cli_offers_parses():
 
     assert parsed["auto"] is None
     assert parsed["bf16"] is torch.bfloat16 and parsed["fp32"] is torch.float32
-
-
-def test_the_progress_rate_counts_from_the_start_of_the_read_not_from_the_command(tmp_path, monkeypatch):
-    # The line is made before the model is built; its GB/s once showed a fifth of the report's.
-    import io
-    import time
-
-    from cli.progress import ProgressLine
-
-    clock = iter([100.0, 101.0])  # made long before; the read starts at 100 s, 1 GB done at 101 s
-    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
-    shown = io.StringIO()
-    line = ProgressLine(shown)
-    line(0, 10**9)
-    line(10**9, 10**9)
-
-    assert "1.00 GB/s" in shown.getvalue()
-    monkeypatch.undo()
-    write_small_safetensors(tmp_path / "m.safetensors")
-    calls = []
-    materialize.load_tensors(tmp_path / "m.safetensors", progress=lambda done, total: calls.append(done))
-    assert calls[0] == 0 and calls[-1] > 0  # the load says when reading starts
 
 
 def test_a_model_factory_that_fails_says_which_and_why_and_a_spec_that_cannot_be_used_is_a_usage_error(tmp_path):

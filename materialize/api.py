@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .io.capacity import fit_report
-from .checkpoint import Checkpoint, TensorInfo
+from .checkpoint import Checkpoint, CheckpointLike, TensorInfo, opened
 from .integrations.devicemap import DeviceMapLike
 from .dtypes import parse_dtype
 from .checkpoint.pieces import Job
@@ -24,14 +24,12 @@ from .io.hostmem import admit_host_copies, empty_destination, with_whole_load
 from .integrations.hub import resolve as resolve_source
 from .planning.keymap import KeyMapLike
 from .loading import (
-    CheckpointLike,
     DeviceLike,
     DtypeLike,
     dominant_float_dtype,
     load,
     make_report,
     default_device,
-    opened,
     planned,
     refresh_flat_weights,
 )

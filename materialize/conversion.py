@@ -41,7 +41,7 @@ from typing import Optional, Union
 
 import torch
 
-from .checkpoint import Checkpoint, TensorInfo
+from .checkpoint import Checkpoint, TensorInfo, opened
 from .checkpoint.confine import allowed_roots, confine
 from .checkpoint.index import SAFETENSORS_INDEX_NAME
 from .checkpoint.safetensors import SAFETENSORS_DTYPES
@@ -53,7 +53,7 @@ from .errors import ConvertWarning, ExpansionError, MaterializeError, ModelSpecE
 from .io.fileio import byte_view
 from .io.gcpause import gc_paused
 from .io.hostmem import empty_destination
-from .loading import DtypeLike, opened
+from .loading import DtypeLike
 from .integrations.hub import resolve as resolve_source
 from .sizes import format_bytes, parse_size
 from .text import printable

@@ -22,7 +22,7 @@ from conftest import TINY, hub_cache, reference_model, saved_state, write_sharde
 from vision import import_torchvision, pythonpath_with_shim
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
 CLI = str(Path(sys.executable).parent / "materialize")
 GIVEN = {"docs/library.md": "from bench.models.transformer import DecoderLM as MyModel\n"
                             f"cfg = {TINY!r}\n"}

@@ -1,6 +1,7 @@
 # Two entry points, each self-sufficient on a fresh machine:
 #   make demo   build the demo checkpoint once, then materialize it with the CLI
 #   make test   run the test suite
+#   make docs-api  rewrite docs/api.md, the API reference, from the docstrings (tools/apiref.py)
 #   make bench  compare loaders on a 1.9 GB checkpoint (bench/results/)
 #   make bench-strided  experts saved transposed or interleaved, 1 GB
 #   make bench-dcp  the 1.9 GB checkpoint as a dcp.save training save, against dcp.load
@@ -46,7 +47,7 @@ FUZZ_INPUT_SECONDS_PER_MB ?= 4
 FUZZ_INPUT_MEMORY_MB_PER_MB ?= 64
 FUZZ_TARGETS ?=
 
-.PHONY: demo test bench bench-strided bench-dcp bench-deferred bench-sharded zoo fuzz venv clean lock test-latest test-oldest
+.PHONY: demo test docs-api bench bench-strided bench-dcp bench-deferred bench-sharded zoo fuzz venv clean lock test-latest test-oldest
 
 # A fresh venv each time an input changes, so nothing of an earlier lock stays behind. The editable install
 # is built without isolation, by the locked setuptools, so no build step fetches a floating one.
@@ -106,6 +107,9 @@ test-oldest:
 	.venv-oldest-hf/bin/python -m pip check
 	.venv-oldest-hf/bin/python -V; .venv-oldest-hf/bin/python -m pip freeze --exclude-editable | $(VERSIONS)
 	.venv-oldest-hf/bin/python -m pytest -q -p no:cacheprovider tests/test_hub.py $$(grep -l transformers tests/*.py)
+
+docs-api: $(STAMP)
+	$(PY) -m tools.apiref
 
 $(BENCH_STAMP): $(STAMP) requirements-bench.txt
 	$(PY) $(PIP) -c $(LOCK) -r requirements-dev.txt -r requirements-bench.txt

@@ -232,26 +232,9 @@ def inspect_command(checkpoint: str, trust_pickle: bool, state_dict_key: Optiona
 
     def action() -> None:
         with mz.open_checkpoint(checkpoint, trust_pickle=trust_pickle, state_dict_key=state_dict_key) as ckpt:
-            _emit(as_json, lambda: _inspect_dict(ckpt), lambda: _inspect_lines(ckpt), str(ckpt.path))
+            _emit(as_json, lambda: mz.inspect(ckpt), lambda: _inspect_lines(ckpt), str(ckpt.path))
 
     _run(debug, action, inspecting=True)
-
-
-def _inspect_dict(ckpt: mz.Checkpoint) -> dict[str, Any]:
-    return {
-        "path": str(ckpt.path),
-        "format": ckpt.format,
-        "state_dict_key": ckpt.state_dict_key,
-        "shards": [str(s) for s in ckpt.shards],
-        "tensor_count": len(ckpt),
-        "nbytes": ckpt.nbytes,
-        "metadata": ckpt.metadata,
-        "tensors": [
-            {"name": i.name, "dtype": i.dtype_name, "shape": list(i.shape), "nbytes": i.nbytes,
-             "file": i.path.name, "offset": i.offset}
-            for i in ckpt.values()
-        ],
-    }
 
 
 # The name column is as wide as the longest name up to this many characters; a longer name is shown in full

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .io.capacity import fit_report
-from .checkpoint import Checkpoint, TensorInfo
+from .checkpoint import Checkpoint, CheckpointLike, TensorInfo, opened
 from .integrations.devicemap import DeviceMapLike
 from .dtypes import parse_dtype
 from .checkpoint.pieces import Job
@@ -25,16 +25,15 @@ from .io.hostmem import admit_host_copies, empty_destination, with_whole_load
 from .integrations.hub import resolve as resolve_source
 from .planning.keymap import KeyMapLike
 from .loading import (
-    CheckpointLike,
     DeviceLike,
     DtypeLike,
     dominant_float_dtype,
     load,
     make_report,
     default_device,
-    opened,
     planned,
     refresh_flat_weights,
+    announce_opening,
     shown_name,
 )
 from .io.peak import PeakMemory
@@ -141,7 +140,8 @@ def load_tensors(
     read_options = ReadOptions(mmap=mmap, staging_bytes=staging_bytes, allow_overflow=allow_overflow,
                                check_finite=check_finite, progress=progress, direct_io=direct_io)
     started = time.perf_counter()
-    with opened(checkpoint, trust_pickle, state_dict_key, progress=progress) as ckpt, PeakMemory([target]) as memory, \
+    announce_opening(progress, checkpoint)
+    with opened(checkpoint, trust_pickle, state_dict_key) as ckpt, PeakMemory([target]) as memory, \
             reads(ckpt.files, read_options, maps=mmap and target.type == "cpu") as reader:
         report_phase(progress, f"loading {counted(len(ckpt), 'tensor')}")
         made: dict[str, torch.Tensor] = {}

@@ -41,7 +41,7 @@ from typing import Optional, Union
 
 import torch
 
-from .checkpoint import Checkpoint, TensorInfo
+from .checkpoint import Checkpoint, TensorInfo, opened
 from .checkpoint.confine import allowed_roots, confine
 from .checkpoint.index import SAFETENSORS_INDEX_NAME
 from .checkpoint.safetensors import SAFETENSORS_DTYPES
@@ -54,7 +54,7 @@ from .errors import ConvertWarning, ExpansionError, MaterializeError, ModelSpecE
 from .io.fileio import byte_view
 from .io.gcpause import gc_paused
 from .io.hostmem import empty_destination
-from .loading import DtypeLike, opened, shown_name
+from .loading import DtypeLike, shown_name
 from .integrations.hub import resolve as resolve_source
 from .sizes import format_bytes, parse_size
 from .text import printable
@@ -70,6 +70,20 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 
 @dataclass
 class ConvertReport:
+    """The outcome of one :func:`convert`. ``str(report)`` is a table, its names escaped; :meth:`to_dict` is
+    JSON-ready (``materialize convert --json``).
+
+    Fields:
+        source: the checkpoint converted (its path, or a hub repo's local folder).
+        destination: the file or folder written.
+        files: the safetensors files written (a folder's shards; its index, if any, lies beside them).
+        tensors: how many tensors were written.
+        bytes_written: the bytes of tensor data written.
+        seconds: how long the conversion took.
+        copied: the source folder's other files copied beside them (``config.json``, tokenizer files).
+        state_dict_key: the entry of the source's saved dict its tensors came from.
+    """
+
     source: str
     destination: str
     files: list[str]
@@ -77,9 +91,10 @@ class ConvertReport:
     bytes_written: int
     seconds: float
     copied: list[str] = field(default_factory=list)
-    state_dict_key: Optional[str] = None  # the entry of the source's saved dict its tensors came from
+    state_dict_key: Optional[str] = None
 
     def to_dict(self) -> dict:
+        """Every field, as JSON-ready values."""
         return asdict(self)
 
     def __str__(self) -> str:
@@ -123,13 +138,21 @@ def convert(
     revision: Optional[str] = None,
     progress: ProgressLike = None,
 ) -> ConvertReport:
-    """Write the tensors of ``src`` to ``dst`` as safetensors (see the module docstring).
+    """Write the tensors of ``src`` to ``dst`` as safetensors, a batch of tensors at a time.
+
+    ``src`` is anything :func:`open_checkpoint` opens, a Hugging Face folder or a hub repo id (at
+    ``revision``). ``dst`` ending in ``.safetensors`` is one file; any other ``dst`` is a folder in the
+    Hugging Face layout: ``model.safetensors``, or shards and ``model.safetensors.index.json``, with the
+    source folder's config and tokenizer files copied beside them. It is written under a temporary name and
+    renamed at the end: a failed conversion leaves nothing at ``dst``. Memory stays near one batch (256 MiB)
+    whatever the checkpoint's size.
 
     Args:
         dtype: cast floating tensors to this dtype (``None``: keep each one's).
         shard_size: the most bytes per shard of a folder output (``None``: one
             file). A tensor larger than a shard gets a shard of its own.
         overwrite: replace an existing ``dst``; otherwise it is an error.
+        trust_pickle: see :func:`open_checkpoint`.
         state_dict_key: the entry of a training checkpoint whose tensors are
             written, where it holds several (see :func:`open_checkpoint`).
         allow_overflow: let a narrowing cast turn large values into inf.
@@ -143,6 +166,7 @@ def convert(
             2 KB can hold ``torch.zeros(1).expand(400_000_000)``: 1.6 GB to write.
             Tensors sharing a storage (a tie, views of one weight) each read
             their own span and never count as expanded.
+        revision: the hub revision (branch, tag or commit) when ``src`` is a repo id.
         progress: as :func:`~materialize.load`'s; the bytes are those written.
 
     Raises:

@@ -22,6 +22,11 @@ class MaterializeError(Exception):
     message's one line. The exact ones stay in ``path`` and ``tensor``.
     Names written into a message's text are written with ``!r`` or through
     :func:`summarize_names`, which escape them too.
+
+    Attributes:
+        path: the file (or folder) the error is about, exactly; ``None`` where none.
+        tensor: the tensor's name, exactly; ``None`` where the error is about no one tensor.
+        reason: the message without the file and tensor in front.
     """
 
     def __init__(
@@ -79,7 +84,13 @@ class UnsafeCheckpointError(CheckpointError):
 
 
 class KeyMismatchError(MaterializeError, LookupError):
-    """The model and the checkpoint disagree on which tensors exist."""
+    """The model and the checkpoint disagree on which tensors exist.
+
+    Attributes:
+        missing: the model's names the checkpoint lacks.
+        unexpected: the checkpoint's names the model lacks.
+        mismatched: the names whose shapes differ.
+    """
 
     def __init__(
         self,

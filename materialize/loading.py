@@ -6,8 +6,6 @@ import dataclasses
 import os
 import time
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -15,11 +13,11 @@ import torch
 from torch import nn
 
 from .io.capacity import expected_peak_host_bytes
-from .checkpoint import Checkpoint, TensorInfo, open_checkpoint
+from .checkpoint import Checkpoint, CheckpointLike, TensorInfo, opened
 from .integrations.devicemap import DeviceMapLike, Placement, compute_device_map
 from .dtypes import dtype_name, parse_dtype
 from .checkpoint.pieces import Job
-from .errors import AllocationError, InitError, MaterializeError, SanitizerError, StateDictKeyError, summarize_names
+from .errors import AllocationError, InitError, MaterializeError, SanitizerError, summarize_names
 from .planning.extrastate import extra_state_reads, hand_over
 from .planning.loadruns import VALUES_BUDGET, load_code_reads, run_load_code
 from .io.executor import Reads, reads
@@ -44,37 +42,20 @@ from .integrations.sharded import is_dtensor, local_of
 from .planning.ties import TieSettling, compared_before_allocating
 from .io.transfer import resolve_device
 
-CheckpointLike = Union[str, os.PathLike, Checkpoint]
 DeviceLike = Union[str, torch.device]
 DtypeLike = Union[str, torch.dtype, None]
 
 
-@contextmanager
-def opened(checkpoint: CheckpointLike, trust_pickle: bool, state_dict_key: Optional[str] = None, *,
-           progress: Optional[ProgressFn] = None) -> Iterator[Checkpoint]:
-    """A path opened for the length of the block (``progress`` told so); an open :class:`Checkpoint` as it is
-    (its caller closes it)."""
-    if isinstance(checkpoint, Checkpoint):
-        if state_dict_key is not None and state_dict_key != checkpoint.state_dict_key:
-            # its tensors were taken from another entry when it was opened: the key would be silently ignored
-            raise StateDictKeyError(
-                f"was opened with its tensors taken from {_entry_words(checkpoint.state_dict_key)}, not entry "
-                f"{state_dict_key!r}: pass state_dict_key to open_checkpoint instead", path=checkpoint.path)
-        yield checkpoint  # the caller owns it and closes it
-        return
-    report_phase(progress, f"opening {shown_name(checkpoint)}")
-    with open_checkpoint(checkpoint, trust_pickle=trust_pickle, state_dict_key=state_dict_key) as ckpt:
-        yield ckpt
+def announce_opening(progress: Optional[ProgressFn], checkpoint: CheckpointLike) -> None:
+    """Tell ``progress`` that a path is being opened (an open :class:`Checkpoint` is already)."""
+    if not isinstance(checkpoint, Checkpoint):
+        report_phase(progress, f"opening {shown_name(checkpoint)}")
 
 
 def shown_name(source: Union[str, os.PathLike]) -> str:
     """A source as a progress step names it: a hub id whole, a path by its last part (a folder's, a file's)."""
     text = os.fspath(source)
     return text if looks_like_repo_id(text) else (Path(text).name or text)
-
-
-def _entry_words(key: Optional[str]) -> str:
-    return f"entry {key!r}" if key is not None else "the saved object itself"
 
 
 def _model_defaults(
@@ -209,7 +190,8 @@ def load(
     )
     read = ReadOptions(mmap=mmap, staging_bytes=staging_bytes, allow_overflow=allow_overflow, check=check,
                        check_finite=check_finite, progress=progress, direct_io=direct_io)
-    with opened(checkpoint, trust_pickle, state_dict_key, progress=progress) as ckpt:
+    announce_opening(progress, checkpoint)
+    with opened(checkpoint, trust_pickle, state_dict_key) as ckpt:
         report_phase(progress, f"planning {counted(len(ckpt), 'tensor')}")
         the_plan, options, placement = planned(model, ckpt, options)
         report_phase(progress, f"loading {counted(len(the_plan.of('load')), 'tensor')}")

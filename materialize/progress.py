@@ -106,6 +106,7 @@ class Progress:
                 bar.refresh()  # finished: shown so, whatever the time since the last redraw
 
     def close(self) -> None:
+        """End the bar: left finished on its own line where ``leave`` and bytes were read, else cleared."""
         with self._lock:
             if self._bar is None:
                 return

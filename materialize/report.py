@@ -11,31 +11,68 @@ from .text import printable
 
 @dataclass
 class Report:
-    """The outcome of one load. ``str(report)`` is a table, its names and paths escaped (see
-    :func:`~materialize.text.printable`); :meth:`to_dict` is JSON-ready, with them exact."""
+    """The outcome of one load (:func:`load`, :func:`load_model`, :func:`load_tensors`). ``str(report)`` is
+    a table, its names and paths escaped (see :func:`~materialize.text.printable`); :meth:`to_dict` is
+    JSON-ready, with them exact. Tensor names are the model's (the checkpoint's, for a plain dict of tensors).
+
+    Fields:
+        checkpoint: the checkpoint's path (a file, an index, a folder).
+        format: the checkpoint's format: ``safetensors``, ``torch``, ``torch-module``, ``dcp``, or a sharded
+            one (``safetensors-sharded``, ``torch-sharded``, ``mixed-sharded``).
+        device: where the tensors went (a sharded model's: its mesh's device).
+        state_dict_key: the entry of a training checkpoint the model state was taken from; ``None`` where
+            the saved object is the state itself.
+        loaded: the tensors read from the checkpoint.
+        initialized: the tensors the load made without reading them (missing with ``strict=False``, or
+            reinitialized), by their module's init, ``init``, or a recorded construction.
+        replayed: of ``initialized``, those made by replaying a construction :func:`deferred_init` recorded.
+        kept: real buffers the checkpoint lacks, kept as they were (moved to ``device``).
+        mapped: the tensors that are zero-copy views of the checkpoint files (``mmap``, disk offload).
+        nonfinite: the tensors holding NaN or Inf (filled by ``check_finite=True`` only).
+        missing: the model's tensors the checkpoint lacks (``strict=False``).
+        unexpected: the checkpoint's tensors the model lacks, skipped (``strict=False``).
+        ignored: checkpoint tensors left unread: declared by the model as not loaded, ignored as asked
+            (``ignore_unexpected``), or inside a submodule registered as ``None``.
+        reinitialized: tensors the checkpoint holds in another shape, initialized instead
+            (``ignore_mismatched_sizes``).
+        fed_to_load_code: checkpoint entries that are no tensor of the model, read for the model's own load
+            code (a saved version number).
+        filled_by_load_code: the model's tensors that load code made from checkpoint values (torch's
+            ``CustomState``).
+        key_map: how checkpoint names were renamed (a wrapper's ``module.`` stripped, say), in words; ``""``
+            for none.
+        tied: the groups of names that share one tensor.
+        untied: groups the model ties that were loaded apart, the checkpoint's values differing.
+        dtypes: how many tensors of each dtype the model holds (``{"bfloat16": 290}``).
+        bytes_by_device: the bytes placed on each device (``"disk"``: left mapped).
+        bytes_read: the bytes read from the checkpoint files (this rank's, for a sharded model).
+        model_bytes: the memory the tensors hold, each storage counted once.
+        seconds: how long the load took.
+        peak_host_bytes: the process's peak anonymous resident memory during the load (``None`` off Linux).
+        host_growth_bytes: how much that peak exceeds the process's memory when the load began.
+        peak_device_bytes: the most the load added on any one GPU; ``None`` where no GPU was used.
+        peak_device_bytes_by_device: that growth on each GPU the load wrote to.
+    """
 
     checkpoint: str
     format: str
     device: str
-    state_dict_key: Optional[str] = None  # the entry of a training checkpoint the model state was taken from
+    state_dict_key: Optional[str] = None
     loaded: list[str] = field(default_factory=list)
     initialized: list[str] = field(default_factory=list)
-    replayed: list[str] = field(default_factory=list)  # of the initialized: made by replaying a recorded construction
+    replayed: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)
     mapped: list[str] = field(default_factory=list)
     nonfinite: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
-    # In the checkpoint, left unread: declared by the model as not loaded, or ignored as asked (ignore_unexpected).
     ignored: list[str] = field(default_factory=list)
-    reinitialized: list[str] = field(default_factory=list)  # in the checkpoint in another shape (ignore_mismatched_sizes)
-    # Checkpoint entries that are no tensor of the model, read for the model's own load code (a saved version), and
-    # the model's tensors that code made from checkpoint values (torch's CustomState).
+    reinitialized: list[str] = field(default_factory=list)
     fed_to_load_code: list[str] = field(default_factory=list)
     filled_by_load_code: list[str] = field(default_factory=list)
-    key_map: str = ""  # how checkpoint names were renamed (a wrapper's "module." stripped, say), in words
+    key_map: str = ""
     tied: list[list[str]] = field(default_factory=list)
-    untied: list[list[str]] = field(default_factory=list)  # tied by the model, loaded apart: the checkpoint's values differ
+    untied: list[list[str]] = field(default_factory=list)
     dtypes: dict[str, int] = field(default_factory=dict)
     bytes_by_device: dict[str, int] = field(default_factory=dict)
     bytes_read: int = 0
@@ -43,14 +80,16 @@ class Report:
     seconds: float = 0.0
     peak_host_bytes: Optional[int] = None
     host_growth_bytes: Optional[int] = None
-    peak_device_bytes: Optional[int] = None  # the most the load added on any one GPU (see memory.PeakMemory)
+    peak_device_bytes: Optional[int] = None
     peak_device_bytes_by_device: dict[str, int] = field(default_factory=dict)
 
     @property
     def gb_per_second(self) -> float:
+        """``bytes_read`` over ``seconds``, in GB (10^9 bytes) a second; 0 for a load that took no time."""
         return self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
     def to_dict(self) -> dict:
+        """Every field, and ``gb_per_second``, as JSON-ready values: what ``materialize --json`` prints."""
         return {
             "checkpoint": self.checkpoint,
             "format": self.format,

@@ -1510,7 +1510,7 @@ def _open_list_inspect_load(path: Path, *, folder: Path | None = None) -> None:
     """What a user does with a checkpoint: open it (headers, index, pickle), list it, ``materialize inspect``
     it, load it once. Each step either works or raises a MaterializeError; a load that fails cleanly is fine."""
     from materialize_cli._output import json_text
-    from materialize_cli.main import _inspect_dict, _inspect_lines  # what the inspect command prints, both forms
+    from materialize_cli.main import _inspect_lines  # the inspect command's text form; mz.inspect, its JSON
 
     try:
         ckpt = mz.open_checkpoint(path)
@@ -1520,7 +1520,7 @@ def _open_list_inspect_load(path: Path, *, folder: Path | None = None) -> None:
         _check_infos_inside(ckpt, folder=folder)
         for _ in _inspect_lines(ckpt):
             pass
-        json_text(_inspect_dict(ckpt), about=str(path))
+        json_text(mz.inspect(ckpt), about=str(path))
     try:
         mz.load_tensors(path)
     except mz.MaterializeError:

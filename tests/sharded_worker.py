@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
+import textwrap
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,7 +28,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import materialize as mz
 from bench.models.parallel import torchtitan_2d
-from conftest import reference_model, tiny_skeleton
+from bench.models.transformer import DecoderLM
+from conftest import TINY, reference_model, tiny_skeleton
 
 
 class MLP(nn.Module):
@@ -585,6 +589,61 @@ def _compare(model: nn.Module, source: nn.Module) -> dict:
     return {"placements": placements, "equal": equal}
 
 
+def recipe_blocks() -> tuple[str, str]:
+    """docs/library.md's FSDP2 resume recipe: the block that saves and the block that resumes, as written."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "library.md").read_text()
+    blocks = [textwrap.dedent(code) for _, code in re.findall(r"^( *)```python\n(.*?)^\1```", page, flags=re.S | re.M)]
+    [save] = [code for code in blocks if "dcp.save(" in code]
+    [resume] = [code for code in blocks if "set_optimizer_state_dict(" in code]
+    return save, resume
+
+
+def _local(value):
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> None:
+    model(tokens).float().pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def resume_recipe(folder: str, mesh) -> dict:
+    """The recipe run as written: a model trained two AdamW steps under FSDP2, saved by its first block, resumed
+    by its second in the same ranks; the resumed optimizer's state against the saved one, shard for shard."""
+    save, resume = recipe_blocks()
+    os.chdir(folder)
+    torch.manual_seed(0)
+    model = DecoderLM(**TINY)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    tokens = torch.arange(2 * 11).reshape(2, 11) % TINY["vocab_size"]
+    for _ in range(2):
+        _train_step(model, optimizer, tokens)
+    exec(compile(save, "docs/library.md: the save", "exec"), {"model": model, "optimizer": optimizer})
+    given = {"MyModel": DecoderLM, "cfg": dict(TINY)}
+    exec(compile(resume, "docs/library.md: the resume", "exec"), given)
+    resumed, resumed_optimizer = given["model"], given["optimizer"]
+
+    saved, got = optimizer.state_dict(), resumed_optimizer.state_dict()
+    state_equal = saved["state"].keys() == got["state"].keys() and all(
+        saved["state"][k].keys() == got["state"][k].keys()
+        and all(torch.equal(_local(v), _local(got["state"][k][name])) for name, v in saved["state"][k].items())
+        for k in saved["state"])
+    result = {"state_equal": state_equal, "param_groups_equal": saved["param_groups"] == got["param_groups"],
+              "state_names": sorted({name for entry in got["state"].values() for name in entry}),
+              "steps": sorted({float(entry["step"]) for entry in got["state"].values()}),
+              "lr": [group["lr"] for group in got["param_groups"]],
+              "params_equal": all(torch.equal(_local(a), _local(b)) for a, b in zip(model.parameters(), resumed.parameters())),
+              "sharded": all(isinstance(p, DTensor) for p in resumed.parameters())}
+    _train_step(model, optimizer, tokens)  # the state dicts above hold the live tensors: read before this
+    _train_step(resumed, resumed_optimizer, tokens)
+    result["stepped_equal"] = all(torch.equal(_local(a), _local(b)) for a, b in zip(model.parameters(), resumed.parameters()))
+    return result
+
+
 def finish_rank(run, out: str) -> None:
     """Run this rank's scenario, write its result (or its traceback) to ``out``, meet the other ranks, and leave
     without gloo's teardown at exit, which aborts now and then on its own."""
@@ -609,7 +668,7 @@ def main() -> None:
                 "fsdp_own_head": fsdp_own_head, "save_fsdp": save_fsdp, "save_tp": save_tp,
                 "fsdp_wrapped": fsdp_wrapped, "fsdp_replayed": fsdp_replayed,
                 "tp_materialized": tp_materialized, "tp_fsdp": tp_fsdp,
-                "strided_zoo": strided_zoo}[scenario](checkpoint, mesh)
+                "strided_zoo": strided_zoo, "resume_recipe": resume_recipe}[scenario](checkpoint, mesh)
 
     finish_rank(run, out)
 

@@ -310,6 +310,34 @@ def test_inspect_a_sharded_index_lists_every_shard(tmp_path):
     assert {t["name"]: t["file"] for t in summary["tensors"]} == {"a": "s1.safetensors", "b": "s2.safetensors"}
 
 
+def _written(form: str, folder: Path) -> Path:
+    if form == "safetensors":
+        path = folder / "model.safetensors"
+        save_file({"w": torch.ones(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)}, str(path), metadata={"format": "pt"})
+        return path
+    if form == "sharded":
+        path = folder / "ckpt"
+        path.mkdir()
+        save_file({"a": torch.ones(2)}, str(path / "s1.safetensors"))
+        save_file({"b": torch.ones(3, dtype=torch.float16)}, str(path / "s2.safetensors"))
+        (path / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": 14}, "weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}}))
+        return path
+    path = folder / "model.pt"
+    torch.save({"state_dict": {"w": torch.arange(6).reshape(2, 3), "b": torch.ones(2)}, "epoch": 3}, path)
+    return path
+
+
+@pytest.mark.parametrize("form", ["safetensors", "sharded", "torch"])
+def test_the_library_inspect_returns_what_inspect_json_prints(tmp_path, form):
+    path = _written(form, tmp_path)
+
+    result = run_cli("inspect", path, "--json")
+
+    assert result.returncode == 0, result.stderr
+    assert materialize.inspect(path) == json.loads(result.stdout)
+
+
 def test_plan_json_reports_what_a_load_would_do(tmp_path):
     path = tmp_path / "tiny.safetensors"
     state = write_tiny_decoder_checkpoint(path)

@@ -22,7 +22,7 @@ from conftest import TINY, hub_cache, reference_model, saved_state, write_sharde
 from vision import import_torchvision, pythonpath_with_shim
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
 CLI = str(Path(sys.executable).parent / "materialize")
 GIVEN = {"docs/library.md": "from bench.models.transformer import DecoderLM as MyModel\n"
                             f"cfg = {TINY!r}\n"}
@@ -139,3 +139,18 @@ def test_the_snippets_are_found():
         assert all(lang for lang in fences[::2]), f"{page.name}: a code block without a language"
 
 
+def test_the_api_reference_is_what_the_docstrings_make_and_names_everything(tmp_path):
+    import dataclasses
+
+    import materialize
+
+    written = tmp_path / "api.md"
+    done = subprocess.run([sys.executable, "-m", "tools.apiref", "--output", str(written)], cwd=ROOT,
+                          capture_output=True, text=True)
+
+    assert done.returncode == 0, done.stderr
+    page = written.read_text()
+    assert page == (ROOT / "docs" / "api.md").read_text(), "docs/api.md differs from the docstrings: make docs-api"
+    assert set(re.findall(r"^### (?:class )?(\w+)$", page, flags=re.M)) == set(materialize.__all__)
+    report = page.split("### class Report\n")[1].split("\n### ")[0]
+    assert [f.name for f in dataclasses.fields(materialize.Report)] == re.findall(r"^\| `(\w+)` \| `", report, flags=re.M)

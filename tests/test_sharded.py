@@ -125,6 +125,20 @@ def test_fsdp2_model_sharded_on_meta_loads_each_rank_its_rows_and_trains(tmp_pat
     assert sum(rank["bytes_read"] for rank in ranks) == sum(t.numel() * t.element_size() for t in state.values())
 
 
+def test_the_docs_fsdp2_resume_recipe_restores_the_optimizer_state_it_saved(tmp_path):
+    folder = tmp_path / "job"
+    folder.mkdir()
+
+    ranks = run_ranks("resume_recipe", folder, tmp_path)
+
+    for rank in ranks:
+        assert rank["sharded"] and rank["params_equal"]
+        assert rank["state_names"] == ["exp_avg", "exp_avg_sq", "step"] and rank["steps"] == [2.0]
+        assert rank["state_equal"] and rank["param_groups_equal"] and rank["lr"] == [1e-2]  # the saved rate, not 3e-4
+        assert rank["stepped_equal"]
+    assert (folder / "checkpoints" / "step-100" / ".metadata").is_file()
+
+
 def test_fsdp2_blocks_wrapped_for_activation_checkpointing_load_a_plain_checkpoint(tmp_path):
     source = reference_model(tie=True)
     state = saved_state(source)

@@ -8,6 +8,8 @@ bytes are a plausible header length followed by ``{`` is safetensors.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
@@ -22,11 +24,12 @@ from .safetensors import read_header
 if TYPE_CHECKING:
     from .torchpickle import Payload
 
-__all__ = ["Checkpoint", "TensorInfo", "open_checkpoint"]
+__all__ = ["Checkpoint", "CheckpointLike", "TensorInfo", "open_checkpoint", "opened"]
 
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 TRAINING_CHECKPOINT_ENDINGS = (".ckpt", ".pth.tar", ".pt.tar")  # Lightning's; ImageNet scripts' model_best.pth.tar
 PathLike = Union[str, os.PathLike]
+CheckpointLike = Union[str, os.PathLike, Checkpoint]
 
 
 @gc_paused
@@ -82,6 +85,25 @@ def open_checkpoint(path: PathLike, *, trust_pickle: bool = False, state_dict_ke
         extra_states=payload.extra_states,
         state_dict_key=payload.key,
     )
+
+
+@contextmanager
+def opened(checkpoint: CheckpointLike, trust_pickle: bool, state_dict_key: Optional[str] = None) -> Iterator[Checkpoint]:
+    """A path opened for the length of the block; an open :class:`Checkpoint` as it is (its caller closes it)."""
+    if isinstance(checkpoint, Checkpoint):
+        if state_dict_key is not None and state_dict_key != checkpoint.state_dict_key:
+            # its tensors were taken from another entry when it was opened: the key would be silently ignored
+            raise StateDictKeyError(
+                f"was opened with its tensors taken from {_entry_words(checkpoint.state_dict_key)}, not entry "
+                f"{state_dict_key!r}: pass state_dict_key to open_checkpoint instead", path=checkpoint.path)
+        yield checkpoint  # the caller owns it and closes it
+        return
+    with open_checkpoint(checkpoint, trust_pickle=trust_pickle, state_dict_key=state_dict_key) as ckpt:
+        yield ckpt
+
+
+def _entry_words(key: Optional[str]) -> str:
+    return f"entry {key!r}" if key is not None else "the saved object itself"
 
 
 def _no_entries_to_pick(path: Path, state_dict_key: Optional[str]) -> None:

@@ -33,18 +33,23 @@ _DTYPES: dict[str, "torch.dtype"] = {}  # dtype name -> torch's dtype, filled as
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """Where one tensor's bytes live, and what they mean.
+    """Where one tensor's bytes live, and what they mean: the values of an open :class:`Checkpoint`.
 
-    ``dtype_name`` is torch's name for the dtype (``"bfloat16"``); ``dtype``
-    gives the ``torch.dtype`` itself. ``offset`` is the absolute file offset
-    of the tensor's first element.
-    ``stride`` is ``None`` for a contiguous tensor; a torch file may hold a
-    strided view, whose elements then span ``span_nbytes`` bytes from
-    ``offset``. ``storage`` is the file offset of the storage record a torch
-    file's tensor views: tensors with the same one shared a storage when saved.
-    ``view_shape``, when set, is the shape ``stride`` describes: the tensor is
-    those elements reshaped to ``shape`` (a rearranged checkpoint tensor, see
-    :func:`materialize.planning.stacking.deinterleave`).
+    Fields:
+        name: the tensor's name in the checkpoint.
+        dtype_name: torch's name for its dtype (``"bfloat16"``); :attr:`dtype` gives the ``torch.dtype``.
+        itemsize: the bytes of one element.
+        shape: the tensor's shape.
+        path: the file holding its bytes.
+        offset: the absolute file offset of its first element.
+        stride: ``None`` for a contiguous tensor; a torch file may hold a strided view, whose elements then
+            span ``span_nbytes`` bytes from ``offset``.
+        span_nbytes: the bytes a strided view's elements span in the file (``None`` for a contiguous tensor).
+        storage: the file offset of the storage record a torch file's tensor views: tensors with the same one
+            shared a storage when saved.
+        view_shape: when set, the shape ``stride`` describes: the tensor is those elements reshaped to
+            ``shape`` (a rearranged checkpoint tensor, see
+            :func:`materialize.planning.stacking.deinterleave`).
     """
 
     name: str
@@ -60,6 +65,7 @@ class TensorInfo:
 
     @property
     def dtype(self) -> "torch.dtype":
+        """The ``torch.dtype`` of ``dtype_name`` (imports torch, which reading a header does not)."""
         dtype = _DTYPES.get(self.dtype_name)
         if dtype is None:
             import torch
@@ -69,14 +75,17 @@ class TensorInfo:
 
     @functools.cached_property
     def numel(self) -> int:  # cached: planning and reading ask per tensor, many times
+        """The number of elements."""
         return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
+        """The tensor's size in bytes (``numel`` times ``itemsize``)."""
         return self.numel * self.itemsize
 
     @property
     def contiguous(self) -> bool:
+        """Whether its elements lie in the file in order, one after another (no ``stride``)."""
         return self.stride is None
 
     @property
@@ -131,11 +140,27 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 @dataclass
 class Checkpoint(Mapping[str, TensorInfo]):
-    """A lazy, read-only mapping of tensor name to :class:`TensorInfo`.
+    """A lazy, read-only mapping of tensor name to :class:`TensorInfo`, made by :func:`open_checkpoint`.
 
     Opening reads headers and indexes only. The files stay open (one
     descriptor each, opened on first read) until :meth:`close` or the end of
-    a ``with`` block.
+    a ``with`` block. Pass it to :func:`load`, :func:`plan`,
+    :func:`load_tensors`, :func:`convert` or :func:`inspect` in place of a path.
+
+    Fields:
+        path: the file, index or folder opened (a folder's chosen file, a DCP save's folder).
+        format: ``safetensors``, ``torch``, ``torch-module`` (a pickled ``nn.Module``), ``dcp``, or a sharded
+            one (``safetensors-sharded``, ``torch-sharded``, ``mixed-sharded``).
+        tensors: name -> :class:`TensorInfo`, in the checkpoint's order (what the mapping reads).
+        shards: every file holding tensor bytes.
+        metadata: a safetensors header's ``__metadata__``, or a shard index's ``metadata``.
+        module: the pickled module rebuilt on ``meta`` (``torch-module``, with ``trust_pickle=True``).
+        extra_states: what modules' ``get_extra_state()`` saved that is not a tensor (a torch file's plain
+            data), by ``"<module>._extra_state"``; a tensor one is among the tensors.
+        state_dict_key: the entry of the saved dict the tensors were taken from (a training checkpoint's
+            ``"state_dict_ema"``, say); ``None`` where the saved object is the state itself, and for formats
+            without entries (safetensors).
+        files: the open file descriptors, shared by the reads.
     """
 
     path: Path
@@ -144,11 +169,7 @@ class Checkpoint(Mapping[str, TensorInfo]):
     shards: list[Path]
     metadata: dict[str, Any] = field(default_factory=dict)
     module: Optional["nn.Module"] = None
-    # What modules' get_extra_state() saved that is not a tensor (a torch file's plain data), by
-    # "<module>._extra_state"; a tensor one is among the tensors.
     extra_states: dict[str, Any] = field(default_factory=dict)
-    # The entry of the saved dict the tensors were taken from (a training checkpoint's "state_dict_ema", say);
-    # None where the saved object is the state itself, and for formats without entries (safetensors).
     state_dict_key: Optional[str] = None
     files: FileSet = field(default_factory=FileSet, repr=False)
 
@@ -163,9 +184,11 @@ class Checkpoint(Mapping[str, TensorInfo]):
 
     @property
     def nbytes(self) -> int:
+        """The bytes of every tensor together."""
         return sum(info.nbytes for info in self.tensors.values())
 
     def close(self) -> None:
+        """Close the checkpoint's files (a ``with`` block does it at its end)."""
         self.files.close()
 
     def __enter__(self) -> "Checkpoint":

@@ -24,21 +24,29 @@ class KeyMap:
 
     Build one with the class methods, or pass a plain mapping of
     ``{regex: replacement}`` (applied with :func:`re.sub`, in order) or a
-    callable ``name -> name`` wherever a ``key_map`` is accepted.
+    callable ``name -> name`` wherever a ``key_map`` is accepted. Key maps
+    add up in order (``KeyMap.strip_prefix("model.") + KeyMap.add_prefix("net.")``),
+    and calling one renames a name.
+
+    Fields:
+        rules: ``(compiled pattern, replacement)`` pairs, applied in order with ``re.sub``.
     """
 
     rules: tuple[tuple[re.Pattern, str], ...] = field(default_factory=tuple)
 
     @classmethod
     def strip_prefix(cls, prefix: str) -> "KeyMap":
+        """Remove ``prefix`` from the start of names that have it (CLI ``--strip-prefix``)."""
         return cls(((re.compile("^" + re.escape(prefix)), ""),))
 
     @classmethod
     def add_prefix(cls, prefix: str) -> "KeyMap":
+        """Put ``prefix`` before every name (CLI ``--add-prefix``)."""
         return cls(((re.compile("^"), prefix),))
 
     @classmethod
     def regex(cls, renames: Mapping[str, str]) -> "KeyMap":
+        """``{pattern: replacement}`` applied with ``re.sub``, in order (CLI ``--rename REGEX=REPL``)."""
         return cls(tuple((re.compile(pattern), replacement) for pattern, replacement in renames.items()))
 
     def __add__(self, other: "KeyMap") -> "KeyMap":

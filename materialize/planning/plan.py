@@ -143,49 +143,78 @@ class Entry:
 
 @dataclass
 class Plan:
+    """What a load would do, decided before any tensor byte is read: what :func:`plan` returns, and what
+    :func:`load` carries out. :meth:`to_dict` is its JSON form (``materialize plan --json``); most fields are
+    the load's own bookkeeping, and the lists of names are the report's to be.
+
+    Fields:
+        path: the checkpoint's path.
+        device: the device tensors go to, where no device map or mesh places them.
+        entries: one per tensor of the model (a tie group counts once): its names, what the load does with
+            it (``load``, ``init``, ``keep``, or ``code``: made by the model's own load code), its shape,
+            dtype, device and checkpoint source.
+        missing: the model's tensors the checkpoint lacks (``strict=False``).
+        unexpected: the checkpoint's tensors the model lacks (``strict=False``).
+        ignored: checkpoint tensors left unread: the model declares it does not load them, or the caller
+            ignores them (``ignore_unexpected``).
+        mismatched: ``(name, model shape, checkpoint shape)`` of each tensor whose shapes differ: an error,
+            unless ``ignore_mismatched_sizes`` moves it to ``reinitialized``.
+        init_modules: ``(name, module)`` of each module whose init makes a tensor the load does not read.
+        fits: filled by :func:`plan`: per device (``"cpu"`` for the expected peak of host memory), the bytes
+            ``needed``, the bytes ``available`` now (``None`` where unknown) and whether it ``fits``.
+        tie_checks: entries (by index) of one tensor the model ties, each read from its own checkpoint
+            tensor: tied again after the load where their values are equal.
+        extra_states: ``"<module>._extra_state"`` -> (the module, its source): a plain value, or a
+            checkpoint tensor to read.
+        post_hooked: modules whose load post-hooks run once the load is done.
+        strict_after_hooks: a strict load of a model with load post-hooks: missing and unexpected names are
+            judged after the hooks ran, as ``load_state_dict`` judges them (a hook may forgive a name).
+        built_on_meta: the model's parameters were on meta (built by :func:`meta_init`, or on meta): its
+            real buffers follow them.
+        reinitialized: checkpoint tensors of another shape than the model's (``ignore_mismatched_sizes``),
+            left out and initialized by their module instead.
+        key_map: how checkpoint names were renamed: the caller's ``key_map``, or the wrapper prefix stripped
+            (or a base model's prefix added) automatically, in words; ``""`` for none.
+        renamed_by_model: checkpoint name -> model name, for the renames the model's own load code makes.
+        state_dict_key: the entry of a training checkpoint the model state is taken from.
+        load_code_runs: the modules' own load code that takes checkpoint values, run once the tensors are in
+            place.
+        fed_to_load_code: the checkpoint entries that code reads that are no tensor of the model.
+    """
+
     path: str
     device: torch.device
     entries: list[Entry]
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
-    # Checkpoint tensors left unread: the model declares it does not load them, or the caller ignores them.
     ignored: list[str] = field(default_factory=list)
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     init_modules: list[tuple[str, nn.Module]] = field(default_factory=list)
-    fits: dict[str, dict] = field(default_factory=dict)  # filled by materialize.plan (capacity.fit_report)
-    # Entries (by index) of one tensor the model ties, each read from its own checkpoint tensor: tied
-    # again after the load where their values are equal (see planning._tie_units).
+    fits: dict[str, dict] = field(default_factory=dict)
     tie_checks: list[tuple[int, ...]] = field(default_factory=list)
-    # "<module>._extra_state" -> (the module, its source): a plain value, or a checkpoint tensor to read.
     extra_states: dict[str, tuple[nn.Module, object]] = field(default_factory=dict)
-    post_hooked: list[nn.Module] = field(default_factory=list)  # run once loaded (see loadhooks.post_hooked)
-    # A strict load of a model with load post-hooks: missing and unexpected names are judged after the hooks
-    # ran, as load_state_dict judges them (a hook may forgive a name), so the load goes on without them.
+    post_hooked: list[nn.Module] = field(default_factory=list)
     strict_after_hooks: bool = False
-    # Parameters on meta: the model was built by meta_init (or on meta), and its real buffers follow them.
     built_on_meta: bool = False
-    # ignore_mismatched_sizes: checkpoint tensors of another shape than the model's (a new head), left out and
-    # initialized by their module instead, by name.
     reinitialized: list[str] = field(default_factory=list)
-    # How checkpoint names were renamed: the caller's key_map, or the wrapper prefix stripped (or base model's
-    # prefix added) automatically, in words; "" for none.
     key_map: str = ""
-    renamed_by_model: dict[str, str] = field(default_factory=dict)  # by the model's own load code (see loadhooks)
-    state_dict_key: Optional[str] = None  # the entry of a training checkpoint the model state is taken from
-    # Modules' own load code that takes checkpoint values, run once the tensors are in place (see loadruns), and
-    # the checkpoint entries it reads that are no tensor of the model.
+    renamed_by_model: dict[str, str] = field(default_factory=dict)
+    state_dict_key: Optional[str] = None
     load_code_runs: list[LoadCodeRun] = field(default_factory=list)
     fed_to_load_code: list[str] = field(default_factory=list)
 
     def of(self, action: Action) -> list[Entry]:
+        """The entries the load handles so: ``"load"``, ``"init"``, ``"keep"`` or ``"code"``."""
         return [e for e in self.entries if e.action == action]
 
     @property
     def tied_groups(self) -> list[tuple[str, ...]]:
+        """The groups of names that share one tensor."""
         return [e.names for e in self.entries if len(e.names) > 1]
 
     @property
     def bytes_by_device(self) -> dict[str, int]:
+        """The bytes the model's tensors take on each device (``"disk"``: left mapped in the file)."""
         totals: Counter[str] = Counter()
         for entry in self.entries:
             totals["disk" if entry.on_disk else str(entry.device)] += entry.nbytes
@@ -193,9 +222,11 @@ class Plan:
 
     @property
     def load_nbytes(self) -> int:
+        """The bytes the load reads from the checkpoint files (``read_bytes`` in :meth:`to_dict`)."""
         return sum(e.source.read_nbytes for e in self.of("load") if e.source is not None)
 
     def to_dict(self) -> dict:
+        """The plan as JSON-ready values: what ``materialize plan --json`` prints."""
         return {
             "checkpoint": self.path,
             "state_dict_key": self.state_dict_key,

@@ -108,7 +108,8 @@ def program_of(module: nn.Module) -> Optional[Program]:
 
 
 def deferred_init(fn: Callable[..., nn.Module], *args: Any, **kwargs: Any) -> nn.Module:
-    """``fn(*args, **kwargs)`` built on ``meta``, its construction recorded for replay (see the module docstring).
+    """``fn(*args, **kwargs)`` built on ``meta``, its construction recorded, so that each tensor can be made
+    later with the values eager construction gives it under the same seed (see docs/deferred.md).
 
     The model behaves as any model built on meta: shard it, cast it
     (``.half()`` and ``.to(dtype)`` take effect in the replay: values are

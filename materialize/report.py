@@ -12,7 +12,14 @@ from .text import printable
 @dataclass
 class Report:
     """The outcome of one load. ``str(report)`` is a table, its names and paths escaped (see
-    :func:`~materialize.text.printable`); :meth:`to_dict` is JSON-ready, with them exact."""
+    :func:`~materialize.text.printable`); :meth:`to_dict` is JSON-ready, with them exact.
+
+    ``bytes_read`` counts the file bytes read into memory, not those left
+    mapped (``mmap``, a device map's disk: ``mapped`` names those tensors),
+    and ``gb_per_second`` is the rate of those reads: None where nothing was
+    read (a load that only mapped has no rate, and 0 GB/s would read as a
+    stall), shown as ``-`` in the table and ``null`` in JSON.
+    """
 
     checkpoint: str
     format: str
@@ -47,8 +54,8 @@ class Report:
     peak_device_bytes_by_device: dict[str, int] = field(default_factory=dict)
 
     @property
-    def gb_per_second(self) -> float:
-        return self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
+    def gb_per_second(self) -> Optional[float]:
+        return self.bytes_read / self.seconds / 1e9 if self.bytes_read > 0 and self.seconds > 0 else None
 
     def to_dict(self) -> dict:
         return {
@@ -76,7 +83,7 @@ class Report:
             "bytes_read": self.bytes_read,
             "model_bytes": self.model_bytes,
             "seconds": round(self.seconds, 6),
-            "gb_per_second": round(self.gb_per_second, 3),
+            "gb_per_second": None if self.gb_per_second is None else round(self.gb_per_second, 3),
             "peak_host_bytes": self.peak_host_bytes,
             "host_growth_bytes": self.host_growth_bytes,
             "peak_device_bytes": self.peak_device_bytes,
@@ -105,7 +112,7 @@ class Report:
             *((f"  on {place}", format_bytes(n)) for place, n in self.bytes_by_device.items() if len(self.bytes_by_device) > 1),
             ("bytes read", format_bytes(self.bytes_read)),
             ("time", f"{self.seconds:.3f} s"),
-            ("throughput", f"{self.gb_per_second:.2f} GB/s"),
+            ("throughput", "-" if self.gb_per_second is None else f"{self.gb_per_second:.2f} GB/s"),
             ("peak host memory", format_bytes(self.peak_host_bytes)),
             ("host memory growth", format_bytes(self.host_growth_bytes)),
         ]

@@ -181,7 +181,7 @@ def main() -> None:
     \b
       materialize CHECKPOINT [--model SPEC] [--device cuda] [--dtype bf16]
       materialize inspect CHECKPOINT
-      materialize plan CHECKPOINT --model SPEC
+      materialize plan CHECKPOINT [--model SPEC]
       materialize convert SRC DST [--dtype bf16] [--shard-size 5GB]
 
     Names from files are shown with control and other non-printable characters as backslash escapes
@@ -263,13 +263,16 @@ def _inspect_lines(ckpt: mz.Checkpoint) -> Iterator[str]:
 @checkpoint_argument
 @with_options(model_options + memory_options)
 def plan_command(checkpoint: str, as_json: bool, debug: bool, **options: Any) -> None:
-    """What a load would do: per-device bytes, ties, missing and unexpected; reads no tensor data (but the few
-    values a model's own load code asks for, 1 MiB at most)."""
+    """What a load would do: per-device bytes, memory, ties, missing and unexpected; reads no tensor data (but
+    the few values a model's own load code asks for, 1 MiB at most). Without --model, and no model in
+    CHECKPOINT, the plain load of its tensors. Exits 1, after the plan, with the load's own error where that
+    load would be refused for memory (and warns as it would warn)."""
 
     def action() -> None:
         keywords = library_keywords(options)
         the_plan = mz.plan(keywords.pop("model"), checkpoint, **keywords)
         _emit(as_json, the_plan.to_dict, lambda: _plan_text(the_plan.to_dict()).split("\n"), str(the_plan.path))
+        the_plan.check_memory()
 
     _run(debug, action)
 
@@ -313,17 +316,19 @@ def _plan_text(summary: dict[str, Any]) -> str:
     """The plan in words; each name from the checkpoint or the model escaped (see materialize.text.printable)."""
     counts = summary["tensors"]
     entry = summary["state_dict_key"]
+    if summary["into"] == "dict":
+        tensors = f"{counts['load']} to load, as a plain dict (no model)"
+    else:
+        tensors = f"{counts['load']} to load, {counts['init']} to initialize, {counts['keep']} buffers kept"
+    mapped = summary["mapped_bytes"]
     lines = [
         f"checkpoint   {summary['checkpoint']}" + (f" (entry {entry!r})" if entry is not None else ""),
-        f"tensors      {counts['load']} to load, {counts['init']} to initialize, {counts['keep']} buffers kept",
-        f"read         {format_bytes(summary['read_bytes'])}",
+        f"tensors      {tensors}",
+        f"read         {format_bytes(summary['read_bytes'])}"
+        + (f", and {format_bytes(mapped)} mapped from the files (read as used)" if mapped else ""),
     ]
     lines += [f"on {device:<9} {format_bytes(n)}" for device, n in summary["bytes_by_device"].items()]
-    for device, memory in summary["memory"].items():
-        verdict = {True: "fits", False: "DOES NOT FIT", None: "available memory unknown"}[memory["fits"]]
-        peak = "peak host memory" if device == "cpu" else f"memory on {device}"
-        available = f" of {format_bytes(memory['available'])} available" if memory["available"] is not None else ""
-        lines.append(f"{peak}: {format_bytes(memory['needed'])}{available}: {verdict}")
+    lines += [_memory_line(device, memory) for device, memory in summary["memory"].items()]
     lines += [f"tied         {', '.join(map(printable, group))}" for group in summary["tied_groups"]]
     lines += [f"tie to check {' / '.join(printable(names[0]) for names in check)} (the checkpoint holds each: tied if equal)"
               for check in summary["ties_to_compare"]]
@@ -340,6 +345,20 @@ def _plan_text(summary: dict[str, Any]) -> str:
     if renames:
         lines.append(f"renamed      {summarize_names(renames)} (by the model's own load code)")
     return "\n".join(lines)
+
+
+def _memory_line(device: str, memory: dict[str, Any]) -> str:
+    """One device's memory verdict; the host's tells a load that is refused from one that warns and goes on."""
+    needed, available, limit = memory["needed"], memory["available"], memory.get("limit")
+    if limit is not None and needed > limit:
+        verdict = f"DOES NOT FIT: more than the {format_bytes(limit)} this process can ever have; the load is refused"
+    elif memory["fits"] is False and device == "cpu":
+        verdict = "DOES NOT FIT now: the load would warn and go on, and may swap"
+    else:
+        verdict = {True: "fits", False: "DOES NOT FIT", None: "available memory unknown"}[memory["fits"]]
+    peak = "peak host memory" if device == "cpu" else f"memory on {device}"
+    shown = f" of {format_bytes(available)} available" if available is not None else ""
+    return f"{peak}: {format_bytes(needed)}{shown}: {verdict}"
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -35,6 +35,7 @@ _EXPORTS = {
     "load_tensors": "api",
     "plan": "api",
     "Plan": "planning.plan",
+    "TensorsPlan": "planning.plan",
     "Report": "report",
     "KeyMap": "planning.keymap",
     "MaterializeError": "errors",
@@ -115,7 +116,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .loading import load
     from .skeleton.meta import meta_init
     from .skeleton.deferred import deferred_init
-    from .planning.plan import Plan
+    from .planning.plan import Plan, TensorsPlan
     from .report import Report
     from .api import load_model, load_tensors, materialize, plan
     from .skeleton.spec import build

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, NamedTuple, Optional, Union
 
 import torch
 from torch import nn
 
-from .io.capacity import fit_report
+from .io.capacity import fit_report, staging_host_bytes, verdict
 from .checkpoint import Checkpoint, CheckpointLike, TensorInfo, opened
 from .integrations.devicemap import DeviceMapLike
-from .dtypes import parse_dtype
+from .dtypes import dtype_name, parse_dtype
 from .checkpoint.pieces import Job
 from .io.executor import reads
 from .errors import AllocationError, ModelRequiredError, ModelSpecError, ReplayError
@@ -37,7 +38,7 @@ from .loading import (
     shown_name,
 )
 from .io.peak import PeakMemory
-from .planning.plan import InitFn, Plan
+from .planning.plan import InitFn, Plan, TensorsPlan
 from .options import IgnoreUnexpected, PlanOptions, ProgressFn, ReadOptions, unexpected_to_ignore
 from .progress import ProgressLike, counted, report_phase, takes_progress
 from .report import Report
@@ -49,7 +50,7 @@ from .skeleton.spec import ModelSpec, build, build_recorded
 from .integrations.sharded import is_dtensor, shard_spec
 from .io.replay import replay, shard_box
 from .io.transfer import resolve_device
-from .io.shared import shared_spans
+from .io.shared import SharedSpan, shared_spans
 
 
 @gc_paused
@@ -72,45 +73,103 @@ def plan(
     staging_bytes: Optional[int] = None,
     ignore_mismatched_sizes: bool = False,
     ignore_unexpected: IgnoreUnexpected = False,
-) -> Plan:
-    """What :func:`load` would do, without reading any tensor data (but the few values a model's own load code
-    asks for to decide what it does with names, a saved version number: 1 MiB at most).
+) -> Union[Plan, TensorsPlan]:
+    """What :func:`load_model` would do, without reading any tensor data (but the few values a model's own load
+    code asks for to decide what it does with names, a saved version number: 1 MiB at most).
 
     ``model`` is a module or anything :func:`load_model` accepts as one
     (a spec, ``"hf:ClassName"``, or ``None`` for a Hugging Face folder or a
     pickled module). Raises the same errors a load would (missing,
     unexpected and mismatched tensors; tensors that cannot be initialized).
-    ``plan.fits`` compares the memory each device will need (the expected
-    peak of host memory for ``"cpu"``) with what is available now. ``device``
-    and ``state_dict_key`` (a training checkpoint's entry) are as in :func:`load`.
+    Where ``model`` is ``None`` and the source holds no model to build (a
+    plain state dict), the plan is of the load :func:`load_model` then does,
+    :func:`load_tensors`: a :class:`TensorsPlan`, whose ``to_dict()`` has the
+    keys of a :class:`Plan`'s (``"into"``: ``"dict"``, not ``"model"``) and
+    whose ``fits`` is the same verdict; the options about a model (``strict``,
+    ``key_map``, ``init``, ``ignore_*``, ``max_memory``) are ignored, as that
+    load ignores them, and a ``device_map`` is a :class:`ModelRequiredError`,
+    as there. ``device`` and ``state_dict_key`` (a training checkpoint's entry)
+    are as in :func:`load`.
+
+    ``plan.fits`` compares the memory each device will need (for ``"cpu"``,
+    what the load adds to host memory, the figure the load itself checks) with
+    what is available now, and gives the host's ``limit``, all the memory the
+    process can ever have. ``read_bytes`` is what the load reads into memory;
+    with ``mmap`` what stays mapped from the files is ``mapped_bytes`` instead.
+    ``plan.check_memory()`` does what the load does before it allocates: it
+    raises the load's own :class:`AllocationError` where the host copies can
+    never fit (and an ``AllocationError`` where a GPU has less free memory than
+    the load puts there), and warns with the load's ``LowMemoryWarning`` where
+    they fit the machine but not the memory available now.
     """
     with _opened_with_skeleton(checkpoint, model, model_args, revision, trust_pickle, dtype,
                                record=not strict or ignore_mismatched_sizes,
                                state_dict_key=state_dict_key) as (ckpt, skeleton):
         if skeleton is None:
-            raise ModelRequiredError("a plan needs a model: pass one (CLI: --model SPEC)", path=ckpt.path)
+            if device_map is not None:
+                raise _no_model_to_place(ckpt)
+            return _tensors_plan(ckpt, device, dtype, mmap, staging_bytes)
         options = PlanOptions(
             device=resolve_device(device if device is not None else default_device(skeleton)), dtype=parse_dtype(dtype),
             strict=strict, key_map=key_map, init=init, ignore_mismatched_sizes=ignore_mismatched_sizes,
             ignore_unexpected=unexpected_to_ignore(ignore_unexpected), device_map=device_map, max_memory=max_memory,
         )
         the_plan, _, _ = planned(skeleton, ckpt, options)
+    the_plan.mmap = mmap
     the_plan.fits = fit_report(the_plan, mmap=mmap, staging_bytes=staging_bytes)
     return the_plan
+
+
+def _no_model_to_place(ckpt: Checkpoint) -> ModelRequiredError:
+    return ModelRequiredError("a device map needs a model to place: pass one (CLI: --model SPEC)", path=ckpt.path)
 
 
 def _loaded_dtype(info: TensorInfo, cast: Optional[torch.dtype]) -> torch.dtype:
     return cast if cast is not None and info.dtype.is_floating_point else info.dtype
 
 
-def _bytes_copied(ckpt: Checkpoint, groups: list, cast: Optional[torch.dtype], mmap: bool) -> int:
-    """What :func:`load_tensors` will copy into its device's memory: each storage once, mapped ones not at all."""
-    def copied(info: TensorInfo) -> int:
-        wanted = _loaded_dtype(info, cast)
-        return 0 if mmap and wanted == info.dtype and info.contiguous else info.numel * wanted.itemsize
+class _PlainBytes(NamedTuple):
+    total: int  # the tensors' memory on the device, mapped ones included
+    copied: int  # of it, what is allocated and filled
+    read: int  # the file bytes read to fill it
+    mapped: int  # the file bytes left mapped
 
+
+def _plain_bytes(ckpt: Checkpoint, groups: list[SharedSpan], cast: Optional[torch.dtype], maps: bool) -> _PlainBytes:
+    """What :func:`load_tensors` puts on its device: each storage once; with ``maps``, what can stay a view of
+    the file is not copied. One rule for the load and its plan, so that they agree."""
     grouped = {member.name for group in groups for member in group.members}
-    return sum(copied(group.span) for group in groups) + sum(copied(info) for name, info in ckpt.items() if name not in grouped)
+    total = copied = read = mapped = 0
+    for info in [group.span for group in groups] + [info for name, info in ckpt.items() if name not in grouped]:
+        wanted = _loaded_dtype(info, cast)
+        size = info.numel * wanted.itemsize
+        total += size
+        if maps and wanted == info.dtype and info.mappable:
+            mapped += info.nbytes
+        else:
+            copied += size
+            read += info.read_nbytes if info.numel else 0  # an empty tensor is made, never read
+    return _PlainBytes(total, copied, read, mapped)
+
+
+def _host_bytes(target: torch.device, copied: int, staging_bytes: Optional[int]) -> int:
+    """What :func:`load_tensors` adds to host memory: its copies, or the staging ring a GPU's pass through."""
+    return copied if target.type == "cpu" else staging_host_bytes(staging_bytes)
+
+
+def _tensors_plan(ckpt: Checkpoint, device: Optional[DeviceLike], dtype: DtypeLike, mmap: bool,
+                  staging_bytes: Optional[int]) -> TensorsPlan:
+    target = resolve_device(device if device is not None else "cpu")
+    cast = parse_dtype(dtype)
+    counted = _plain_bytes(ckpt, shared_spans(ckpt.values()), cast, mmap and target.type == "cpu")
+    needs = {} if target.type == "cpu" else {str(target): counted.total}
+    needs["cpu"] = _host_bytes(target, counted.copied, staging_bytes)
+    return TensorsPlan(
+        path=str(ckpt.path), device=target, tensors=len(ckpt), bytes_by_device={str(target): counted.total},
+        read_bytes=counted.read, mapped_bytes=counted.mapped,
+        dtypes=dict(Counter(dtype_name(_loaded_dtype(info, cast)) for info in ckpt.values())),
+        state_dict_key=ckpt.state_dict_key, mmap=mmap, fits=verdict(needs),
+    )
 
 
 @gc_paused
@@ -139,10 +198,11 @@ def load_tensors(
     cast = parse_dtype(dtype)
     read_options = ReadOptions(mmap=mmap, staging_bytes=staging_bytes, allow_overflow=allow_overflow,
                                check_finite=check_finite, progress=progress, direct_io=direct_io)
+    maps = mmap and target.type == "cpu"
     started = time.perf_counter()
     announce_opening(progress, checkpoint)
     with opened(checkpoint, trust_pickle, state_dict_key) as ckpt, PeakMemory([target]) as memory, \
-            reads(ckpt.files, read_options, maps=mmap and target.type == "cpu") as reader:
+            reads(ckpt.files, read_options, maps=maps) as reader:
         report_phase(progress, f"loading {counted(len(ckpt), 'tensor')}")
         made: dict[str, torch.Tensor] = {}
         jobs = []
@@ -162,9 +222,8 @@ def load_tensors(
             return tensor
 
         groups = list(shared_spans(ckpt.values()))
-        copies = _bytes_copied(ckpt, groups, cast, mmap and target.type == "cpu")
-        if target.type == "cpu":
-            admit_host_copies(copies, ckpt.path)
+        counted = _plain_bytes(ckpt, groups, cast, maps)
+        admit_host_copies(_host_bytes(target, counted.copied, staging_bytes), ckpt.path)
         try:
             for group in groups:
                 before = len(mapped)
@@ -177,12 +236,13 @@ def load_tensors(
                     made[name] = materialize(info)
         except AllocationError as error:
             if error.tensor is not None:
-                with_whole_load(error, target, copies)
+                with_whole_load(error, target, counted.copied)
             raise
         tensors = {name: made[name] for name in ckpt}
         reader.read(jobs, progress=progress)
     report = make_report(
         ckpt, target, list(tensors.values()), reader.bytes_read, started, memory, loaded=list(tensors), mapped=mapped,
+        bytes_by_device={str(target): counted.total},
         nonfinite=nonfinite(tensors.items()) if check_finite else [],
     )
     return tensors, report
@@ -219,7 +279,7 @@ def load_model(
                                progress=load_options.get("progress")) as (ckpt, skeleton):
         if skeleton is None:
             if load_options.get("device_map") is not None:
-                raise ModelRequiredError("a device map needs a model to place: pass one (CLI: --model SPEC)", path=ckpt.path)
+                raise _no_model_to_place(ckpt)
             for option in ("strict", "key_map", "init", "device_map", "max_memory", "check", "ignore_mismatched_sizes",
                            "ignore_unexpected"):
                 load_options.pop(option, None)

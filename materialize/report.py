@@ -45,7 +45,8 @@ class Report:
         untied: groups the model ties that were loaded apart, the checkpoint's values differing.
         dtypes: how many tensors of each dtype the model holds (``{"bfloat16": 290}``).
         bytes_by_device: the bytes placed on each device (``"disk"``: left mapped).
-        bytes_read: the bytes read from the checkpoint files (this rank's, for a sharded model).
+        bytes_read: the bytes read from the checkpoint files into memory (this rank's, for a sharded model),
+            not those left mapped (``mmap``, a device map's disk: ``mapped`` names those tensors).
         model_bytes: the memory the tensors hold, each storage counted once.
         seconds: how long the load took.
         peak_host_bytes: the process's peak anonymous resident memory during the load (``None`` off Linux).
@@ -84,9 +85,11 @@ class Report:
     peak_device_bytes_by_device: dict[str, int] = field(default_factory=dict)
 
     @property
-    def gb_per_second(self) -> float:
-        """``bytes_read`` over ``seconds``, in GB (10^9 bytes) a second; 0 for a load that took no time."""
-        return self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
+    def gb_per_second(self) -> Optional[float]:
+        """``bytes_read`` over ``seconds``, in GB (10^9 bytes) a second: ``None`` where nothing was read (a load
+        that only mapped has no rate, and 0 GB/s would read as a stall), shown as ``-`` in the table and
+        ``null`` in JSON."""
+        return self.bytes_read / self.seconds / 1e9 if self.bytes_read > 0 and self.seconds > 0 else None
 
     def to_dict(self) -> dict:
         """Every field, and ``gb_per_second``, as JSON-ready values: what ``materialize --json`` prints."""
@@ -115,7 +118,7 @@ class Report:
             "bytes_read": self.bytes_read,
             "model_bytes": self.model_bytes,
             "seconds": round(self.seconds, 6),
-            "gb_per_second": round(self.gb_per_second, 3),
+            "gb_per_second": None if self.gb_per_second is None else round(self.gb_per_second, 3),
             "peak_host_bytes": self.peak_host_bytes,
             "host_growth_bytes": self.host_growth_bytes,
             "peak_device_bytes": self.peak_device_bytes,
@@ -144,7 +147,7 @@ class Report:
             *((f"  on {place}", format_bytes(n)) for place, n in self.bytes_by_device.items() if len(self.bytes_by_device) > 1),
             ("bytes read", format_bytes(self.bytes_read)),
             ("time", f"{self.seconds:.3f} s"),
-            ("throughput", f"{self.gb_per_second:.2f} GB/s"),
+            ("throughput", "-" if self.gb_per_second is None else f"{self.gb_per_second:.2f} GB/s"),
             ("peak host memory", format_bytes(self.peak_host_bytes)),
             ("host memory growth", format_bytes(self.host_growth_bytes)),
         ]

@@ -1839,7 +1839,7 @@ def expensive_indexes(draw: st.DrawFn) -> bytes:
 
 def cx_config(data: bytes) -> None:
     """``data`` is the ``config.json`` of a folder beside a small model.safetensors: a plan without a model
-    reads it (to tell a transformers config from another library's), and needs a model when it is not one."""
+    reads it (to tell a transformers config from another library's), and plans the plain load when it is not one."""
     files = _shard_files()
     with tempfile.TemporaryDirectory(prefix="fuzz-cx-config-") as tmp:
         folder = Path(tmp).resolve()

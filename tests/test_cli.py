@@ -388,15 +388,16 @@ def test_a_tie_the_checkpoint_holds_apart_is_planned_for_comparing_and_loaded_ap
     assert report["bytes_read"] == nbytes(state)
 
 
-def test_plan_without_a_model_is_a_usage_error(tmp_path):
+def test_plan_without_a_model_plans_the_plain_load(tmp_path):
     path = tmp_path / "model.pt"
-    write_small_torch(path)
+    tensors = write_small_torch(path)
 
-    result = run_cli("plan", path)
+    result = run_cli("plan", path, "--json")
 
-    assert result.returncode == 2
-    assert "--model" in result.stderr
-    assert "unexpected" not in result.stderr
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["into"] == "dict" and summary["tensors"]["load"] == len(tensors)
+    assert summary["read_bytes"] == nbytes(tensors) and summary["bytes_by_device"] == {"cpu": nbytes(tensors)}
 
 
 # ---------------------------------------------------------------- errors: one line, exit 1

@@ -124,3 +124,23 @@ def test_a_tie_saved_as_two_tensors_is_compared_on_the_gpu_as_loaded(dtype, diff
         assert torch.equal(model.state_dict()[name].cpu(), want), name
     assert (report.untied if differ else report.tied) == [["model.embed_tokens.weight", "lm_head.weight"]]
     assert report.bytes_read == sum(t.nbytes for t in state.values())
+
+
+def test_a_plan_for_a_gpu_without_room_is_an_error_and_a_device_map_within_its_free_memory_fits(tmp_path, monkeypatch):
+    from materialize.io import capacity
+
+    path = write_safetensors(saved_state(reference_model()), tmp_path / "m.safetensors")  # about 100 KB
+    free = 32 * 1024
+    monkeypatch.setattr(capacity, "available_device_bytes", lambda device: free)  # as if the GPU were nearly full
+
+    crowded = mz.plan(tiny_skeleton(), path, device="cuda")
+    with pytest.raises(mz.AllocationError) as caught:
+        crowded.check_memory()
+    budget = {0: free, "cpu": 2**30}
+    spread = mz.plan(tiny_skeleton(), path, device_map="auto", max_memory=budget)
+    spread.check_memory()  # the way out the error gives, within what the GPU has free: fits
+    report = mz.load(tiny_skeleton(), path, device_map="auto", max_memory=budget)
+
+    assert "device_map='auto' (CLI: --device-map auto)" in str(caught.value)
+    assert all(memory["fits"] is not False for memory in spread.fits.values())
+    assert report.bytes_by_device == spread.bytes_by_device

@@ -143,9 +143,9 @@ def _bad_values(tmp: Path) -> list[str]:  # its headers are sound: inspect shows
     return [str(tmp / "m.safetensors")]
 
 
-def _plan_without_model(tmp: Path) -> list[str]:
+def _device_map_without_model(tmp: Path) -> list[str]:
     save_file(tiny_state(), str(tmp / "m.safetensors"))
-    return ["plan", str(tmp / "m.safetensors")]
+    return ["plan", str(tmp / "m.safetensors"), "--device-map", "sequential"]  # a plain dict has no modules to place
 
 
 def _existing_destination(tmp: Path) -> list[str]:
@@ -176,7 +176,7 @@ CASES = {
     "larger than memory": Case(r"^--mmap$", _larger_than_memory),
     "no GPU": Case(r"^--device cpu$", _no_gpu),
     "values refused, headers sound": Case(r"^inspect$", _bad_values),
-    "a plan without a model": Case(r"^--model SPEC$", _plan_without_model),
+    "a device map without a model": Case(r"^--model SPEC$", _device_map_without_model),
     "an existing destination": Case(r"^--overwrite$", _existing_destination),
     "a model class that does not fit the folder": Case(r"^--model hf:Qwen2ForCausalLM$", _class_that_does_not_fit),
 }

@@ -89,6 +89,12 @@ class TensorInfo:
         return self.stride is None
 
     @property
+    def mappable(self) -> bool:
+        """Whether a view of the file's bytes can be this tensor (``mmap``): contiguous, and starting on a
+        multiple of its element size, as a tensor's memory must."""
+        return self.contiguous and self.offset % self.dtype.itemsize == 0
+
+    @property
     def dense_strided(self) -> bool:
         """A strided view whose elements fill its span one after another in some dimension order (a
         transposed or column-major save): its stored bytes are that tensor's memory as they are."""

@@ -33,7 +33,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -204,24 +204,33 @@ def admit_host_copies(needed: int, path: Optional[object]) -> None:
     warn_beyond_available_memory(needed, path)
 
 
-def warn_beyond_available_memory(needed: int, path: Optional[object]) -> None:
-    """Warn where a load that fits the machine copies more than the memory available right now.
+def beyond_available_memory(needed: int, path: Optional[object]) -> Optional[LowMemoryWarning]:
+    """The warning of a load that copies ``needed`` bytes into host memory, more than is available right now;
+    None where they fit what is available, or where that is unknown.
 
     Only a warning: other processes may give memory back, and some caches
     that give it back (ZFS's ARC) are not counted as available.
     """
     available = meminfo_bytes("MemAvailable")
     if available is None or needed <= available:
-        return
-    warnings.warn(LowMemoryWarning(
+        return None
+    return LowMemoryWarning(
         f"{os.fspath(path) if path is not None else 'the load'}: the load copies {format_bytes(needed)} into host "
         f"memory and {format_bytes(available)} is available now: it may swap, or be killed, unless other processes "
         "give memory back; mmap=True (CLI: --mmap) leaves the tensors mapped from the files"
-    ), stacklevel=3)
+    )
 
 
-def refuse_beyond_host_memory(needed: int, path: Optional[object]) -> None:
-    """Refuse, before anything is allocated, a load whose copies into host memory can never fit.
+def warn_beyond_available_memory(needed: int, path: Optional[object]) -> None:
+    """Warn where a load that fits the machine copies more than the memory available right now (see
+    :func:`beyond_available_memory`)."""
+    warning = beyond_available_memory(needed, path)
+    if warning is not None:
+        warnings.warn(warning, stacklevel=3)
+
+
+def beyond_host_memory(needed: int, path: Optional[object]) -> Optional[AllocationError]:
+    """The refusal of a load whose copies into host memory, ``needed`` bytes, can never fit; None where they can.
 
     Where the kernel overcommits, such a load would run until the machine
     kills it, with no message. Loads that fit the machine but not the memory
@@ -229,13 +238,37 @@ def refuse_beyond_host_memory(needed: int, path: Optional[object]) -> None:
     """
     limit = ram_and_swap_bytes()
     if limit is None or needed <= limit:
-        return
-    raise AllocationError(
+        return None
+    return AllocationError(
         f"the load copies {format_bytes(needed)} into host memory, more than this process can ever have "
         f"({format_bytes(limit)}: RAM and swap, or its cgroup's limit); load with mmap=True (CLI: --mmap) to "
         "leave the tensors mapped from the files, or put them on a GPU (device='cuda', or device_map='auto')",
         path=path,
     )
+
+
+def refuse_beyond_host_memory(needed: int, path: Optional[object]) -> None:
+    """Refuse, before anything is allocated, a load whose copies into host memory can never fit (see
+    :func:`beyond_host_memory`)."""
+    refusal = beyond_host_memory(needed, path)
+    if refusal is not None:
+        raise refusal
+
+
+def admit_planned(memory: Mapping[str, Mapping[str, Any]], path: Optional[object]) -> None:
+    """Act on a plan's memory verdict (:func:`~materialize.io.capacity.fit_report`) as its load acts before it
+    allocates: the host's need is refused or warned about by :func:`admit_host_copies`, in the load's own words;
+    a GPU whose free memory is less than the load puts there is an :class:`AllocationError` with the ways out
+    the load's own error would give, since that load fails at the first tensor that finds no room.
+    """
+    host = memory.get("cpu")
+    if host is not None:
+        admit_host_copies(host["needed"], path)
+    for device, verdict in memory.items():
+        if device != "cpu" and verdict["fits"] is False:
+            raise AllocationError(
+                f"the load puts {format_bytes(verdict['needed'])} on {device} and {format_bytes(verdict['available'])} "
+                f"is free there now: {ways_out(torch.device(device))}", path=path)
 
 
 def _out_of_memory(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
@@ -249,12 +282,15 @@ def _out_of_memory(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
 
 def with_whole_load(error: AllocationError, device: torch.device, needed: int) -> None:
     """Tell ``error`` (one tensor that did not fit) what the whole load needs on that device and the ways out."""
+    error.reason += f"; the load needs {format_bytes(needed)} on {device} in all: {ways_out(device)}"
+
+
+def ways_out(device: torch.device) -> str:
+    """What makes a load that does not fit ``device`` need less there, in words."""
     if device.type == "cpu":
-        ways = "mmap=True (CLI: --mmap) leaves the tensors mapped from the files"
-    else:
-        ways = ("device_map='auto' (CLI: --device-map auto) spreads the model over the GPUs and host memory, "
-                "and a narrower dtype needs less")
-    error.reason += f"; the load needs {format_bytes(needed)} on {device} in all: {ways}"
+        return "mmap=True (CLI: --mmap) leaves the tensors mapped from the files"
+    return ("device_map='auto' (CLI: --device-map auto) spreads the model over the GPUs and host memory, "
+            "and a narrower dtype needs less")
 
 
 def empty_destination(

@@ -72,7 +72,7 @@ class FileMaps:
 
     def view(self, info: TensorInfo) -> Optional[torch.Tensor]:
         """A tensor viewing the file's bytes, or None where no view can be made."""
-        if not info.contiguous or info.offset % info.dtype.itemsize:
+        if not info.mappable:
             return None
         if info.numel == 0:
             return torch.empty(info.shape, dtype=info.dtype)

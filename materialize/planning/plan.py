@@ -22,6 +22,7 @@ from torch import nn
 from ..checkpoint import Checkpoint, TensorInfo
 from ..checkpoint.base import EXTRA_STATE
 from ..dtypes import dtype_name
+from ..io.hostmem import admit_planned
 from ..options import InitFn, PlanOptions
 from ..errors import (
     DeviceError,
@@ -120,7 +121,7 @@ class Entry:
         """Whether a load leaves this tensor as a view of the file instead of copying it."""
         viewable = (
             self.action == "load" and self.source is not None and self.shard is None
-            and self.source.dtype == self.dtype and self.source.contiguous
+            and self.source.dtype == self.dtype and self.source.mappable
         )
         return viewable and (self.on_disk or (mmap and self.device.type == "cpu"))
 
@@ -180,6 +181,7 @@ class Plan:
         load_code_runs: the modules' own load code that takes checkpoint values, run once the tensors are in
             place.
         fed_to_load_code: the checkpoint entries that code reads that are no tensor of the model.
+        mmap: planned for a load with ``mmap=True``: what can stay mapped from the files is not read.
     """
 
     path: str
@@ -202,6 +204,7 @@ class Plan:
     state_dict_key: Optional[str] = None
     load_code_runs: list[LoadCodeRun] = field(default_factory=list)
     fed_to_load_code: list[str] = field(default_factory=list)
+    mmap: bool = False
 
     def of(self, action: Action) -> list[Entry]:
         """The entries the load handles so: ``"load"``, ``"init"``, ``"keep"`` or ``"code"``."""
@@ -222,18 +225,35 @@ class Plan:
 
     @property
     def load_nbytes(self) -> int:
-        """The bytes the load reads from the checkpoint files (``read_bytes`` in :meth:`to_dict`)."""
+        """The file bytes behind every tensor to load, read or mapped."""
         return sum(e.source.read_nbytes for e in self.of("load") if e.source is not None)
+
+    @property
+    def read_bytes(self) -> int:
+        """The file bytes the load reads into memory: those of the tensors it loads, less those it leaves mapped."""
+        return sum(e.source.read_nbytes for e in self.of("load") if e.source is not None and not e.stays_in_file(self.mmap))
+
+    @property
+    def mapped_bytes(self) -> int:
+        """The file bytes the load leaves mapped, read by the pages' first use (``mmap``, a device map's disk)."""
+        return sum(e.source.nbytes for e in self.of("load") if e.source is not None and e.stays_in_file(self.mmap))
+
+    def check_memory(self) -> None:
+        """Do what the load does about memory before it allocates, by :attr:`fits`: raise its refusal, warn as
+        it warns (see :func:`~materialize.io.hostmem.admit_planned`)."""
+        admit_planned(self.fits, self.path)
 
     def to_dict(self) -> dict:
         """The plan as JSON-ready values: what ``materialize plan --json`` prints."""
         return {
             "checkpoint": self.path,
+            "into": "model",
             "state_dict_key": self.state_dict_key,
             "device": str(self.device),
             "tensors": {action: len(self.of(action)) for action in ("load", "init", "keep")},
             "bytes_by_device": self.bytes_by_device,
-            "read_bytes": self.load_nbytes,
+            "read_bytes": self.read_bytes,
+            "mapped_bytes": self.mapped_bytes,
             "tied_groups": [list(group) for group in self.tied_groups],
             "ties_to_compare": [[list(self.entries[i].names) for i in check] for check in self.tie_checks],
             "missing": self.missing,
@@ -251,6 +271,72 @@ class Plan:
             "filled_by_load_code": [e.name for e in self.of("code")],
             "memory": self.fits,
             "dtypes": dict(Counter(dtype_name(e.dtype) for e in self.entries)),
+        }
+
+
+@dataclass
+class TensorsPlan:
+    """What a load of a checkpoint's tensors as a plain dict would do (:func:`~materialize.load_tensors`, and
+    :func:`~materialize.plan` where there is no model to build).
+
+    :meth:`to_dict` has the keys of :meth:`Plan.to_dict` (``"into"``:
+    ``"dict"``), those about a model empty: every tensor is loaded, none is
+    initialized, kept, tied, missing or renamed.
+
+    Fields:
+        path: the checkpoint's path.
+        device: the device the tensors go to.
+        tensors: how many tensors the checkpoint holds (each one loaded).
+        bytes_by_device: the bytes placed on each device.
+        read_bytes: the file bytes read into memory.
+        mapped_bytes: the file bytes left mapped (``mmap``), read by the pages' first use.
+        dtypes: how many tensors of each dtype the load makes (after ``dtype``'s cast).
+        state_dict_key: the entry of a training checkpoint the tensors are taken from.
+        mmap: planned for a load with ``mmap=True``.
+        fits: as :attr:`Plan.fits`.
+    """
+
+    path: str
+    device: torch.device
+    tensors: int
+    bytes_by_device: dict[str, int]
+    read_bytes: int
+    mapped_bytes: int
+    dtypes: dict[str, int]
+    state_dict_key: Optional[str] = None
+    mmap: bool = False
+    fits: dict[str, dict] = field(default_factory=dict)
+
+    def check_memory(self) -> None:
+        """As :meth:`Plan.check_memory`."""
+        admit_planned(self.fits, self.path)
+
+    def to_dict(self) -> dict:
+        """The plan as JSON-ready values, with :meth:`Plan.to_dict`'s keys: what ``materialize plan --json`` prints."""
+        return {
+            "checkpoint": self.path,
+            "into": "dict",
+            "state_dict_key": self.state_dict_key,
+            "device": str(self.device),
+            "tensors": {"load": self.tensors, "init": 0, "keep": 0},
+            "bytes_by_device": self.bytes_by_device,
+            "read_bytes": self.read_bytes,
+            "mapped_bytes": self.mapped_bytes,
+            "tied_groups": [],
+            "ties_to_compare": [],
+            "missing": [],
+            "unexpected": [],
+            "ignored": [],
+            "reinitialized": [],
+            "key_map": "",
+            "mismatched": [],
+            "initialized_modules": [],
+            "extra_states": [],
+            "renamed_by_model": {},
+            "fed_to_load_code": [],
+            "filled_by_load_code": [],
+            "memory": self.fits,
+            "dtypes": self.dtypes,
         }
 
 

@@ -283,7 +283,9 @@ def plan_command(checkpoint: str, as_json: bool, debug: bool, **options: Any) ->
 @click.option("--dtype", type=DTYPE, default=None, help="Cast floating tensors (default: keep each one's dtype).")
 @click.option("--shard-size", default="5GB", show_default=True, type=SIZE,
               help="Most bytes per shard when DST is a folder.")
-@click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
+@click.option("--overwrite", is_flag=True,
+              help="DST exists: replace the file, or in a folder only what a conversion writes (model*.safetensors "
+                   "shards, their index, SRC's config and tokenizer files), keeping its other files.")
 @click.option("--allow-overflow", is_flag=True, help="Let a cast to a narrower float type turn large values into inf.")
 @click.option("--allow-expansion", is_flag=True,
               help="Write in full tensors that repeat a few stored bytes (expand views) past 16x (16 MiB in all).")
@@ -298,7 +300,9 @@ def convert_command(src: str, dst: str, dtype: "Optional[torch.dtype]", shard_si
     """Rewrite SRC (any checkpoint) as safetensors at DST.
 
     DST ending in .safetensors is one file; otherwise a folder in the Hugging Face layout (shards and an index
-    when larger than --shard-size, plus SRC's config and tokenizer files). Nothing is left at DST if it fails.
+    when larger than --shard-size, plus SRC's config and tokenizer files). DST is left as it was if it fails.
+    --overwrite into a folder also removes an earlier conversion's shards and index it does not write again (another
+    shard count); a file is never turned into a folder, nor a folder into a file.
     """
 
     def action() -> None:

@@ -11,8 +11,12 @@ a folder in the Hugging Face layout: ``model.safetensors`` when everything
 fits in one shard, else ``model-0000k-of-0000n.safetensors`` shards and
 ``model.safetensors.index.json``; the source folder's other files
 (``config.json``, tokenizer files) are copied beside them. Everything is
-written under a temporary name beside ``dst`` and renamed into place at the
-end: a conversion that fails leaves nothing at ``dst``.
+written under a temporary name and renamed into place at the end: a
+conversion that fails leaves ``dst`` as it was (nothing, where it was not
+there). ``overwrite=True`` replaces an existing file, and in an existing
+folder only what a conversion writes, keeping every other file in it; a file
+is never turned into a folder, nor a folder into a file (see
+:mod:`materialize.destination` for the exact guarantee).
 
 safetensors has no shared storage: tensors that were views of one storage
 in a torch file (a tied embedding saved under two names) are written once
@@ -43,13 +47,13 @@ import torch
 
 from .checkpoint import Checkpoint, TensorInfo, opened
 from .checkpoint.confine import allowed_roots, confine
-from .checkpoint.index import SAFETENSORS_INDEX_NAME
 from .checkpoint.safetensors import SAFETENSORS_DTYPES
 from .dtypes import parse_dtype
 from .checkpoint.pieces import Job
 from .io.executor import Reads, reads
 from .options import ProgressFn, ReadOptions
 from .progress import ProgressLike, counted, report_phase, takes_progress
+from .destination import INDEX_NAME, check_destination, check_room, place, remove, shard_names, staging
 from .errors import ConvertWarning, ExpansionError, MaterializeError, ModelSpecError, OutputError, summarize_names
 from .io.fileio import byte_view
 from .io.gcpause import gc_paused
@@ -82,6 +86,8 @@ class ConvertReport:
         seconds: how long the conversion took.
         copied: the source folder's other files copied beside them (``config.json``, tokenizer files).
         state_dict_key: the entry of the source's saved dict its tensors came from.
+        removed: an earlier conversion's shards and index in ``destination`` that this one did not write
+            again (``overwrite``), removed so that the folder holds one checkpoint.
     """
 
     source: str
@@ -92,6 +98,7 @@ class ConvertReport:
     seconds: float
     copied: list[str] = field(default_factory=list)
     state_dict_key: Optional[str] = None
+    removed: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """Every field, as JSON-ready values."""
@@ -108,6 +115,8 @@ class ConvertReport:
         ]
         if self.copied:
             rows.append(("copied", ", ".join(self.copied)))
+        if self.removed:
+            rows.append(("removed", ", ".join(self.removed) + " (an earlier conversion's)"))
         # escaped: the source's file names (its companion files') are the source's choice
         return "\n".join(f"{key:<14} {printable(value)}" for key, value in rows)
 
@@ -144,14 +153,26 @@ def convert(
     ``revision``). ``dst`` ending in ``.safetensors`` is one file; any other ``dst`` is a folder in the
     Hugging Face layout: ``model.safetensors``, or shards and ``model.safetensors.index.json``, with the
     source folder's config and tokenizer files copied beside them. It is written under a temporary name and
-    renamed at the end: a failed conversion leaves nothing at ``dst``. Memory stays near one batch (256 MiB)
+    renamed at the end: a failed conversion leaves ``dst`` as it was. Memory stays near one batch (256 MiB)
     whatever the checkpoint's size.
 
     Args:
         dtype: cast floating tensors to this dtype (``None``: keep each one's).
         shard_size: the most bytes per shard of a folder output (``None``: one
             file). A tensor larger than a shard gets a shard of its own.
-        overwrite: replace an existing ``dst``; otherwise it is an error.
+        overwrite: write over an existing ``dst``; otherwise it is an error.
+            A ``.safetensors`` file is replaced. In a folder only what a
+            conversion writes is: the shards (``model.safetensors``,
+            ``model-0000k-of-0000n.safetensors``), the index
+            ``model.safetensors.index.json`` and the files copied from the
+            source folder (``config.json``, tokenizer files). Shards and an
+            index of an earlier conversion that this one does not write
+            again (another shard count, one file where it is now sharded)
+            are removed, so that the folder holds one checkpoint
+            (``ConvertReport.removed``); every other file and subfolder
+            stays, ``.safetensors`` files of other names included. A file
+            where a folder is meant, or a folder where a ``.safetensors``
+            file is, is refused even so.
         trust_pickle: see :func:`open_checkpoint`.
         state_dict_key: the entry of a training checkpoint whose tensors are
             written, where it holds several (see :func:`open_checkpoint`).
@@ -172,7 +193,9 @@ def convert(
     Raises:
         CheckpointError: a companion file of a source folder is a symlink
             leading out of it (besides everything :func:`open_checkpoint` refuses).
-        OutputError: ``dst`` exists, cannot be written, a companion file's
+        OutputError: ``dst`` exists (without ``overwrite``), is a file where
+            a folder is meant or a folder where a file is, cannot be written,
+            holds a folder under a name the conversion writes, a companion file's
             name cannot be a file name in it, or a tensor's name cannot be a
             safetensors name: ``__metadata__`` (the header's metadata) or one
             holding a lone surrogate (no UTF-8 form). Such a tensor is refused,
@@ -182,8 +205,8 @@ def convert(
     cast = parse_dtype(dtype)
     shard_bytes = parse_size(shard_size) if shard_size is not None else None
     destination = Path(dst)
-    if (destination.exists() or destination.is_symlink()) and not overwrite:
-        raise OutputError("already exists; remove it or pass overwrite=True (CLI: --overwrite)", path=destination)
+    single_file = destination.suffix == ".safetensors"
+    merging = check_destination(destination, single_file=single_file, overwrite=overwrite)
     if not isinstance(src, Checkpoint):
         report_phase(progress, f"opening {shown_name(src)}")  # before a hub id's download, which is part of it
     source = src if isinstance(src, Checkpoint) else resolve_source(src, revision=revision)
@@ -196,28 +219,34 @@ def convert(
         _check_names(items)
         if not allow_expansion:
             _check_expansion(items)
-        single_file = destination.suffix == ".safetensors"
         companions = [] if single_file else _companions(source)  # refused before a byte is written, as expansion is
         config = _read_config(companions) if cast is not None else None  # so is a config.json that cannot be read
         shards = [items] if single_file or shard_bytes is None else _groups(items, shard_bytes)
-        temporary = destination.parent / f".{destination.name}.partial-{os.getpid()}"
+        weights = [] if single_file else shard_names(len(shards))
+        copied = [name for _, name in companions]
+        outputs = weights + ([INDEX_NAME] if len(shards) > 1 else []) + copied
+        if merging:
+            check_room(destination, outputs)
+        temporary: Optional[Path] = None
         report_phase(progress, f"writing {counted(len(items), 'tensor')}")
         try:
+            temporary = staging(destination, single_file=single_file, merging=merging)
             with reads(ckpt.files, ReadOptions(allow_overflow=allow_overflow)) as reader:
-                written, copied = _write_all(ckpt, companions, shards, temporary, single_file, reader, progress)
+                _write_all(ckpt, companions, shards, weights, temporary, single_file, reader, progress)
             if cast is not None and "config.json" in copied:
                 _config_says_dtype(temporary / "config.json", cast, config)
-            _move_into_place(temporary, destination)
+            removed = place(temporary, destination, outputs, merging=merging)
         except BaseException as exc:
-            _remove(temporary)
+            if temporary is not None:
+                remove(temporary)
             if isinstance(exc, OSError) and not isinstance(exc, MaterializeError):
                 raise OutputError(f"cannot write: {os.strerror(exc.errno) if exc.errno else exc}", path=destination) from None
             raise
-        files = [str(destination)] if single_file else [str(destination / name) for name in written]
+        files = [str(destination)] if single_file else [str(destination / name) for name in weights]
         return ConvertReport(
             source=os.fspath(ckpt.path), destination=str(destination), files=files, tensors=len(items),
             bytes_written=sum(item.nbytes for item in items), seconds=time.perf_counter() - started, copied=copied,
-            state_dict_key=ckpt.state_dict_key,
+            state_dict_key=ckpt.state_dict_key, removed=removed,
         )
 
 
@@ -284,9 +313,11 @@ def _groups(items: list[_Item], limit: int) -> list[list[_Item]]:
 
 
 def _write_all(
-    ckpt: Checkpoint, companions: list[tuple[Path, str]], shards: list[list[_Item]], temporary: Path,
-    single_file: bool, reader: Reads, progress: Optional[ProgressFn],
-) -> tuple[list[str], list[str]]:
+    ckpt: Checkpoint, companions: list[tuple[Path, str]], shards: list[list[_Item]], names: list[str],
+    temporary: Path, single_file: bool, reader: Reads, progress: Optional[ProgressFn],
+) -> None:
+    """The shards (``names``, in a folder ``temporary``; else the one file ``temporary``), the index, the
+    companion files copied."""
     total = sum(item.nbytes for shard in shards for item in shard)
     done = [0]
     if progress is not None and total:
@@ -299,12 +330,7 @@ def _write_all(
 
     if single_file:
         _write_file(ckpt, shards[0], temporary, reader, advanced)
-        return [temporary.name], []
-    temporary.mkdir()
-    names = (
-        ["model.safetensors"] if len(shards) == 1
-        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    )
+        return
     for name, shard in zip(names, shards):
         _write_file(ckpt, shard, _output_path(temporary, name), reader, advanced)
     if len(shards) > 1:
@@ -312,10 +338,9 @@ def _write_all(
             "metadata": {"total_size": total},
             "weight_map": {item.info.name: name for name, shard in zip(names, shards) for item in shard},
         }
-        _output_path(temporary, SAFETENSORS_INDEX_NAME).write_text(json.dumps(index, indent=2))
+        _output_path(temporary, INDEX_NAME).write_text(json.dumps(index, indent=2))
     for real, name in companions:
         shutil.copyfile(real, _output_path(temporary, name, source=real))
-    return names, [name for _, name in companions]
 
 
 def _write_file(ckpt: Checkpoint, items: list[_Item], path: Path, reader: Reads, advanced) -> None:
@@ -420,15 +445,3 @@ def _output_path(folder: Path, name: str, *, source: Optional[Path] = None) -> P
                           path=source or folder)
     return path
 
-
-def _move_into_place(temporary: Path, destination: Path) -> None:
-    if destination.exists() or destination.is_symlink():
-        _remove(destination)  # only reached with overwrite=True
-    os.replace(temporary, destination)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    elif path.exists() or path.is_symlink():
-        path.unlink()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -389,3 +390,213 @@ def test_cli_refuses_an_expanding_view_and_its_hint_writes_it_in_full(tmp_path):
     assert allowed.returncode == 0, allowed.stderr
     assert json.loads(allowed.stdout)["bytes_written"] == 1_200_000 * 16 + 12
     assert torch.equal(load_file(str(dst))["w"], torch.arange(4.0).expand(1_200_000, 4))
+
+
+# ---------------------------------------------------------------- an existing destination
+
+def contents(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` (hidden ones too) by relative path, with its bytes; folders as None."""
+    return {path.relative_to(root).as_posix(): None if path.is_dir() else path.read_bytes() for path in root.rglob("*")}
+
+
+def user_files(folder: Path) -> dict[str, bytes]:
+    """What a user keeps in a converted folder beside its checkpoint."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "notes.txt").write_text("how this model was trained")
+    (folder / "eval").mkdir()
+    (folder / "eval" / "results.json").write_text('{"accuracy": 0.9}')
+    (folder / "eval" / "model.safetensors").write_bytes(b"not a conversion's: in a subfolder")
+    write_safetensors({"probe": torch.zeros(2)}, folder / "other.safetensors")
+    (folder / "model-00001-of-00003.safetensors.bak").write_bytes(b"a backup, not a shard")
+    return {name: data for name, data in contents(folder).items() if name != "model.safetensors"}
+
+
+def states(seed: int, count: int = 6) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {f"layer{i}.weight": torch.randn(10, 10) for i in range(count)}
+
+
+def test_overwrite_into_a_folder_replaces_only_what_a_conversion_writes(tmp_path):
+    src = model_folder(tmp_path / "src")
+    out = tmp_path / "out"
+    kept = user_files(out)
+    write_safetensors({"old": torch.ones(1)}, out / "model.safetensors")
+    (out / "config.json").write_text('{"old": true}')
+
+    report = mz.convert(src, out, overwrite=True)
+
+    assert {name: data for name, data in contents(out).items() if name in kept} == kept
+    assert sorted(contents(out)) == sorted([*kept, "model.safetensors", "config.json", "tokenizer.json"])
+    assert load_file(str(out / "model.safetensors")).keys() == {"w"}
+    assert (out / "config.json").read_bytes() == (src / "config.json").read_bytes()
+    assert report.copied == ["config.json", "tokenizer.json"] and report.removed == []
+
+
+@pytest.mark.parametrize("before, after", [
+    (3, 2),  # another shard count: the third old shard would stay beside the new index
+    (3, 1),  # sharded, then one file: the old index would still be read first
+    (1, 2),  # one file, then sharded: the loader would find the old model.safetensors beside the new index
+])
+def test_overwrite_removes_an_earlier_conversion_s_shards_and_index_it_does_not_write_again(tmp_path, before, after):
+    out = tmp_path / "out"
+    kept = user_files(out)
+    old, new = states(1), states(2)
+    shard = 10 * 10 * 4 * len(old)  # bytes of all tensors: one shard
+    mz.convert(write_safetensors(old, tmp_path / "old.safetensors"), out, overwrite=True, shard_size=-(-shard // before))
+    old_outputs = {name for name in contents(out) if name not in kept}
+
+    report = mz.convert(write_safetensors(new, tmp_path / "new.safetensors"), out, overwrite=True,
+                        shard_size=-(-shard // after))
+
+    written = {Path(file).name for file in report.files} | ({"model.safetensors.index.json"} if after > 1 else set())
+    assert len(report.files) == after and sorted(contents(out)) == sorted([*kept, *written])
+    assert sorted(report.removed) == sorted(old_outputs - written) != []
+    assert {name: data for name, data in contents(out).items() if name in kept} == kept
+    tensors, _ = mz.load_tensors(out)
+    assert tensors.keys() == new.keys() and all(torch.equal(tensors[name], new[name]) for name in new)
+
+
+def test_an_existing_folder_without_overwrite_is_refused_naming_the_flag_and_what_it_would_replace(tmp_path):
+    src = model_folder(tmp_path / "src")
+    out = tmp_path / "out"
+    kept = user_files(out)
+
+    with pytest.raises(mz.OutputError) as caught:
+        mz.convert(src, out)
+    message = str(caught.value)
+    assert contents(out) == kept
+    assert message.startswith(f"{out}: already exists") and "overwrite=True" in message and "--overwrite" in message
+    assert all(word in message for word in ("model.safetensors", "shards", "index", "config", "keeping every other file"))
+    mz.convert(src, out, overwrite=True)  # the hint, followed
+
+    assert {name: data for name, data in contents(out).items() if name in kept} == kept
+    assert load_file(str(out / "model.safetensors")).keys() == {"w"}
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_file_where_a_folder_is_meant_is_refused_never_made_a_folder(tmp_path, overwrite):
+    src = write_safetensors({"w": torch.arange(3.0)}, tmp_path / "m.safetensors")
+    dst = tmp_path / "out"
+    dst.write_bytes(b"precious")
+
+    with pytest.raises(mz.OutputError) as caught:
+        mz.convert(src, dst, overwrite=overwrite)
+    mz.convert(src, tmp_path / "out.safetensors")  # the hint: a .safetensors file, to write one file
+
+    assert str(caught.value).startswith(f"{dst}: is a file, and a destination not ending in .safetensors is a folder")
+    assert dst.read_bytes() == b"precious"
+    assert leftovers(tmp_path, {"m.safetensors", "out", "out.safetensors"}) == []
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_folder_where_a_safetensors_file_is_meant_is_refused_never_replaced(tmp_path, overwrite):
+    src = write_safetensors({"w": torch.arange(3.0)}, tmp_path / "m.safetensors")
+    dst = tmp_path / "out.safetensors"
+    kept = user_files(dst)
+
+    with pytest.raises(mz.OutputError) as caught:
+        mz.convert(src, dst, overwrite=overwrite)
+
+    assert str(caught.value).startswith(f"{dst}: is a folder, and a destination ending in .safetensors is one file")
+    assert contents(dst) == kept
+
+
+def test_a_failing_conversion_leaves_the_earlier_folder_as_it_was(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    user_files(out)
+    mz.convert(write_safetensors(states(1), tmp_path / "old.safetensors"), out, overwrite=True, shard_size=1000)
+    before = contents(out)
+    monkeypatch.setattr(convert_module, "BATCH_BYTES", 16)  # the bad tensor comes after a shard was written
+    bad = write_safetensors({"fine": torch.ones(8), "huge": torch.full((4,), 1e6)}, tmp_path / "bad.safetensors")
+
+    with pytest.raises(mz.CastOverflowError) as caught:
+        mz.convert(bad, out, overwrite=True, dtype="fp16", shard_size=16)
+
+    assert caught.value.tensor == "huge"
+    assert contents(out) == before  # no new shard, no hidden folder left, every old file as it was
+
+
+def test_a_failure_while_the_files_are_moved_puts_every_file_back(tmp_path, monkeypatch):
+    src = model_folder(tmp_path / "src")
+    write_safetensors(states(2), src / "model.safetensors")
+    out = tmp_path / "out"
+    user_files(out)
+    mz.convert(write_safetensors(states(1), tmp_path / "old.safetensors"), out, overwrite=True, shard_size=1000)
+    (out / "config.json").write_text('{"old": true}')
+    before = contents(out)
+    replace = os.replace
+
+    def interrupted_at_the_index(source, target):
+        if Path(target).name == "model.safetensors.index.json" and ".materialize-partial-" in str(source):
+            raise KeyboardInterrupt  # Ctrl-C after the new shards and config.json took their places
+        replace(source, target)
+
+    monkeypatch.setattr(os, "replace", interrupted_at_the_index)
+    with pytest.raises(KeyboardInterrupt):
+        mz.convert(src, out, overwrite=True, shard_size=1000)
+
+    assert contents(out) == before
+
+
+def test_a_name_the_conversion_writes_held_by_a_folder_is_refused_before_anything_is_written(tmp_path):
+    src = model_folder(tmp_path / "src")
+    out = tmp_path / "out"
+    kept = user_files(out)
+    (out / "tokenizer.json").mkdir()
+    (out / "tokenizer.json" / "inside.txt").write_text("a folder of the user's")
+    kept = contents(out)
+
+    with pytest.raises(mz.OutputError) as caught:
+        mz.convert(src, out, overwrite=True)
+
+    assert str(caught.value).startswith(f"{out}: holds 'tokenizer.json', a folder, where the conversion writes a file")
+    assert contents(out) == kept
+
+
+def test_overwrite_replaces_a_safetensors_file_in_one_rename_and_a_symlink_not_its_target(tmp_path):
+    src = write_safetensors({"w": torch.arange(3.0)}, tmp_path / "m.safetensors")
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    elsewhere.write_bytes(b"what the link leads to")
+    dst = tmp_path / "out.safetensors"
+    dst.symlink_to(elsewhere)
+
+    mz.convert(src, dst, overwrite=True)
+
+    assert not dst.is_symlink() and torch.equal(load_file(str(dst))["w"], torch.arange(3.0))
+    assert elsewhere.read_bytes() == b"what the link leads to"
+
+
+def test_cli_overwrite_into_a_folder_keeps_the_user_s_files_and_its_refusal_names_the_flag(tmp_path):
+    src = model_folder(tmp_path / "src")
+    out = tmp_path / "out"
+    kept = user_files(out)
+    mz.convert(write_safetensors(states(1), tmp_path / "old.safetensors"), out, overwrite=True, shard_size=1000)
+
+    refused = run_cli("convert", src, out)
+    line = assert_one_error_line(refused, str(out))
+    flag = next(word for word in line.replace(")", " ").split() if word.startswith("--"))
+    converted = run_cli("convert", src, out, flag, "--json")
+
+    assert flag == "--overwrite" and "keeping every other file" in line
+    assert converted.returncode == 0, converted.stderr
+    report = json.loads(converted.stdout)
+    assert report["removed"] == ["model.safetensors.index.json", *(f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3))]
+    assert {name: data for name, data in contents(out).items() if name in kept} == kept
+    assert sorted(name for name in contents(out) if name not in kept) == ["config.json", "model.safetensors",
+                                                                          "tokenizer.json"]
+
+
+@pytest.mark.parametrize("dst, there", [("out", "a file"), ("out.safetensors", "a folder")])
+def test_cli_refuses_to_turn_a_file_into_a_folder_or_a_folder_into_a_file(tmp_path, dst, there):
+    src = write_safetensors({"w": torch.arange(3.0)}, tmp_path / "m.safetensors")
+    target = tmp_path / dst
+    if there == "a file":
+        target.write_bytes(b"precious")
+    else:
+        user_files(target)
+    before = contents(tmp_path)
+
+    refused = run_cli("convert", src, target, "--overwrite")
+
+    assert_one_error_line(refused, f"{target}: is {there}, and a destination")
+    assert contents(tmp_path) == before

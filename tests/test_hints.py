@@ -154,6 +154,13 @@ def _existing_destination(tmp: Path) -> list[str]:
     return ["convert", str(tmp / "m.safetensors"), str(tmp / "out.safetensors")]
 
 
+def _existing_destination_folder(tmp: Path) -> list[str]:  # the hint replaces what a conversion writes, keeps the rest
+    save_file({"w": torch.ones(2)}, str(tmp / "m.safetensors"))
+    (tmp / "out").mkdir()
+    (tmp / "out" / "notes.txt").write_text("kept")
+    return ["convert", str(tmp / "m.safetensors"), str(tmp / "out")]
+
+
 def _class_that_does_not_fit(tmp: Path) -> list[str]:  # --model hf:LlamaForCausalLM on a Qwen2 folder
     transformers = pytest.importorskip("transformers")
     config = transformers.Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -178,6 +185,7 @@ CASES = {
     "values refused, headers sound": Case(r"^inspect$", _bad_values),
     "a device map without a model": Case(r"^--model SPEC$", _device_map_without_model),
     "an existing destination": Case(r"^--overwrite$", _existing_destination),
+    "an existing destination folder": Case(r"^--overwrite$", _existing_destination_folder),
     "a model class that does not fit the folder": Case(r"^--model hf:Qwen2ForCausalLM$", _class_that_does_not_fit),
 }
 

@@ -231,3 +231,130 @@ def test_a_snapshot_that_links_out_of_the_repo_is_refused_naming_where_it_leads(
     done = _cli_offline(cache)
 
     assert done.returncode == 1 and str(outside) in done.stderr and "outside" in done.stderr, done.stderr
+
+
+# ---------------------------------------------------------------- a local path that names nothing, or a repo id
+
+ENTRY_POINTS = {
+    "load_model": lambda source: mz.load_model(source),
+    "open_checkpoint": lambda source: mz.open_checkpoint(source),
+    "load_tensors": lambda source: mz.load_tensors(source),
+    "plan": lambda source: mz.plan(torch.nn.Linear(3, 4), source),
+    "convert": lambda source: mz.convert(source, "converted"),
+}
+
+
+@pytest.fixture
+def beside_tiny_full(tmp_path, monkeypatch):
+    """The working folder holds tiny/full/model.safetensors; the hub, if consulted, fails the test."""
+    (tmp_path / "tiny" / "full").mkdir(parents=True)
+    save_file(_state(), tmp_path / "tiny" / "full" / "model.safetensors")
+    monkeypatch.chdir(tmp_path)
+
+    def snapshot_download(repo_id, **_):
+        raise AssertionError(f"the hub was consulted for {repo_id!r}")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    return tmp_path
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+def test_a_missing_path_in_an_existing_folder_is_no_such_file_with_the_closest_name(beside_tiny_full, entry):
+    with pytest.raises(mz.CheckpointNotFoundError) as caught:
+        ENTRY_POINTS[entry]("tiny/ful")
+
+    assert str(caught.value) == "tiny/ful: no such file or folder; did you mean tiny/full?"
+    assert isinstance(caught.value, FileNotFoundError) and not (beside_tiny_full / "converted").exists()
+
+
+def test_the_name_suggested_is_the_one_that_loads(beside_tiny_full):
+    with pytest.raises(mz.CheckpointNotFoundError) as caught:
+        mz.load_tensors("tny/full/model.safetensor")
+    suggested = str(caught.value).rsplit("did you mean ", 1)[1].rstrip("?")
+
+    tensors, _ = mz.load_tensors(suggested)
+
+    assert suggested == "tiny/full/model.safetensors" and sorted(tensors) == sorted(_state())
+
+
+@pytest.mark.parametrize("source", [
+    "some-org/model.safetensors", "some-org/some-model.pt", "some-org/config.json",  # a file's suffix
+    "./some-org/some-model", "../some-org/some-model",  # a path's start
+])
+def test_a_path_with_a_file_suffix_or_a_path_s_start_is_local_never_a_repo_id(beside_tiny_full, source):
+    with pytest.raises(mz.CheckpointNotFoundError) as caught:
+        mz.load_model(source)
+
+    assert str(caught.value) == f"{Path(source)}: no such file or folder"  # as the path reads, ./ dropped
+    assert not hub.looks_like_repo_id(source)
+
+
+def test_a_repo_id_whose_org_is_a_local_folder_is_a_local_path(beside_tiny_full):
+    (beside_tiny_full / "some-org").mkdir()
+
+    with pytest.raises(mz.CheckpointNotFoundError) as caught:
+        mz.load_model(REPO)
+
+    assert str(caught.value) == f"{REPO}: no such file or folder"
+
+
+def test_a_repo_id_with_no_local_folder_goes_to_the_hub(served, tmp_path, monkeypatch):
+    remote, fetched = served
+    save_file(_state(), remote / "model.safetensors")
+    monkeypatch.chdir(tmp_path)  # which holds no some-org/
+
+    tensors, _ = mz.load_model(REPO)
+
+    assert fetched == ["model.safetensors"] and sorted(tensors) == sorted(_state())
+    assert hub.looks_like_repo_id("Qwen/Qwen2.5-7B")  # a dot in a repo's name is no file suffix
+    assert not any(map(hub.looks_like_repo_id, ["org/a--b", "org/name.git", "org/-name", "org/.name", "a/b/c"]))
+
+
+def _cli_in(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    """The CLI run in ``folder``, offline, with an empty hub cache: nothing can reach the network."""
+    env = {**os.environ, "HF_HUB_CACHE": str(folder / "empty-cache"), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([CLI, *args], capture_output=True, text=True, env=env, cwd=folder, timeout=300)
+
+
+@pytest.mark.parametrize("command", [[], ["inspect"], ["plan"], ["convert"]])
+def test_cli_a_missing_path_in_an_existing_folder_is_one_line_naming_the_closest_name(tmp_path, command):
+    (tmp_path / "tiny" / "full").mkdir(parents=True)
+    save_file(_state(), tmp_path / "tiny" / "full" / "model.safetensors")
+    destination = ["converted"] if command == ["convert"] else []
+
+    done = _cli_in(tmp_path, *command, "tiny/ful", *destination)
+    followed = _cli_in(tmp_path, *command, "tiny/full", *destination) if command != ["plan"] else None
+
+    assert done.returncode == 1 and done.stdout == "", done.stderr
+    assert done.stderr == "Error: tiny/ful: no such file or folder; did you mean tiny/full?\n"
+    assert followed is None or followed.returncode == 0, followed.stderr
+
+
+def test_cli_a_repo_id_with_no_local_folder_is_looked_up_in_the_hub_cache(tmp_path):
+    done = _cli_in(tmp_path, REPO)
+
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"Error: {REPO}: not in the local Hugging Face cache"), done.stderr
+
+
+def test_a_symlink_leading_nowhere_is_named_with_where_it_leads(tmp_path):
+    (tmp_path / "model.safetensors").symlink_to(tmp_path / "gone.safetensors")
+
+    with pytest.raises(mz.CheckpointNotFoundError) as caught:
+        mz.load_tensors(tmp_path / "model.safetensors")
+
+    assert str(caught.value) == (f"{tmp_path / 'model.safetensors'}: is a symlink to {tmp_path / 'gone.safetensors'}, "
+                                 "which does not exist")
+
+
+def test_a_path_starting_with_a_tilde_is_suggested_expanded_where_that_exists(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "models").mkdir()
+    save_file(_state(), tmp_path / "models" / "model.safetensors")
+
+    with pytest.raises(mz.CheckpointNotFoundError) as caught:
+        mz.load_tensors("~/models/model.safetensors")  # the library, unlike a shell, does not expand ~
+    suggested = str(caught.value).rsplit("did you mean ", 1)[1].rstrip("?")
+    tensors, _ = mz.load_tensors(suggested)
+
+    assert suggested == str(tmp_path / "models" / "model.safetensors") and sorted(tensors) == sorted(_state())

@@ -19,6 +19,7 @@ from ..io.gcpause import gc_paused
 from .base import DCP_DATA_SUFFIX, DCP_METADATA_NAME, Checkpoint, TensorInfo
 from .confine import allowed_roots, confine
 from .index import SAFETENSORS_INDEX_NAME, read_sharded
+from .missing import not_found
 from .safetensors import read_header
 
 if TYPE_CHECKING:
@@ -53,12 +54,14 @@ def open_checkpoint(path: PathLike, *, trust_pickle: bool = False, state_dict_ke
 
     Only headers, indexes and (for torch files) the pickled structure are
     read; tensor bytes are read later, straight into their destinations.
+    A path that names nothing is a :class:`CheckpointNotFoundError` saying
+    "no such file or folder" and the closest name there (see :mod:`.missing`).
     """
     target = Path(path)
     if "\0" in str(target):
         raise CheckpointError("is not a usable file name (it contains a NUL byte)", path=repr(str(target)))
     if not target.exists():
-        raise CheckpointNotFoundError("no such file or directory", path=target)
+        raise not_found(target)
     if target.name == DCP_METADATA_NAME and target.is_file():
         target = target.parent  # a DCP folder's index, as an index.json is a sharded checkpoint's
     if target.is_dir():

@@ -1,5 +1,11 @@
 """Hub repo ids (``org/name``) resolved to a local folder through huggingface_hub.
 
+A source is a repo id only where it can be one and cannot be a local path
+(:func:`looks_like_repo_id`): ``tiny/ful`` beside a folder ``tiny/``, or
+``ckpt/model.pt``, is a local path that does not exist, and opening it says
+"no such file or folder" and the closest name there, never that the hub
+cache lacks it.
+
 Only configs and the weights a load reads are fetched, chosen as a folder
 is read (see :func:`materialize.checkpoint.open_checkpoint`): the shards a
 ``model.safetensors.index.json`` names, else ``model.safetensors``, else the
@@ -36,15 +42,43 @@ INDEXED_SAFETENSORS = ("model.safetensors.index.json", "model.safetensors")
 INDEXED_TORCH = ("pytorch_model.bin.index.json", "pytorch_model.bin")
 COMMIT_HASH = re.compile(r"^[0-9a-f]{40}$")
 MAX_REF_BYTES = 256  # a commit hash, and room for a line end
+LOCAL_PREFIXES = ("./", "../", "/", "~")
+LOCAL_SUFFIXES = frozenset({".safetensors", ".pt", ".pth", ".bin", ".ckpt", ".tar", ".json", ".toml", ".distcp",
+                            ".pkl", ".pickle", ".gguf", ".onnx", ".h5", ".msgpack", ".npz"})
 
 
 def looks_like_repo_id(source: Union[str, os.PathLike]) -> bool:
+    """Whether ``source`` is taken for a hub repo id: ``org/name`` as huggingface_hub validates one, and no
+    local path (see :func:`looks_local`)."""
     text = os.fspath(source)
-    return bool(REPO_ID.match(text)) and ".." not in text and not Path(text).exists()
+    return bool(REPO_ID.match(text)) and ".." not in text and not looks_local(text) and _valid_for_the_hub(text)
+
+
+def looks_local(text: str) -> bool:
+    """Whether ``text`` names a local file or folder, there or not: something is there, or it starts as a path
+    does (``./``, ``../``, ``/``, ``~``), ends in a checkpoint's or config's suffix, or lies in a folder that
+    exists here (``tiny/ful`` beside ``tiny/``: a typo of ``tiny/full``, not a repo of the user ``tiny``)."""
+    return (
+        os.path.lexists(text)
+        or text.startswith(LOCAL_PREFIXES)
+        or os.path.splitext(text)[1].lower() in LOCAL_SUFFIXES
+        or os.path.isdir(os.path.dirname(text) or os.curdir)
+    )
+
+
+def _valid_for_the_hub(text: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
 
 
 def resolve(source: Union[str, os.PathLike], *, revision: Optional[str] = None) -> Path:
-    """A local path as it is; a repo id as the folder of its cached snapshot."""
+    """A local path as it is (opening one that does not exist is an error naming the closest name there, see
+    :mod:`materialize.checkpoint.missing`); a repo id as the folder of its cached snapshot."""
     if not looks_like_repo_id(source):
         return Path(source)
     repo_id = os.fspath(source)

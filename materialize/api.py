@@ -161,12 +161,12 @@ def _tensors_plan(ckpt: Checkpoint, device: Optional[DeviceLike], dtype: DtypeLi
                   staging_bytes: Optional[int]) -> TensorsPlan:
     target = resolve_device(device if device is not None else "cpu")
     cast = parse_dtype(dtype)
-    counted = _plain_bytes(ckpt, shared_spans(ckpt.values()), cast, mmap and target.type == "cpu")
-    needs = {} if target.type == "cpu" else {str(target): counted.total}
-    needs["cpu"] = _host_bytes(target, counted.copied, staging_bytes)
+    plain = _plain_bytes(ckpt, shared_spans(ckpt.values()), cast, mmap and target.type == "cpu")
+    needs = {} if target.type == "cpu" else {str(target): plain.total}
+    needs["cpu"] = _host_bytes(target, plain.copied, staging_bytes)
     return TensorsPlan(
-        path=str(ckpt.path), device=target, tensors=len(ckpt), bytes_by_device={str(target): counted.total},
-        read_bytes=counted.read, mapped_bytes=counted.mapped,
+        path=str(ckpt.path), device=target, tensors=len(ckpt), bytes_by_device={str(target): plain.total},
+        read_bytes=plain.read, mapped_bytes=plain.mapped,
         dtypes=dict(Counter(dtype_name(_loaded_dtype(info, cast)) for info in ckpt.values())),
         state_dict_key=ckpt.state_dict_key, mmap=mmap, fits=verdict(needs),
     )
@@ -222,8 +222,8 @@ def load_tensors(
             return tensor
 
         groups = list(shared_spans(ckpt.values()))
-        counted = _plain_bytes(ckpt, groups, cast, maps)
-        admit_host_copies(_host_bytes(target, counted.copied, staging_bytes), ckpt.path)
+        plain = _plain_bytes(ckpt, groups, cast, maps)
+        admit_host_copies(_host_bytes(target, plain.copied, staging_bytes), ckpt.path)
         try:
             for group in groups:
                 before = len(mapped)
@@ -236,13 +236,13 @@ def load_tensors(
                     made[name] = materialize(info)
         except AllocationError as error:
             if error.tensor is not None:
-                with_whole_load(error, target, counted.copied)
+                with_whole_load(error, target, plain.copied)
             raise
         tensors = {name: made[name] for name in ckpt}
         reader.read(jobs, progress=progress)
     report = make_report(
         ckpt, target, list(tensors.values()), reader.bytes_read, started, memory, loaded=list(tensors), mapped=mapped,
-        bytes_by_device={str(target): counted.total},
+        bytes_by_device={str(target): plain.total},
         nonfinite=nonfinite(tensors.items()) if check_finite else [],
     )
     return tensors, report

@@ -272,7 +272,7 @@ def plan_command(checkpoint: str, as_json: bool, debug: bool, **options: Any) ->
         keywords = library_keywords(options)
         the_plan = mz.plan(keywords.pop("model"), checkpoint, **keywords)
         _emit(as_json, the_plan.to_dict, lambda: _plan_text(the_plan.to_dict()).split("\n"), str(the_plan.path))
-        the_plan.check_memory()
+        mz.check_memory(the_plan)
 
     _run(debug, action)
 

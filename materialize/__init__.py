@@ -34,6 +34,7 @@ _EXPORTS = {
     "load_model": "api",
     "load_tensors": "api",
     "plan": "api",
+    "check_memory": "api",
     "Plan": "planning.plan",
     "TensorsPlan": "planning.plan",
     "Report": "report",

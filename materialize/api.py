@@ -22,7 +22,7 @@ from .io.executor import reads
 from .errors import AllocationError, ModelRequiredError, ModelSpecError, ReplayError
 from .io.gcpause import gc_paused
 from .integrations.hf import HF_SPEC_PREFIX, build_hf, is_hf_folder, is_transformers_folder
-from .io.hostmem import admit_host_copies, empty_destination, with_whole_load
+from .io.hostmem import admit_host_copies, admit_planned, empty_destination, with_whole_load
 from .integrations.hub import resolve as resolve_source
 from .planning.keymap import KeyMapLike
 from .loading import (
@@ -96,7 +96,7 @@ def plan(
     what is available now, and gives the host's ``limit``, all the memory the
     process can ever have. ``read_bytes`` is what the load reads into memory;
     with ``mmap`` what stays mapped from the files is ``mapped_bytes`` instead.
-    ``plan.check_memory()`` does what the load does before it allocates: it
+    :func:`check_memory` does with it what the load does before it allocates: it
     raises the load's own :class:`AllocationError` where the host copies can
     never fit (and an ``AllocationError`` where a GPU has less free memory than
     the load puts there), and warns with the load's ``LowMemoryWarning`` where
@@ -118,6 +118,14 @@ def plan(
     the_plan.mmap = mmap
     the_plan.fits = fit_report(the_plan, mmap=mmap, staging_bytes=staging_bytes)
     return the_plan
+
+
+def check_memory(the_plan: Union[Plan, TensorsPlan]) -> None:
+    """Do what the load of ``the_plan`` does about memory before it allocates, by ``the_plan.fits``: raise
+    its :class:`AllocationError` where the host copies can never fit (or a GPU has less free memory than the
+    load puts there), warn with its ``LowMemoryWarning`` where they fit the machine but not the memory
+    available now. ``materialize plan`` calls it after printing the plan."""
+    admit_planned(the_plan.fits, the_plan.path)
 
 
 def _no_model_to_place(ckpt: Checkpoint) -> ModelRequiredError:

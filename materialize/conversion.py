@@ -16,7 +16,7 @@ conversion that fails leaves ``dst`` as it was (nothing, where it was not
 there). ``overwrite=True`` replaces an existing file, and in an existing
 folder only what a conversion writes, keeping every other file in it; a file
 is never turned into a folder, nor a folder into a file (see
-:mod:`materialize.destination` for the exact guarantee).
+:mod:`materialize.io.destination` for the exact guarantee).
 
 safetensors has no shared storage: tensors that were views of one storage
 in a torch file (a tied embedding saved under two names) are written once
@@ -53,7 +53,7 @@ from .checkpoint.pieces import Job
 from .io.executor import Reads, reads
 from .options import ProgressFn, ReadOptions
 from .progress import ProgressLike, counted, report_phase, takes_progress
-from .destination import INDEX_NAME, check_destination, check_room, place, remove, shard_names, staging
+from .io.destination import INDEX_NAME, check_destination, check_room, place, remove, shard_names, staging
 from .errors import ConvertWarning, ExpansionError, MaterializeError, ModelSpecError, OutputError, summarize_names
 from .io.fileio import byte_view
 from .io.gcpause import gc_paused

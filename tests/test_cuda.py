@@ -135,10 +135,10 @@ def test_a_plan_for_a_gpu_without_room_is_an_error_and_a_device_map_within_its_f
 
     crowded = mz.plan(tiny_skeleton(), path, device="cuda")
     with pytest.raises(mz.AllocationError) as caught:
-        crowded.check_memory()
+        mz.check_memory(crowded)
     budget = {0: free, "cpu": 2**30}
     spread = mz.plan(tiny_skeleton(), path, device_map="auto", max_memory=budget)
-    spread.check_memory()  # the way out the error gives, within what the GPU has free: fits
+    mz.check_memory(spread)  # the way out the error gives, within what the GPU has free: fits
     report = mz.load(tiny_skeleton(), path, device_map="auto", max_memory=budget)
 
     assert "device_map='auto' (CLI: --device-map auto)" in str(caught.value)

@@ -219,9 +219,9 @@ def test_the_library_plan_raises_the_refusal_its_load_raises(tmp_path, monkeypat
 
     for each, refusal in ((planned, from_load.value), (plain, from_plain_load.value)):
         with pytest.raises(mz.AllocationError) as from_plan:
-            each.check_memory()
+            mz.check_memory(each)
         assert str(from_plan.value) == str(refusal)
-    mz.plan(None, path, mmap=True).check_memory()  # nothing copied: nothing to refuse
+    mz.check_memory(mz.plan(None, path, mmap=True))  # nothing copied: nothing to refuse
 
 
 def test_a_gpu_without_room_for_what_the_plan_puts_there_is_an_error_with_the_loads_ways_out():

@@ -22,7 +22,6 @@ from torch import nn
 from ..checkpoint import Checkpoint, TensorInfo
 from ..checkpoint.base import EXTRA_STATE
 from ..dtypes import dtype_name
-from ..io.hostmem import admit_planned
 from ..options import InitFn, PlanOptions
 from ..errors import (
     DeviceError,
@@ -238,11 +237,6 @@ class Plan:
         """The file bytes the load leaves mapped, read by the pages' first use (``mmap``, a device map's disk)."""
         return sum(e.source.nbytes for e in self.of("load") if e.source is not None and e.stays_in_file(self.mmap))
 
-    def check_memory(self) -> None:
-        """Do what the load does about memory before it allocates, by :attr:`fits`: raise its refusal, warn as
-        it warns (see :func:`~materialize.io.hostmem.admit_planned`)."""
-        admit_planned(self.fits, self.path)
-
     def to_dict(self) -> dict:
         """The plan as JSON-ready values: what ``materialize plan --json`` prints."""
         return {
@@ -306,10 +300,6 @@ class TensorsPlan:
     state_dict_key: Optional[str] = None
     mmap: bool = False
     fits: dict[str, dict] = field(default_factory=dict)
-
-    def check_memory(self) -> None:
-        """As :meth:`Plan.check_memory`."""
-        admit_planned(self.fits, self.path)
 
     def to_dict(self) -> dict:
         """The plan as JSON-ready values, with :meth:`Plan.to_dict`'s keys: what ``materialize plan --json`` prints."""

@@ -40,8 +40,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .checkpoint.index import SAFETENSORS_INDEX_NAME as INDEX_NAME
-from .errors import OutputError
+from ..checkpoint.index import SAFETENSORS_INDEX_NAME as INDEX_NAME
+from ..errors import OutputError
 
 # The names a folder output's weights have: model.safetensors, model-00001-of-00003.safetensors, the index.
 OUTPUT_NAME = re.compile(r"model(-\d{5,}-of-\d{5,})?\.safetensors|model\.safetensors\.index\.json")

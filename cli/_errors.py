@@ -16,8 +16,7 @@ HINTS: list[tuple[type[BaseException], str]] = [
     (mz.CheckpointNotFoundError, ""),
     (mz.CheckpointAccessError, ""),
     (mz.CheckpointError, " (run 'materialize inspect' on it to see what it holds)"),
-    (mz.ShapeMismatchError, " (is --model the architecture this checkpoint was saved from?)"),
-    (mz.KeyMismatchError, ""),
+    (mz.KeyMismatchError, ""),  # asks about --model where the names or shapes say so: see ARCHITECTURE
     (mz.InitError, ""),
     (mz.ModelSpecError, ""),
     (mz.DeviceError, " (try --device cpu)"),
@@ -25,6 +24,10 @@ HINTS: list[tuple[type[BaseException], str]] = [
     (mz.SanitizerError, " (a bug in the model's init or in this loader: please report it)"),
     (mz.MaterializeError, ""),
 ]
+
+# Where a mismatch's names or shapes say the checkpoint was saved from another architecture (not a head sized for
+# other classes, not a prefix): the library says so, and the CLI asks about what the user typed.
+ARCHITECTURE = " (is --model the architecture this checkpoint was saved from?)"
 
 
 def one_line(error: BaseException, *, inspecting: bool = False) -> str:
@@ -39,11 +42,16 @@ def one_line(error: BaseException, *, inspecting: bool = False) -> str:
 def _message(error: BaseException, inspecting: bool) -> str:
     if isinstance(error, mz.MaterializeError):
         hint = next(h for cls, h in HINTS if isinstance(error, cls))
+        if isinstance(error, mz.KeyMismatchError) and error.architecture_differs:
+            hint = ARCHITECTURE
         if "materialize inspect" in hint and (inspecting or not _inspect_would_work(error)):
             hint = ""
         return _flatten(str(error)) + hint
     if isinstance(error, MemoryError):
-        return "out of host memory while loading; try --device cuda, or a machine with more RAM"
+        import torch  # loaded already: a load ran
+
+        elsewhere = "--device cuda" if torch.cuda.is_available() else "--mmap"  # a GPU only where there is one
+        return f"out of host memory while loading; try {elsewhere}, or a machine with more RAM"
     if isinstance(error, OSError):
         where = f"{error.filename}: " if error.filename else ""
         return f"{where}{os.strerror(error.errno or errno.EIO)}"

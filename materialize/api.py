@@ -125,7 +125,7 @@ def check_memory(the_plan: Union[Plan, TensorsPlan]) -> None:
     its :class:`AllocationError` where the host copies can never fit (or a GPU has less free memory than the
     load puts there), warn with its ``LowMemoryWarning`` where they fit the machine but not the memory
     available now. ``materialize plan`` calls it after printing the plan."""
-    admit_planned(the_plan.fits, the_plan.path)
+    admit_planned(the_plan.fits, the_plan.path, placeable=isinstance(the_plan, Plan))
 
 
 def _no_model_to_place(ckpt: Checkpoint) -> ModelRequiredError:

@@ -90,6 +90,9 @@ class KeyMismatchError(MaterializeError, LookupError):
         missing: the model's names the checkpoint lacks.
         unexpected: the checkpoint's names the model lacks.
         mismatched: the names whose shapes differ.
+        architecture_differs: the names or shapes say the checkpoint was saved from another architecture
+            (or another size of it), not that a head or a prefix differs; the CLI then asks whether ``--model``
+            is the right one.
     """
 
     def __init__(
@@ -100,15 +103,23 @@ class KeyMismatchError(MaterializeError, LookupError):
         missing: Sequence[str] = (),
         unexpected: Sequence[str] = (),
         mismatched: Sequence[str] = (),
+        architecture_differs: bool = False,
     ) -> None:
         self.missing = list(missing)
         self.unexpected = list(unexpected)
         self.mismatched = list(mismatched)
+        self.architecture_differs = architecture_differs
         super().__init__(message, path=path)
 
 
 class ShapeMismatchError(KeyMismatchError, ValueError):
     """A tensor's shape in the checkpoint differs from the model's."""
+
+
+class NothingLoadedError(KeyMismatchError):
+    """A load (or a plan) would take no tensor from the checkpoint while the model has tensors to take:
+    ``strict=False``, ``ignore_mismatched_sizes`` or ``ignore_unexpected`` let every difference go, and the
+    model would come out initialized, not loaded."""
 
 
 class InitError(MaterializeError, RuntimeError):
@@ -217,6 +228,11 @@ class MaterializeWarning(UserWarning):
 
 class ConvertWarning(MaterializeWarning):
     """``convert`` leaves out what safetensors cannot hold (modules' extra state that is not a tensor)."""
+
+
+class MostlyInitializedWarning(MaterializeWarning):
+    """A load (or a plan) gives more of the model's tensors no value from the checkpoint (initialized,
+    reinitialized, or kept as built) than it loads from it; see ``Report.mostly_not_loaded``."""
 
 
 class LowMemoryWarning(MaterializeWarning):

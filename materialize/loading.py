@@ -304,7 +304,8 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
     mmap, staging_bytes, allow_overflow = read_options.mmap, read_options.staging_bytes, read_options.allow_overflow
     check = read_options.check
     started = time.perf_counter()
-    admit_host_copies(expected_peak_host_bytes(the_plan, mmap=mmap, staging_bytes=staging_bytes), ckpt.path)
+    admit_host_copies(expected_peak_host_bytes(the_plan, mmap=mmap, staging_bytes=staging_bytes), ckpt.path,
+                      placeable=True)
     undo: list[tuple[nn.Module, str, bool, torch.Tensor]] = []
     mapped: list[str] = []
 
@@ -349,7 +350,7 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
             _undo(undo)
             _tell_what_stays_overwritten(error, in_place)
             if isinstance(error, AllocationError) and error.tensor is not None:
-                with_whole_load(error, *_needs_where(the_plan, error.tensor, mmap, staging_bytes))
+                with_whole_load(error, *_needs_where(the_plan, error.tensor, mmap, staging_bytes), placeable=True)
             raise
     return make_report(
         ckpt, the_plan.device, [local_of(tensor) for _, tensor in registered], reader.bytes_read, started, memory,
@@ -361,6 +362,7 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
         unexpected=list(the_plan.unexpected),
         ignored=list(the_plan.ignored),
         reinitialized=list(the_plan.reinitialized),
+        not_from_checkpoint=the_plan.not_from_checkpoint,
         fed_to_load_code=list(the_plan.fed_to_load_code),
         filled_by_load_code=[e.name for e in the_plan.of("code")],
         key_map=the_plan.key_map,

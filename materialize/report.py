@@ -35,6 +35,9 @@ class Report:
             (``ignore_unexpected``), or inside a submodule registered as ``None``.
         reinitialized: tensors the checkpoint holds in another shape, initialized instead
             (``ignore_mismatched_sizes``).
+        not_from_checkpoint: the model's tensors the checkpoint gave no value (each tie once): missing from
+            it (initialized, or kept as a real model held them) or reinitialized. Computed buffers, never
+            saved, are not among them (see ``Plan.not_from_checkpoint``).
         fed_to_load_code: checkpoint entries that are no tensor of the model, read for the model's own load
             code (a saved version number).
         filled_by_load_code: the model's tensors that load code made from checkpoint values (torch's
@@ -69,6 +72,7 @@ class Report:
     unexpected: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
     reinitialized: list[str] = field(default_factory=list)
+    not_from_checkpoint: list[str] = field(default_factory=list)
     fed_to_load_code: list[str] = field(default_factory=list)
     filled_by_load_code: list[str] = field(default_factory=list)
     key_map: str = ""
@@ -83,6 +87,13 @@ class Report:
     host_growth_bytes: Optional[int] = None
     peak_device_bytes: Optional[int] = None
     peak_device_bytes_by_device: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def mostly_not_loaded(self) -> bool:
+        """More of the model's tensors got no value from the checkpoint than got one (loaded, or made from
+        checkpoint values by the model's own load code): a load that is mostly initialized (a
+        ``MostlyInitializedWarning`` said so)."""
+        return len(self.not_from_checkpoint) > len(self.loaded) + len(self.filled_by_load_code)
 
     @property
     def gb_per_second(self) -> Optional[float]:
@@ -108,6 +119,8 @@ class Report:
             "unexpected": self.unexpected,
             "ignored": self.ignored,
             "reinitialized": self.reinitialized,
+            "not_from_checkpoint": self.not_from_checkpoint,
+            "mostly_not_loaded": self.mostly_not_loaded,
             "fed_to_load_code": self.fed_to_load_code,
             "filled_by_load_code": self.filled_by_load_code,
             "key_map": self.key_map,
@@ -139,6 +152,9 @@ class Report:
             ("unexpected (skipped)", str(len(self.unexpected))),
             *((("ignored (left unread)", str(len(self.ignored))),) if self.ignored else ()),
             *((("reinitialized (other shape)", str(len(self.reinitialized))),) if self.reinitialized else ()),
+            *((("not from the checkpoint", f"{len(self.not_from_checkpoint)}"
+                + (": more than loaded, the model is mostly initialized" if self.mostly_not_loaded else "")),)
+              if self.not_from_checkpoint else ()),
             *((("read for the model's load code", str(len(self.fed_to_load_code))),) if self.fed_to_load_code else ()),
             *((("made by the model's load code", str(len(self.filled_by_load_code))),) if self.filled_by_load_code else ()),
             *((("names renamed", self.key_map),) if self.key_map else ()),

@@ -444,9 +444,10 @@ def test_a_tensor_that_cannot_be_allocated_is_named_with_what_the_whole_load_nee
     with pytest.raises(mz.AllocationError) as caught_in_load_tensors:
         mz.load_tensors(path, dtype="fp64")
 
-    assert str(caught_in_load.value) == (
+    assert str(caught_in_load.value).startswith(
         f"{path}: tensor 'big': cannot allocate 4.19 MB on cpu for its [1048576] float32 values (out of memory); "
-        "the load needs 4.19 MB on cpu in all: mmap=True (CLI: --mmap) leaves the tensors mapped from the files")
+        "the load needs 4.19 MB on cpu in all: load with mmap=True (CLI: --mmap) to leave the tensors mapped from "
+        "the files; or with device_map='auto', max_memory={")  # this machine's budgets: tests/test_hints.py follows it
     assert str(caught_in_load_tensors.value).startswith(
         f"{path}: tensor 'big': cannot allocate 8.39 MB on cpu for its [1048576] float64 values (out of memory); "
         "the load needs 8.39 MB on cpu in all")

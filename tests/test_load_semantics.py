@@ -118,7 +118,8 @@ def test_missing_tensors_are_initialized_and_loaded_ones_untouched(tmp_path):
     path = write_safetensors({"first.weight": loaded_weight, "extra": torch.ones(2)}, tmp_path / "m.safetensors")
     model = _meta(Pair)
 
-    report = mz.load(model, path, strict=False)
+    with pytest.warns(mz.MostlyInitializedWarning, match="3 of the model's tensors get no value"):  # 1 loaded
+        report = mz.load(model, path, strict=False)
 
     assert torch.equal(model.first.weight, loaded_weight)  # loaded after its module's init ran
     assert torch.equal(model.first.bias, torch.full((4,), -1.0))
@@ -345,7 +346,8 @@ def test_initialized_tensors_follow_the_loaded_dtype(tmp_path):
     path = write_safetensors({"first.weight": torch.randn(4, 4, dtype=torch.bfloat16)}, tmp_path / "m.safetensors")
     model = _meta(Pair)
 
-    mz.load(model, path, strict=False)
+    with pytest.warns(mz.MostlyInitializedWarning):
+        mz.load(model, path, strict=False)
 
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
@@ -480,10 +482,12 @@ def test_real_tensors_absent_from_the_checkpoint_are_missing_under_strict(tmp_pa
 
     with pytest.raises(mz.KeyMismatchError, match="second.weight"):
         mz.load(model, path)
-    report = mz.load(model, path, strict=False)
+    with pytest.warns(mz.MostlyInitializedWarning):
+        report = mz.load(model, path, strict=False)
 
     assert torch.equal(model.second.weight, torch.full((4, 4), 7.0))  # kept as built
     assert "second.weight" in report.missing and "second.weight" in report.kept
+    assert sorted(report.not_from_checkpoint) == ["first.bias", "second.bias", "second.weight"]
 
 
 def test_a_lightning_checkpoints_module_prefix_is_stripped_when_it_explains_every_name(tmp_path):

@@ -144,9 +144,13 @@ def test_a_smaller_resnet_into_a_larger_one_fails_with_hints_that_load_when_foll
     # --no-strict alone does not get past shapes: the error says so, and offers the flag that does.
     assert only_no_strict.returncode == 1 and "with a different shape" in only_no_strict.stderr
     assert "--ignore-mismatched-sizes" in only_no_strict.stderr
+    assert "another architecture" in refused.stderr and "new head" not in refused.stderr
     assert both.returncode == 0, both.stderr
     report = json.loads(both.stdout)
     assert "layer1.0.conv1.weight" in report["reinitialized"] and "layer1.0.conv3.weight" in report["initialized"]
+    # What the flags gave is said, not only counted: most of the model is not the checkpoint's.
+    assert report["mostly_not_loaded"] and len(report["not_from_checkpoint"]) > len(report["loaded"])
+    assert "Warning: " in both.stderr and "the model is mostly initialized" in both.stderr
 
 
 def test_a_torchvision_model_from_the_cli_takes_model_args(tmp_path):

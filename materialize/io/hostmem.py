@@ -33,7 +33,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
@@ -198,9 +198,10 @@ def _limit_in(path: Path) -> Optional[int]:
     return int(text) if text.isdigit() and int(text) < _UNLIMITED else None  # "max": no limit here
 
 
-def admit_host_copies(needed: int, path: Optional[object]) -> None:
-    """Before a load allocates: refuse copies that can never fit, warn about copies beyond what is free now."""
-    refuse_beyond_host_memory(needed, path)
+def admit_host_copies(needed: int, path: Optional[object], *, placeable: bool = False) -> None:
+    """Before a load allocates: refuse copies that can never fit, warn about copies beyond what is free now.
+    ``placeable``: the load has a model, which a device map can spread (see :func:`ways_out_of_host_memory`)."""
+    refuse_beyond_host_memory(needed, path, placeable=placeable)
     warn_beyond_available_memory(needed, path)
 
 
@@ -229,7 +230,7 @@ def warn_beyond_available_memory(needed: int, path: Optional[object]) -> None:
         warnings.warn(warning, stacklevel=3)
 
 
-def beyond_host_memory(needed: int, path: Optional[object]) -> Optional[AllocationError]:
+def beyond_host_memory(needed: int, path: Optional[object], *, placeable: bool = False) -> Optional[AllocationError]:
     """The refusal of a load whose copies into host memory, ``needed`` bytes, can never fit; None where they can.
 
     Where the kernel overcommits, such a load would run until the machine
@@ -241,34 +242,87 @@ def beyond_host_memory(needed: int, path: Optional[object]) -> Optional[Allocati
         return None
     return AllocationError(
         f"the load copies {format_bytes(needed)} into host memory, more than this process can ever have "
-        f"({format_bytes(limit)}: RAM and swap, or its cgroup's limit); load with mmap=True (CLI: --mmap) to "
-        "leave the tensors mapped from the files, or put them on a GPU (device='cuda', or device_map='auto')",
+        f"({format_bytes(limit)}: RAM and swap, or its cgroup's limit); {ways_out_of_host_memory(placeable)}",
         path=path,
     )
 
 
-def refuse_beyond_host_memory(needed: int, path: Optional[object]) -> None:
+def refuse_beyond_host_memory(needed: int, path: Optional[object], *, placeable: bool = False) -> None:
     """Refuse, before anything is allocated, a load whose copies into host memory can never fit (see
     :func:`beyond_host_memory`)."""
-    refusal = beyond_host_memory(needed, path)
+    refusal = beyond_host_memory(needed, path, placeable=placeable)
     if refusal is not None:
         raise refusal
 
 
-def admit_planned(memory: Mapping[str, Mapping[str, Any]], path: Optional[object]) -> None:
+def admit_planned(memory: Mapping[str, Mapping[str, Any]], path: Optional[object], *, placeable: bool = False) -> None:
     """Act on a plan's memory verdict (:func:`~materialize.io.capacity.fit_report`) as its load acts before it
     allocates: the host's need is refused or warned about by :func:`admit_host_copies`, in the load's own words;
     a GPU whose free memory is less than the load puts there is an :class:`AllocationError` with the ways out
     the load's own error would give, since that load fails at the first tensor that finds no room.
+    ``placeable``: the plan is of a model, which a device map can spread.
     """
     host = memory.get("cpu")
     if host is not None:
-        admit_host_copies(host["needed"], path)
+        admit_host_copies(host["needed"], path, placeable=placeable)
     for device, verdict in memory.items():
         if device != "cpu" and verdict["fits"] is False:
             raise AllocationError(
                 f"the load puts {format_bytes(verdict['needed'])} on {device} and {format_bytes(verdict['available'])} "
-                f"is free there now: {ways_out(torch.device(device))}", path=path)
+                f"is free there now: {ways_out(torch.device(device), placeable)}", path=path)
+
+
+# Of the host memory available now, the share a suggested device map may fill: the rest is left to the process
+# itself, the page cache the load reads through, and whatever else runs beside it.
+HOST_BUDGET_SHARE = 0.8
+# Of a GPU's free memory, the share a suggested device map may fill: CUDA's context and the forward's activations.
+GPU_BUDGET_SHARE = 0.9
+
+
+def ways_out_of_host_memory(placeable: bool) -> str:
+    """What lets a load that cannot fit in host memory go on, on this machine: mapping the files (always); with
+    a model (``placeable``), a device map whose budgets are given in numbers, so that it places what fits and
+    leaves the rest mapped from the files (``"disk"``); a GPU only where there is one."""
+    ways = ["load with mmap=True (CLI: --mmap) to leave the tensors mapped from the files"]
+    budget = suggested_max_memory() if placeable else None
+    if budget is not None:
+        library = ", ".join(f"{device!r}: '{size}'" for device, size in budget.items())
+        cli = ",".join(f"{device}={size}" for device, size in budget.items())
+        where = "the GPUs and host memory" if len(budget) > 1 else "host memory"
+        ways.append(f"with device_map='auto', max_memory={{{library}}} (CLI: --device-map auto --max-memory {cli}) "
+                    f"to put what fits in {where} and leave the rest mapped from the files")
+    if torch.cuda.is_available():
+        ways.append("put the tensors on a GPU: device='cuda' (CLI: --device cuda)")
+    return "; or ".join(ways)
+
+
+def suggested_max_memory() -> Optional[dict[Union[int, str], str]]:
+    """A device map's budget per device that fits now: each GPU's free memory and the host memory available
+    (``MemAvailable``, never more than RAM and swap or the cgroup's limit), less a margin (the shares above),
+    rounded down in binary units as ``max_memory`` and ``--max-memory`` take them; None where host memory is
+    unknown."""
+    available = meminfo_bytes("MemAvailable")
+    limit = ram_and_swap_bytes()
+    known = [n for n in (available, limit) if n is not None]
+    if not known:
+        return None
+    budget: dict[Union[int, str], str] = {}
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            free, _ = torch.cuda.mem_get_info(index)
+            budget[index] = _in_binary_units(int(free * GPU_BUDGET_SHARE))
+    budget["cpu"] = _in_binary_units(int(min(known) * HOST_BUDGET_SHARE))
+    return budget
+
+
+def _in_binary_units(nbytes: int) -> str:
+    """``nbytes`` rounded down, in the largest of GiB (to a tenth), MiB and KiB it holds one of: a budget
+    never over its bytes."""
+    if nbytes >= 2**30:
+        return f"{math.floor(nbytes / 2**30 * 10) / 10:.1f}GiB"
+    if nbytes >= 2**20:
+        return f"{nbytes // 2**20}MiB"
+    return f"{max(1, nbytes // 2**10)}KiB"
 
 
 def _out_of_memory(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
@@ -280,15 +334,16 @@ def _out_of_memory(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
     )
 
 
-def with_whole_load(error: AllocationError, device: torch.device, needed: int) -> None:
-    """Tell ``error`` (one tensor that did not fit) what the whole load needs on that device and the ways out."""
-    error.reason += f"; the load needs {format_bytes(needed)} on {device} in all: {ways_out(device)}"
+def with_whole_load(error: AllocationError, device: torch.device, needed: int, *, placeable: bool = False) -> None:
+    """Tell ``error`` (one tensor that did not fit) what the whole load needs on that device and the ways out
+    (``placeable``: the load has a model, which a device map can spread)."""
+    error.reason += f"; the load needs {format_bytes(needed)} on {device} in all: {ways_out(device, placeable)}"
 
 
-def ways_out(device: torch.device) -> str:
+def ways_out(device: torch.device, placeable: bool = False) -> str:
     """What makes a load that does not fit ``device`` need less there, in words."""
     if device.type == "cpu":
-        return "mmap=True (CLI: --mmap) leaves the tensors mapped from the files"
+        return ways_out_of_host_memory(placeable)
     return ("device_map='auto' (CLI: --device-map auto) spreads the model over the GPUs and host memory, "
             "and a narrower dtype needs less")
 

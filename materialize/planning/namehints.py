@@ -13,6 +13,7 @@ hint holds all that are needed, and says which names it leaves missing.
 from __future__ import annotations
 
 import bisect
+import difflib
 import random
 import re
 from collections import Counter
@@ -28,6 +29,9 @@ _TRIED_PER_ROUND = 8  # renames tried on all names per round, the most frequent 
 _ENOUGH = 0.9  # of the missing names a hint must find
 # Older spellings of a norm's tensors (TensorFlow ports, early BERT saves): paired first where names tie.
 _OLD_SPELLINGS = {"gamma": "weight", "beta": "bias"}
+_NEAREST_SHOWN = 3  # model names shown beside their nearest checkpoint names
+_NEAREST_POOL = 20_000  # checkpoint names searched for them: an error on a huge checkpoint stays quick
+_NEAREST_CUTOFF = 0.5  # difflib's similarity under which a name is "none near"
 
 
 def mismatch_hint(missing: Sequence[str], unexpected: Sequence[str]) -> str:
@@ -35,6 +39,27 @@ def mismatch_hint(missing: Sequence[str], unexpected: Sequence[str]) -> str:
     if not missing or not unexpected:
         return ""
     return _prefix_hint(missing, unexpected) or _rename_hint(missing, unexpected)
+
+
+def nearest_names(model_names: Sequence[str], checkpoint_names: Sequence[str]) -> str:
+    """The first few model names, one from each module, each beside the checkpoint name most like it
+    (difflib's ratio), in words; ``""`` where either side has none. Where no rename lines the names up, this
+    is what a user compares to see how the two sides name things."""
+    if not model_names or not checkpoint_names:
+        return ""
+    picked: dict[str, str] = {}  # module -> its first name
+    for name in model_names:
+        picked.setdefault(name.rpartition(".")[0], name)
+        if len(picked) == _NEAREST_SHOWN:
+            break
+    pool = list(checkpoint_names)
+    if len(pool) > _NEAREST_POOL:
+        pool = random.Random(0).sample(pool, _NEAREST_POOL)
+    pairs = []
+    for name in picked.values():
+        near = difflib.get_close_matches(name, pool, n=1, cutoff=_NEAREST_CUTOFF)
+        pairs.append(f"model {name!r} ~ checkpoint {near[0]!r}" if near else f"model {name!r} ~ none near in the checkpoint")
+    return "the nearest names: " + ", ".join(pairs)
 
 
 def _prefix_hint(missing: Sequence[str], unexpected: Sequence[str]) -> str:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
+import sys
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +31,8 @@ from ..errors import (
     InitError,
     KeyMismatchError,
     MaterializeError,
+    MostlyInitializedWarning,
+    NothingLoadedError,
     ShapeMismatchError,
     ShardingError,
     summarize_names,
@@ -36,7 +41,9 @@ from .keymap import KeyMap, as_key_map, auto_strip_wrapper_prefix
 from .loadhooks import Fetch, LoadCodeRun, Replayed, as_older_weight_norm, post_hooked, replay_load_hooks
 from ..skeleton.meta import is_lazy
 from ..skeleton.modtree import named_modules
-from .namehints import mismatch_hint
+from .namehints import mismatch_hint, nearest_names
+from .shapehints import body_words, classifier_hint, classifier_modules, head_sizes, inside, missing_body_words
+from ..text import printable
 from ..integrations.sharded import ShardSpec, is_dtensor, refuse_unreadable_placements, shard_region, shard_spec
 from ..checkpoint.pieces import Stacked, pieces_of
 from .stacking import Chunks, Rearranged, StackSlot, Transposed, cut, deinterleave, rows_of, stack, transpose
@@ -223,6 +230,17 @@ class Plan:
         return dict(totals)
 
     @property
+    def not_from_checkpoint(self) -> list[str]:
+        """The model's tensors the checkpoint gives no value (each tie once, by its first name): those missing
+        from it (initialized, or kept as a real model holds them) and those in it in another shape
+        (reinitialized). Computed buffers, never saved, and tensors the model declares it may miss (a batch
+        norm's count older saves lack, a transformers model's own list) are not counted: no checkpoint gives
+        them. Set against the loaded tensors, it says whether a load is mostly initialized."""
+        absent = set(self.missing) | set(self.reinitialized)
+        return [entry.name for entry in self.entries
+                if entry.action not in ("load", "code") and not absent.isdisjoint(entry.names)]
+
+    @property
     def load_nbytes(self) -> int:
         """The file bytes behind every tensor to load, read or mapped."""
         return sum(e.source.read_nbytes for e in self.of("load") if e.source is not None)
@@ -254,6 +272,7 @@ class Plan:
             "unexpected": self.unexpected,
             "ignored": self.ignored,
             "reinitialized": self.reinitialized,
+            "not_from_checkpoint": self.not_from_checkpoint,
             "key_map": self.key_map,
             "mismatched": [
                 {"name": n, "model_shape": list(m), "checkpoint_shape": list(c)} for n, m, c in self.mismatched
@@ -564,6 +583,7 @@ def make_plan(
                 renamed_by_model=replayed.renamed,
                 built_on_meta=any(tensor.is_meta for tensor, named in groups if named[0][1].is_parameter))
     refuse_unreadable_placements([(named[0][0], tensor) for tensor, named in groups], ckpt.path)  # all, not the first
+    reinitialized_shapes: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
     for tensor, named in groups:
         if len(named) == 1:
             units = [((named[0][0],), [named[0][1]], to_ckpt.get(named[0][0]))]
@@ -577,6 +597,7 @@ def make_plan(
             entry = _entry(plan, tensor, names, owners, None if reinit else info, ckpt, device, dtype, placement, tolerated)
             if reinit:  # not missing: the checkpoint holds it, in another shape
                 plan.reinitialized.extend(names)
+                reinitialized_shapes.append((names[0], tuple(tensor.shape), info.shape))
                 plan.missing[:] = [name for name in plan.missing if name not in names]
             entry.split_from_tie = index > 0
             plan.entries.append(entry)
@@ -597,7 +618,8 @@ def make_plan(
     _refuse_load_code_needing_values(plan, ckpt, replayed.needs_values)
     _refuse_wrappers(plan, ckpt)
     plan.strict_after_hooks = strict and bool(plan.post_hooked)
-    raise_for_mismatch(plan, ckpt.path, strict and not plan.strict_after_hooks, replayed.unrun)
+    raise_for_mismatch(plan, ckpt.path, strict and not plan.strict_after_hooks, replayed.unrun, model)
+    refuse_loading_nothing(plan, reinitialized_shapes)
     _raise_for_unmappable_disk(plan, ckpt)
 
     follow = dtype or _float_dtype_of_loads(plan.entries)
@@ -614,6 +636,7 @@ def make_plan(
             if entry.action != "keep" and entry.dtype.is_floating_point:
                 entry.dtype = dtype_rule(entry.name, entry.dtype)
     plan.init_modules = _init_modules(model, plan, init, ckpt)
+    warn_if_mostly_not_loaded(plan)
     return plan
 
 
@@ -781,8 +804,18 @@ def torch_load_hint(checkpoint_format: str) -> str:
     return f"Load this checkpoint with torch instead: build the model on the CPU and call model.load_state_dict({state})"
 
 
-def raise_for_mismatch(plan: Plan, path: object, strict: bool, unrun: list[str]) -> None:
-    """Raise what a load of ``plan`` disagrees on: shapes always, missing and unexpected names when ``strict``."""
+def raise_for_mismatch(plan: Plan, path: object, strict: bool, unrun: list[str], model: Optional[nn.Module] = None) -> None:
+    """Raise what a load of ``plan`` disagrees on: shapes always, missing and unexpected names when ``strict``.
+
+    With ``model``, the error says what the differences point to (see
+    :mod:`materialize.planning.shapehints`): a classifier sized for other
+    classes gets the model argument that sizes it (and only then a new
+    head); shapes that differ anywhere else, or tensors outside the
+    classifier that the checkpoint lacks with no rename explaining them,
+    another architecture (``error.architecture_differs``). Where no tensor
+    of the model would be read, the options that would let the load go on
+    reading nothing are not offered: the nearest names are shown instead.
+    """
     shapes = [f"{n} (model {list(m)}, checkpoint {list(c)})" for n, m, c in plan.mismatched]
     problems = []
     if strict and plan.missing:
@@ -793,30 +826,139 @@ def raise_for_mismatch(plan: Plan, path: object, strict: bool, unrun: list[str])
         problems.append(f"{len(shapes)} with a different shape: {summarize_names(shapes)}")
     if not problems:
         return
+    names_differ = strict and bool(plan.missing or plan.unexpected)
+    error = ShapeMismatchError if (shapes and not names_differ) else KeyMismatchError
     hint = mismatch_hint(plan.missing, plan.unexpected) if strict else ""
     if hint:
         problems.append(hint)
     if unrun and (plan.missing or plan.unexpected):
         problems.append(f"the model's own load code, which could not run on names alone, may rename some of these: "
                         f"{summarize_names(unrun)}")
-    error = ShapeMismatchError if (shapes and len(problems) == 1) else KeyMismatchError
+    classifier = classifier_modules(model) if model is not None else ()
+    head = head_sizes(plan.mismatched, classifier) if model is not None else None
+    architecture_differs = False
+    if head is not None:
+        problems.append(classifier_hint(model, head))
+    elif plan.mismatched:
+        outside = [m for m in plan.mismatched if not inside(m[0], classifier)]
+        problems.append(body_words(outside or plan.mismatched, in_body=bool(outside)))
+        architecture_differs = True
+    differing = {name for name, _, _ in plan.mismatched}
+    reads_some = any(entry.action in ("load", "code") and entry.name not in differing for entry in plan.entries) or \
+        not (plan.missing or plan.mismatched)  # nothing missing or differing: the load reads all the model has
+    if strict and plan.missing and not hint and not architecture_differs and reads_some:
+        # Names that match in part, and a body the checkpoint lacks more of: a larger model of the same family.
+        lacking = [name for name in plan.missing if not inside(name, classifier)]
+        if lacking:
+            problems.append(missing_body_words(lacking))
+            architecture_differs = True
     remedies = []
-    if shapes:  # what --no-strict alone would not get past
-        remedies.append("ignore_mismatched_sizes=True (CLI: --ignore-mismatched-sizes) to initialize the tensors "
-                        "of another shape instead (a new head)")
-    if strict and plan.unexpected and not plan.missing:  # a pipeline stage, a model of part of the checkpoint's
-        remedies.append("ignore_unexpected=True (CLI: --ignore-unexpected) to leave the checkpoint's other tensors "
-                        "unread and still require all of the model's")
-    if strict and (plan.missing or plan.unexpected):
-        remedies.append("strict=False (CLI: --no-strict) to initialize missing and skip unexpected tensors")
-    hint = "; pass " + ", and ".join(remedies) if remedies else ""
+    if not reads_some:  # strict=False, ignore_mismatched_sizes: each would load nothing, which is refused too
+        problems.append("no tensor of the model would be read from the checkpoint as it is, so neither strict=False "
+                        "nor ignore_mismatched_sizes would load anything")
+        if plan.missing and not hint:
+            nearest = nearest_names(plan.missing, plan.unexpected + plan.ignored)
+            if nearest:
+                problems.append(nearest)
+    else:
+        if shapes:  # what --no-strict alone would not get past
+            remedies.append("ignore_mismatched_sizes=True (CLI: --ignore-mismatched-sizes) to initialize "
+                            + ("a new head of the model's size instead" if head is not None
+                               else "the tensors of another shape instead (they are then not the checkpoint's)"))
+        if strict and plan.unexpected and not plan.missing:  # a pipeline stage, a model of part of the checkpoint's
+            remedies.append("ignore_unexpected=True (CLI: --ignore-unexpected) to leave the checkpoint's other tensors "
+                            "unread and still require all of the model's")
+        if names_differ:
+            remedies.append("strict=False (CLI: --no-strict) to initialize missing and skip unexpected tensors")
+    hint = (("; or pass " if head is not None else "; pass ") + ", and ".join(remedies)) if remedies else ""
     raise error(
         "model and checkpoint disagree: " + "; ".join(problems) + hint,
         path=path,
         missing=plan.missing,
         unexpected=plan.unexpected,
         mismatched=[n for n, _, _ in plan.mismatched],
+        architecture_differs=architecture_differs,
     )
+
+
+def _split_absent(plan: Plan) -> tuple[list[str], list[str]]:
+    """:attr:`Plan.not_from_checkpoint` in two: missing from the checkpoint, and in it in another shape."""
+    reinitialized = set(plan.reinitialized)
+    absent = plan.not_from_checkpoint
+    redone = {entry.name for entry in plan.entries if not reinitialized.isdisjoint(entry.names)}
+    return [name for name in absent if name not in redone], [name for name in absent if name in redone]
+
+
+def refuse_loading_nothing(plan: Plan, reinitialized_shapes: list[tuple[str, tuple[int, ...], tuple[int, ...]]]) -> None:
+    """Refuse a plan that reads nothing from the checkpoint while the model has tensors a checkpoint gives.
+
+    ``strict=False``, ``ignore_mismatched_sizes`` and ``ignore_unexpected``
+    each let differences go so that the rest loads; where nothing is left to
+    load, the model would come out initialized and only the report would say
+    so (0 tensors loaded, 0 bytes read): an error instead, naming what lines
+    the names up where something does (a prefix, the nearest names) and
+    calling shapes that all differ another architecture.
+    """
+    if any(entry.action in ("load", "code") for entry in plan.entries) or plan.extra_states or plan.fed_to_load_code:
+        return
+    if not plan.not_from_checkpoint:
+        return  # the model has no tensor a checkpoint gives (every one computed)
+    missing, redone = _split_absent(plan)
+    checkpoint_names = plan.unexpected + plan.ignored
+    if not redone:
+        whose = f"none of the model's {len(missing)} tensors is" if len(missing) != 1 else "the model's one tensor is not"
+        said = [f"nothing would be loaded: {whose} in the checkpoint under its name"]
+    elif not missing:
+        whose = f"each of the model's {len(redone)} tensors" if len(redone) != 1 else "the model's one tensor"
+        said = [f"nothing would be loaded: {whose} the checkpoint holds has another shape there"]
+    else:
+        said = [f"nothing would be loaded: of the model's {len(missing) + len(redone)} tensors, {len(missing)} "
+                f"{'are' if len(missing) != 1 else 'is'} not in the checkpoint under their names and the other "
+                f"{len(redone)} {'have' if len(redone) != 1 else 'has'} another shape there"]
+    if redone:
+        shown = [f"{n} (model {list(m)}, checkpoint {list(c)})" for n, m, c in reinitialized_shapes]
+        said[0] += f", e.g. {summarize_names(shown, limit=2)}"
+    if not checkpoint_names and not redone:
+        said.append("the checkpoint holds no tensor")
+    hint = mismatch_hint(missing, checkpoint_names) if missing else ""
+    nearest = nearest_names(missing, checkpoint_names) if missing and not hint else ""
+    said += [text for text in (hint, nearest) if text]
+    if redone:
+        said.append("the checkpoint was saved from another architecture, or another size of it")
+    said.append("a load that reads nothing would leave the model initialized, not loaded, whatever strict, "
+                "ignore_mismatched_sizes and ignore_unexpected say")
+    raise NothingLoadedError("; ".join(said), path=plan.path, missing=missing, unexpected=plan.unexpected,
+                             mismatched=redone, architecture_differs=bool(redone) or bool(nearest))
+
+
+def warn_if_mostly_not_loaded(plan: Plan) -> None:
+    """Warn where more of the model's tensors get no value from the checkpoint than get one (see
+    :attr:`Plan.not_from_checkpoint`): the load goes on, as asked, and the warning and
+    ``report.mostly_not_loaded`` say what it gave."""
+    taken = len(plan.of("load")) + len(plan.of("code"))
+    if len(plan.not_from_checkpoint) <= taken:
+        return
+    missing, redone = _split_absent(plan)
+    why = []
+    if missing:
+        why.append(f"{len(missing)} missing from it")
+    if redone:
+        why.append(f"{len(redone)} in it in another shape")
+    warning = MostlyInitializedWarning(
+        f"{printable(plan.path)}: {len(missing) + len(redone)} of the model's tensors get no value from the checkpoint "
+        f"({', '.join(why)}), more than the {taken} loaded from it, e.g. {summarize_names(missing + redone, limit=3)}: "
+        "the model is mostly initialized, not the checkpoint's; is it the architecture the checkpoint was saved from?")
+    warnings.warn(warning, stacklevel=_caller_outside_the_package())
+
+
+def _caller_outside_the_package() -> int:
+    """The ``stacklevel`` that names the first caller outside this package: a warning is then the caller's
+    line's, and Python's default filter shows it once per line of the caller's, not once per process."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _raise_for_unmappable_disk(plan: Plan, ckpt: Checkpoint) -> None:

@@ -27,7 +27,7 @@ from torch import nn
 
 from ..errors import summarize_names
 from ..skeleton.modtree import named_modules
-from ..skeleton.spec import BuiltFrom, built_from
+from ..skeleton.provenance import BuiltFrom, built_from
 
 # Names a factory or a model class gives the argument that sizes its classifier, the most usual first.
 CLASS_COUNT_ARGUMENTS = ("num_classes", "num_labels", "n_classes", "nb_classes", "num_class", "n_class", "num_outputs",

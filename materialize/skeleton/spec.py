@@ -30,7 +30,6 @@ import importlib.util
 import os
 import sys
 import warnings
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +42,7 @@ from ..errors import (MaterializeError, MaterializeWarning, MetaInitError, Model
                       torchvision_mismatch)
 from .deferred import deferred_init
 from .meta import meta_init
+from .provenance import remember_built
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -50,37 +50,6 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 ModelSpec = Union[str, os.PathLike, Callable[..., nn.Module]]
-
-
-@dataclass(frozen=True)
-class BuiltFrom:
-    """What :func:`build` made a model from: the spec as given, the callable it names, and the arguments the
-    callable was given (a config file's and the caller's)."""
-
-    spec: ModelSpec
-    factory: Callable[..., nn.Module]
-    args: dict[str, Any]
-
-
-# Weak: remembering a model must not keep it alive. A mismatch error reads it to name the model argument
-# that gives the checkpoint's sizes in the spec's own terms (see materialize.planning.shapehints).
-_BUILT: "weakref.WeakKeyDictionary[nn.Module, BuiltFrom]" = weakref.WeakKeyDictionary()
-
-
-def built_from(model: nn.Module) -> Optional[BuiltFrom]:
-    """The spec :func:`build` (or :func:`build_recorded`) made ``model`` from; None for any other model."""
-    try:
-        return _BUILT.get(model)
-    except TypeError:  # a module that cannot be weakly referenced was never recorded
-        return None
-
-
-def _remembered(model: nn.Module, spec: ModelSpec, factory: Callable[..., nn.Module], args: dict[str, Any]) -> nn.Module:
-    try:
-        _BUILT[model] = BuiltFrom(spec, factory, dict(args))
-    except TypeError:
-        pass
-    return model
 
 
 def read_config(path: Union[str, os.PathLike]) -> dict[str, Any]:
@@ -233,7 +202,7 @@ def build(spec: ModelSpec, **kwargs: Any) -> nn.Module:
     factory, args = resolve_factory(spec)
     args.update(kwargs)
     with meta_init():
-        return _remembered(_called(factory, lambda: factory(**args)), spec, factory, args)
+        return remember_built(_called(factory, lambda: factory(**args)), spec, factory, args)
 
 
 def build_recorded(spec: ModelSpec, **kwargs: Any) -> nn.Module:
@@ -247,13 +216,13 @@ def build_recorded(spec: ModelSpec, **kwargs: Any) -> nn.Module:
     factory, args = resolve_factory(spec)
     args.update(kwargs)
     try:
-        return _remembered(_called(factory, lambda: deferred_init(factory, **args)), spec, factory, args)
+        return remember_built(_called(factory, lambda: deferred_init(factory, **args)), spec, factory, args)
     except MetaInitError as exc:
         warnings.warn(MaterializeWarning(
             f"{first_line(exc)}; built without recording: tensors the checkpoint lacks are initialized by their "
             "modules' reset_parameters()"), stacklevel=2)
     with meta_init():
-        return _remembered(_called(factory, lambda: factory(**args)), spec, factory, args)
+        return remember_built(_called(factory, lambda: factory(**args)), spec, factory, args)
 
 
 def _called(factory: Callable[..., nn.Module], construct: Callable[[], Any]) -> nn.Module:

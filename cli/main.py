@@ -73,13 +73,12 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
 
 @contextmanager
 def _progress(as_json: bool) -> Iterator[Optional[Progress]]:
-    """The library's progress bar on stderr, where a person watches it: stderr is a terminal and no --json.
-
-    stdout is not asked: ``materialize ... > report.txt`` still shows the bar on the terminal, as git shows
-    its progress. Closed before an error is printed, its line cleared (the report that follows says what
-    it said), so every ``Error:`` line starts on a clean line.
+    """The library's progress bar on stderr, where a person watches the command: both stdout and stderr are
+    terminals, and no --json. Output sent to a file or a pipe (``materialize ... > report.txt``, a job's log)
+    is a script's, which has no one to show a bar to. Closed before an error is printed, its line cleared
+    (the report that follows says what it said), so every ``Error:`` line starts on a clean line.
     """
-    if as_json or not sys.stderr.isatty():
+    if as_json or not (sys.stdout.isatty() and sys.stderr.isatty()):
         yield None
         return
     with Progress(sys.stderr, leave=False) as bar:

@@ -15,20 +15,21 @@ import re
 import struct
 import subprocess
 import termios
-from typing import Optional
+from typing import IO, Optional
 
 COLUMNS, ROWS = 120, 40
 _ESCAPE = re.compile(r"\x1b\[(\d*)([A-Za-z])")
 
 
 def run_on_a_terminal(command: list[str], *, env: Optional[dict] = None, cwd: Optional[str] = None,
-                      timeout: float = 300) -> tuple[int, str]:
-    """Run ``command`` with stdout and stderr on one pseudo-terminal of ``COLUMNS`` x ``ROWS``; its exit code
-    and every character the terminal received (its line ends as ``\\r\\n``, as a terminal gets them)."""
+                      timeout: float = 300, stdout_to: Optional[IO[bytes]] = None) -> tuple[int, str]:
+    """Run ``command`` with stdout and stderr on one pseudo-terminal of ``COLUMNS`` x ``ROWS`` (stdout in
+    ``stdout_to`` instead, where given: a redirect to a file); its exit code and every character the terminal
+    received (its line ends as ``\\r\\n``, as a terminal gets them)."""
     main_fd, child_fd = pty.openpty()
     fcntl.ioctl(child_fd, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLUMNS, 0, 0))
-    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=child_fd, stderr=child_fd, close_fds=True,
-                               env=env, cwd=cwd)
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=stdout_to if stdout_to is not None else child_fd,
+                               stderr=child_fd, close_fds=True, env=env, cwd=cwd)
     os.close(child_fd)
     chunks = []
     while True:

@@ -660,6 +660,20 @@ def test_without_a_terminal_nothing_of_the_bar_is_written(tmp_path):
     assert result.stdout.startswith("checkpoint ") and "\r" not in result.stdout
 
 
+def test_output_sent_to_a_file_shows_no_bar_on_the_terminal(tmp_path):
+    # `materialize x > report.txt`: the output is a script's; the terminal left with stderr gets no bar
+    path, spec = write_wide_model(tmp_path)
+    report = tmp_path / "report.txt"
+
+    with report.open("wb") as stdout:
+        code, output = run_on_a_terminal([materialize_command(), str(path), "--model", spec],
+                                         env={**os.environ, "TQDM_MININTERVAL": "0"}, stdout_to=stdout)
+
+    assert code == 0, output
+    assert output == ""
+    assert report.read_text().startswith("checkpoint ")
+
+
 def test_json_output_has_no_progress_bar_even_on_a_terminal(tmp_path):
     path = tmp_path / "model.safetensors"
     tensors = write_small_safetensors(path)

@@ -805,3 +805,28 @@ def test_plan_offers_only_the_options_it_uses():
 
     assert "--mmap" in shown and "--staging-size" in shown
     assert not any(flag in shown for flag in ("--check ", "--check-finite", "--allow-overflow", "--direct-io"))
+
+
+def test_running_out_of_host_memory_says_try_mmap_without_a_gpu_and_following_it_loads(tmp_path):
+    # A MemoryError the library did not turn into its own error (one the reads raise, say): the CLI's last
+    # line of defence suggests a GPU only where there is one, and --mmap, which reads nothing into memory.
+    path = tmp_path / "model.safetensors"
+    tensors = write_small_safetensors(path)
+    reads_fail = (
+        "import sys, materialize.io.executor as e; real = e.Reads.read\n"
+        "def read(self, jobs, **kw):\n"
+        "    if jobs: raise MemoryError()\n"
+        "    return real(self, jobs, **kw)\n"
+        "e.Reads.read = read\n"
+        "from materialize_cli.main import main; sys.argv[0] = 'materialize'; main()"
+    )
+    run = lambda *extra: subprocess.run([sys.executable, "-c", reads_fail, str(path), "--json", *extra],
+                                        capture_output=True, text=True, timeout=300)
+
+    failed = run()
+    assert failed.returncode == 1 and failed.stdout == ""
+    assert failed.stderr == "Error: out of host memory while loading; try --mmap, or a machine with more RAM\n"
+
+    followed = run("--mmap")
+    assert followed.returncode == 0, followed.stderr
+    assert sorted(json.loads(followed.stdout)["mapped"]) == sorted(tensors)

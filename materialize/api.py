@@ -19,7 +19,7 @@ from .integrations.devicemap import DeviceMapLike
 from .dtypes import dtype_name, parse_dtype
 from .checkpoint.pieces import Job
 from .io.executor import reads
-from .errors import AllocationError, ModelRequiredError, ModelSpecError, ReplayError
+from .errors import AllocationError, ModelRequiredError, ModelSpecError, ReplayError, SanitizerError
 from .io.gcpause import gc_paused
 from .integrations.hf import HF_SPEC_PREFIX, build_hf, is_hf_folder, is_transformers_folder
 from .io.hostmem import admit_host_copies, admit_planned, empty_destination, with_whole_load
@@ -42,7 +42,7 @@ from .planning.plan import InitFn, Plan, TensorsPlan
 from .options import IgnoreUnexpected, PlanOptions, ProgressFn, ReadOptions, unexpected_to_ignore
 from .progress import ProgressLike, counted, report_phase, takes_progress
 from .report import Report
-from .sanitizer import nonfinite
+from .sanitizer import audit_plain, nonfinite, poison
 from .skeleton.deferred import program_of
 from .skeleton.meta import buffer_like, parameter_like
 from .skeleton.modtree import named_modules
@@ -108,6 +108,9 @@ def plan(
         if skeleton is None:
             if device_map is not None:
                 raise _no_model_to_place(ckpt)
+            _refuse_model_options(ckpt, {"strict": strict, "key_map": key_map, "init": init, "max_memory": max_memory,
+                                         "ignore_mismatched_sizes": ignore_mismatched_sizes,
+                                         "ignore_unexpected": ignore_unexpected})
             return _tensors_plan(ckpt, device, dtype, mmap, staging_bytes)
         options = PlanOptions(
             device=resolve_device(device if device is not None else default_device(skeleton)), dtype=parse_dtype(dtype),
@@ -126,6 +129,29 @@ def check_memory(the_plan: Union[Plan, TensorsPlan]) -> None:
     load puts there), warn with its ``LowMemoryWarning`` where they fit the machine but not the memory
     available now. ``materialize plan`` calls it after printing the plan."""
     admit_planned(the_plan.fits, the_plan.path, placeable=isinstance(the_plan, Plan))
+
+
+# The options that act on a model's tensors, their values when not given, and their words in the library and
+# the CLI: a plain load of a state dict (no model) has nothing for them to act on.
+MODEL_OPTIONS: dict[str, tuple[Any, str]] = {
+    "strict": (True, "strict=False (CLI: --no-strict)"),
+    "key_map": (None, "key_map (CLI: --strip-prefix, --add-prefix, --rename)"),
+    "init": (None, "init"),
+    "max_memory": (None, "max_memory (CLI: --max-memory)"),
+    "ignore_mismatched_sizes": (False, "ignore_mismatched_sizes (CLI: --ignore-mismatched-sizes)"),
+    "ignore_unexpected": (False, "ignore_unexpected (CLI: --ignore-unexpected, --ignore-unexpected-matching)"),
+}
+
+
+def _refuse_model_options(ckpt: Checkpoint, options: Mapping[str, Any]) -> None:
+    """A plain load keeps every tensor under its own name and reads it whole: options that act on a model's
+    tensors would be ignored there, and a load that quietly ignores what was asked is not the one asked for."""
+    given = [words for option, (default, words) in MODEL_OPTIONS.items()
+             if option in options and options[option] is not default and options[option] != default]
+    if given:
+        raise ModelRequiredError(
+            f"{', '.join(given)} {'acts' if len(given) == 1 else 'act'} on a model's tensors, and without a model this checkpoint loads as a plain dict "
+            "of its tensors: pass a model (CLI: --model SPEC), or leave them out", path=ckpt.path)
 
 
 def _no_model_to_place(ckpt: Checkpoint) -> ModelRequiredError:
@@ -195,17 +221,21 @@ def load_tensors(
     check_finite: bool = False,
     progress: ProgressLike = None,
     direct_io: bool = False,
+    check: bool = False,
 ) -> tuple[dict[str, torch.Tensor], Report]:
     """Materialize every tensor of a checkpoint as a plain dict on ``device``.
 
     ``mmap=True`` (CPU): tensors are copy-on-write views of the files,
     ``direct_io=True`` reads around the page cache, ``state_dict_key``
     picks a training checkpoint's entry, and ``progress`` shows the load, as in :func:`load`.
+    ``check=True``: every tensor read is poisoned when allocated, and after the reads each must hold no poison
+    and have received exactly its bytes from the file, or the load is a :class:`SanitizerError` naming them
+    (see :mod:`materialize.sanitizer`; views of the files, with ``mmap``, are the files' own bytes).
     """
     target = resolve_device(device if device is not None else "cpu")
     cast = parse_dtype(dtype)
     read_options = ReadOptions(mmap=mmap, staging_bytes=staging_bytes, allow_overflow=allow_overflow,
-                               check_finite=check_finite, progress=progress, direct_io=direct_io)
+                               check=check, check_finite=check_finite, progress=progress, direct_io=direct_io)
     maps = mmap and target.type == "cpu"
     started = time.perf_counter()
     announce_opening(progress, checkpoint)
@@ -226,6 +256,8 @@ def load_tensors(
             # torch.load keeps them: the file's bytes are then the tensor's memory, read straight in.
             tensor = empty_destination(info.shape, dtype=wanted, device=target, name=info.name, path=info.path,
                                        stride=info.stride if info.dense_strided else None)
+            if check:
+                poison(tensor)  # whatever the reads leave unwritten is caught by the audit
             jobs.append(Job(tensor, info))
             return tensor
 
@@ -248,6 +280,11 @@ def load_tensors(
             raise
         tensors = {name: made[name] for name in ckpt}
         reader.read(jobs, progress=progress)
+        if check:
+            problems = audit_plain(jobs, reader.counted)
+            if problems:
+                raise SanitizerError(f"check failed for {len(problems)} tensor(s): " + "; ".join(problems),
+                                     path=ckpt.path)
     report = make_report(
         ckpt, target, list(tensors.values()), reader.bytes_read, started, memory, loaded=list(tensors), mapped=mapped,
         bytes_by_device={str(target): plain.total},
@@ -288,8 +325,8 @@ def load_model(
         if skeleton is None:
             if load_options.get("device_map") is not None:
                 raise _no_model_to_place(ckpt)
-            for option in ("strict", "key_map", "init", "device_map", "max_memory", "check", "ignore_mismatched_sizes",
-                           "ignore_unexpected"):
+            _refuse_model_options(ckpt, load_options)
+            for option in (*MODEL_OPTIONS, "device_map"):
                 load_options.pop(option, None)
             return load_tensors(ckpt, **load_options)
         return skeleton, load(skeleton, ckpt, **load_options)

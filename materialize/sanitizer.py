@@ -22,7 +22,7 @@ from .io.fileio import CountingFiles
 from .skeleton.meta import is_lazy
 from .planning.plan import Entry, Plan
 from .integrations.sharded import local_of
-from .checkpoint.pieces import pieces_of
+from .checkpoint.pieces import Job, pieces_of
 from .io.validate import distinct_elements
 
 _FLOAT_POISON_BITS = {
@@ -100,6 +100,25 @@ def audit(plan: Plan, registered: Iterable[tuple[Entry, torch.Tensor]], counts: 
                 problems.append(f"{name}: {read} bytes written from the file, {expected} expected")
         if entry.action != "keep" and is_poisoned(tensor):
             problems.append(f"{name}: still holds poison: never written")
+    return problems
+
+
+def audit_plain(jobs: Iterable[Job], counts: CountingFiles) -> list[str]:
+    """Every violation of "read exactly once" in a load of plain tensors (:func:`~materialize.load_tensors`):
+    each tensor read (those mapped are the files' own bytes) received exactly its bytes and holds no poison.
+    Views of one storage share their job: it is audited once, under the name the read counted."""
+    problems = []
+    for job in jobs:
+        name = job.info.name
+        wrong = []
+        read = counts.bytes_by_tensor.get(name, 0)
+        least, most = _bytes_expected(job.info)
+        if not least <= read <= most:
+            wrong.append(f"{read} bytes written from the file, {str(most) if least == most else f'{least} to {most}'} expected")
+        if is_poisoned(job.dest):
+            wrong.append("still holds poison: never written")
+        if wrong:
+            problems.append(f"{name}: {', '.join(wrong)}")
     return problems
 
 

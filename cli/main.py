@@ -12,6 +12,7 @@ import click
 
 import materialize as mz
 from materialize.errors import summarize_names
+from materialize.integrations.hub import resolve as resolve_source
 from materialize.progress import Progress, above_the_bar
 from materialize.sizes import format_bytes
 from materialize.text import printable
@@ -223,14 +224,19 @@ def load_command(checkpoint: str, as_json: bool, debug: bool, **options: Any) ->
 @checkpoint_argument
 @click.option("--trust-pickle", is_flag=True, help="Allow a pickled model (torch.save(model)).")
 @state_dict_key_option
+@click.option("--revision", metavar="REV", help="Hub revision (branch, tag or commit) when CHECKPOINT is a repo id.")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 @click.option("--debug", is_flag=True, help="Show the traceback of an error.")
-def inspect_command(checkpoint: str, trust_pickle: bool, state_dict_key: Optional[str], as_json: bool,
-                    debug: bool) -> None:
-    """List tensors, dtypes, shapes and shards; reads no tensor data."""
+def inspect_command(checkpoint: str, trust_pickle: bool, state_dict_key: Optional[str], revision: Optional[str],
+                    as_json: bool, debug: bool) -> None:
+    """List tensors, dtypes, shapes and shards; reads no tensor data.
+
+    CHECKPOINT is a file, a shard index, a folder or a hub repo id (org/name), as for a load.
+    """
 
     def action() -> None:
-        with mz.open_checkpoint(checkpoint, trust_pickle=trust_pickle, state_dict_key=state_dict_key) as ckpt:
+        source = resolve_source(checkpoint, revision=revision)  # a hub id as a load finds it; a path as it is
+        with mz.open_checkpoint(source, trust_pickle=trust_pickle, state_dict_key=state_dict_key) as ckpt:
             _emit(as_json, lambda: mz.inspect(ckpt), lambda: _inspect_lines(ckpt), str(ckpt.path))
 
     _run(debug, action, inspecting=True)

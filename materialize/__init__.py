@@ -29,7 +29,7 @@ _EXPORTS = {
     "open_checkpoint": "checkpoint",
     "Checkpoint": "checkpoint",
     "TensorInfo": "checkpoint",
-    "inspect": "checkpoint.summary",
+    "inspect": "inspection",
     "load": "loading",
     "load_model": "api",
     "load_tensors": "api",
@@ -90,7 +90,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from .checkpoint import Checkpoint, TensorInfo, open_checkpoint
-    from .checkpoint.summary import inspect
+    from .inspection import inspect
     from .conversion import ConvertReport, convert
     from .errors import (
         AllocationError,

@@ -358,3 +358,20 @@ def test_a_path_starting_with_a_tilde_is_suggested_expanded_where_that_exists(tm
     tensors, _ = mz.load_tensors(suggested)
 
     assert suggested == str(tmp_path / "models" / "model.safetensors") and sorted(tensors) == sorted(_state())
+
+
+def test_inspect_takes_a_repo_id_as_a_load_does_in_the_cli_and_the_library(tmp_path):
+    cache, _, _ = _offline_cache_with_outside(tmp_path)
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    in_python = f"import json, materialize as mz; print(json.dumps(mz.inspect({REPO!r}, revision='main')))"
+
+    printed = subprocess.run([CLI, "inspect", REPO, "--revision", "main", "--json"], capture_output=True, text=True,
+                             env=env, timeout=300)
+    returned = subprocess.run([sys.executable, "-c", in_python], capture_output=True, text=True, env=env, timeout=300)
+
+    assert printed.returncode == 0, printed.stderr
+    assert returned.returncode == 0, returned.stderr
+    summary = json.loads(printed.stdout)
+    assert summary == json.loads(returned.stdout)
+    assert Path(summary["path"]).is_relative_to(cache)
+    assert sorted(t["name"] for t in summary["tensors"]) == sorted(_state())

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "materialize"
 FOLDERS = {"checkpoint", "skeleton", "planning", "io", "integrations"}
 TOP_LEVEL = {"__init__", "api", "options", "loading", "conversion", "sanitizer", "errors", "report", "dtypes", "sizes",
-             "text", "progress"}
+             "text", "progress", "inspection"}
 
 
 def module_name(path: Path) -> str:

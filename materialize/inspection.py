@@ -4,22 +4,25 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from . import Checkpoint, CheckpointLike, opened
+from .checkpoint import Checkpoint, CheckpointLike, opened
+from .integrations.hub import resolve
 
 
-def inspect(checkpoint: CheckpointLike, *, trust_pickle: bool = False,
-            state_dict_key: Optional[str] = None) -> dict[str, Any]:
+def inspect(checkpoint: CheckpointLike, *, trust_pickle: bool = False, state_dict_key: Optional[str] = None,
+            revision: Optional[str] = None) -> dict[str, Any]:
     """Describe a checkpoint without reading any tensor data: the dict ``materialize inspect --json`` prints.
 
-    ``checkpoint`` is anything :func:`open_checkpoint` opens, or an open :class:`Checkpoint` (left open);
-    ``trust_pickle`` and ``state_dict_key`` are as there. The dict holds ``path``, ``format``,
+    ``checkpoint`` is anything :func:`open_checkpoint` opens, a hub repo id (``org/name``, at ``revision``,
+    found as :func:`load_model` finds it), or an open
+    :class:`Checkpoint` (left open); ``trust_pickle`` and ``state_dict_key`` are as there. The dict holds ``path``, ``format``,
     ``state_dict_key`` (the entry taken, or ``None``), ``shards`` (each file's path), ``tensor_count``,
     ``nbytes``, ``metadata`` (a safetensors header's, or an index's) and ``tensors``: one dict per tensor
     with its ``name``, ``dtype`` (torch's name, ``"bfloat16"``), ``shape`` (a list), ``nbytes``, ``file``
     (the name of the file holding it) and ``offset`` (where its bytes start in that file). Every value is
     JSON-ready; names are as the file spells them (the CLI's text form escapes them for a terminal).
     """
-    with opened(checkpoint, trust_pickle, state_dict_key) as ckpt:
+    source = checkpoint if isinstance(checkpoint, Checkpoint) else resolve(checkpoint, revision=revision)
+    with opened(source, trust_pickle, state_dict_key) as ckpt:
         return _described(ckpt)
 
 

@@ -131,15 +131,15 @@ def check_memory(the_plan: Union[Plan, TensorsPlan]) -> None:
     admit_planned(the_plan.fits, the_plan.path, placeable=isinstance(the_plan, Plan))
 
 
-# The options that act on a model's tensors, their values when not given, and their words in the library and
-# the CLI: a plain load of a state dict (no model) has nothing for them to act on.
+# The options that act on a model's tensors, their values when not given, and their words in the CLI and the
+# library: a plain load of a state dict (no model) has nothing for them to act on.
 MODEL_OPTIONS: dict[str, tuple[Any, str]] = {
-    "strict": (True, "strict=False (CLI: --no-strict)"),
-    "key_map": (None, "key_map (CLI: --strip-prefix, --add-prefix, --rename)"),
+    "strict": (True, "--no-strict (strict=False)"),
+    "key_map": (None, "--strip-prefix, --add-prefix, --rename (key_map)"),
     "init": (None, "init"),
-    "max_memory": (None, "max_memory (CLI: --max-memory)"),
-    "ignore_mismatched_sizes": (False, "ignore_mismatched_sizes (CLI: --ignore-mismatched-sizes)"),
-    "ignore_unexpected": (False, "ignore_unexpected (CLI: --ignore-unexpected, --ignore-unexpected-matching)"),
+    "max_memory": (None, "--max-memory (max_memory)"),
+    "ignore_mismatched_sizes": (False, "--ignore-mismatched-sizes (ignore_mismatched_sizes)"),
+    "ignore_unexpected": (False, "--ignore-unexpected, --ignore-unexpected-matching (ignore_unexpected)"),
 }
 
 

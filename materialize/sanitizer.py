@@ -111,8 +111,10 @@ def audit_plain(jobs: Iterable[Job], counts: CountingFiles) -> list[str]:
     for job in jobs:
         name = job.info.name
         wrong = []
-        read = counts.bytes_by_tensor.get(name, 0)
-        least, most = _bytes_expected(job.info)
+        # Counted by name: the chunks of a DCP tensor (a stacked source) each count under their own.
+        pieces = pieces_of(job.info)
+        read = sum(counts.bytes_by_tensor.get(piece_name, 0) for piece_name in {piece.info.name for piece in pieces})
+        least, most = map(sum, zip(*(_bytes_expected(piece.info) for piece in pieces)))
         if not least <= read <= most:
             wrong.append(f"{read} bytes written from the file, {str(most) if least == most else f'{least} to {most}'} expected")
         if is_poisoned(job.dest):

@@ -74,11 +74,11 @@ def test_the_cli_check_on_a_plain_load_fails_where_a_read_is_lost(tmp_path):
 
 
 MODEL_ONLY = [
-    (["--no-strict"], {"strict": False}, "strict=False (CLI: --no-strict)"),
-    (["--strip-prefix", "model."], {"key_map": mz.KeyMap.strip_prefix("model.")}, "key_map (CLI: --strip-prefix"),
-    (["--ignore-mismatched-sizes"], {"ignore_mismatched_sizes": True}, "ignore_mismatched_sizes"),
-    (["--ignore-unexpected"], {"ignore_unexpected": True}, "ignore_unexpected"),
-    (["--max-memory", "cpu=1GiB"], {"max_memory": {"cpu": "1GiB"}}, "max_memory (CLI: --max-memory)"),
+    (["--no-strict"], {"strict": False}, "--no-strict (strict=False)"),
+    (["--strip-prefix", "model."], {"key_map": mz.KeyMap.strip_prefix("model.")}, "--strip-prefix, --add-prefix, --rename (key_map)"),
+    (["--ignore-mismatched-sizes"], {"ignore_mismatched_sizes": True}, "--ignore-mismatched-sizes (ignore_mismatched_sizes)"),
+    (["--ignore-unexpected"], {"ignore_unexpected": True}, "--ignore-unexpected, --ignore-unexpected-matching (ignore_unexpected)"),
+    (["--max-memory", "cpu=1GiB"], {"max_memory": {"cpu": "1GiB"}}, "--max-memory (max_memory)"),
 ]
 
 

@@ -35,7 +35,6 @@ from .loading import (
     planned,
     refresh_flat_weights,
     announce_opening,
-    shown_name,
 )
 from .io.peak import PeakMemory
 from .planning.plan import InitFn, Plan, TensorsPlan
@@ -86,9 +85,8 @@ def plan(
     :func:`load_tensors`: a :class:`TensorsPlan`, whose ``to_dict()`` has the
     keys of a :class:`Plan`'s (``"into"``: ``"dict"``, not ``"model"``) and
     whose ``fits`` is the same verdict; the options about a model (``strict``,
-    ``key_map``, ``init``, ``ignore_*``, ``max_memory``) are ignored, as that
-    load ignores them, and a ``device_map`` is a :class:`ModelRequiredError`,
-    as there. ``device`` and ``state_dict_key`` (a training checkpoint's entry)
+    ``key_map``, ``init``, ``ignore_*``, ``max_memory``, ``device_map``) are a
+    :class:`ModelRequiredError`, as there. ``device`` and ``state_dict_key`` (a training checkpoint's entry)
     are as in :func:`load`.
 
     ``plan.fits`` compares the memory each device will need (for ``"cpu"``,
@@ -146,12 +144,12 @@ MODEL_OPTIONS: dict[str, tuple[Any, str]] = {
 def _refuse_model_options(ckpt: Checkpoint, options: Mapping[str, Any]) -> None:
     """A plain load keeps every tensor under its own name and reads it whole: options that act on a model's
     tensors would be ignored there, and a load that quietly ignores what was asked is not the one asked for."""
-    given = [words for option, (default, words) in MODEL_OPTIONS.items()
-             if option in options and options[option] is not default and options[option] != default]
+    given = [words for option, (default, words) in MODEL_OPTIONS.items() if options.get(option, default) != default]
     if given:
+        verb = "acts" if len(given) == 1 else "act"
         raise ModelRequiredError(
-            f"{', '.join(given)} {'acts' if len(given) == 1 else 'act'} on a model's tensors, and without a model this checkpoint loads as a plain dict "
-            "of its tensors: pass a model (CLI: --model SPEC), or leave them out", path=ckpt.path)
+            f"{', '.join(given)} {verb} on a model's tensors, and without a model this checkpoint loads as a plain "
+            "dict of its tensors: pass a model (CLI: --model SPEC), or leave them out", path=ckpt.path)
 
 
 def _no_model_to_place(ckpt: Checkpoint) -> ModelRequiredError:
@@ -355,8 +353,8 @@ def _opened_with_skeleton(
     :func:`~materialize.skeleton.spec.build_recorded`, so what the checkpoint
     lacks is made as eager construction made it. ``progress`` is told each step.
     """
+    announce_opening(progress, source)  # before a hub id's download, which is part of the opening
     if not isinstance(source, Checkpoint):
-        report_phase(progress, f"opening {shown_name(source)}")  # before a hub id's download, which is part of it
         source = resolve_source(source, revision=revision)
     folder = None if isinstance(source, Checkpoint) else Path(source)
     with opened(source, trust_pickle, state_dict_key) as ckpt:

@@ -58,7 +58,7 @@ from .errors import ConvertWarning, ExpansionError, MaterializeError, ModelSpecE
 from .io.fileio import byte_view
 from .io.gcpause import gc_paused
 from .io.hostmem import empty_destination
-from .loading import DtypeLike, shown_name
+from .loading import DtypeLike, announce_opening
 from .integrations.hub import resolve as resolve_source
 from .sizes import format_bytes, parse_size
 from .text import printable
@@ -207,8 +207,7 @@ def convert(
     destination = Path(dst)
     single_file = destination.suffix == ".safetensors"
     merging = check_destination(destination, single_file=single_file, overwrite=overwrite)
-    if not isinstance(src, Checkpoint):
-        report_phase(progress, f"opening {shown_name(src)}")  # before a hub id's download, which is part of it
+    announce_opening(progress, src)  # before a hub id's download, which is part of the opening
     source = src if isinstance(src, Checkpoint) else resolve_source(src, revision=revision)
     with opened(source, trust_pickle, state_dict_key) as ckpt:
         if ckpt.extra_states:

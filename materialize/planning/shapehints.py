@@ -25,7 +25,6 @@ from typing import Any, Optional
 
 from torch import nn
 
-from ..errors import summarize_names
 from ..skeleton.modtree import named_modules
 from ..skeleton.provenance import BuiltFrom, built_from
 

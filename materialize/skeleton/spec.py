@@ -31,7 +31,6 @@ import os
 import sys
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Optional, Union

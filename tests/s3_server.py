@@ -235,6 +235,17 @@ def _check_unsigned_requests_as_s3_does() -> None:
 
     ActionAuthenticatorMixin._authenticate_and_authorize_action = authenticate_and_authorize
 
+    # moto asks a bucket policy for "s3:HeadObject" on an unsigned HEAD, which no policy grants; S3 authorizes a
+    # HEAD by s3:GetObject (there is no HeadObject permission), so a public object answers HEAD as it answers GET.
+    from moto.s3.models import FakeBucket
+
+    asked_by_moto = FakeBucket.get_permission
+
+    def get_permission(self: Any, action: str, resource: str) -> Any:
+        return asked_by_moto(self, "s3:GetObject" if action == "s3:HeadObject" else action, resource)
+
+    FakeBucket.get_permission = get_permission
+
 
 def _query(response: Any) -> dict[str, str]:
     from urllib.parse import parse_qsl, urlsplit
@@ -318,6 +329,9 @@ def _expired(query: dict[str, str]) -> bool:
     return signed_at + int(query["X-Amz-Expires"]) < time.time()
 
 
+_PERMISSION_OF = {"HeadObject": "GetObject", "HeadBucket": "ListBucket"}
+
+
 def _check_anonymous(response: Any, resource: str) -> None:
     """No signature: allowed where the bucket's policy allows anyone the action, or the object's ACL is public-read."""
     from moto.iam.access_control import PermissionResult
@@ -327,7 +341,9 @@ def _check_anonymous(response: Any, resource: str) -> None:
 
     backend = s3_backends[response.current_account][get_partition(response.region)]
     bucket = backend.buckets.get(response.bucket_name or "")
-    action = f"s3:{response._get_action()}"
+    # S3 authorizes a HEAD by the permission of its GET (HeadObject is no IAM action; HeadBucket is ListBucket)
+    named = response.data.get("Action") or response._get_action()  # what moto's S3 handler set, where it did
+    action = "s3:" + _PERMISSION_OF.get(named, named)
     if bucket is not None:
         allowed = bucket.get_permission(action, resource)
         if allowed == PermissionResult.PERMITTED:

@@ -42,6 +42,10 @@ BACKOFF_FIRST = 0.25  # seconds before the first retry; doubled each time, with 
 BACKOFF_MOST = 20.0
 RETRY_AFTER_MOST = 60.0
 ERROR_BODY_BYTES = 4096  # of an error answer, read for its message
+# A body is received at most this much per call: a call cut short by a reset reports no count (the bytes it
+# received are in place, but unknown), so a retry resumes after the last whole call; larger calls only save
+# calls, at a microsecond or two each.
+RECEIVE_BYTES = 1024 * 1024
 
 Target = Callable[[], tuple[str, dict[str, str]]]  # the URL and headers of a request, made anew for each (signatures expire)
 
@@ -161,6 +165,7 @@ class Transport:
                                                 path=url) from None
                 self._pause(attempt, failure.wait)
             except (OSError, http.client.HTTPException) as exc:
+                _refuse_if_lasting(exc, url)
                 attempt += 1
                 if attempt > self.options.retries:
                     raise CheckpointAccessError(f"{what} failed after {self.options.retries} retries: "
@@ -253,6 +258,7 @@ class Transport:
             try:
                 response, connection, where = self._send("GET", url, headers)
             except (OSError, http.client.HTTPException) as exc:
+                _refuse_if_lasting(exc, url)
                 raise _Retryable(_describe(exc)) from None
             status = response.status
             if status in REDIRECT_STATUS and response.getheader("Location"):
@@ -275,7 +281,7 @@ class Transport:
                 filled = 0
                 while filled < len(view):
                     try:
-                        got = response.readinto(view[filled:])
+                        got = response.readinto(view[filled:filled + RECEIVE_BYTES])
                     except (OSError, http.client.HTTPException) as exc:
                         raise _Retryable(f"{_describe(exc)} after {received + filled} of {want} bytes",
                                          received + filled) from None
@@ -427,6 +433,19 @@ def _server_words(body: bytes) -> str:
     if message:
         words += ": " + message[1].decode("utf-8", "replace")
     return f" {words}"
+
+
+def _refuse_if_lasting(exc: BaseException, url: str) -> None:
+    """Failures no retry mends, refused at once: a host name that does not resolve, nothing listening, a
+    certificate this machine does not trust (a private CA: name its bundle)."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        raise CheckpointAccessError(f"its TLS certificate is not trusted ({exc.verify_message}): for a private CA "
+                                    "give its bundle (RemoteOptions(ca_bundle=...); AWS_CA_BUNDLE for s3://)",
+                                    path=url) from None
+    if isinstance(exc, socket.gaierror):
+        raise CheckpointAccessError(f"cannot resolve host {urlsplit(url).hostname!r}", path=url) from None
+    if isinstance(exc, ConnectionRefusedError):
+        raise CheckpointAccessError(f"connection refused: nothing listens at {urlsplit(url).netloc}", path=url) from None
 
 
 def _describe(exc: BaseException) -> str:

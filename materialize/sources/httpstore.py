@@ -20,11 +20,12 @@ from .http import Transport
 from .remotepath import ObjectInfo, RemotePath
 from .settings import RemoteOptions
 
-# What a checkpoint folder is recognised by (see materialize.checkpoint.pick_from_folder), and config.json, which
-# makes it a Hugging Face model folder.
+# What a checkpoint folder is recognised by (see materialize.checkpoint.pick_from_folder), config.json, which makes
+# it a Hugging Face model folder, and the small files a conversion copies beside its output.
 FOLDER_NAMES = (
     "model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin",
-    "consolidated.safetensors", ".metadata", "config.json",
+    "consolidated.safetensors", ".metadata", "config.json", "generation_config.json", "tokenizer.json",
+    "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
 )
 
 

@@ -200,14 +200,6 @@ def test_an_object_rewritten_during_the_load_is_an_error_not_a_mixed_model(serve
             mz.load_tensors(ckpt)
 
 
-def test_a_token_the_server_wants_is_asked_for_in_one_line(tmp_path):
-    write_safetensors({"w": torch.zeros(4)}, tmp_path / "model.safetensors")
-    with RangeServer(tmp_path, token="sekret") as server:
-        run = subprocess.run([CLI, f"{server.url}/model.safetensors"], capture_output=True, text=True)
-    assert run.returncode == 1
-    assert run.stderr.count("\n") == 1 and "access refused (HTTP 401)" in run.stderr
-
-
 def test_redirects_are_followed_and_credentials_stay_with_their_host(tmp_path):
     (tmp_path / "cdn").mkdir()
     state = {"w": torch.randn(128, 128)}
@@ -322,3 +314,20 @@ def test_nothing_listening_is_refused_at_once_not_retried(tmp_path):
         port = probe.getsockname()[1]  # free once closed
     with pytest.raises(mz.CheckpointAccessError, match="connection refused"):
         mz.load_tensors(f"http://127.0.0.1:{port}/model.safetensors")
+
+
+def test_a_server_wanting_a_token_says_how_to_send_one_and_sending_it_works(tmp_path):
+    state = {"w": torch.randn(32, 32)}
+    write_safetensors(state, tmp_path / "model.safetensors")
+    with RangeServer(tmp_path, token="sekret") as server:
+        url = f"{server.url}/model.safetensors"
+        refused = subprocess.run([CLI, url], capture_output=True, text=True)
+        assert refused.returncode == 1 and refused.stderr.count("\n") == 1
+        assert "--header 'Authorization: Bearer TOKEN'" in refused.stderr
+        followed = subprocess.run([CLI, url, "--header", "Authorization: Bearer sekret", "--json"],
+                                  capture_output=True, text=True)
+        assert followed.returncode == 0, followed.stderr
+        wrong = subprocess.run([CLI, url, "--header", "Authorization: Bearer nope"], capture_output=True, text=True)
+        assert wrong.returncode == 1 and "credentials sent were refused" in wrong.stderr
+        got, _ = mz.load_tensors(url, remote=mz.RemoteOptions(headers={"Authorization": "Bearer sekret"}))
+    _same_tensors(got, state)

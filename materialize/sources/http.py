@@ -172,6 +172,12 @@ class Transport:
                                                 f"{_describe(exc)}", path=url) from None
                 self._pause(attempt, None)
 
+    def remember_redirect(self, url: str, target: str) -> None:
+        """Send the GETs of ``url`` to ``target`` (where a HEAD was redirected): the conditions of a GET (its
+        ``If-Match``) then meet the server holding the bytes, not the one that names them."""
+        with self._lock:
+            self._redirects[url] = target
+
     def _head_once(self, url: str, headers: Mapping[str, str]) -> Answer:
         current, sent = url, dict(headers)
         for _ in range(MAX_REDIRECTS + 1):
@@ -199,7 +205,7 @@ class Transport:
     # --- ranged reads ------------------------------------------------------------------------------------------
 
     def read_into(self, target: Target, offset: int, views: list[memoryview], *, size: int, etag: Optional[str],
-                  name: str, tensor: str) -> None:
+                  name: str, tensor: Optional[str]) -> None:
         """Fill ``views`` in turn with bytes ``offset`` on of the object ``target`` names (``size`` bytes long,
         tagged ``etag``), in parallel parts of ``options.part_bytes``. ``name`` is its URL for messages."""
         parts = _split(offset, views, self.options.part_bytes)
@@ -224,7 +230,7 @@ class Transport:
             return self._executor
 
     def _read_part(self, target: Target, start: int, views: list[memoryview], *, size: int, etag: Optional[str],
-                   name: str, tensor: str) -> None:
+                   name: str, tensor: Optional[str]) -> None:
         total = sum(len(view) for view in views)
         received, attempt = 0, 0
         while received < total:
@@ -245,7 +251,7 @@ class Transport:
                 self._pause(attempt, failure.wait)
 
     def _get(self, target: Target, start: int, views: list[memoryview], *, size: int, etag: Optional[str],
-             name: str, tensor: str) -> None:
+             name: str, tensor: Optional[str]) -> None:
         want = sum(len(view) for view in views)
         end = start + want - 1
         origin, headers = target()
@@ -299,7 +305,7 @@ class Transport:
             self._finish(response, connection, where)
 
     def _check_answer(self, response: http.client.HTTPResponse, start: int, end: int, *, size: int,
-                      etag: Optional[str], name: str, tensor: str, first: str) -> None:
+                      etag: Optional[str], name: str, tensor: Optional[str], first: str) -> None:
         status = response.status
         if status in (200, 206):
             got_tag = response.getheader("ETag")

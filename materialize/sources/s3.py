@@ -142,7 +142,7 @@ class S3Store:
             self._urls[key] = (url, now)
         return url
 
-    def read_into(self, key: str, offset: int, views: list[memoryview], *, tensor: str) -> None:
+    def read_into(self, key: str, offset: int, views: list[memoryview], *, tensor: Optional[str]) -> None:
         info = self.stat(key)
         if info is None:
             raise CheckpointNotFoundError("no such object", path=self.url(key), tensor=tensor)

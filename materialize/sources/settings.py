@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Optional
 
 MiB = 1024 * 1024
@@ -30,6 +31,9 @@ class RemoteOptions:
         anonymous: read S3 without credentials (a public bucket); the CLI's ``--no-sign-request``.
         ca_bundle: a PEM file of certificate authorities for HTTPS (else ``AWS_CA_BUNDLE`` for S3, else the
             system's).
+        headers: sent with every request to an ``http(s)://`` source's server (``{"Authorization": "Bearer
+            ..."}`` for a private one); never to another host a redirect leads to. Not used for ``s3://``
+            (signed) or the hub (``HF_TOKEN``).
     """
 
     connections: int = 16
@@ -38,6 +42,7 @@ class RemoteOptions:
     retries: int = 8
     anonymous: bool = False
     ca_bundle: Optional[str] = None
+    headers: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.connections < 1:
@@ -48,3 +53,6 @@ class RemoteOptions:
             raise ValueError(f"timeout: expected a positive number of seconds, got {self.timeout}")
         if self.retries < 0:
             raise ValueError(f"retries: expected 0 or more, got {self.retries}")
+        for name, value in self.headers.items():
+            if not name or any(c in name + value for c in "\r\n\0") or ":" in name:
+                raise ValueError(f"headers: {name!r} is not a header name and value HTTP can send")

@@ -21,6 +21,7 @@ from torch import nn
 
 from conftest import TINY, hub_cache, reference_model, saved_state, write_sharded
 from fake_hub import FakeHub
+from gcs_server import GcsServer
 from s3_server import S3Server
 from vision import import_torchvision, pythonpath_with_shim
 
@@ -76,9 +77,11 @@ def test_every_relative_link_of_the_readme_and_docs_resolves():
 @pytest.fixture(scope="module")
 def fixtures(tmp_path_factory):
     """Every file the snippets name, tiny, and the environment their commands run in: with an S3 server holding
-    ``s3://bucket/llama/`` and a stand-in hub serving ``tiny-org/tiny-llama``, both on 127.0.0.1 (docs/remote.md)."""
+    ``s3://bucket/llama/``, a stand-in GCS holding ``gs://bucket/llama/`` (a service account's key for it), and a
+    stand-in hub serving ``tiny-org/tiny-llama``, all on 127.0.0.1 (docs/remote.md)."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("moto")
+    pytest.importorskip("google.auth")
     if import_torchvision() is None:
         pytest.skip("timm and torchvision are not installed (make test-oldest's venvs)")
     import timm
@@ -101,12 +104,17 @@ def fixtures(tmp_path_factory):
     transformers.BertModel(bert).save_pretrained(folder / "tiny-bert")
     cache = hub_cache(folder, folder / "tiny-llama", "tiny-org/tiny-llama")
     shutil.copytree(folder / "tiny-llama", folder / "hub" / "tiny-org" / "tiny-llama")
-    with S3Server() as s3, FakeHub(folder / "hub") as hub:
+    (folder / "gcloud").mkdir()  # gcloud's configuration: none of this machine's
+    with S3Server() as s3, FakeHub(folder / "hub") as hub, GcsServer(folder / "gcs") as gcs:
         s3.make_bucket("bucket")
+        gcs.make_bucket("bucket")
         for path in sorted((folder / "tiny-llama").iterdir()):
             s3.put("bucket", f"llama/{path.name}", path)
-        env = {**pythonpath_with_shim(folder), **s3.env(), "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
-               "HF_ENDPOINT": hub.endpoint}
+            gcs.put("bucket", f"llama/{path.name}", path)
+        google = {**gcs.env(), "GOOGLE_APPLICATION_CREDENTIALS": str(gcs.service_account_file(folder / "key.json")),
+                  "CLOUDSDK_CONFIG": str(folder / "gcloud"), "NO_GCE_CHECK": "true"}
+        env = {**pythonpath_with_shim(folder), **s3.env(), **google, "HF_HUB_CACHE": str(cache),
+               "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": hub.endpoint}
         yield folder, env
 
 

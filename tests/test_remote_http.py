@@ -231,8 +231,10 @@ def test_a_missing_object_and_an_unknown_scheme_are_one_line_errors(served):
     root, server = served
     with pytest.raises(mz.CheckpointNotFoundError, match="no such object"):
         mz.load_tensors(f"{server.url}/absent.safetensors")
-    with pytest.raises(mz.CheckpointError, match="gs:// sources are not read"):
-        mz.load_tensors("gs://bucket/model.safetensors")
+    with pytest.raises(mz.CheckpointError, match="az:// sources are not read.*https:// URL of the blob"):
+        mz.load_tensors("az://container/model.safetensors")
+    with pytest.raises(mz.CheckpointError, match=r"ftp:// sources are not read by this build \(it reads .*gs://"):
+        mz.load_tensors("ftp://host/model.safetensors")
 
 
 def test_convert_from_a_folder_url_writes_what_converting_the_local_folder_writes(served, tmp_path):

@@ -40,6 +40,7 @@ from ..options import ProgressFn
 from .fileio import MAX_IOVECS, FileSet, Part, byte_view
 from .hostmem import prefault
 from .kernelthreads import set_this_threads_kernel_threads
+from ..sources.remotepath import is_remote
 from .scatter import RowScatter, row_scatter
 from .transfer import Completion, CopyStartError, Staging, on_callers_streams, wait_all
 
@@ -128,11 +129,11 @@ def stream(
     # cold loads 1.7x slower here (the doubled read-ahead window of one shared
     # read-ahead state, thrashed by interleaved chunks); the default window is
     # what a cold read of all cores wants (bench: cold rows).
-    threads = reader_threads or default_reader_threads()
+    threads = reader_threads or _threads_for(everything)
     if direct:
         _run_direct(direct, files, tracker, threads)
     if cast:
-        _run_cpu_cast(cast, files, tracker, reader_threads or default_cast_threads(), checked)
+        _run_cpu_cast(cast, files, tracker, reader_threads or _threads_for(cast, default_cast_threads()), checked)
     for device in dict.fromkeys(job.dest.device for job in staged):
         staging = staging_factory(device)
         try:
@@ -143,6 +144,14 @@ def stream(
     if strided:
         _run_strided(strided, files, tracker, threads, checked)
     return tracker.done
+
+
+def _threads_for(jobs: list[Job], local: Optional[int] = None) -> int:
+    """Reader threads for ``jobs``: per core for local files; for a remote source, as many as the requests it
+    keeps in flight (each thread waits on its GET, the cores are not what bounds it)."""
+    local = local or default_reader_threads()
+    remote = next((job.info.path for job in jobs if is_remote(job.info.path)), None)
+    return max(local, remote.connections) if remote is not None else local
 
 
 def _flattened_if_same_dense_layout(job: Job) -> Job:

@@ -129,6 +129,11 @@ class RemotePath:
         return (isinstance(other, RemotePath) and other.store is self.store
                 and (not other.key or self.key == other.key or self.key.startswith(other.key + "/")))
 
+    @property
+    def connections(self) -> int:
+        """Requests its store keeps in flight at once (``RemoteOptions.connections``)."""
+        return self.store.transport.options.connections
+
     def info(self) -> ObjectInfo:
         """The object's size and tag; a missing object is a :class:`CheckpointNotFoundError` naming its URL."""
         found = self.store.stat(self.key)

@@ -38,7 +38,7 @@ class RemoteOptions:
     """
 
     connections: int = 16
-    part_bytes: int = 8 * MiB
+    part_bytes: int = 16 * MiB
     timeout: float = 60.0
     retries: int = 8
     anonymous: bool = False

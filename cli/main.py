@@ -12,7 +12,8 @@ import click
 
 import materialize as mz
 from materialize.errors import summarize_names
-from materialize.integrations.hub import resolve as resolve_source
+from materialize.integrations.hub import looks_like_repo_id, resolve as resolve_source
+from materialize.sources import is_url
 from materialize.progress import Progress, above_the_bar
 from materialize.sizes import format_bytes
 from materialize.text import printable
@@ -128,6 +129,18 @@ model_options = [
     click.option("--json", "as_json", is_flag=True, help=JSON_HELP),
     click.option("--debug", is_flag=True, help="Show the traceback of an error."),
 ]
+remote_options = [  # how a URL (s3://, https://) or a streamed hub repo is read: docs/remote.md
+    click.option("--stream", is_flag=True,
+                 help="CHECKPOINT is a hub repo id: read its weights from the hub by ranged GETs, downloading none "
+                      "(config and index are fetched)."),
+    click.option("--connections", type=click.IntRange(min=1), default=None, metavar="N",
+                 help="Requests in flight at once for a URL or --stream (default 16)."),
+    click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
+                 help="Seconds without an answer's next bytes before a request is retried (default 60)."),
+    click.option("--retries", type=click.IntRange(min=0), default=None, metavar="N",
+                 help="Retries of a failed request, each resuming where it stopped (default 8)."),
+    click.option("--no-sign-request", "anonymous", is_flag=True, help="Read s3:// unsigned (a public bucket)."),
+]
 memory_options = [  # a plan's memory estimate depends on them too
     click.option("--mmap", is_flag=True, help="CPU only: tensors become copy-on-write views of the files (zero-copy)."),
     click.option("--staging-size", "staging_bytes", type=SIZE, default=None, help="Pinned host memory for GPU loads (default 64MiB)."),
@@ -151,11 +164,32 @@ def key_map_from(strip_prefix: Optional[str], add_prefix: Optional[str], renames
     return sum(parts[1:], parts[0]) if parts else None
 
 
+def remote_from(options: dict[str, Any]) -> Optional[mz.RemoteOptions]:
+    """The remote options given (removed from ``options``), or ``None`` where none was."""
+    given = {name: options.pop(option) for option, name in (("connections", "connections"),
+             ("request_timeout", "timeout"), ("retries", "retries"), ("anonymous", "anonymous"))}
+    given = {name: value for name, value in given.items() if value not in (None, False)}
+    return mz.RemoteOptions(**given) if given else None
+
+
+def refuse_unusable_source(checkpoint: str, options: dict[str, Any]) -> None:
+    """What cannot apply to this CHECKPOINT is a usage error (exit 2), before anything is read."""
+    remote = is_url(checkpoint)
+    if options.get("stream") and (remote or not looks_like_repo_id(checkpoint)):
+        raise click.UsageError(f"--stream reads a hub repo id (org/name); {checkpoint!r} is "
+                               f"{'a URL, which is always streamed' if remote else 'a local path'}: leave --stream out")
+    if remote and options.get("mmap"):
+        raise click.UsageError("--mmap maps local files; a URL is read into memory: leave --mmap out")
+    if remote and options.get("revision"):
+        raise click.UsageError("--revision picks a hub revision; a URL names its object already")
+
+
 def library_keywords(options: dict[str, Any]) -> dict[str, Any]:
     """The library's keyword arguments for the options ``load`` and ``plan`` share (and those only ``load``
     has): the same names, but for the model spec and its arguments, the renames, which make one key map, and
     the two ways to ignore unexpected tensors, which make one ``ignore_unexpected``."""
     keywords = dict(options)
+    keywords["remote"] = remote_from(keywords)
     keywords["key_map"] = key_map_from(keywords.pop("strip_prefix"), keywords.pop("add_prefix"), keywords.pop("renames"))
     keywords["model"] = keywords.pop("model_spec")
     keywords["model_args"] = dict(keywords.pop("model_args"))
@@ -180,6 +214,7 @@ def main() -> None:
 
     \b
       materialize CHECKPOINT [--model SPEC] [--device cuda] [--dtype bf16]
+      materialize s3://bucket/llama/ --device cuda      (or https://..., or org/name --stream)
       materialize inspect CHECKPOINT
       materialize plan CHECKPOINT [--model SPEC]
       materialize convert SRC DST [--dtype bf16] [--shard-size 5GB]
@@ -192,12 +227,14 @@ def main() -> None:
 
 @main.command(DEFAULT_COMMAND)
 @checkpoint_argument
-@with_options(model_options + memory_options + load_only_options)
+@with_options(model_options + remote_options + memory_options + load_only_options)
 def load_command(checkpoint: str, as_json: bool, debug: bool, **options: Any) -> None:
     """(default) Build the model on meta and materialize CHECKPOINT into it.
 
-    CHECKPOINT is a file, a shard index, a folder (Hugging Face layout) or a hub repo id (org/name).
+    CHECKPOINT is a file, a shard index, a folder (Hugging Face layout), a hub repo id (org/name), or a URL
+    (s3://bucket/prefix/, https://host/model.safetensors) read straight into memory with no local copy.
     """
+    refuse_unusable_source(checkpoint, options)
 
     def action() -> None:
         with _progress(as_json) as progress:
@@ -227,15 +264,19 @@ def load_command(checkpoint: str, as_json: bool, debug: bool, **options: Any) ->
 @click.option("--revision", metavar="REV", help="Hub revision (branch, tag or commit) when CHECKPOINT is a repo id.")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 @click.option("--debug", is_flag=True, help="Show the traceback of an error.")
+@with_options(remote_options)
 def inspect_command(checkpoint: str, trust_pickle: bool, state_dict_key: Optional[str], revision: Optional[str],
-                    as_json: bool, debug: bool) -> None:
+                    as_json: bool, debug: bool, **options: Any) -> None:
     """List tensors, dtypes, shapes and shards; reads no tensor data.
 
-    CHECKPOINT is a file, a shard index, a folder or a hub repo id (org/name), as for a load.
+    CHECKPOINT is a file, a shard index, a folder, a hub repo id (org/name) or a URL, as for a load.
     """
+    refuse_unusable_source(checkpoint, {**options, "revision": revision})
+    stream, remote = options.pop("stream"), remote_from(options)
 
     def action() -> None:
-        source = resolve_source(checkpoint, revision=revision)  # a hub id as a load finds it; a path as it is
+        # a hub id as a load finds it; a path as it is; a URL as its remote object
+        source = resolve_source(checkpoint, revision=revision, stream=stream, remote=remote)
         with mz.open_checkpoint(source, trust_pickle=trust_pickle, state_dict_key=state_dict_key) as ckpt:
             _emit(as_json, lambda: mz.inspect(ckpt), lambda: _inspect_lines(ckpt), str(ckpt.path))
 
@@ -266,12 +307,13 @@ def _inspect_lines(ckpt: mz.Checkpoint) -> Iterator[str]:
 
 @main.command("plan")
 @checkpoint_argument
-@with_options(model_options + memory_options)
+@with_options(model_options + remote_options + memory_options)
 def plan_command(checkpoint: str, as_json: bool, debug: bool, **options: Any) -> None:
     """What a load would do: per-device bytes, memory, ties, missing and unexpected; reads no tensor data (but
     the few values a model's own load code asks for, 1 MiB at most). Without --model, and no model in
     CHECKPOINT, the plain load of its tensors. Exits 1, after the plan, with the load's own error where that
     load would be refused for memory (and warns as it would warn)."""
+    refuse_unusable_source(checkpoint, options)
 
     def action() -> None:
         keywords = library_keywords(options)

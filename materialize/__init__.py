@@ -70,6 +70,7 @@ _EXPORTS = {
     "convert": "conversion",
     "ConvertReport": "conversion",
     "Progress": "progress",
+    "RemoteOptions": "sources.settings",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -35,7 +35,11 @@ from .loading import (
     planned,
     refresh_flat_weights,
     announce_opening,
+    local_views,
 )
+from .sources import RemoteOptions
+from .sources.companions import companion_folder
+from .sources.remotepath import RemotePath
 from .io.peak import PeakMemory
 from .planning.plan import InitFn, Plan, TensorsPlan
 from .options import IgnoreUnexpected, PlanOptions, ProgressFn, ReadOptions, unexpected_to_ignore
@@ -72,6 +76,8 @@ def plan(
     staging_bytes: Optional[int] = None,
     ignore_mismatched_sizes: bool = False,
     ignore_unexpected: IgnoreUnexpected = False,
+    stream: bool = False,
+    remote: Optional[RemoteOptions] = None,
 ) -> Union[Plan, TensorsPlan]:
     """What :func:`load_model` would do, without reading any tensor data (but the few values a model's own load
     code asks for to decide what it does with names, a saved version number: 1 MiB at most).
@@ -87,7 +93,7 @@ def plan(
     whose ``fits`` is the same verdict; the options about a model (``strict``,
     ``key_map``, ``init``, ``ignore_*``, ``max_memory``, ``device_map``) are a
     :class:`ModelRequiredError`, as there. ``device`` and ``state_dict_key`` (a training checkpoint's entry)
-    are as in :func:`load`.
+    are as in :func:`load`; ``stream`` and ``remote`` as in :func:`load_model`.
 
     ``plan.fits`` compares the memory each device will need (for ``"cpu"``,
     what the load adds to host memory, the figure the load itself checks) with
@@ -102,7 +108,7 @@ def plan(
     """
     with _opened_with_skeleton(checkpoint, model, model_args, revision, trust_pickle, dtype,
                                record=not strict or ignore_mismatched_sizes,
-                               state_dict_key=state_dict_key) as (ckpt, skeleton):
+                               state_dict_key=state_dict_key, stream=stream, remote=remote) as (ckpt, skeleton):
         if skeleton is None:
             if device_map is not None:
                 raise _no_model_to_place(ckpt)
@@ -220,12 +226,13 @@ def load_tensors(
     progress: ProgressLike = None,
     direct_io: bool = False,
     check: bool = False,
+    remote: Optional[RemoteOptions] = None,
 ) -> tuple[dict[str, torch.Tensor], Report]:
     """Materialize every tensor of a checkpoint as a plain dict on ``device``.
 
     ``mmap=True`` (CPU): tensors are copy-on-write views of the files,
     ``direct_io=True`` reads around the page cache, ``state_dict_key``
-    picks a training checkpoint's entry, and ``progress`` shows the load, as in :func:`load`.
+    picks a training checkpoint's entry, ``progress`` shows the load, and ``remote`` reads a URL, as in :func:`load`.
     ``check=True``: every tensor read is poisoned when allocated, and after the reads each must hold no poison
     and have received exactly its bytes from the file, or the load is a :class:`SanitizerError` naming them
     (see :mod:`materialize.sanitizer`; views of the files, with ``mmap``, are the files' own bytes).
@@ -237,8 +244,8 @@ def load_tensors(
     maps = mmap and target.type == "cpu"
     started = time.perf_counter()
     announce_opening(progress, checkpoint)
-    with opened(checkpoint, trust_pickle, state_dict_key) as ckpt, PeakMemory([target]) as memory, \
-            reads(ckpt.files, read_options, maps=maps) as reader:
+    with opened(checkpoint, trust_pickle, state_dict_key, remote) as ckpt, PeakMemory([target]) as memory, \
+            reads(local_views(ckpt, maps, "mmap"), read_options, maps=maps) as reader:
         report_phase(progress, f"loading {counted(len(ckpt), 'tensor')}")
         made: dict[str, torch.Tensor] = {}
         jobs = []
@@ -301,12 +308,17 @@ def load_model(
     revision: Optional[str] = None,
     trust_pickle: bool = False,
     state_dict_key: Optional[str] = None,
+    stream: bool = False,
+    remote: Optional[RemoteOptions] = None,
     **load_options: Any,
 ) -> tuple[Union[nn.Module, dict[str, torch.Tensor]], Report]:
     """Build the skeleton and load it in one call (what the CLI runs).
 
-    ``source`` is a checkpoint path, a Hugging Face folder, or a hub repo id
-    (``org/name``, at ``revision``). ``model`` is a module, a spec for
+    ``source`` is a checkpoint path, a Hugging Face folder, a hub repo id
+    (``org/name``, at ``revision``), or a URL (``s3://bucket/prefix/``, ``https://host/model.safetensors``:
+    read by ranged GETs straight into the tensors, as ``remote`` says; see docs/remote.md). With ``stream``
+    a hub repo's weights are read the same way from the hub, not downloaded; its JSON files (config,
+    index) are fetched to the cache as a download fetches them. ``model`` is a module, a spec for
     :func:`build` (called with ``model_args``), ``"hf:ClassName"`` (a
     transformers class built from the source's ``config.json``), or ``None``:
     then a folder with a ``config.json`` builds its transformers model, a
@@ -318,8 +330,8 @@ def load_model(
     """
     record = not load_options.get("strict", True) or load_options.get("ignore_mismatched_sizes", False)
     with _opened_with_skeleton(source, model, model_args, revision, trust_pickle, load_options.get("dtype"),
-                               record=record, state_dict_key=state_dict_key,
-                               progress=load_options.get("progress")) as (ckpt, skeleton):
+                               record=record, state_dict_key=state_dict_key, progress=load_options.get("progress"),
+                               stream=stream, remote=remote) as (ckpt, skeleton):
         if skeleton is None:
             if load_options.get("device_map") is not None:
                 raise _no_model_to_place(ckpt)
@@ -342,6 +354,8 @@ def _opened_with_skeleton(
     record: bool = False,
     state_dict_key: Optional[str] = None,
     progress: Optional[ProgressFn] = None,
+    stream: bool = False,
+    remote: Optional[RemoteOptions] = None,
 ) -> Iterator[tuple[Checkpoint, Optional[nn.Module]]]:
     """Resolve a hub id, open the checkpoint, and build the model the source calls for (None: none).
 
@@ -355,10 +369,18 @@ def _opened_with_skeleton(
     """
     announce_opening(progress, source)  # before a hub id's download, which is part of the opening
     if not isinstance(source, Checkpoint):
-        source = resolve_source(source, revision=revision)
-    folder = None if isinstance(source, Checkpoint) else Path(source)
+        source = resolve_source(source, revision=revision, stream=stream, remote=remote)
+    folder = None if isinstance(source, Checkpoint) else local_folder(source)
     with opened(source, trust_pickle, state_dict_key) as ckpt:
         yield ckpt, _skeleton(model, model_args, folder, ckpt, dtype, record, progress)
+
+
+def local_folder(source: Union[Path, RemotePath]) -> Optional[Path]:
+    """Where a source's config files are on local disk: the source itself, or a remote folder's companions (a
+    remote file, like a local one, is no folder to build a model from)."""
+    if isinstance(source, RemotePath):
+        return companion_folder(source) if source.is_dir() else None
+    return Path(source)
 
 
 def _skeleton(

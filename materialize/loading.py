@@ -14,10 +14,13 @@ from torch import nn
 
 from .io.capacity import expected_peak_host_bytes
 from .checkpoint import Checkpoint, CheckpointLike, TensorInfo, opened
+from .io.fileio import FileSet
+from .sources import RemoteOptions
+from .sources.remotepath import is_remote
 from .integrations.devicemap import DeviceMapLike, Placement, compute_device_map
 from .dtypes import dtype_name, parse_dtype
 from .checkpoint.pieces import Job
-from .errors import AllocationError, InitError, MaterializeError, SanitizerError, summarize_names
+from .errors import AllocationError, CheckpointError, InitError, MaterializeError, SanitizerError, summarize_names
 from .planning.extrastate import extra_state_reads, hand_over
 from .planning.loadruns import VALUES_BUDGET, load_code_reads, run_load_code
 from .io.executor import Reads, reads
@@ -102,6 +105,7 @@ def load(
     direct_io: bool = False,
     ignore_mismatched_sizes: bool = False,
     ignore_unexpected: IgnoreUnexpected = False,
+    remote: Optional[RemoteOptions] = None,
 ) -> Report:
     """Materialize ``model`` on ``device`` from ``checkpoint``, each tensor allocated once.
 
@@ -175,7 +179,10 @@ def load(
             for cold checkpoints on fast storage, and to leave the page cache
             alone. A checkpoint already in the page cache is read from
             storage again, so it is off by default. Ignored for tensors
-            that stay mapped (``mmap``, disk offload).
+            that stay mapped (``mmap``, disk offload), and for a URL.
+        remote: how a URL checkpoint (``s3://``, ``https://``) is read: connections, timeouts, retries,
+            unsigned access (:class:`~materialize.RemoteOptions`; docs/remote.md). Its bytes go straight into
+            the tensors as a local file's do; ``mmap`` and disk offload, which map local files, are refused.
 
     Tied parameters stay one tensor. Real buffers absent from the checkpoint
     move to ``device`` unchanged. If the load fails, every tensor the model
@@ -191,7 +198,7 @@ def load(
     read = ReadOptions(mmap=mmap, staging_bytes=staging_bytes, allow_overflow=allow_overflow, check=check,
                        check_finite=check_finite, progress=progress, direct_io=direct_io)
     announce_opening(progress, checkpoint)
-    with opened(checkpoint, trust_pickle, state_dict_key) as ckpt:
+    with opened(checkpoint, trust_pickle, state_dict_key, remote) as ckpt:
         report_phase(progress, f"planning {counted(len(ckpt), 'tensor')}")
         the_plan, options, placement = planned(model, ckpt, options)
         report_phase(progress, f"loading {counted(len(the_plan.of('load')), 'tensor')}")
@@ -239,6 +246,15 @@ def model_device(model: nn.Module) -> torch.device:
         if devices:
             return devices.pop() if len(devices) == 1 else torch.device("cpu")
     return torch.device("cpu")
+
+
+def local_views(ckpt: Checkpoint, maps: bool, what: str) -> FileSet:
+    """``ckpt``'s files, refused with a one-line error where ``maps`` asks views of a checkpoint read over the
+    network (``mmap`` and disk offload map local files; a URL has none to map)."""
+    if maps and is_remote(ckpt.path):
+        raise CheckpointError(f"is read over the network, and {what} maps local files: leave it out (the tensors "
+                              "are read into memory), or download the checkpoint first", path=ckpt.path)
+    return ckpt.files
 
 
 def planned(model: nn.Module, ckpt: Checkpoint, options: PlanOptions) -> tuple[Plan, PlanOptions, Optional[Placement]]:
@@ -295,7 +311,8 @@ def execute(
     """Carry out a plan made by :func:`make_plan` against ``ckpt``, reading as ``read_options`` says
     (through :mod:`materialize.io.executor`, as every read does)."""
     wants_views = (read_options.mmap and the_plan.device.type == "cpu") or any(e.on_disk for e in the_plan.entries)
-    with reads(ckpt.files, read_options, maps=wants_views) as reader:
+    files = local_views(ckpt, wants_views, "mmap" if read_options.mmap else "a device map's disk offload")
+    with reads(files, read_options, maps=wants_views) as reader:
         return _execute(the_plan, ckpt, reader, init)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "materialize"
-FOLDERS = {"checkpoint", "skeleton", "planning", "io", "integrations"}
+FOLDERS = {"sources", "checkpoint", "skeleton", "planning", "io", "integrations"}
 TOP_LEVEL = {"__init__", "api", "options", "loading", "conversion", "sanitizer", "errors", "report", "dtypes", "sizes",
              "text", "progress", "inspection"}
 
@@ -84,6 +84,14 @@ def imported_modules(name: str) -> set[str]:
     for module, names in imports(MODULES[name]):
         found |= {t for t in [module, *(f"{module}.{n}" for n in names)] if t in MODULES}
     return found
+
+
+def test_sources_sit_at_the_bottom_and_import_nothing_above_them():
+    # Where bytes come from is below every reader: a store knows URLs and bytes, never formats or plans.
+    allowed = ("materialize.sources", "materialize.errors", "materialize.text")
+    upward = sorted(f"{name} imports {target}" for name in MODULES if name.startswith("materialize.sources")
+                    for target in imported_modules(name) if not target.startswith(allowed))
+    assert upward == []
 
 
 def test_planning_decides_and_never_reaches_into_the_io_layer():

@@ -14,13 +14,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from ..errors import CheckpointError, CheckpointNotFoundError, StateDictKeyError, UnsupportedFormatError
-from ..io.fileio import open_for_reading
+from ..io.fileio import read_head
 from ..io.gcpause import gc_paused
 from .base import DCP_DATA_SUFFIX, DCP_METADATA_NAME, Checkpoint, TensorInfo
 from .confine import allowed_roots, confine
 from .index import SAFETENSORS_INDEX_NAME, read_sharded
 from .missing import not_found
 from .safetensors import read_header
+from ..sources import RemoteOptions, as_source
+from ..sources.remotepath import RemotePath, is_remote
 
 if TYPE_CHECKING:
     from .torchpickle import Payload
@@ -30,11 +32,12 @@ __all__ = ["Checkpoint", "CheckpointLike", "TensorInfo", "open_checkpoint", "ope
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 TRAINING_CHECKPOINT_ENDINGS = (".ckpt", ".pth.tar", ".pt.tar")  # Lightning's; ImageNet scripts' model_best.pth.tar
 PathLike = Union[str, os.PathLike]
-CheckpointLike = Union[str, os.PathLike, Checkpoint]
+CheckpointLike = Union[str, os.PathLike, RemotePath, Checkpoint]
 
 
 @gc_paused
-def open_checkpoint(path: PathLike, *, trust_pickle: bool = False, state_dict_key: Optional[str] = None) -> Checkpoint:
+def open_checkpoint(path: Union[PathLike, RemotePath], *, trust_pickle: bool = False,
+                    state_dict_key: Optional[str] = None, remote: Optional[RemoteOptions] = None) -> Checkpoint:
     """Open a checkpoint file, shard index or Hugging Face-style folder.
 
     Args:
@@ -51,17 +54,20 @@ def open_checkpoint(path: PathLike, *, trust_pickle: bool = False, state_dict_ke
             each (see :mod:`.modelstate`). The entry taken is
             ``Checkpoint.state_dict_key``. A safetensors file has no entries
             to pick from: naming one is an error.
+        remote: how a URL (``s3://bucket/prefix/``, ``https://host/model.safetensors``) is read
+            (:class:`~materialize.RemoteOptions`); every format above is read from one as from a
+            local path, through ranged GETs (see :mod:`materialize.sources`).
 
     Only headers, indexes and (for torch files) the pickled structure are
     read; tensor bytes are read later, straight into their destinations.
     A path that names nothing is a :class:`CheckpointNotFoundError` saying
     "no such file or folder" and the closest name there (see :mod:`.missing`).
     """
-    target = Path(path)
+    target = as_source(path, remote)
     if "\0" in str(target):
         raise CheckpointError("is not a usable file name (it contains a NUL byte)", path=repr(str(target)))
     if not target.exists():
-        raise not_found(target)
+        raise CheckpointNotFoundError("no such object or folder", path=target) if is_remote(target) else not_found(target)
     if target.name == DCP_METADATA_NAME and target.is_file():
         target = target.parent  # a DCP folder's index, as an index.json is a sharded checkpoint's
     if target.is_dir():
@@ -91,7 +97,8 @@ def open_checkpoint(path: PathLike, *, trust_pickle: bool = False, state_dict_ke
 
 
 @contextmanager
-def opened(checkpoint: CheckpointLike, trust_pickle: bool, state_dict_key: Optional[str] = None) -> Iterator[Checkpoint]:
+def opened(checkpoint: CheckpointLike, trust_pickle: bool, state_dict_key: Optional[str] = None,
+           remote: Optional[RemoteOptions] = None) -> Iterator[Checkpoint]:
     """A path opened for the length of the block; an open :class:`Checkpoint` as it is (its caller closes it)."""
     if isinstance(checkpoint, Checkpoint):
         if state_dict_key is not None and state_dict_key != checkpoint.state_dict_key:
@@ -101,7 +108,7 @@ def opened(checkpoint: CheckpointLike, trust_pickle: bool, state_dict_key: Optio
                 f"{state_dict_key!r}: pass state_dict_key to open_checkpoint instead", path=checkpoint.path)
         yield checkpoint  # the caller owns it and closes it
         return
-    with open_checkpoint(checkpoint, trust_pickle=trust_pickle, state_dict_key=state_dict_key) as ckpt:
+    with open_checkpoint(checkpoint, trust_pickle=trust_pickle, state_dict_key=state_dict_key, remote=remote) as ckpt:
         yield ckpt
 
 
@@ -146,6 +153,9 @@ def _read_torch(path: Path, *, legacy: bool, trust_pickle: bool, state_dict_key:
     from .torchlegacy import read_torch_legacy
     from .torchzip import read_torch_zip
 
+    if legacy and is_remote(path):
+        raise UnsupportedFormatError("is a legacy (before torch 1.6) torch file, which is read from local disk only: "
+                                     "download it, or save it again with torch.save", path=path)
     return (read_torch_legacy if legacy else read_torch_zip)(path, trust_pickle=trust_pickle,
                                                              state_dict_key=state_dict_key)
 
@@ -189,11 +199,7 @@ _SNIFF_BYTES = 512  # a tar header's magic sits at byte 257
 
 def _head(path: Path) -> bytes:
     """The first bytes of a file, enough to tell its format."""
-    fd = open_for_reading(path)
-    try:
-        return os.pread(fd, _SNIFF_BYTES, 0)
-    finally:
-        os.close(fd)
+    return read_head(path, _SNIFF_BYTES)
 
 _READ_BY_US = "this loader reads safetensors, torch.save files and torch.distributed.checkpoint folders"
 _MAGIC: tuple[tuple[bytes, str, str], ...] = (  # first bytes, what the file is, what to do
@@ -251,7 +257,8 @@ def pick_from_folder(folder: Path) -> Path:
                 f"holds several candidate checkpoints ({', '.join(p.name for p in group)}); pass one of them",
                 path=folder,
             )
-    if (folder / DCP_METADATA_NAME).is_file() and any(p.suffix == DCP_DATA_SUFFIX for p in files):
+    # An HTTP folder cannot be listed: its .metadata names the data files, and reading it finds them or says which not.
+    if (folder / DCP_METADATA_NAME).is_file() and (is_remote(folder) or any(p.suffix == DCP_DATA_SUFFIX for p in files)):
         return folder  # a torch.distributed.checkpoint folder: read as a whole
     raise CheckpointNotFoundError(
         f"holds no safetensors, torch checkpoint or shard index ({_what_folder_holds(files)})"

@@ -33,6 +33,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError
+from ..io.fileio import file_size_of
 from .base import DCP_METADATA_NAME
 from .base import TensorInfo, shape_fits_int64
 from .pickle_budget import check_budget
@@ -263,7 +264,7 @@ class _DataFiles:
                                   path=self.metadata_path)
         confine(path, self.roots, what=f"the chunk file '{relative}' of '{fqn}'", about=self.metadata_path)
         self._checked[relative] = path
-        self.sizes[path] = os.path.getsize(path)
+        self.sizes[path] = file_size_of(path)
         return path
 
 

@@ -14,7 +14,7 @@ import struct
 from pathlib import Path
 
 from ..errors import CheckpointError
-from ..io.fileio import open_for_reading
+from ..io.fileio import Positional
 from .base import TensorInfo, make_info
 
 # The format's own reference reader caps headers at 100 MB; a larger length
@@ -71,11 +71,10 @@ def _bounded_int(text: str) -> "int | _Huge":
 
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Parse and validate one safetensors file's header; no tensor data is read."""
-    fd = open_for_reading(path)
-    try:
-        file_size = os.fstat(fd).st_size
-        prefix = os.pread(fd, 8, 0)
-        if prefix.startswith(_LFS_POINTER_PREFIX[:8]) and os.pread(fd, 64, 0).startswith(_LFS_POINTER_PREFIX):
+    with Positional(path) as source:
+        file_size = source.size
+        prefix = source.pread(8, 0)
+        if prefix.startswith(_LFS_POINTER_PREFIX[:8]) and source.pread(64, 0).startswith(_LFS_POINTER_PREFIX):
             raise CheckpointError(
                 "is a Git LFS pointer, not the weights; run 'git lfs pull' in its repository", path=path
             )
@@ -92,9 +91,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
                 f"header length {header_len} runs past the end of the file ({file_size} bytes; truncated?)",
                 path=path,
             )
-        raw = os.pread(fd, header_len, 8)
-    finally:
-        os.close(fd)
+        raw = source.pread(header_len, 8)
     if len(raw) != header_len:
         raise CheckpointError("file shrank while its header was read", path=path)
     return _parse_header(path, raw, data_start=8 + header_len, file_size=file_size)

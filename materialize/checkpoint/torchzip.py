@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import io
 import os
 import struct
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Any, BinaryIO, Optional
+from typing import Any, BinaryIO, Callable, Optional
 
 from ..errors import CheckpointError, UnsupportedFormatError
+from ..io.fileio import file_size_of, remote_pread
+from ..sources.remotepath import is_remote
 from .base import TensorInfo
 from .torchpickle import Payload, StorageRef, first_line, read_bare_tensor, read_payload, tensor_info
 
@@ -47,7 +50,7 @@ def _record_offsets(
     with contextlib.ExitStack() as opened:
         # A zip inside a bigger file is read through its window's descriptor, not a second open.
         handle = window.copy() if window is not None else opened.enter_context(open(path, "rb"))
-        fd = window.fd if window is not None else handle.fileno()
+        pread = window.pread if window is not None else functools.partial(os.pread, handle.fileno())
         _check_end_record(path, archive, handle)
         for info in archive.infolist():
             name = info.filename
@@ -64,7 +67,7 @@ def _record_offsets(
                 raise CheckpointError(f"{what} is compressed; torch writes every record stored", path=path)
             raw_name = _raw_name(info)
             # One positional read of the header and the name it must repeat: no buffer refilled per record.
-            header = os.pread(fd, _LOCAL_HEADER.size + len(raw_name), base + info.header_offset)
+            header = pread(_LOCAL_HEADER.size + len(raw_name), base + info.header_offset)
             if len(header) < _LOCAL_HEADER.size:
                 raise CheckpointError(f"zip local header of record {name!r} is truncated", path=path)
             signature, method, name_len, extra_len = _LOCAL_HEADER.unpack_from(header)
@@ -154,15 +157,16 @@ def _read(path: Path, archive: zipfile.ZipFile, name: str) -> bytes:
 
 
 class _Window(io.RawIOBase):
-    """Bytes ``[base, base + length)`` of an open file, as a file of their own (a zip inside a bigger file)."""
+    """Bytes ``[base, base + length)`` of a file, as a file of their own (a zip inside a bigger file, or a remote
+    object's whole length), read through ``pread(length, offset)`` as ``os.pread`` reads."""
 
-    def __init__(self, fd: int, base: int, length: int) -> None:
+    def __init__(self, pread: Callable[[int, int], bytes], base: int, length: int) -> None:
         super().__init__()
-        self.fd, self.base, self.length, self._at = fd, base, length, 0
+        self.pread, self.base, self.length, self._at = pread, base, length, 0
 
     def copy(self) -> "_Window":
         """The same bytes, read from a position of its own."""
-        return _Window(self.fd, self.base, self.length)
+        return _Window(self.pread, self.base, self.length)
 
     def readable(self) -> bool:
         return True
@@ -182,7 +186,7 @@ class _Window(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         wanted = max(0, min(len(buffer), self.length - self._at))
-        data = os.pread(self.fd, wanted, self.base + self._at) if wanted else b""
+        data = self.pread(wanted, self.base + self._at) if wanted else b""
         buffer[:len(data)] = data
         self._at += len(data)
         return len(data)
@@ -271,8 +275,12 @@ def read_torch_zip(path: Path, *, trust_pickle: bool, state_dict_key: Optional[s
 
 def read_embedded_tensor(path: Path, base: int, length: int, name: str) -> TensorInfo:
     """The one tensor ``torch.save`` wrote as a zip at ``[base, base + length)`` of ``path`` (a DCP chunk), named ``name``."""
+    if is_remote(path):
+        return _read_zip(path, trust_pickle=False, window=_Window(remote_pread(path), base, length),
+                         single=name).tensors[name]
     with open(path, "rb") as handle:
-        payload = _read_zip(path, trust_pickle=False, window=_Window(handle.fileno(), base, length), single=name)
+        payload = _read_zip(path, trust_pickle=False, window=_Window(functools.partial(os.pread, handle.fileno()),
+                                                                       base, length), single=name)
     return payload.tensors[name]
 
 
@@ -282,6 +290,8 @@ def _read_zip(
 ) -> Payload:
     """A torch zip's model state (see :func:`~.torchpickle.find_payload`); in a ``window`` of the file, and
     with ``single``, the one bare tensor it holds."""
+    if window is None and is_remote(path):  # read through ranged GETs, as one window of the whole object
+        window = _Window(remote_pread(path), 0, file_size_of(path))
     file_size = window.base + window.length if window is not None else os.path.getsize(path)
     with _open_archive(path, window) as archive:
         names = archive.namelist()

@@ -33,6 +33,10 @@ from pathlib import Path
 from typing import Optional, Union
 
 from ..errors import CheckpointAccessError, CheckpointError, CheckpointNotFoundError
+from ..sources import RemoteOptions, as_source, is_url
+from ..sources.http import Transport
+from ..sources.httpstore import HttpStore
+from ..sources.remotepath import ObjectInfo, RemotePath
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
 CONFIG_PATTERNS = ["*.json"]
@@ -76,12 +80,23 @@ def _valid_for_the_hub(text: str) -> bool:
     return True
 
 
-def resolve(source: Union[str, os.PathLike], *, revision: Optional[str] = None) -> Path:
+def resolve(source: Union[str, os.PathLike, RemotePath], *, revision: Optional[str] = None, stream: bool = False,
+            remote: Optional[RemoteOptions] = None) -> Union[Path, RemotePath]:
     """A local path as it is (opening one that does not exist is an error naming the closest name there, see
-    :mod:`materialize.checkpoint.missing`); a repo id as the folder of its cached snapshot."""
+    :mod:`materialize.checkpoint.missing`); a URL as its remote object or folder; a repo id as the folder of
+    its cached snapshot, or with ``stream`` as a remote folder of the repo's files (see :func:`streamed`)."""
+    if isinstance(source, RemotePath) or is_url(source):
+        if revision is not None:
+            raise ValueError(f"revision={revision!r} picks a hub revision; {os.fspath(source)} is a URL")
+        return as_source(source, remote)
     if not looks_like_repo_id(source):
+        if stream:
+            raise ValueError(f"stream=True streams a hub repo's weights; {os.fspath(source)!r} is a local path "
+                             "(it is read where it is)")
         return Path(source)
     repo_id = os.fspath(source)
+    if stream:
+        return streamed(repo_id, revision, remote or RemoteOptions())
     folder = _download(repo_id, revision, CONFIG_PATTERNS)
     for index_name, single_name in (INDEXED_SAFETENSORS, INDEXED_TORCH):
         if (folder / index_name).is_file():
@@ -93,6 +108,29 @@ def resolve(source: Union[str, os.PathLike], *, revision: Optional[str] = None) 
     if not any(folder.glob("*.safetensors")):
         folder = _download(repo_id, revision, TORCH_PATTERNS)
     return folder
+
+
+def streamed(repo_id: str, revision: Optional[str], options: RemoteOptions) -> RemotePath:
+    """The repo's files as a remote folder: weights read by ranged GETs of the hub's ``resolve`` URLs at the
+    revision's commit (so a push during the load changes nothing read), the JSON files (configs, the shard
+    index) fetched to the cache through huggingface_hub as a download fetches them; ``HF_TOKEN``,
+    ``HF_ENDPOINT`` and the cache settings apply as they do there."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.utils import build_hf_headers
+
+    snapshot = _download(repo_id, revision, CONFIG_PATTERNS)
+    commit = snapshot.name  # a snapshot folder is named by its commit
+    where = f"{repo_id}@{revision}" if revision else repo_id
+    try:
+        info = HfApi().model_info(repo_id, revision=commit, files_metadata=True)
+    except Exception as exc:  # noqa: BLE001  (its errors are huggingface_hub's many; each becomes one line)
+        raise CheckpointAccessError(f"hub request failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+                                    path=where) from None
+    files = {sibling.rfilename: ObjectInfo(int(sibling.size), None)
+             for sibling in info.siblings or [] if sibling.size is not None}
+    base = f"{constants.ENDPOINT.rstrip('/')}/{repo_id}/resolve/{commit}/"
+    store = HttpStore(base, Transport(options), build_hf_headers(), check_tags=False, files=files, companions=snapshot)
+    return RemotePath(store, "", folder=True)
 
 
 def _shards_named_by(index: Path) -> list[str]:

@@ -15,9 +15,10 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Callable, Union
 
 from ..errors import CheckpointAccessError, CheckpointError, CheckpointNotFoundError
+from ..sources.remotepath import RemotePath, is_remote
 
 if TYPE_CHECKING:
     import torch
@@ -33,7 +34,7 @@ def _memory_view_maker():
     return make
 
 
-_PyBUF_WRITE = 0x200
+_PYBUF_WRITE = 0x200
 _memory_view = _memory_view_maker()
 
 
@@ -44,7 +45,7 @@ def byte_view(tensor: "torch.Tensor") -> memoryview:
     if nbytes == 0:
         return memoryview(bytearray())
     if _memory_view is not None:
-        return _memory_view(tensor.data_ptr(), nbytes, _PyBUF_WRITE)
+        return _memory_view(tensor.data_ptr(), nbytes, _PYBUF_WRITE)
     return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
@@ -59,6 +60,54 @@ def open_for_reading(path: Path) -> int:
         raise CheckpointError("is a directory where a file was expected", path=path) from None
     except OSError as exc:
         raise CheckpointAccessError(f"cannot open: {os.strerror(exc.errno or errno.EIO)}", path=path) from None
+
+
+def file_size_of(path: Union[Path, RemotePath]) -> int:
+    """A file's length in bytes, local or remote (a remote object's as its store reports it)."""
+    if is_remote(path):
+        return path.info().size
+    return os.path.getsize(path)
+
+
+def remote_pread(path: RemotePath) -> "Callable[[int, int], bytes]":
+    """``pread(length, offset)`` over a remote object, as ``functools.partial(os.pread, fd)`` is over a file."""
+    return lambda length, offset: path.read_at(offset, length)
+
+
+def read_head(path: Union[Path, RemotePath], length: int) -> bytes:
+    """A file's first ``length`` bytes (fewer where it is shorter), local or remote."""
+    if is_remote(path):
+        return path.read_at(0, length)
+    fd = open_for_reading(path)
+    try:
+        return os.pread(fd, length, 0)
+    finally:
+        os.close(fd)
+
+
+class Positional:
+    """A file opened for reads at offsets, local (a descriptor) or remote (ranged GETs): ``size``, ``pread``."""
+
+    def __init__(self, path: Union[Path, RemotePath]) -> None:
+        self._path = path
+        self._fd = None if is_remote(path) else open_for_reading(path)
+        self.size = os.fstat(self._fd).st_size if self._fd is not None else path.info().size
+
+    def pread(self, length: int, offset: int) -> bytes:
+        if self._fd is None:
+            return self._path.read_at(offset, length)
+        return os.pread(self._fd, length, offset)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "Positional":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 def _read_failed(exc: OSError, path: Path, position: int, tensor: str) -> CheckpointAccessError:
@@ -78,8 +127,16 @@ class FileSet:
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
+        self._stores: dict[int, object] = {}  # remote stores read through, closed with the files
+
+    def _remote(self, path: RemotePath) -> RemotePath:
+        with self._lock:
+            self._stores.setdefault(id(path.store), path.store)
+        return path
 
     def fd(self, path: Path) -> int:
+        if is_remote(path):
+            raise CheckpointError("is a remote object: it has no file descriptor (read it through read_into)", path=path)
         with self._lock:
             if path not in self._fds:
                 self._fds[path] = open_for_reading(path)
@@ -87,6 +144,9 @@ class FileSet:
 
     def read_into(self, path: Path, offset: int, dest: memoryview, *, tensor: str) -> None:
         """Fill ``dest`` with the bytes at ``offset``; a short file is an error."""
+        if is_remote(path):
+            self._remote(path).store.read_into(path.key, offset, [dest], tensor=tensor)
+            return
         fd = self.fd(path)
         done = 0
         total = len(dest)
@@ -110,6 +170,10 @@ class FileSet:
         """
         if len(parts) == 1 and not isinstance(parts[0][0], int):
             self.read_into(path, offset, parts[0][0], tensor=parts[0][1])
+            return
+        if is_remote(path):  # one ranged GET for the run, the bytes between tensors received into the sink
+            views = [view for dest, _ in parts for view in (_sink_views(dest) if isinstance(dest, int) else (dest,))]
+            self._remote(path).store.read_into(path.key, offset, views, tensor=parts[0][1])
             return
         fd = self.fd(path)
         views, names = [], []
@@ -148,7 +212,12 @@ class FileSet:
         order) is read straight into place, a thousand rows a call, with no
         temporary and no copy. Only where :attr:`scatters`.
         """
-        assert _preadv is not None and rows.is_contiguous() and tuple(rows.shape[1:]) == (2,)
+        assert rows.is_contiguous() and tuple(rows.shape[1:]) == (2,)
+        if is_remote(path):  # the rows follow each other in the object: one ranged read fills them in turn
+            views = [_memory_view(int(address), row_bytes, _PYBUF_WRITE) for address, _ in rows.tolist()]
+            self._remote(path).store.read_into(path.key, offset, views, tensor=tensor)
+            return
+        assert _preadv is not None
         fd = self.fd(path)
         base, count, index, position = rows.data_ptr(), rows.shape[0], 0, offset
         while index < count:
@@ -162,7 +231,7 @@ class FileSet:
             index += whole
             if part:  # a read cut short inside a row: the rest of that row, then on
                 address = int(rows[index, 0]) + part
-                FileSet.read_into(self, path, position, _memory_view(address, row_bytes - part, _PyBUF_WRITE),
+                FileSet.read_into(self, path, position, _memory_view(address, row_bytes - part, _PYBUF_WRITE),
                                   tensor=tensor)
                 position += row_bytes - part
                 index += 1
@@ -170,8 +239,11 @@ class FileSet:
     def close(self) -> None:
         with self._lock:
             fds, self._fds = self._fds, {}
+            stores, self._stores = self._stores, {}
         for fd in fds.values():
             os.close(fd)
+        for store in stores.values():
+            store.close()  # its idle connections; a later read opens new ones
 
 
 def _preadv_function():
@@ -269,7 +341,7 @@ class DirectReads(FileSet):
             offset += dest if isinstance(dest, int) else len(dest)
 
     def read_into(self, path: Path, offset: int, dest: memoryview, *, tensor: str) -> None:
-        fd = self._direct_fd(path) if hasattr(os, "O_DIRECT") else -1
+        fd = self._direct_fd(path) if hasattr(os, "O_DIRECT") and not is_remote(path) else -1
         if fd < 0:
             self._inner.read_into(path, offset, dest, tensor=tensor)
             return

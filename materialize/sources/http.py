@@ -1,0 +1,442 @@
+"""Ranged GETs written straight into the caller's memory, over kept-alive connections.
+
+The data path is the standard library's ``http.client``: its
+``HTTPResponse.readinto`` receives a body into the buffer it is given (the
+socket's ``recv_into``, the GIL released), so a tensor's bytes go from the
+socket to the tensor's memory with no Python object between; the
+candidates that hand out ``bytes`` (urllib3's ``read``, requests, httpx)
+cost a copy and a GIL-held allocation per chunk (numbers in docs/speed.md).
+What the stores need beyond bytes (credentials, signing, listings) comes
+from their own libraries; this module only moves bytes.
+
+Every GET names the byte range it wants and, where the object's tag is
+known, ``If-Match`` it, and its answer must say the same range of an
+object of the same size and tag: an object rewritten during a load is an
+error, never a model of two versions. A reset connection, a timeout, a 5xx
+or a SlowDown answer is retried with exponential backoff, and the retry asks
+only for the bytes not yet received. Each error names the URL and the range.
+"""
+
+from __future__ import annotations
+
+import http.client
+import random
+import re
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+from urllib.parse import urljoin, urlsplit
+
+from ..errors import CheckpointAccessError, CheckpointError, CheckpointNotFoundError
+from .settings import RemoteOptions
+
+RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+REDIRECT_STATUS = frozenset({301, 302, 303, 307, 308})
+MAX_REDIRECTS = 10
+BACKOFF_FIRST = 0.25  # seconds before the first retry; doubled each time, with full jitter
+BACKOFF_MOST = 20.0
+RETRY_AFTER_MOST = 60.0
+ERROR_BODY_BYTES = 4096  # of an error answer, read for its message
+
+Target = Callable[[], tuple[str, dict[str, str]]]  # the URL and headers of a request, made anew for each (signatures expire)
+
+
+@dataclass
+class Answer:
+    """An answer's status and headers (names lower-cased), and the URL that gave it after redirects."""
+
+    status: int
+    headers: dict[str, str]
+    url: str
+    body: bytes = b""
+
+
+class _Retryable(Exception):
+    """A failure worth another attempt; ``received`` bytes of the range had arrived before it."""
+
+    def __init__(self, reason: str, received: int = 0, wait: Optional[float] = None) -> None:
+        super().__init__(reason)
+        self.reason, self.received, self.wait = reason, received, wait
+
+
+@dataclass
+class _Pool:
+    idle: list[http.client.HTTPConnection] = field(default_factory=list)
+
+
+class Transport:
+    """Kept-alive connections to any number of hosts, at most ``options.connections`` requests in flight.
+
+    Parts of a large read run on the transport's own threads; a read of one
+    part runs on the caller's. Either way a request takes a slot first, so
+    the stated number of connections is never exceeded.
+    """
+
+    def __init__(self, options: RemoteOptions, *, ca_bundle: Optional[str] = None) -> None:
+        self.options = options
+        self._slots = threading.BoundedSemaphore(options.connections)
+        self._pools: dict[tuple[str, str, int], _Pool] = {}
+        self._lock = threading.Lock()
+        self._redirects: dict[str, str] = {}
+        self._ca_bundle = options.ca_bundle or ca_bundle
+        self._ssl: Optional[ssl.SSLContext] = None
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self.requests = 0  # GETs and HEADs sent, retries included (what a test or a bench may count)
+        self.retried = 0
+
+    # --- connections -------------------------------------------------------------------------------------------
+
+    def _context(self) -> ssl.SSLContext:
+        with self._lock:
+            if self._ssl is None:
+                self._ssl = ssl.create_default_context(cafile=self._ca_bundle)
+            return self._ssl
+
+    def _connection(self, scheme: str, host: str, port: int) -> http.client.HTTPConnection:
+        with self._lock:
+            pool = self._pools.setdefault((scheme, host, port), _Pool())
+            if pool.idle:
+                return pool.idle.pop()
+        if scheme == "https":
+            return http.client.HTTPSConnection(host, port, timeout=self.options.timeout, context=self._context())
+        return http.client.HTTPConnection(host, port, timeout=self.options.timeout)
+
+    def _release(self, scheme: str, host: str, port: int, connection: http.client.HTTPConnection) -> None:
+        with self._lock:
+            pool = self._pools.setdefault((scheme, host, port), _Pool())
+            if len(pool.idle) < self.options.connections:
+                pool.idle.append(connection)
+                return
+        connection.close()
+
+    def close(self) -> None:
+        """Close every idle connection and stop the part threads."""
+        with self._lock:
+            pools, self._pools = self._pools, {}
+            executor, self._executor = self._executor, None
+        for pool in pools.values():
+            for connection in pool.idle:
+                connection.close()
+        if executor is not None:
+            executor.shutdown(wait=False)
+
+    # --- one request -------------------------------------------------------------------------------------------
+
+    def _send(self, method: str, url: str, headers: Mapping[str, str]):  # -> (response, connection, where)
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        if scheme not in ("http", "https"):
+            raise CheckpointError(f"cannot fetch a {scheme}:// URL over HTTP", path=url)
+        port = parts.port or (443 if scheme == "https" else 80)
+        host = parts.hostname or ""
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        connection = self._connection(scheme, host, port)
+        with self._lock:
+            self.requests += 1
+        try:
+            connection.request(method, target, headers=dict(headers))
+            response = connection.getresponse()
+        except Exception:
+            connection.close()
+            raise
+        return response, connection, (scheme, host, port)
+
+    def head(self, url: str, headers: Mapping[str, str], *, what: str = "HEAD") -> Answer:
+        """The answer to a HEAD of ``url``, redirects followed (an ``Authorization`` header is not sent to
+        another host, as browsers and requests do), retried like a GET."""
+        attempt = 0
+        while True:
+            try:
+                with self._slots:
+                    return self._head_once(url, headers)
+            except _Retryable as failure:
+                attempt += 1
+                if attempt > self.options.retries:
+                    raise CheckpointAccessError(f"{what} failed after {self.options.retries} retries: {failure.reason}",
+                                                path=url) from None
+                self._pause(attempt, failure.wait)
+            except (OSError, http.client.HTTPException) as exc:
+                attempt += 1
+                if attempt > self.options.retries:
+                    raise CheckpointAccessError(f"{what} failed after {self.options.retries} retries: "
+                                                f"{_describe(exc)}", path=url) from None
+                self._pause(attempt, None)
+
+    def _head_once(self, url: str, headers: Mapping[str, str]) -> Answer:
+        current, sent = url, dict(headers)
+        for _ in range(MAX_REDIRECTS + 1):
+            response, connection, where = self._send("HEAD", current, sent)
+            answer = Answer(response.status, _lower(response.getheaders()), current)
+            response.read()
+            self._finish(response, connection, where)
+            if answer.status in REDIRECT_STATUS and "location" in answer.headers:
+                nxt = urljoin(current, answer.headers["location"])
+                sent = _headers_for(nxt, current, sent)
+                current = nxt
+                continue
+            if answer.status in RETRYABLE_STATUS:
+                raise _Retryable(f"HTTP {answer.status}", wait=_retry_after(answer.headers))
+            return answer
+        raise CheckpointError(f"more than {MAX_REDIRECTS} redirects", path=url)
+
+    def _finish(self, response: http.client.HTTPResponse, connection: http.client.HTTPConnection,
+                where: tuple[str, str, int]) -> None:
+        if response.isclosed() and not response.will_close:
+            self._release(*where, connection)
+        else:
+            connection.close()
+
+    # --- ranged reads ------------------------------------------------------------------------------------------
+
+    def read_into(self, target: Target, offset: int, views: list[memoryview], *, size: int, etag: Optional[str],
+                  name: str, tensor: str) -> None:
+        """Fill ``views`` in turn with bytes ``offset`` on of the object ``target`` names (``size`` bytes long,
+        tagged ``etag``), in parallel parts of ``options.part_bytes``. ``name`` is its URL for messages."""
+        parts = _split(offset, views, self.options.part_bytes)
+        if len(parts) == 1:
+            self._read_part(target, *parts[0], size=size, etag=etag, name=name, tensor=tensor)
+            return
+        executor = self._part_threads()
+        futures: list[Future] = [executor.submit(self._read_part, target, start, part_views, size=size, etag=etag,
+                                                 name=name, tensor=tensor) for start, part_views in parts]
+        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        for future in pending:
+            future.cancel()
+        wait(pending)
+        for future in futures:
+            if not future.cancelled() and future.exception() is not None:
+                raise future.exception()
+
+    def _part_threads(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self.options.connections, thread_name_prefix="materialize-get")
+            return self._executor
+
+    def _read_part(self, target: Target, start: int, views: list[memoryview], *, size: int, etag: Optional[str],
+                   name: str, tensor: str) -> None:
+        total = sum(len(view) for view in views)
+        received, attempt = 0, 0
+        while received < total:
+            try:
+                with self._slots:
+                    self._get(target, start + received, _after(views, received), size=size, etag=etag, name=name,
+                              tensor=tensor)
+                return
+            except _Retryable as failure:
+                received += failure.received
+                attempt = 1 if failure.received else attempt + 1  # progress starts the count again
+                if attempt > self.options.retries:
+                    raise CheckpointAccessError(
+                        f"GET bytes {start + received}-{start + total - 1} failed after {self.options.retries} "
+                        f"retries: {failure.reason}", path=name, tensor=tensor) from None
+                with self._lock:
+                    self.retried += 1
+                self._pause(attempt, failure.wait)
+
+    def _get(self, target: Target, start: int, views: list[memoryview], *, size: int, etag: Optional[str],
+             name: str, tensor: str) -> None:
+        want = sum(len(view) for view in views)
+        end = start + want - 1
+        origin, headers = target()
+        url = self._redirects.get(origin, origin)
+        headers = _headers_for(url, origin, {**headers, "Range": f"bytes={start}-{end}"})
+        if etag:
+            headers["If-Match"] = etag
+        first = origin
+        for _ in range(MAX_REDIRECTS + 1):
+            try:
+                response, connection, where = self._send("GET", url, headers)
+            except (OSError, http.client.HTTPException) as exc:
+                raise _Retryable(_describe(exc)) from None
+            status = response.status
+            if status in REDIRECT_STATUS and response.getheader("Location"):
+                nxt = urljoin(url, response.getheader("Location"))
+                _drain(response)
+                self._finish(response, connection, where)
+                headers = _headers_for(nxt, url, headers)
+                url = nxt
+                continue
+            break
+        else:
+            raise CheckpointError(f"more than {MAX_REDIRECTS} redirects", path=name, tensor=tensor)
+        if url != first:
+            with self._lock:
+                self._redirects[first] = url  # a hub resolve URL's CDN target: asked once, reused
+        try:
+            self._check_answer(response, start, end, size=size, etag=etag, name=name, tensor=tensor, first=first)
+            received = 0
+            for view in views:
+                filled = 0
+                while filled < len(view):
+                    try:
+                        got = response.readinto(view[filled:])
+                    except (OSError, http.client.HTTPException) as exc:
+                        raise _Retryable(f"{_describe(exc)} after {received + filled} of {want} bytes",
+                                         received + filled) from None
+                    if not got:
+                        raise _Retryable(f"the answer ended after {received + filled} of {want} bytes",
+                                         received + filled)
+                    filled += got
+                received += filled
+        except BaseException:
+            connection.close()
+            raise
+        if status == 200:
+            connection.close()  # the rest of a whole-object answer is not wanted
+        else:
+            self._finish(response, connection, where)
+
+    def _check_answer(self, response: http.client.HTTPResponse, start: int, end: int, *, size: int,
+                      etag: Optional[str], name: str, tensor: str, first: str) -> None:
+        status = response.status
+        if status in (200, 206):
+            got_tag = response.getheader("ETag")
+            if etag and got_tag and _tag(got_tag) != _tag(etag):
+                raise CheckpointError(f"changed during the load: its ETag is now {got_tag}, was {etag} "
+                                      f"(bytes {start}-{end})", path=name, tensor=tensor)
+            if status == 206:
+                found = _CONTENT_RANGE.match(response.getheader("Content-Range") or "")
+                if not found or int(found[1]) != start or int(found[2]) != end:
+                    raise CheckpointError(f"asked for bytes {start}-{end}, the server answered "
+                                          f"{response.getheader('Content-Range')!r}", path=name, tensor=tensor)
+                if found[3] != "*" and int(found[3]) != size:
+                    raise CheckpointError(f"changed during the load: it is now {int(found[3]):,} bytes, was "
+                                          f"{size:,} (bytes {start}-{end})", path=name, tensor=tensor)
+                return
+            length = response.getheader("Content-Length")
+            if start != 0 or (length is not None and int(length) != size):
+                raise CheckpointError(f"the server ignored the byte range {start}-{end} (HTTP 200 for "
+                                      f"{length} bytes): it must answer Range requests", path=name, tensor=tensor)
+            return
+        body = _error_body(response)
+        if first in self._redirects and status in (401, 403, 404, 410):
+            with self._lock:
+                self._redirects.pop(first, None)  # a signed redirect target expired: ask the origin again
+            raise _Retryable(f"HTTP {status} from the redirect target")
+        if status == 412:
+            raise CheckpointError(f"changed during the load: it no longer has ETag {etag} (HTTP 412 for bytes "
+                                  f"{start}-{end})", path=name, tensor=tensor)
+        if status == 416:
+            raise CheckpointError(f"changed during the load: bytes {start}-{end} are no longer there (HTTP 416)",
+                                  path=name, tensor=tensor)
+        if status in RETRYABLE_STATUS or _says_slow_down(body):
+            raise _Retryable(f"HTTP {status}{_server_words(body)}", wait=_retry_after(_lower(response.getheaders())))
+        if status == 404:
+            raise CheckpointNotFoundError(f"no such object (HTTP 404 for bytes {start}-{end})", path=name, tensor=tensor)
+        if status in (401, 403):
+            raise CheckpointAccessError(f"access refused (HTTP {status}{_server_words(body)}) for bytes {start}-{end}",
+                                        path=name, tensor=tensor)
+        raise CheckpointAccessError(f"HTTP {status}{_server_words(body)} for bytes {start}-{end}", path=name,
+                                    tensor=tensor)
+
+    def _pause(self, attempt: int, asked: Optional[float]) -> None:
+        if asked is not None:
+            time.sleep(min(asked, RETRY_AFTER_MOST))
+            return
+        time.sleep(random.uniform(0, min(BACKOFF_MOST, BACKOFF_FIRST * 2 ** (attempt - 1))))
+
+
+_CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$")
+
+
+def _split(offset: int, views: list[memoryview], part_bytes: int) -> list[tuple[int, list[memoryview]]]:
+    """The read as parts of at most ``part_bytes`` (a view cut where a part ends), each with its start."""
+    parts: list[tuple[int, list[memoryview]]] = []
+    current: list[memoryview] = []
+    room, start, position = part_bytes, offset, offset
+    for view in views:
+        while len(view):
+            take = view[:room]
+            current.append(take)
+            view = view[len(take):]
+            room -= len(take)
+            position += len(take)
+            if room == 0:
+                parts.append((start, current))
+                current, room, start = [], part_bytes, position
+    if current or not parts:
+        parts.append((start, current))
+    return parts
+
+
+def _after(views: list[memoryview], skip: int) -> list[memoryview]:
+    """``views`` less their first ``skip`` bytes."""
+    rest = []
+    for view in views:
+        if skip >= len(view):
+            skip -= len(view)
+            continue
+        rest.append(view[skip:])
+        skip = 0
+    return rest
+
+
+def _headers_for(new_url: str, old_url: str, headers: Mapping[str, str]) -> dict[str, str]:
+    """Headers for a redirect's target: credentials stay with the host they were meant for."""
+    if urlsplit(new_url).netloc.lower() == urlsplit(old_url).netloc.lower():
+        return dict(headers)
+    return {key: value for key, value in headers.items() if key.lower() != "authorization"}
+
+
+def _lower(pairs: list[tuple[str, str]]) -> dict[str, str]:
+    return {key.lower(): value for key, value in pairs}
+
+
+def _tag(etag: str) -> str:
+    return etag.strip().removeprefix("W/")
+
+
+def _retry_after(headers: Mapping[str, str]) -> Optional[float]:
+    try:
+        return max(0.0, float(headers.get("retry-after", "")))
+    except ValueError:
+        return None
+
+
+def _drain(response: http.client.HTTPResponse) -> None:
+    try:
+        response.read(ERROR_BODY_BYTES)
+    except (OSError, http.client.HTTPException):
+        pass
+
+
+def _error_body(response: http.client.HTTPResponse) -> bytes:
+    try:
+        return response.read(ERROR_BODY_BYTES)
+    except (OSError, http.client.HTTPException):
+        return b""
+
+
+def _says_slow_down(body: bytes) -> bool:
+    return b"<Code>SlowDown</Code>" in body
+
+
+def _server_words(body: bytes) -> str:
+    """An S3-style error's code and message, for the one-line error."""
+    code = re.search(rb"<Code>([^<]{1,100})</Code>", body)
+    message = re.search(rb"<Message>([^<]{1,300})</Message>", body)
+    if not code:
+        return ""
+    words = code[1].decode("utf-8", "replace")
+    if message:
+        words += ": " + message[1].decode("utf-8", "replace")
+    return f" {words}"
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return "timed out (no bytes for the request timeout)"
+    if isinstance(exc, ConnectionResetError):
+        return "connection reset"
+    if isinstance(exc, http.client.IncompleteRead):
+        return "the answer ended early"
+    if isinstance(exc, http.client.RemoteDisconnected):
+        return "the server closed the connection"
+    text = str(exc) or type(exc).__name__
+    return text.splitlines()[0][:200]

@@ -1,0 +1,122 @@
+"""``http://`` and ``https://`` sources: a file, an index, or a folder, on any server that answers Range requests.
+
+An HTTP server has no listing to ask, so a folder URL (one ending in ``/``)
+is read through the names a checkpoint folder uses: its files are found by
+asking for each of :data:`FOLDER_NAMES` (a HEAD each, in parallel), and an
+index or a DCP ``.metadata`` names the rest. A folder of other names is
+opened by naming its file.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
+from typing import Mapping, Optional
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
+
+from ..errors import CheckpointAccessError, CheckpointError
+from .http import Transport
+from .remotepath import ObjectInfo, RemotePath
+from .settings import RemoteOptions
+
+# What a checkpoint folder is recognised by (see materialize.checkpoint.pick_from_folder), and config.json, which
+# makes it a Hugging Face model folder.
+FOLDER_NAMES = (
+    "model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin",
+    "consolidated.safetensors", ".metadata", "config.json",
+)
+
+
+class HttpStore:
+    """The files below one URL folder, read with ranged GETs; ``headers`` go with every request (a token)."""
+
+    def __init__(self, base: str, transport: Transport, headers: Optional[Mapping[str, str]] = None,
+                 *, check_tags: bool = True, files: Optional[Mapping[str, ObjectInfo]] = None,
+                 companions: Optional[Path] = None) -> None:
+        self.base = base if base.endswith("/") else base + "/"
+        self.transport = transport
+        self.headers = dict(headers or {})
+        self.check_tags = check_tags  # False where the URL itself pins the content (a hub commit)
+        self._stats: dict[str, Optional[ObjectInfo]] = {}
+        self._lock = threading.Lock()
+        self.exact: dict[str, str] = {}  # keys whose URL is given whole (a signed URL's query stays as it is)
+        # Where the server has a listing of its own (the hub's file list): every file and its size, so nothing
+        # is probed and no HEAD is sent; companions: a local folder holding the small files (the hub's snapshot).
+        self.files = dict(files) if files is not None else None
+        if self.files is not None:
+            self._stats.update(self.files)
+        self.companions = companions
+
+    def url(self, key: str) -> str:
+        return self.exact.get(key) or self.base + quote(key, safe="/~")
+
+    def stat(self, key: str) -> Optional[ObjectInfo]:
+        with self._lock:
+            if key in self._stats:
+                return self._stats[key]
+            if self.files is not None:
+                return None
+        found = self._head(key) if key else None
+        with self._lock:
+            return self._stats.setdefault(key, found)
+
+    def _head(self, key: str) -> Optional[ObjectInfo]:
+        url = self.url(key)
+        answer = self.transport.head(url, self.headers)
+        if answer.status in (404, 410):
+            return None
+        if answer.status in (401, 403):
+            raise CheckpointAccessError(f"access refused (HTTP {answer.status}){_token_words(self.headers)}", path=url)
+        if answer.status != 200:
+            raise CheckpointAccessError(f"HEAD answered HTTP {answer.status}", path=url)
+        length = answer.headers.get("content-length")
+        if length is None or not length.isdigit():
+            raise CheckpointError("the server gives no Content-Length: its size cannot be known before reading",
+                                  path=url)
+        if answer.headers.get("accept-ranges", "").lower() == "none":
+            raise CheckpointError("the server does not answer Range requests (Accept-Ranges: none)", path=url)
+        etag = answer.headers.get("etag") if self.check_tags else None
+        return ObjectInfo(int(length), etag if etag and not etag.startswith("W/") else None)
+
+    def listing(self, key: str) -> Optional[tuple[list[str], list[str]]]:
+        prefix = key + "/" if key else ""
+        if self.files is not None:
+            below = [name[len(prefix):] for name in self.files if name.startswith(prefix)]
+            if not below:
+                return None
+            return sorted(n for n in below if "/" not in n), sorted({n.split("/")[0] for n in below if "/" in n})
+        with ThreadPoolExecutor(len(FOLDER_NAMES)) as probes:
+            found = list(probes.map(lambda name: self.stat(prefix + name), FOLDER_NAMES))
+        return [name for name, info in zip(FOLDER_NAMES, found) if info is not None], []
+
+    def read_into(self, key: str, offset: int, views: list[memoryview], *, tensor: str) -> None:
+        info = self.stat(key)
+        url = self.url(key)
+        if info is None:
+            raise CheckpointError("no such object", path=url, tensor=tensor)
+        self.transport.read_into(lambda: (url, self.headers), offset, views, size=info.size, etag=info.etag,
+                                 name=url, tensor=tensor)
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def _token_words(headers: Mapping[str, str]) -> str:
+    return "" if any(k.lower() == "authorization" for k in headers) else " (no token was sent)"
+
+
+def open_http(url: str, options: RemoteOptions, headers: Optional[Mapping[str, str]] = None) -> RemotePath:
+    """The file or folder (a URL ending in ``/``) ``url`` names."""
+    parts = urlsplit(url)
+    if not parts.hostname:
+        raise CheckpointError("is not a URL of a host", path=url)
+    path = parts.path or "/"
+    folder_path, _, name = path.rpartition("/")
+    base = urlunsplit((parts.scheme.lower(), parts.netloc, folder_path + "/", "", ""))
+    store = HttpStore(base, Transport(options), headers)
+    if not name:
+        return RemotePath(store, "", folder=True)
+    if parts.query:  # a signed URL (S3 presigned, Azure SAS): this one file, its query kept; it names no others
+        store.exact[unquote(name)] = url.split("#", 1)[0]
+    return RemotePath(store, unquote(name), folder=False)

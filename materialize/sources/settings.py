@@ -1,0 +1,50 @@
+"""How remote sources are read: the options a user sets, and where each is defaulted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class RemoteOptions:
+    """How a checkpoint named by a URL (``s3://``, ``https://``) or streamed from the hub is read.
+
+    Pass as ``remote=`` to :func:`~materialize.load`, :func:`~materialize.load_model`,
+    :func:`~materialize.load_tensors`, :func:`~materialize.plan`,
+    :func:`~materialize.inspect` or :func:`~materialize.open_checkpoint` (CLI:
+    ``--connections``, ``--request-timeout``, ``--retries``, ``--no-sign-request``).
+    The defaults suit a cloud object store from a machine in its region and
+    a hub download; see docs/remote.md.
+
+    Fields:
+        connections: requests in flight at once, each on its own kept-alive connection (at most this many
+            connections are open to a host).
+        part_bytes: a tensor larger than this is read as parallel ranged GETs of this size.
+        timeout: seconds a connection may wait for the server (to connect, or for the next bytes of an answer)
+            before the request is retried; a slow store that keeps sending is never cut off.
+        retries: attempts after the first, per part, on a reset connection, a timeout, a 5xx or a SlowDown
+            answer, with exponential backoff; a part resumes at the byte where its answer stopped.
+        anonymous: read S3 without credentials (a public bucket); the CLI's ``--no-sign-request``.
+        ca_bundle: a PEM file of certificate authorities for HTTPS (else ``AWS_CA_BUNDLE`` for S3, else the
+            system's).
+    """
+
+    connections: int = 16
+    part_bytes: int = 8 * MiB
+    timeout: float = 60.0
+    retries: int = 8
+    anonymous: bool = False
+    ca_bundle: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.connections < 1:
+            raise ValueError(f"connections: expected at least 1, got {self.connections}")
+        if self.part_bytes < 64 * 1024:
+            raise ValueError(f"part_bytes: expected at least 64 KiB, got {self.part_bytes}")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout: expected a positive number of seconds, got {self.timeout}")
+        if self.retries < 0:
+            raise ValueError(f"retries: expected 0 or more, got {self.retries}")

@@ -1,0 +1,229 @@
+"""Checkpoints read from http:// URLs, against a Range server and a fault-injecting proxy the tests start on
+127.0.0.1: every load equal to the local load of the same files, byte for byte, and every fault retried or
+refused in one line naming the URL and the byte range."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+import materialize as mz
+from tests.conftest import DECODER_SPEC, TINY, reference_model, saved_state, write_safetensors, write_sharded, write_torch
+from tests.remote_servers import FaultProxy, RangeServer
+
+CLI = str(Path(sys.executable).parent / "materialize")
+FAST = mz.RemoteOptions(timeout=2.0, retries=3)  # a stalled request is given up on quickly in these tests
+
+
+def _same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], *, ordered: bool = True) -> None:
+    """The same names (in the same order), dtypes, shapes, strides and bytes."""
+    assert (list(got) == list(want)) if ordered else (set(got) == set(want))
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert got[name].stride() == tensor.stride(), name
+        assert torch.equal(got[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
+
+
+def _state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {
+        "embed.weight": torch.randn(300, 64),
+        "block.0.weight": torch.randn(64, 64).to(torch.bfloat16),
+        "block.0.bias": torch.randn(64).to(torch.float16),
+        "counts": torch.arange(17, dtype=torch.int64),
+        "flag": torch.tensor([True, False, True]),
+        "empty": torch.zeros(0, 4),
+        "scalar": torch.tensor(3.5),
+    }
+
+
+@pytest.fixture
+def served(tmp_path):
+    root = tmp_path / "www"
+    root.mkdir()
+    with RangeServer(root) as server:
+        yield root, server
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "torch", "sharded-folder", "sharded-index", "torch-sharded"])
+def test_every_layout_loads_from_a_url_as_from_the_local_files(served, layout):
+    root, server = served
+    state = _state()
+    if layout == "safetensors":
+        local, name = write_safetensors(state, root / "model.safetensors"), "model.safetensors"
+    elif layout == "torch":
+        local, name = write_torch(state, root / "model.pt"), "model.pt"
+    elif layout == "sharded-folder":
+        local, name = write_sharded(state, root / "m").parent, "m/"
+    elif layout == "sharded-index":
+        local = write_sharded(state, root / "m")
+        name = "m/model.safetensors.index.json"
+    else:
+        local, name = write_sharded(state, root / "m", kind="torch").parent, "m/"
+    want, _ = mz.load_tensors(local)
+    got, report = mz.load_tensors(f"{server.url}/{name}")
+    _same_tensors(got, want)
+    _same_tensors(got, state, ordered=False)
+    assert report.checkpoint.startswith(server.url)
+    # bytes came by ranged GETs only: no GET asked for a whole file
+    assert all(r.range is not None for r in server.requests if r.method == "GET")
+
+
+def test_a_dcp_save_loads_from_its_folder_url(served):
+    import torch.distributed.checkpoint as dcp
+
+    root, server = served
+    state = _state()
+    dcp.save({k: v for k, v in state.items() if v.numel()}, checkpoint_id=str(root / "dcp"), no_dist=True)
+    want, _ = mz.load_tensors(root / "dcp")
+    got, _ = mz.load_tensors(f"{server.url}/dcp/")
+    _same_tensors(got, want)
+
+
+def test_a_model_loads_from_a_url_as_eager_construction_plus_load_state_dict(served):
+    root, server = served
+    model = reference_model(tie=True)
+    write_safetensors(saved_state(model), root / "model.safetensors")
+    loaded, _ = mz.load_model(f"{server.url}/model.safetensors", model=DECODER_SPEC, model_args={**TINY, "tie_embeddings": True})
+    eager = reference_model(tie=True, seed=1)
+    eager.load_state_dict(load_file(root / "model.safetensors"), strict=False)
+    mine, theirs = loaded.state_dict(keep_vars=True), eager.state_dict(keep_vars=True)
+    assert list(mine) == list(theirs)
+    for name in theirs:
+        assert type(mine[name]) is type(theirs[name]) and mine[name].requires_grad == theirs[name].requires_grad, name
+        assert mine[name].dtype == theirs[name].dtype and mine[name].stride() == theirs[name].stride(), name
+        assert torch.equal(mine[name], theirs[name]), name
+    def ties(state):
+        return sorted(sorted(n for n in state if state[n] is state[m]) for m in state)
+    assert ties(mine) == ties(theirs)
+
+
+def test_a_hugging_face_folder_url_builds_its_model_from_the_fetched_config(served):
+    root, server = served
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    torch.manual_seed(0)
+    source = transformers.LlamaForCausalLM(config).eval()
+    source.save_pretrained(root / "llama", max_shard_size="100KB")
+    local, _ = mz.load_model(root / "llama")
+    remote, report = mz.load_model(f"{server.url}/llama/")
+    assert type(remote) is type(local) is transformers.LlamaForCausalLM
+    _same_tensors(dict(remote.state_dict()), dict(local.state_dict()))
+    assert report.checkpoint.startswith(server.url)
+
+
+def test_the_cli_loads_and_inspects_a_url_in_a_subprocess(served):
+    root, server = served
+    write_safetensors(_state(), root / "model.safetensors")
+    url = f"{server.url}/model.safetensors"
+    loaded = subprocess.run([CLI, url, "--json", "--connections", "2"], capture_output=True, text=True)
+    assert loaded.returncode == 0, loaded.stderr
+    assert set(json.loads(loaded.stdout)["loaded"]) == set(_state())
+    shown = subprocess.run([CLI, "inspect", url, "--json"], capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    assert {t["name"] for t in json.loads(shown.stdout)["tensors"]} == set(_state())
+
+
+def test_large_tensors_are_read_as_parallel_parts_on_at_most_the_stated_connections(served):
+    root, server = served
+    torch.manual_seed(1)
+    state = {"big": torch.randn(1024, 1024), "other": torch.randn(512, 512)}
+    write_safetensors(state, root / "model.safetensors")
+    options = mz.RemoteOptions(connections=3, part_bytes=256 * 1024)
+    got, _ = mz.load_tensors(f"{server.url}/model.safetensors", remote=options)
+    _same_tensors(got, state, ordered=False)
+    gets = [r for r in server.requests if r.method == "GET"]
+    assert len(gets) >= 4 * 1024 * 1024 // (256 * 1024)  # the 4 MiB tensor alone is 16 parts
+    assert server.connections <= 3
+
+
+@pytest.mark.parametrize("fault", [
+    {"reset_after": (3, 100_000)},   # connections reset mid-body: the retry asks for the rest only
+    {"slowdown": 3},                 # S3's 503 SlowDown
+    {"server_errors": 3},            # 500s
+    {"stall_after": (2, 50_000)},    # the server stops sending: the request times out and is retried
+])
+def test_faults_are_retried_and_the_load_is_the_files(served, fault):
+    root, server = served
+    torch.manual_seed(2)
+    state = {"w": torch.randn(512, 512), "v": torch.randn(100)}
+    write_safetensors(state, root / "model.safetensors")
+    with FaultProxy(server.url, **fault) as proxy:
+        got, _ = mz.load_tensors(f"{proxy.url}/model.safetensors", remote=FAST)
+        assert sum(proxy.injected.values()) > 0
+    _same_tensors(got, state, ordered=False)
+    if "reset_after" in fault:  # resumed: a GET asked for the rest of a range a reset answer had cut short
+        ranges = [tuple(map(int, r.range.split("=")[1].split("-"))) for r in server.requests if r.method == "GET"]
+        assert any((start + 100_000, end) in ranges for start, end in ranges)
+
+
+def test_faults_beyond_the_retries_fail_in_one_line_naming_the_url_and_the_range(served):
+    root, server = served
+    write_safetensors({"w": torch.randn(256, 256)}, root / "model.safetensors")
+    with FaultProxy(server.url, server_errors=100) as proxy:
+        url = f"{proxy.url}/model.safetensors"
+        with pytest.raises(mz.CheckpointAccessError) as failure:
+            mz.load_tensors(url, remote=mz.RemoteOptions(retries=1))
+    message = str(failure.value)
+    assert url in message and "bytes " in message and "HTTP 500" in message and "\n" not in message
+
+
+def test_an_object_rewritten_during_the_load_is_an_error_not_a_mixed_model(served):
+    root, server = served
+    path = write_safetensors({"w": torch.zeros(64, 64)}, root / "model.safetensors")
+    with mz.open_checkpoint(f"{server.url}/model.safetensors") as ckpt:  # its size and tag are taken here
+        write_safetensors({"w": torch.ones(64, 64)}, path)  # same size, new bytes
+        os.utime(path, ns=(1, 1))
+        with pytest.raises(mz.CheckpointError, match="changed during the load"):
+            mz.load_tensors(ckpt)
+
+
+def test_a_token_the_server_wants_is_asked_for_in_one_line(tmp_path):
+    write_safetensors({"w": torch.zeros(4)}, tmp_path / "model.safetensors")
+    with RangeServer(tmp_path, token="sekret") as server:
+        run = subprocess.run([CLI, f"{server.url}/model.safetensors"], capture_output=True, text=True)
+    assert run.returncode == 1
+    assert run.stderr.count("\n") == 1 and "access refused (HTTP 401)" in run.stderr
+
+
+def test_redirects_are_followed_and_credentials_stay_with_their_host(tmp_path):
+    (tmp_path / "cdn").mkdir()
+    state = {"w": torch.randn(128, 128)}
+    write_safetensors(state, tmp_path / "cdn" / "model.safetensors")
+    with RangeServer(tmp_path / "cdn") as cdn, \
+            RangeServer(tmp_path, redirects={"/resolve/": f"{cdn.url}/"}) as origin:
+        from materialize.sources.httpstore import open_http
+
+        source = open_http(f"{origin.url}/resolve/model.safetensors", FAST, headers={"Authorization": "Bearer t"})
+        got, _ = mz.load_tensors(source)
+        _same_tensors(got, state, ordered=False)
+        assert all("Authorization" not in r.headers and "authorization" not in r.headers for r in cdn.requests)
+        assert any(r.path.startswith("/resolve/") for r in origin.requests)
+        # the redirect is asked once per object, not once per range
+        assert sum(1 for r in origin.requests if r.method == "GET") <= 2
+
+
+def test_mmap_of_a_url_is_refused_before_anything_is_read(served):
+    root, server = served
+    write_safetensors({"w": torch.zeros(4)}, root / "model.safetensors")
+    url = f"{server.url}/model.safetensors"
+    with pytest.raises(mz.CheckpointError, match="maps local files"):
+        mz.load_tensors(url, mmap=True)
+    run = subprocess.run([CLI, url, "--mmap"], capture_output=True, text=True)
+    assert run.returncode == 2 and "leave --mmap out" in run.stderr
+
+
+def test_a_missing_object_and_an_unknown_scheme_are_one_line_errors(served):
+    root, server = served
+    with pytest.raises(mz.CheckpointNotFoundError, match="no such object"):
+        mz.load_tensors(f"{server.url}/absent.safetensors")
+    with pytest.raises(mz.CheckpointError, match="gs:// sources are not read"):
+        mz.load_tensors("gs://bucket/model.safetensors")

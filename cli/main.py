@@ -20,7 +20,7 @@ from materialize.text import printable
 
 from ._errors import one_line
 from ._output import JSON_HELP, echo_lines, echo_stderr_line, json_text, never_fail_to_encode
-from .params import DEVICE, DEVICE_MAP, DTYPE, MAX_MEMORY, MODEL_ARG, REGEX, RENAME, SIZE
+from .params import DEVICE, DEVICE_MAP, DTYPE, HEADER, MAX_MEMORY, MODEL_ARG, REGEX, RENAME, SIZE
 
 if TYPE_CHECKING:
     import torch
@@ -129,7 +129,7 @@ model_options = [
     click.option("--json", "as_json", is_flag=True, help=JSON_HELP),
     click.option("--debug", is_flag=True, help="Show the traceback of an error."),
 ]
-remote_options = [  # how a URL (s3://, https://) or a streamed hub repo is read: docs/remote.md
+remote_options = [  # how a URL (s3://, gs://, https://) or a streamed hub repo is read: docs/remote.md
     click.option("--stream", is_flag=True,
                  help="CHECKPOINT is a hub repo id: read its weights from the hub by ranged GETs, downloading none "
                       "(config and index are fetched)."),
@@ -139,7 +139,10 @@ remote_options = [  # how a URL (s3://, https://) or a streamed hub repo is read
                  help="Seconds without an answer's next bytes before a request is retried (default 60)."),
     click.option("--retries", type=click.IntRange(min=0), default=None, metavar="N",
                  help="Retries of a failed request, each resuming where it stopped (default 8)."),
-    click.option("--no-sign-request", "anonymous", is_flag=True, help="Read s3:// unsigned (a public bucket)."),
+    click.option("--no-sign-request", "anonymous", is_flag=True,
+                 help="Read s3:// and gs:// without credentials (a public bucket)."),
+    click.option("--header", "headers", type=HEADER, multiple=True, metavar="'NAME: VALUE'",
+                 help="Send this header to an http(s):// source's server (repeatable), e.g. 'Authorization: Bearer T'."),
 ]
 memory_options = [  # a plan's memory estimate depends on them too
     click.option("--mmap", is_flag=True, help="CPU only: tensors become copy-on-write views of the files (zero-copy)."),
@@ -169,6 +172,9 @@ def remote_from(options: dict[str, Any]) -> Optional[mz.RemoteOptions]:
     given = {name: options.pop(option) for option, name in (("connections", "connections"),
              ("request_timeout", "timeout"), ("retries", "retries"), ("anonymous", "anonymous"))}
     given = {name: value for name, value in given.items() if value not in (None, False)}
+    if options.get("headers"):
+        given["headers"] = dict(options["headers"])
+    options.pop("headers", None)
     return mz.RemoteOptions(**given) if given else None
 
 

@@ -84,6 +84,20 @@ class RenameType(click.ParamType):
         return pattern, replacement
 
 
+class HeaderType(click.ParamType):
+    """``NAME: VALUE``: a header sent to an http(s):// source's server."""
+
+    name = "header"
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> tuple[str, str]:
+        if isinstance(value, tuple):
+            return value
+        name, sep, text = str(value).partition(":")
+        if not sep or not name.strip() or any(c in str(value) for c in "\r\n\0") or " " in name.strip():
+            self.fail(f"{value!r} is not 'NAME: VALUE'", param, ctx)
+        return name.strip(), text.strip()
+
+
 class RegexType(click.ParamType):
     """A regular expression, checked as it is typed."""
 
@@ -157,3 +171,4 @@ RENAME = RenameType()
 REGEX = RegexType()
 DEVICE = DeviceType()
 MODEL_ARG = ModelArgType()
+HEADER = HeaderType()

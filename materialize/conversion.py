@@ -60,6 +60,8 @@ from .io.gcpause import gc_paused
 from .io.hostmem import empty_destination
 from .loading import DtypeLike, announce_opening
 from .integrations.hub import resolve as resolve_source
+from .sources.companions import companion_folder
+from .sources.remotepath import RemotePath
 from .sizes import format_bytes, parse_size
 from .text import printable
 
@@ -411,7 +413,10 @@ def _companions(source: object) -> list[tuple[Path, str]]:
     Each as (the file it really is, its name): a symlink leading out of the
     folder (``tokenizer.json`` -> ``/etc/passwd``) is refused, never copied.
     """
-    if isinstance(source, Checkpoint) or not Path(source).is_dir():
+    if isinstance(source, RemotePath):  # a remote folder's small files, fetched to local disk first
+        wanted = lambda name: not name.endswith(_WEIGHT_SUFFIXES)  # noqa: E731
+        source = companion_folder(source, wanted=wanted) if source.is_dir() else None
+    if source is None or isinstance(source, Checkpoint) or not Path(source).is_dir():
         return []
     folder = Path(source)
     roots = allowed_roots(folder)

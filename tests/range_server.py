@@ -8,6 +8,7 @@ import mimetypes
 import os
 import re
 import socket
+import ssl
 import socketserver
 import stat
 import sys
@@ -218,8 +219,10 @@ class RangeServer:
     ``requests`` lists every request seen, in order; ``connections`` counts the TCP connections accepted.
     """
 
-    def __init__(self, root: Path, *, token: Optional[str] = None, redirects: Optional[Mapping[str, str]] = None) -> None:
+    def __init__(self, root: Path, *, token: Optional[str] = None, redirects: Optional[Mapping[str, str]] = None,
+                 tls: Optional["ssl.SSLContext"] = None) -> None:
         self.root = Path(root).resolve()
+        self.tls = tls  # a server context: answers over HTTPS (the handshake on accept)
         self.token = token
         # Longest prefix first, so that a specific rule wins over a general one whatever the map's order.
         self.redirects = dict(sorted((redirects or {}).items(), key=lambda item: -len(item[0])))
@@ -233,7 +236,7 @@ class RangeServer:
         """``http://127.0.0.1:PORT``, no trailing slash."""
         if self._server is None:
             raise RuntimeError("the server runs only inside its with block")
-        return f"http://127.0.0.1:{self._server.server_port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self._server.server_port}"
 
     @property
     def connections(self) -> int:
@@ -242,6 +245,8 @@ class RangeServer:
 
     def __enter__(self) -> "RangeServer":
         self._server = _TrackingHTTPServer(self)
+        if self.tls is not None:
+            self._server.socket = self.tls.wrap_socket(self._server.socket, server_side=True)
         # A short poll: shutdown() waits for it, and tests start and stop many servers.
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
                                         name=f"RangeServer:{self._server.server_port}", daemon=True)

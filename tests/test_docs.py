@@ -9,6 +9,7 @@ defining them (``MyModel``, ``cfg``) are given in ``GIVEN`` below, and that is s
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from conftest import TINY, hub_cache, reference_model, saved_state, write_sharded
+from fake_hub import FakeHub
+from gcs_server import GcsServer
+from s3_server import S3Server
 from vision import import_torchvision, pythonpath_with_shim
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,8 +76,12 @@ def test_every_relative_link_of_the_readme_and_docs_resolves():
 
 @pytest.fixture(scope="module")
 def fixtures(tmp_path_factory):
-    """Every file the snippets name, tiny, and the environment their commands run in."""
+    """Every file the snippets name, tiny, and the environment their commands run in: with an S3 server holding
+    ``s3://bucket/llama/``, a stand-in GCS holding ``gs://bucket/llama/`` (a service account's key for it), and a
+    stand-in hub serving ``tiny-org/tiny-llama``, all on 127.0.0.1 (docs/remote.md)."""
     transformers = pytest.importorskip("transformers")
+    pytest.importorskip("moto")
+    pytest.importorskip("google.auth")
     if import_torchvision() is None:
         pytest.skip("timm and torchvision are not installed (make test-oldest's venvs)")
     import timm
@@ -95,8 +103,24 @@ def fixtures(tmp_path_factory):
                                    vocab_size=99, max_position_embeddings=64)
     transformers.BertModel(bert).save_pretrained(folder / "tiny-bert")
     cache = hub_cache(folder, folder / "tiny-llama", "tiny-org/tiny-llama")
-    env = {**pythonpath_with_shim(folder), "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    return folder, env
+    shutil.copytree(folder / "tiny-llama", folder / "hub" / "tiny-org" / "tiny-llama")
+    (folder / "gcloud").mkdir()  # gcloud's configuration: none of this machine's
+    with S3Server() as s3, FakeHub(folder / "hub") as hub, GcsServer(folder / "gcs") as gcs:
+        s3.make_bucket("bucket")
+        gcs.make_bucket("bucket")
+        for path in sorted((folder / "tiny-llama").iterdir()):
+            s3.put("bucket", f"llama/{path.name}", path)
+            gcs.put("bucket", f"llama/{path.name}", path)
+        google = {**gcs.env(), "GOOGLE_APPLICATION_CREDENTIALS": str(gcs.service_account_file(folder / "key.json")),
+                  "CLOUDSDK_CONFIG": str(folder / "gcloud"), "NO_GCE_CHECK": "true"}
+        env = {**pythonpath_with_shim(folder), **s3.env(), **google, "HF_HUB_CACHE": str(cache),
+               "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": hub.endpoint}
+        yield folder, env
+
+
+def command_environment(line: str, env: dict[str, str]) -> dict[str, str]:
+    """Offline, so that a cached repo is read from the cache alone; but --stream goes to the (stand-in) hub."""
+    return {**env, "HF_HUB_OFFLINE": "0"} if "--stream" in line.split() else env
 
 
 PYTHON_SNIPPETS = [(page, i) for page in PAGES for i, _ in enumerate(fenced(page, "python"))]
@@ -105,7 +129,9 @@ PYTHON_SNIPPETS = [(page, i) for page in PAGES for i, _ in enumerate(fenced(page
 @pytest.mark.parametrize("page, index", PYTHON_SNIPPETS,
                          ids=[f"{p.relative_to(ROOT)}[{i}]" for p, i in PYTHON_SNIPPETS])
 def test_a_python_snippet_runs(page, index, fixtures, monkeypatch):
-    folder, _ = fixtures
+    folder, env = fixtures
+    for name in [n for n in env if n.startswith("AWS_")]:
+        monkeypatch.setenv(name, env[name])  # an s3:// snippet reads the test server, as a command does
     code = on_this_machine(fenced(page, "python")[index])
     given = GIVEN.get(str(page.relative_to(ROOT)), "")
     monkeypatch.chdir(folder)
@@ -125,7 +151,8 @@ def test_a_command_runs(page, line, fixtures):
     folder, env = fixtures
     args = on_this_machine(line.split("#")[0]).split()[1:]
 
-    done = subprocess.run([CLI, *args], capture_output=True, text=True, cwd=folder, env=env, timeout=300)
+    done = subprocess.run([CLI, *args], capture_output=True, text=True, cwd=folder,
+                          env=command_environment(line, env), timeout=300)
 
     assert done.returncode == 0, f"{page.relative_to(ROOT)}: {line}\n{done.stderr}"
 

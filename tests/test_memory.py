@@ -67,3 +67,14 @@ def test_a_tie_saved_as_two_equal_copies_is_compared_without_a_second_copy(tmp_p
 
     assert result["model_bytes"] >= 256 * 1024 * 1024
     assert result["growth"] <= 1.1 * result["model_bytes"] + SLACK_BYTES, result
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "torch"])
+def test_a_load_streamed_over_http_grows_memory_by_the_model_size_only(kind, checkpoints):
+    # received straight into the tensors: no buffer of the download beside them, whatever the model's size
+    from tests.remote_servers import RangeServer
+
+    with RangeServer(checkpoints[kind].parent) as server:
+        result = _probe("ours", f"{server.url}/{checkpoints[kind].name}")
+    assert result["model_bytes"] >= 256 * 1024 * 1024
+    assert result["growth"] <= 1.05 * result["model_bytes"] + SLACK_BYTES, result

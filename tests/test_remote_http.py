@@ -16,7 +16,8 @@ import transformers
 from safetensors.torch import load_file
 
 import materialize as mz
-from tests.conftest import DECODER_SPEC, TINY, reference_model, saved_state, write_safetensors, write_sharded, write_torch
+from tests.conftest import (DECODER_SPEC, TINY, reference_model, run_ranks, saved_state, write_safetensors, write_sharded,
+                            write_torch)
 from tests.remote_servers import FaultProxy, RangeServer
 
 CLI = str(Path(sys.executable).parent / "materialize")
@@ -146,7 +147,7 @@ def test_large_tensors_are_read_as_parallel_parts_on_at_most_the_stated_connecti
 
 
 @pytest.mark.parametrize("fault", [
-    {"reset_after": (3, 100_000)},   # connections reset mid-body: the retry asks for the rest only
+    {"reset_after": (3, 100_000)},   # connections reset mid-body
     {"slowdown": 3},                 # S3's 503 SlowDown
     {"server_errors": 3},            # 500s
     {"stall_after": (2, 50_000)},    # the server stops sending: the request times out and is retried
@@ -160,9 +161,22 @@ def test_faults_are_retried_and_the_load_is_the_files(served, fault):
         got, _ = mz.load_tensors(f"{proxy.url}/model.safetensors", remote=FAST)
         assert sum(proxy.injected.values()) > 0
     _same_tensors(got, state, ordered=False)
-    if "reset_after" in fault:  # resumed: a GET asked for the rest of a range a reset answer had cut short
-        ranges = [tuple(map(int, r.range.split("=")[1].split("-"))) for r in server.requests if r.method == "GET"]
-        assert any((start + 100_000, end) in ranges for start, end in ranges)
+
+
+def test_a_reset_answer_is_resumed_where_it_stopped_not_read_again(served):
+    root, server = served
+    torch.manual_seed(3)
+    state = {"w": torch.randn(2048, 1024)}  # 8 MiB: one part
+    write_safetensors(state, root / "model.safetensors")
+    with FaultProxy(server.url, reset_after=(1, 5 * 1024 * 1024)) as proxy:
+        got, _ = mz.load_tensors(f"{proxy.url}/model.safetensors", remote=FAST)
+        assert proxy.injected["reset_after"] == 1
+    _same_tensors(got, state)
+    ranges = [tuple(map(int, r.range.split("=")[1].split("-"))) for r in server.requests if r.method == "GET"]
+    # the retry asks for the rest of the tensor's range: from where whole megabytes had arrived, at most 5 MiB in
+    resumed = [(start, later) for start, end in ranges for later, later_end in ranges
+               if later_end == end and 0 < later - start <= 5 * 1024 * 1024]
+    assert resumed and all(later - start >= 1024 * 1024 for start, later in resumed)
 
 
 def test_faults_beyond_the_retries_fail_in_one_line_naming_the_url_and_the_range(served):
@@ -184,14 +198,6 @@ def test_an_object_rewritten_during_the_load_is_an_error_not_a_mixed_model(serve
         os.utime(path, ns=(1, 1))
         with pytest.raises(mz.CheckpointError, match="changed during the load"):
             mz.load_tensors(ckpt)
-
-
-def test_a_token_the_server_wants_is_asked_for_in_one_line(tmp_path):
-    write_safetensors({"w": torch.zeros(4)}, tmp_path / "model.safetensors")
-    with RangeServer(tmp_path, token="sekret") as server:
-        run = subprocess.run([CLI, f"{server.url}/model.safetensors"], capture_output=True, text=True)
-    assert run.returncode == 1
-    assert run.stderr.count("\n") == 1 and "access refused (HTTP 401)" in run.stderr
 
 
 def test_redirects_are_followed_and_credentials_stay_with_their_host(tmp_path):
@@ -225,5 +231,105 @@ def test_a_missing_object_and_an_unknown_scheme_are_one_line_errors(served):
     root, server = served
     with pytest.raises(mz.CheckpointNotFoundError, match="no such object"):
         mz.load_tensors(f"{server.url}/absent.safetensors")
-    with pytest.raises(mz.CheckpointError, match="gs:// sources are not read"):
-        mz.load_tensors("gs://bucket/model.safetensors")
+    with pytest.raises(mz.CheckpointError, match="az:// sources are not read.*https:// URL of the blob"):
+        mz.load_tensors("az://container/model.safetensors")
+    with pytest.raises(mz.CheckpointError, match=r"ftp:// sources are not read by this build \(it reads .*gs://"):
+        mz.load_tensors("ftp://host/model.safetensors")
+
+
+def test_convert_from_a_folder_url_writes_what_converting_the_local_folder_writes(served, tmp_path):
+    root, server = served
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "llama", max_shard_size="100KB")
+    remote = mz.convert(f"{server.url}/llama/", tmp_path / "from-url")
+    local = mz.convert(root / "llama", tmp_path / "from-disk")
+    assert sorted(remote.copied) == sorted(local.copied) and "config.json" in remote.copied
+    for name in [*remote.files, *remote.copied]:
+        assert (tmp_path / "from-url" / name).read_bytes() == (tmp_path / "from-disk" / name).read_bytes(), name
+
+
+def test_fsdp2_ranks_each_read_only_their_own_rows_from_a_url(served, tmp_path):
+    root, server = served
+    source = reference_model(tie=True)
+    state = saved_state(source)
+    write_safetensors(state, root / "model.safetensors")
+
+    ranks = run_ranks("fsdp", f"{server.url}/model.safetensors", tmp_path / "ranks")
+
+    for rank in ranks:
+        assert all(rank["equal"].values()) and rank["forward_equal"] and rank["tied"]
+    # every byte of the tensors came to exactly one rank, by ranged GETs
+    assert sum(rank["bytes_read"] for rank in ranks) == sum(t.numel() * t.element_size() for t in state.values())
+    assert all(r.range is not None for r in server.requests if r.method == "GET")
+
+
+def _self_signed(folder: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 signed by itself, and its key: a private CA's server."""
+    x509 = pytest.importorskip("cryptography.x509")
+    import datetime
+    import ipaddress
+
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "materialize test CA")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                                  critical=False)
+                   .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                   .sign(key, hashes.SHA256()))
+    cert, key_file = folder / "ca.pem", folder / "key.pem"
+    cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert, key_file
+
+
+def test_https_with_a_private_ca_is_refused_until_the_bundle_is_given(tmp_path):
+    import ssl
+
+    cert, key = _self_signed(tmp_path)
+    (tmp_path / "www").mkdir()
+    state = {"w": torch.randn(64, 64)}
+    write_safetensors(state, tmp_path / "www" / "model.safetensors")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    with RangeServer(tmp_path / "www", tls=context) as server:
+        url = f"{server.url}/model.safetensors"
+        assert url.startswith("https://")
+        with pytest.raises(mz.CheckpointAccessError, match="TLS certificate is not trusted.*ca_bundle"):
+            mz.load_tensors(url)  # refused at once, not retried
+        got, _ = mz.load_tensors(url, remote=mz.RemoteOptions(ca_bundle=str(cert)))
+    _same_tensors(got, state)
+
+
+def test_nothing_listening_is_refused_at_once_not_retried(tmp_path):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]  # free once closed
+    with pytest.raises(mz.CheckpointAccessError, match="connection refused"):
+        mz.load_tensors(f"http://127.0.0.1:{port}/model.safetensors")
+
+
+def test_a_server_wanting_a_token_says_how_to_send_one_and_sending_it_works(tmp_path):
+    state = {"w": torch.randn(32, 32)}
+    write_safetensors(state, tmp_path / "model.safetensors")
+    with RangeServer(tmp_path, token="sekret") as server:
+        url = f"{server.url}/model.safetensors"
+        refused = subprocess.run([CLI, url], capture_output=True, text=True)
+        assert refused.returncode == 1 and refused.stderr.count("\n") == 1
+        assert "--header 'Authorization: Bearer TOKEN'" in refused.stderr
+        followed = subprocess.run([CLI, url, "--header", "Authorization: Bearer sekret", "--json"],
+                                  capture_output=True, text=True)
+        assert followed.returncode == 0, followed.stderr
+        wrong = subprocess.run([CLI, url, "--header", "Authorization: Bearer nope"], capture_output=True, text=True)
+        assert wrong.returncode == 1 and "credentials sent were refused" in wrong.stderr
+        got, _ = mz.load_tensors(url, remote=mz.RemoteOptions(headers={"Authorization": "Bearer sekret"}))
+    _same_tensors(got, state)

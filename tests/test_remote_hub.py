@@ -81,3 +81,16 @@ def test_the_cli_streams_a_repo_in_a_subprocess_and_a_missing_token_is_one_line(
 def test_stream_is_for_repo_ids_only(tmp_path):
     run = subprocess.run([CLI, str(tmp_path), "--stream"], capture_output=True, text=True)
     assert run.returncode == 2 and "--stream reads a hub repo id" in run.stderr
+
+
+def test_a_hub_resolve_url_loads_as_an_https_source_through_its_redirect(hub, repo):
+    if hub.token:
+        pytest.skip("a plain URL carries no token; a private repo is read with --stream")
+    index = json.loads((repo / "model.safetensors.index.json").read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    got, _ = mz.load_tensors(hub.resolve_url(REPO, first))
+    want, _ = mz.load_tensors(repo / first)
+    assert list(got) == list(want) and all(torch.equal(got[n], want[n]) for n in want)
+    # the bytes came from the CDN; the hub was asked for the redirect, not for the bytes
+    assert any(r.method == "GET" for r in hub.seen("cdn"))
+    assert not any(r.method == "GET" and "range" in r.headers for r in hub.seen("hub"))

@@ -1,8 +1,9 @@
 """Where checkpoint bytes come from, below every reader: local files, or objects behind a URL.
 
 A URL becomes a :class:`~.remotepath.RemotePath` over a store (one per
-scheme: ``http(s)://`` in :mod:`.httpstore`, ``s3://`` in :mod:`.s3`, the
-hub's files in :mod:`.hubstore`), and the readers read it as a local path;
+scheme: ``http(s)://`` in :mod:`.httpstore`, ``s3://`` in :mod:`.s3`,
+``gs://`` in :mod:`.gcs`, the hub's files through an ``HttpStore`` made in
+:mod:`materialize.integrations.hub`), and the readers read it as a local path;
 the bytes of tensors go through :class:`~.http.Transport` straight into
 their destinations. A new kind of storage is a new store registered in
 :data:`SCHEMES`, and nothing above this package changes.
@@ -41,14 +42,20 @@ def _open_s3(url: str, options: RemoteOptions) -> RemotePath:
     return open_s3(url, options)
 
 
+def _open_gcs(url: str, options: RemoteOptions) -> RemotePath:
+    from .gcs import open_gcs  # google-auth, for credentials: the optional remote extra
+
+    return open_gcs(url, options)
+
+
 SCHEMES: dict[str, Callable[[str, RemoteOptions], RemotePath]] = {
     "http": _open_http,
     "https": _open_http,
     "s3": _open_s3,
+    "gs": _open_gcs,
 }
 _NOT_HERE = {
-    "gs": "Google Cloud Storage: use its S3-compatible endpoint (AWS_ENDPOINT_URL=https://storage.googleapis.com "
-          "with HMAC keys) or an https:// URL",
+    "gcs": "Google Cloud Storage: write gs://BUCKET/key",
     "az": "Azure Blob Storage: use an https:// URL of the blob (a SAS URL for a private one)",
     "hf": "the hub: pass the repo id (org/name) with --stream (stream=True)",
 }

@@ -14,7 +14,7 @@ import atexit
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from ..errors import CheckpointError
 from .remotepath import RemotePath
@@ -31,14 +31,17 @@ def _remove_made() -> None:
 atexit.register(_remove_made)
 
 
-def companion_folder(source: RemotePath) -> Optional[Path]:
-    """A local folder holding the JSON files of the remote folder ``source``; ``None`` where there are none."""
+def companion_folder(source: RemotePath, *, wanted: Callable[[str], bool] = lambda name: name.endswith("config.json")
+                     ) -> Optional[Path]:
+    """A local folder holding the small files of the remote folder ``source`` whose names are ``wanted`` (by
+    default the configs a model is built from: ``config.json``, ``generation_config.json``), shard indexes
+    left out; ``None`` where there are none."""
     given = getattr(source.store, "companions", None)
     if given is not None:
         return given
     folder = source
     try:
-        names = [path for path in folder.iterdir() if path.suffix == ".json" and not path.name.endswith(".index.json")]
+        names = [path for path in folder.iterdir() if wanted(path.name) and not path.name.endswith(".index.json")]
     except CheckpointError:
         return None
     names = [path for path in names if path.is_file() and path.info().size <= MAX_COMPANION_BYTES]

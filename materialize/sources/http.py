@@ -7,7 +7,8 @@ socket to the tensor's memory with no Python object between; the
 candidates that hand out ``bytes`` (urllib3's ``read``, requests, httpx)
 cost a copy and a GIL-held allocation per chunk (numbers in docs/speed.md).
 What the stores need beyond bytes (credentials, signing, listings) comes
-from their own libraries; this module only moves bytes.
+from their own libraries; this module moves bytes, and the small answers
+(a listing page, an object's metadata) of a store whose API is plain HTTP.
 
 Every GET names the byte range it wants and, where the object's tag is
 known, ``If-Match`` it, and its answer must say the same range of an
@@ -20,6 +21,7 @@ only for the bytes not yet received. Each error names the URL and the range.
 from __future__ import annotations
 
 import http.client
+import json
 import random
 import re
 import socket
@@ -42,6 +44,11 @@ BACKOFF_FIRST = 0.25  # seconds before the first retry; doubled each time, with 
 BACKOFF_MOST = 20.0
 RETRY_AFTER_MOST = 60.0
 ERROR_BODY_BYTES = 4096  # of an error answer, read for its message
+# A body is received at most this much per call: a call cut short by a reset reports no count (the bytes it
+# received are in place, but unknown), so a retry resumes after the last whole call; larger calls only save
+# calls, at a microsecond or two each.
+RECEIVE_BYTES = 1024 * 1024
+SMALL_BODY_BYTES = 64 * 1024 * 1024  # of a whole answer :meth:`Transport.get` reads (a listing page, metadata)
 
 Target = Callable[[], tuple[str, dict[str, str]]]  # the URL and headers of a request, made anew for each (signatures expire)
 
@@ -161,11 +168,66 @@ class Transport:
                                                 path=url) from None
                 self._pause(attempt, failure.wait)
             except (OSError, http.client.HTTPException) as exc:
+                _refuse_if_lasting(exc, url)
                 attempt += 1
                 if attempt > self.options.retries:
                     raise CheckpointAccessError(f"{what} failed after {self.options.retries} retries: "
                                                 f"{_describe(exc)}", path=url) from None
                 self._pause(attempt, None)
+
+    def get(self, target: Target, *, name: str, what: str = "GET") -> Answer:
+        """The whole answer to a GET of the small resource ``target`` names (a listing page, an object's
+        metadata; at most :data:`SMALL_BODY_BYTES`), redirects followed as :meth:`head` follows them, retried
+        as a ranged GET is (a reset, a timeout, a 5xx or a 429), ``target`` asked anew for each attempt; any
+        other status is returned for the caller to read. ``name`` is what messages call it."""
+        attempt = 0
+        while True:
+            try:
+                with self._slots:
+                    return self._get_whole(target, name)
+            except _Retryable as failure:
+                attempt += 1
+                if attempt > self.options.retries:
+                    raise CheckpointAccessError(f"{what} failed after {self.options.retries} retries: {failure.reason}",
+                                                path=name) from None
+                with self._lock:
+                    self.retried += 1
+                self._pause(attempt, failure.wait)
+
+    def _get_whole(self, target: Target, name: str) -> Answer:
+        current, sent = target()
+        for _ in range(MAX_REDIRECTS + 1):
+            try:
+                response, connection, where = self._send("GET", current, sent)
+            except (OSError, http.client.HTTPException) as exc:
+                _refuse_if_lasting(exc, current, name=name)
+                raise _Retryable(_describe(exc)) from None
+            try:
+                body = response.read(SMALL_BODY_BYTES + 1)
+            except (OSError, http.client.HTTPException) as exc:
+                connection.close()
+                raise _Retryable(_describe(exc)) from None
+            if len(body) > SMALL_BODY_BYTES:
+                connection.close()
+                raise CheckpointError(f"the answer to a GET of {current} is over {SMALL_BODY_BYTES:,} bytes",
+                                      path=name)
+            answer = Answer(response.status, _lower(response.getheaders()), current, body)
+            self._finish(response, connection, where)
+            if answer.status in REDIRECT_STATUS and "location" in answer.headers:
+                nxt = urljoin(current, answer.headers["location"])
+                sent = _headers_for(nxt, current, sent)
+                current = nxt
+                continue
+            if answer.status in RETRYABLE_STATUS:
+                raise _Retryable(f"HTTP {answer.status}{server_words(body)}", wait=_retry_after(answer.headers))
+            return answer
+        raise CheckpointError(f"more than {MAX_REDIRECTS} redirects", path=name)
+
+    def remember_redirect(self, url: str, target: str) -> None:
+        """Send the GETs of ``url`` to ``target`` (where a HEAD was redirected): the conditions of a GET (its
+        ``If-Match``) then meet the server holding the bytes, not the one that names them."""
+        with self._lock:
+            self._redirects[url] = target
 
     def _head_once(self, url: str, headers: Mapping[str, str]) -> Answer:
         current, sent = url, dict(headers)
@@ -194,7 +256,7 @@ class Transport:
     # --- ranged reads ------------------------------------------------------------------------------------------
 
     def read_into(self, target: Target, offset: int, views: list[memoryview], *, size: int, etag: Optional[str],
-                  name: str, tensor: str) -> None:
+                  name: str, tensor: Optional[str]) -> None:
         """Fill ``views`` in turn with bytes ``offset`` on of the object ``target`` names (``size`` bytes long,
         tagged ``etag``), in parallel parts of ``options.part_bytes``. ``name`` is its URL for messages."""
         parts = _split(offset, views, self.options.part_bytes)
@@ -219,7 +281,7 @@ class Transport:
             return self._executor
 
     def _read_part(self, target: Target, start: int, views: list[memoryview], *, size: int, etag: Optional[str],
-                   name: str, tensor: str) -> None:
+                   name: str, tensor: Optional[str]) -> None:
         total = sum(len(view) for view in views)
         received, attempt = 0, 0
         while received < total:
@@ -240,7 +302,7 @@ class Transport:
                 self._pause(attempt, failure.wait)
 
     def _get(self, target: Target, start: int, views: list[memoryview], *, size: int, etag: Optional[str],
-             name: str, tensor: str) -> None:
+             name: str, tensor: Optional[str]) -> None:
         want = sum(len(view) for view in views)
         end = start + want - 1
         origin, headers = target()
@@ -253,6 +315,7 @@ class Transport:
             try:
                 response, connection, where = self._send("GET", url, headers)
             except (OSError, http.client.HTTPException) as exc:
+                _refuse_if_lasting(exc, url)
                 raise _Retryable(_describe(exc)) from None
             status = response.status
             if status in REDIRECT_STATUS and response.getheader("Location"):
@@ -275,7 +338,7 @@ class Transport:
                 filled = 0
                 while filled < len(view):
                     try:
-                        got = response.readinto(view[filled:])
+                        got = response.readinto(view[filled:filled + RECEIVE_BYTES])
                     except (OSError, http.client.HTTPException) as exc:
                         raise _Retryable(f"{_describe(exc)} after {received + filled} of {want} bytes",
                                          received + filled) from None
@@ -293,7 +356,7 @@ class Transport:
             self._finish(response, connection, where)
 
     def _check_answer(self, response: http.client.HTTPResponse, start: int, end: int, *, size: int,
-                      etag: Optional[str], name: str, tensor: str, first: str) -> None:
+                      etag: Optional[str], name: str, tensor: Optional[str], first: str) -> None:
         status = response.status
         if status in (200, 206):
             got_tag = response.getheader("ETag")
@@ -319,20 +382,21 @@ class Transport:
             with self._lock:
                 self._redirects.pop(first, None)  # a signed redirect target expired: ask the origin again
             raise _Retryable(f"HTTP {status} from the redirect target")
-        if status == 412:
-            raise CheckpointError(f"changed during the load: it no longer has ETag {etag} (HTTP 412 for bytes "
-                                  f"{start}-{end})", path=name, tensor=tensor)
+        if status == 412:  # If-Match failed, or a condition of the store's own (GCS: the object's generation)
+            held = f"it no longer has ETag {etag}" if etag else "it is no longer the version first read"
+            raise CheckpointError(f"changed during the load: {held} (HTTP 412 for bytes {start}-{end})", path=name,
+                                  tensor=tensor)
         if status == 416:
             raise CheckpointError(f"changed during the load: bytes {start}-{end} are no longer there (HTTP 416)",
                                   path=name, tensor=tensor)
         if status in RETRYABLE_STATUS or _says_slow_down(body):
-            raise _Retryable(f"HTTP {status}{_server_words(body)}", wait=_retry_after(_lower(response.getheaders())))
+            raise _Retryable(f"HTTP {status}{server_words(body)}", wait=_retry_after(_lower(response.getheaders())))
         if status == 404:
             raise CheckpointNotFoundError(f"no such object (HTTP 404 for bytes {start}-{end})", path=name, tensor=tensor)
         if status in (401, 403):
-            raise CheckpointAccessError(f"access refused (HTTP {status}{_server_words(body)}) for bytes {start}-{end}",
+            raise CheckpointAccessError(f"access refused (HTTP {status}{server_words(body)}) for bytes {start}-{end}",
                                         path=name, tensor=tensor)
-        raise CheckpointAccessError(f"HTTP {status}{_server_words(body)} for bytes {start}-{end}", path=name,
+        raise CheckpointAccessError(f"HTTP {status}{server_words(body)} for bytes {start}-{end}", path=name,
                                     tensor=tensor)
 
     def _pause(self, attempt: int, asked: Optional[float]) -> None:
@@ -417,16 +481,50 @@ def _says_slow_down(body: bytes) -> bool:
     return b"<Code>SlowDown</Code>" in body
 
 
-def _server_words(body: bytes) -> str:
-    """An S3-style error's code and message, for the one-line error."""
+def server_words(body: bytes) -> str:
+    """An error answer's code and message, for the one-line error: an S3-style XML error's ``Code`` and
+    ``Message``, or a Google JSON error's reason and message; ``""`` for any other body. Begins with a space."""
     code = re.search(rb"<Code>([^<]{1,100})</Code>", body)
     message = re.search(rb"<Message>([^<]{1,300})</Message>", body)
     if not code:
-        return ""
+        return _json_words(body)
     words = code[1].decode("utf-8", "replace")
     if message:
         words += ": " + message[1].decode("utf-8", "replace")
     return f" {words}"
+
+
+def _json_words(body: bytes) -> str:
+    """``{"error": {"message": ..., "errors": [{"reason": ...}]}}``, as Google's JSON APIs answer a failure."""
+    if not body.lstrip().startswith(b"{"):
+        return ""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return ""
+    if not isinstance(error, dict) or not isinstance(error.get("message"), str):
+        return ""
+    message = " ".join(error["message"].split())[:300]
+    details = error.get("errors")
+    first = details[0] if isinstance(details, list) and details else None
+    reason = first.get("reason") if isinstance(first, dict) else None
+    return f" {reason}: {message}" if isinstance(reason, str) and reason else f" {message}"
+
+
+def _refuse_if_lasting(exc: BaseException, url: str, *, name: Optional[str] = None) -> None:
+    """Failures no retry mends, refused at once: a host name that does not resolve, nothing listening, a
+    certificate this machine does not trust (a private CA: name its bundle). The error names ``name`` (what
+    messages call the object) where given, else ``url``."""
+    path = name or url
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        raise CheckpointAccessError(f"its TLS certificate is not trusted ({exc.verify_message}): for a private CA "
+                                    "give its bundle (RemoteOptions(ca_bundle=...); AWS_CA_BUNDLE for s3://)",
+                                    path=path) from None
+    if isinstance(exc, socket.gaierror):
+        raise CheckpointAccessError(f"cannot resolve host {urlsplit(url).hostname!r}", path=path) from None
+    if isinstance(exc, ConnectionRefusedError):
+        raise CheckpointAccessError(f"connection refused: nothing listens at {urlsplit(url).netloc}",
+                                    path=path) from None
 
 
 def _describe(exc: BaseException) -> str:

@@ -20,11 +20,12 @@ from .http import Transport
 from .remotepath import ObjectInfo, RemotePath
 from .settings import RemoteOptions
 
-# What a checkpoint folder is recognised by (see materialize.checkpoint.pick_from_folder), and config.json, which
-# makes it a Hugging Face model folder.
+# What a checkpoint folder is recognised by (see materialize.checkpoint.pick_from_folder), config.json, which makes
+# it a Hugging Face model folder, and the small files a conversion copies beside its output.
 FOLDER_NAMES = (
     "model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin",
-    "consolidated.safetensors", ".metadata", "config.json",
+    "consolidated.safetensors", ".metadata", "config.json", "generation_config.json", "tokenizer.json",
+    "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
 )
 
 
@@ -67,7 +68,8 @@ class HttpStore:
         if answer.status in (404, 410):
             return None
         if answer.status in (401, 403):
-            raise CheckpointAccessError(f"access refused (HTTP {answer.status}){_token_words(self.headers)}", path=url)
+            raise CheckpointAccessError(f"access refused (HTTP {answer.status}){_token_words(self.headers)}",
+                                        path=url)
         if answer.status != 200:
             raise CheckpointAccessError(f"HEAD answered HTTP {answer.status}", path=url)
         length = answer.headers.get("content-length")
@@ -76,6 +78,8 @@ class HttpStore:
                                   path=url)
         if answer.headers.get("accept-ranges", "").lower() == "none":
             raise CheckpointError("the server does not answer Range requests (Accept-Ranges: none)", path=url)
+        if answer.url != url:
+            self.transport.remember_redirect(url, answer.url)
         etag = answer.headers.get("etag") if self.check_tags else None
         return ObjectInfo(int(length), etag if etag and not etag.startswith("W/") else None)
 
@@ -90,7 +94,7 @@ class HttpStore:
             found = list(probes.map(lambda name: self.stat(prefix + name), FOLDER_NAMES))
         return [name for name, info in zip(FOLDER_NAMES, found) if info is not None], []
 
-    def read_into(self, key: str, offset: int, views: list[memoryview], *, tensor: str) -> None:
+    def read_into(self, key: str, offset: int, views: list[memoryview], *, tensor: Optional[str]) -> None:
         info = self.stat(key)
         url = self.url(key)
         if info is None:
@@ -103,7 +107,9 @@ class HttpStore:
 
 
 def _token_words(headers: Mapping[str, str]) -> str:
-    return "" if any(k.lower() == "authorization" for k in headers) else " (no token was sent)"
+    if any(k.lower() == "authorization" for k in headers):
+        return ": the credentials sent were refused"
+    return "; for a server that wants a token, send it: --header 'Authorization: Bearer TOKEN'"
 
 
 def open_http(url: str, options: RemoteOptions, headers: Optional[Mapping[str, str]] = None) -> RemotePath:
@@ -114,7 +120,7 @@ def open_http(url: str, options: RemoteOptions, headers: Optional[Mapping[str, s
     path = parts.path or "/"
     folder_path, _, name = path.rpartition("/")
     base = urlunsplit((parts.scheme.lower(), parts.netloc, folder_path + "/", "", ""))
-    store = HttpStore(base, Transport(options), headers)
+    store = HttpStore(base, Transport(options), {**options.headers, **(headers or {})})
     if not name:
         return RemotePath(store, "", folder=True)
     if parts.query:  # a signed URL (S3 presigned, Azure SAS): this one file, its query kept; it names no others

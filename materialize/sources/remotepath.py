@@ -49,7 +49,7 @@ class Store(Protocol):
         """The names of the files and of the folders directly inside folder ``key`` (``""``: the top), ``None``
         where there is no such folder."""
 
-    def read_into(self, key: str, offset: int, views: list[memoryview], *, tensor: str) -> None:
+    def read_into(self, key: str, offset: int, views: list[memoryview], *, tensor: Optional[str]) -> None:
         """Fill ``views`` in turn with the object's bytes from ``offset`` on."""
 
 
@@ -173,7 +173,7 @@ class RemotePath:
         if offset + length <= len(head):
             return head[offset:offset + length]
         buffer = bytearray(length)
-        self.store.read_into(self.key, offset, [memoryview(buffer)], tensor="(header)")
+        self.store.read_into(self.key, offset, [memoryview(buffer)], tensor=None)
         return bytes(buffer)
 
     def _head(self, size: int) -> bytes:
@@ -181,7 +181,7 @@ class RemotePath:
         if cached is None:
             buffer = bytearray(min(size, HEAD_BYTES))
             if buffer:
-                self.store.read_into(self.key, 0, [memoryview(buffer)], tensor="(header)")
+                self.store.read_into(self.key, 0, [memoryview(buffer)], tensor=None)
             cached = _HEADS.setdefault(self, bytes(buffer))
         return cached
 
@@ -257,7 +257,7 @@ class _RangedFile(io.RawIOBase):
             if self._position + length <= len(head):
                 view[:length] = head[self._position:self._position + length]
             else:
-                self._path.store.read_into(self._path.key, self._position, [view[:length]], tensor="(header)")
+                self._path.store.read_into(self._path.key, self._position, [view[:length]], tensor=None)
         self._position += length
         return length
 

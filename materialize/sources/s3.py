@@ -48,7 +48,8 @@ class S3Store:
         session_module, unsigned, config_class = _botocore()
         session = session_module.get_session()
         self.bucket = bucket
-        config = config_class(signature_version=unsigned) if options.anonymous else None
+        # SigV4 for the presigned GETs: botocore would presign SigV2, which newer regions and stores refuse
+        config = config_class(signature_version=unsigned if options.anonymous else "s3v4")
         region = session.get_config_variable("region") or "us-east-1"  # botocore needs one to sign; S3 redirects
         self.client = session.create_client("s3", region_name=region, config=config)
         self.transport = Transport(options, ca_bundle=session.get_config_variable("ca_bundle"))
@@ -141,7 +142,7 @@ class S3Store:
             self._urls[key] = (url, now)
         return url
 
-    def read_into(self, key: str, offset: int, views: list[memoryview], *, tensor: str) -> None:
+    def read_into(self, key: str, offset: int, views: list[memoryview], *, tensor: Optional[str]) -> None:
         info = self.stat(key)
         if info is None:
             raise CheckpointNotFoundError("no such object", path=self.url(key), tensor=tensor)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Optional
 
 MiB = 1024 * 1024
@@ -10,7 +11,7 @@ MiB = 1024 * 1024
 
 @dataclass(frozen=True)
 class RemoteOptions:
-    """How a checkpoint named by a URL (``s3://``, ``https://``) or streamed from the hub is read.
+    """How a checkpoint named by a URL (``s3://``, ``gs://``, ``https://``) or streamed from the hub is read.
 
     Pass as ``remote=`` to :func:`~materialize.load`, :func:`~materialize.load_model`,
     :func:`~materialize.load_tensors`, :func:`~materialize.plan`,
@@ -27,9 +28,13 @@ class RemoteOptions:
             before the request is retried; a slow store that keeps sending is never cut off.
         retries: attempts after the first, per part, on a reset connection, a timeout, a 5xx or a SlowDown
             answer, with exponential backoff; a part resumes at the byte where its answer stopped.
-        anonymous: read S3 without credentials (a public bucket); the CLI's ``--no-sign-request``.
+        anonymous: read S3 and Google Cloud Storage without credentials (a public bucket); the CLI's
+            ``--no-sign-request``.
         ca_bundle: a PEM file of certificate authorities for HTTPS (else ``AWS_CA_BUNDLE`` for S3, else the
             system's).
+        headers: sent with every request to an ``http(s)://`` source's server (``{"Authorization": "Bearer
+            ..."}`` for a private one); never to another host a redirect leads to. Not used for ``s3://``
+            (signed), ``gs://`` (google-auth's token) or the hub (``HF_TOKEN``).
     """
 
     connections: int = 16
@@ -38,6 +43,7 @@ class RemoteOptions:
     retries: int = 8
     anonymous: bool = False
     ca_bundle: Optional[str] = None
+    headers: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.connections < 1:
@@ -48,3 +54,6 @@ class RemoteOptions:
             raise ValueError(f"timeout: expected a positive number of seconds, got {self.timeout}")
         if self.retries < 0:
             raise ValueError(f"retries: expected 0 or more, got {self.retries}")
+        for name, value in self.headers.items():
+            if not name or any(c in name + value for c in "\r\n\0") or ":" in name:
+                raise ValueError(f"headers: {name!r} is not a header name and value HTTP can send")

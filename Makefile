@@ -9,6 +9,8 @@
 #                        then the recording against eager construction over a sample of the zoo's models
 #   make bench-sharded  the 1.9 GB checkpoint into an FSDP2 model on 2 ranks, against set_model_state_dict;
 #                       then into torchtitan's 2-D layout on 4 ranks, against dcp.load
+#   make bench-remote  the 1.9 GB checkpoint streamed from nginx (http://) and a moto S3 server (s3://) on loopback,
+#                      against the local file and Run:ai's Model Streamer (needs nginx: apt-get install nginx-light)
 #   make zoo    every transformers class of the auto mappings (tiny configs), timm family and torchvision builder
 #               under the deferred and load oracles, one worker process per ZOO_WORKERS (default 1), each case
 #               under ZOO_CASE_SECONDS; resumable (data/zoo/results.jsonl); writes docs/zoo.md and adds what
@@ -47,7 +49,7 @@ FUZZ_INPUT_SECONDS_PER_MB ?= 4
 FUZZ_INPUT_MEMORY_MB_PER_MB ?= 64
 FUZZ_TARGETS ?=
 
-.PHONY: demo test docs-api bench bench-strided bench-dcp bench-deferred bench-sharded zoo fuzz venv clean lock test-latest test-oldest
+.PHONY: demo test docs-api bench bench-strided bench-dcp bench-deferred bench-sharded bench-remote zoo fuzz venv clean lock test-latest test-oldest
 
 # A fresh venv each time an input changes, so nothing of an earlier lock stays behind. The editable install
 # is built without isolation, by the locked setuptools, so no build step fetches a floating one.
@@ -131,6 +133,9 @@ bench-deferred: $(BENCH_STAMP)
 bench-sharded: $(BENCH_STAMP)
 	$(PY) -m bench.sharded --config $(CONFIG)
 	$(PY) -m bench.sharded --config $(CONFIG) --layout 2d
+
+bench-remote: $(BENCH_STAMP)
+	$(PY) -m bench.remote --config $(CONFIG)
 
 zoo: $(STAMP)
 	$(PY) -m zoo.run --workers $(ZOO_WORKERS) --case-seconds $(ZOO_CASE_SECONDS)

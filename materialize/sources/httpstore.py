@@ -29,6 +29,9 @@ FOLDER_NAMES = (
 )
 
 
+HEAD_REFUSED = frozenset({403, 405, 501})  # a HEAD answered so is asked again as a GET of the first byte
+
+
 class HttpStore:
     """The files below one URL folder, read with ranged GETs; ``headers`` go with every request (a token)."""
 
@@ -65,14 +68,22 @@ class HttpStore:
     def _head(self, key: str) -> Optional[ObjectInfo]:
         url = self.url(key)
         answer = self.transport.head(url, self.headers)
+        if answer.status in HEAD_REFUSED:
+            # a URL signed for GET only (S3's presigned links sign the method), or a server without HEAD:
+            # the first byte's answer says the size as well (Content-Range: bytes 0-0/SIZE)
+            answer = self.transport.get(lambda: (url, {**self.headers, "Range": "bytes=0-0"}), name=url)
         if answer.status in (404, 410):
             return None
         if answer.status in (401, 403):
             raise CheckpointAccessError(f"access refused (HTTP {answer.status}){_token_words(self.headers)}",
                                         path=url)
-        if answer.status != 200:
-            raise CheckpointAccessError(f"HEAD answered HTTP {answer.status}", path=url)
-        length = answer.headers.get("content-length")
+        if answer.status == 206:
+            total = answer.headers.get("content-range", "").rpartition("/")[2]
+            length = total if total.isdigit() else None
+        elif answer.status == 200:
+            length = answer.headers.get("content-length")
+        else:
+            raise CheckpointAccessError(f"asked for its size, the server answered HTTP {answer.status}", path=url)
         if length is None or not length.isdigit():
             raise CheckpointError("the server gives no Content-Length: its size cannot be known before reading",
                                   path=url)

@@ -34,7 +34,7 @@ def _memory_view_maker():
     return make
 
 
-_PYBUF_WRITE = 0x200
+_PyBUF_WRITE = 0x200
 _memory_view = _memory_view_maker()
 
 
@@ -45,7 +45,7 @@ def byte_view(tensor: "torch.Tensor") -> memoryview:
     if nbytes == 0:
         return memoryview(bytearray())
     if _memory_view is not None:
-        return _memory_view(tensor.data_ptr(), nbytes, _PYBUF_WRITE)
+        return _memory_view(tensor.data_ptr(), nbytes, _PyBUF_WRITE)
     return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
@@ -214,7 +214,7 @@ class FileSet:
         """
         assert rows.is_contiguous() and tuple(rows.shape[1:]) == (2,)
         if is_remote(path):  # the rows follow each other in the object: one ranged read fills them in turn
-            views = [_memory_view(int(address), row_bytes, _PYBUF_WRITE) for address, _ in rows.tolist()]
+            views = [_memory_view(int(address), row_bytes, _PyBUF_WRITE) for address, _ in rows.tolist()]
             self._remote(path).store.read_into(path.key, offset, views, tensor=tensor)
             return
         assert _preadv is not None
@@ -231,7 +231,7 @@ class FileSet:
             index += whole
             if part:  # a read cut short inside a row: the rest of that row, then on
                 address = int(rows[index, 0]) + part
-                FileSet.read_into(self, path, position, _memory_view(address, row_bytes - part, _PYBUF_WRITE),
+                FileSet.read_into(self, path, position, _memory_view(address, row_bytes - part, _PyBUF_WRITE),
                                   tensor=tensor)
                 position += row_bytes - part
                 index += 1

@@ -156,35 +156,22 @@ class Transport:
     def head(self, url: str, headers: Mapping[str, str], *, what: str = "HEAD") -> Answer:
         """The answer to a HEAD of ``url``, redirects followed (an ``Authorization`` header is not sent to
         another host, as browsers and requests do), retried like a GET."""
-        attempt = 0
-        while True:
-            try:
-                with self._slots:
-                    return self._head_once(url, headers)
-            except _Retryable as failure:
-                attempt += 1
-                if attempt > self.options.retries:
-                    raise CheckpointAccessError(f"{what} failed after {self.options.retries} retries: {failure.reason}",
-                                                path=url) from None
-                self._pause(attempt, failure.wait)
-            except (OSError, http.client.HTTPException) as exc:
-                _refuse_if_lasting(exc, url)
-                attempt += 1
-                if attempt > self.options.retries:
-                    raise CheckpointAccessError(f"{what} failed after {self.options.retries} retries: "
-                                                f"{_describe(exc)}", path=url) from None
-                self._pause(attempt, None)
+        return self._retrying(lambda: self._head_once(url, headers), what=what, name=url)
 
     def get(self, target: Target, *, name: str, what: str = "GET") -> Answer:
         """The whole answer to a GET of the small resource ``target`` names (a listing page, an object's
         metadata; at most :data:`SMALL_BODY_BYTES`), redirects followed as :meth:`head` follows them, retried
         as a ranged GET is (a reset, a timeout, a 5xx or a 429), ``target`` asked anew for each attempt; any
         other status is returned for the caller to read. ``name`` is what messages call it."""
+        return self._retrying(lambda: self._get_whole(target, name), what=what, name=name)
+
+    def _retrying(self, once: Callable[[], Answer], *, what: str, name: str) -> Answer:
+        """``once()`` in a request slot, again after a backoff for each failure worth another attempt."""
         attempt = 0
         while True:
             try:
                 with self._slots:
-                    return self._get_whole(target, name)
+                    return once()
             except _Retryable as failure:
                 attempt += 1
                 if attempt > self.options.retries:
@@ -232,9 +219,13 @@ class Transport:
     def _head_once(self, url: str, headers: Mapping[str, str]) -> Answer:
         current, sent = url, dict(headers)
         for _ in range(MAX_REDIRECTS + 1):
-            response, connection, where = self._send("HEAD", current, sent)
-            answer = Answer(response.status, _lower(response.getheaders()), current)
-            response.read()
+            try:
+                response, connection, where = self._send("HEAD", current, sent)
+                answer = Answer(response.status, _lower(response.getheaders()), current)
+                response.read()
+            except (OSError, http.client.HTTPException) as exc:
+                _refuse_if_lasting(exc, current, name=url)
+                raise _Retryable(_describe(exc)) from None
             self._finish(response, connection, where)
             if answer.status in REDIRECT_STATUS and "location" in answer.headers:
                 nxt = urljoin(current, answer.headers["location"])

@@ -156,14 +156,14 @@ class Transport:
     def head(self, url: str, headers: Mapping[str, str], *, what: str = "HEAD") -> Answer:
         """The answer to a HEAD of ``url``, redirects followed (an ``Authorization`` header is not sent to
         another host, as browsers and requests do), retried like a GET."""
-        return self._retrying(lambda: self._head_once(url, headers), what=what, name=url)
+        return self._retrying(lambda: self._whole("HEAD", lambda: (url, dict(headers)), url), what=what, name=url)
 
     def get(self, target: Target, *, name: str, what: str = "GET") -> Answer:
         """The whole answer to a GET of the small resource ``target`` names (a listing page, an object's
         metadata; at most :data:`SMALL_BODY_BYTES`), redirects followed as :meth:`head` follows them, retried
         as a ranged GET is (a reset, a timeout, a 5xx or a 429), ``target`` asked anew for each attempt; any
         other status is returned for the caller to read. ``name`` is what messages call it."""
-        return self._retrying(lambda: self._get_whole(target, name), what=what, name=name)
+        return self._retrying(lambda: self._whole("GET", target, name), what=what, name=name)
 
     def _retrying(self, once: Callable[[], Answer], *, what: str, name: str) -> Answer:
         """``once()`` in a request slot, again after a backoff for each failure worth another attempt."""
@@ -181,11 +181,12 @@ class Transport:
                     self.retried += 1
                 self._pause(attempt, failure.wait)
 
-    def _get_whole(self, target: Target, name: str) -> Answer:
+    def _whole(self, method: str, target: Target, name: str) -> Answer:
+        """One attempt at a HEAD or a small GET, redirects followed; a status worth retrying is _Retryable."""
         current, sent = target()
         for _ in range(MAX_REDIRECTS + 1):
             try:
-                response, connection, where = self._send("GET", current, sent)
+                response, connection, where = self._send(method, current, sent)
             except (OSError, http.client.HTTPException) as exc:
                 _refuse_if_lasting(exc, current, name=name)
                 raise _Retryable(_describe(exc)) from None
@@ -196,7 +197,7 @@ class Transport:
                 raise _Retryable(_describe(exc)) from None
             if len(body) > SMALL_BODY_BYTES:
                 connection.close()
-                raise CheckpointError(f"the answer to a GET of {current} is over {SMALL_BODY_BYTES:,} bytes",
+                raise CheckpointError(f"the answer to a {method} of {current} is over {SMALL_BODY_BYTES:,} bytes",
                                       path=name)
             answer = Answer(response.status, _lower(response.getheaders()), current, body)
             self._finish(response, connection, where)
@@ -215,27 +216,6 @@ class Transport:
         ``If-Match``) then meet the server holding the bytes, not the one that names them."""
         with self._lock:
             self._redirects[url] = target
-
-    def _head_once(self, url: str, headers: Mapping[str, str]) -> Answer:
-        current, sent = url, dict(headers)
-        for _ in range(MAX_REDIRECTS + 1):
-            try:
-                response, connection, where = self._send("HEAD", current, sent)
-                answer = Answer(response.status, _lower(response.getheaders()), current)
-                response.read()
-            except (OSError, http.client.HTTPException) as exc:
-                _refuse_if_lasting(exc, current, name=url)
-                raise _Retryable(_describe(exc)) from None
-            self._finish(response, connection, where)
-            if answer.status in REDIRECT_STATUS and "location" in answer.headers:
-                nxt = urljoin(current, answer.headers["location"])
-                sent = _headers_for(nxt, current, sent)
-                current = nxt
-                continue
-            if answer.status in RETRYABLE_STATUS:
-                raise _Retryable(f"HTTP {answer.status}", wait=_retry_after(answer.headers))
-            return answer
-        raise CheckpointError(f"more than {MAX_REDIRECTS} redirects", path=url)
 
     def _finish(self, response: http.client.HTTPResponse, connection: http.client.HTTPConnection,
                 where: tuple[str, str, int]) -> None:

@@ -26,6 +26,7 @@ import random
 import re
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections.abc import Mapping
@@ -304,20 +305,7 @@ class Transport:
                 self._redirects[first] = url  # a hub resolve URL's CDN target: asked once, reused
         try:
             self._check_answer(response, start, end, size=size, etag=etag, name=name, tensor=tensor, first=first)
-            received = 0
-            for view in views:
-                filled = 0
-                while filled < len(view):
-                    try:
-                        got = response.readinto(view[filled:filled + RECEIVE_BYTES])
-                    except (OSError, http.client.HTTPException) as exc:
-                        raise _Retryable(f"{_describe(exc)} after {received + filled} of {want} bytes",
-                                         received + filled) from None
-                    if not got:
-                        raise _Retryable(f"the answer ended after {received + filled} of {want} bytes",
-                                         received + filled)
-                    filled += got
-                received += filled
+            _Body(response, connection, self.options.timeout).receive(views, want)
         except BaseException:
             connection.close()
             raise
@@ -378,6 +366,68 @@ class Transport:
 
 
 _CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$")
+
+
+class _Body:
+    """Receives an answer's body into views, at most :data:`RECEIVE_BYTES` a call.
+
+    On a plain TCP socket the bytes past what http.client buffered with the
+    headers are received by ``recv_into(..., MSG_WAITALL)``: one system call
+    and one GIL hand-off per call, where ``HTTPResponse.readinto`` returns to
+    Python for every ``recv`` (what the socket holds at that moment: tens of
+    KB on loopback). That needs a blocking socket (a Python timeout makes it
+    non-blocking), so the request timeout moves to ``SO_RCVTIMEO`` for the
+    body and back afterwards. TLS sockets and chunked answers are received
+    by ``readinto``. Measured in docs/speed.md ("HTTP clients for streaming").
+    """
+
+    def __init__(self, response: http.client.HTTPResponse, connection: http.client.HTTPConnection,
+                 timeout: float) -> None:
+        self.response = response
+        self.timeout = timeout
+        sock = connection.sock
+        plain = type(sock) is socket.socket and not response.chunked and response.length is not None
+        self.sock: Optional[socket.socket] = sock if plain and hasattr(socket, "MSG_WAITALL") else None
+        self.buffered: Optional[int] = None  # body bytes that came with the headers, in http.client's buffer
+
+    def receive(self, views: list[memoryview], want: int) -> None:
+        received = 0
+        if self.sock is not None:
+            seconds = int(self.timeout)
+            self.sock.settimeout(None)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                                 struct.pack("ll", seconds, int((self.timeout - seconds) * 1_000_000)))
+        try:
+            for view in views:
+                filled = 0
+                while filled < len(view):
+                    try:
+                        got = self._once(view[filled:filled + RECEIVE_BYTES])
+                    except (OSError, http.client.HTTPException) as exc:
+                        raise _Retryable(f"{_describe(exc)} after {received + filled} of {want} bytes",
+                                         received + filled) from None
+                    if not got:
+                        raise _Retryable(f"the answer ended after {received + filled} of {want} bytes",
+                                         received + filled)
+                    filled += got
+                received += filled
+        finally:
+            if self.sock is not None and self.sock.fileno() >= 0:
+                self.sock.settimeout(self.timeout)
+        if self.sock is not None:
+            self.response.length = 0  # read past it: closed, so its connection takes the next request
+            self.response.read()
+
+    def _once(self, view: memoryview) -> int:
+        if self.buffered is None:
+            self.buffered = len(self.response.fp.peek(0)) if self.sock is not None else 0
+        if self.sock is None or self.buffered:
+            got = self.response.readinto(view[:self.buffered or len(view)])
+            self.buffered = max(0, self.buffered - got)
+            return got
+        got = self.sock.recv_into(view, len(view), socket.MSG_WAITALL)
+        self.response.length -= got
+        return got
 
 
 def _split(offset: int, views: list[memoryview], part_bytes: int) -> list[tuple[int, list[memoryview]]]:
@@ -499,7 +549,7 @@ def _refuse_if_lasting(exc: BaseException, url: str, *, name: Optional[str] = No
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, (socket.timeout, TimeoutError)):
+    if isinstance(exc, (socket.timeout, TimeoutError, BlockingIOError)):  # BlockingIOError: SO_RCVTIMEO ran out
         return "timed out (no bytes for the request timeout)"
     if isinstance(exc, ConnectionResetError):
         return "connection reset"

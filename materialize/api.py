@@ -227,12 +227,14 @@ def load_tensors(
     direct_io: bool = False,
     check: bool = False,
     remote: Optional[RemoteOptions] = None,
+    group: Any = None,
 ) -> tuple[dict[str, torch.Tensor], Report]:
     """Materialize every tensor of a checkpoint as a plain dict on ``device``.
 
     ``mmap=True`` (CPU): tensors are copy-on-write views of the files,
     ``direct_io=True`` reads around the page cache, ``state_dict_key``
-    picks a training checkpoint's entry, ``progress`` shows the load, and ``remote`` reads a URL, as in :func:`load`.
+    picks a training checkpoint's entry, ``progress`` shows the load, ``remote`` reads a URL, and ``group``
+    shares the reads among the ranks of a process group, as in :func:`load`.
     ``check=True``: every tensor read is poisoned when allocated, and after the reads each must hold no poison
     and have received exactly its bytes from the file, or the load is a :class:`SanitizerError` naming them
     (see :mod:`materialize.sanitizer`; views of the files, with ``mmap``, are the files' own bytes).
@@ -240,7 +242,8 @@ def load_tensors(
     target = resolve_device(device if device is not None else "cpu")
     cast = parse_dtype(dtype)
     read_options = ReadOptions(mmap=mmap, staging_bytes=staging_bytes, allow_overflow=allow_overflow,
-                               check=check, check_finite=check_finite, progress=progress, direct_io=direct_io)
+                               check=check, check_finite=check_finite, progress=progress, direct_io=direct_io,
+                               group=group)
     maps = mmap and target.type == "cpu"
     started = time.perf_counter()
     announce_opening(progress, checkpoint)
@@ -292,6 +295,7 @@ def load_tensors(
                                      path=ckpt.path)
     report = make_report(
         ckpt, target, list(tensors.values()), reader.bytes_read, started, memory, loaded=list(tensors), mapped=mapped,
+        bytes_received=reader.bytes_received,
         bytes_by_device={str(target): plain.total},
         nonfinite=nonfinite(tensors.items()) if check_finite else [],
     )

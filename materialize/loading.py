@@ -106,6 +106,7 @@ def load(
     ignore_mismatched_sizes: bool = False,
     ignore_unexpected: IgnoreUnexpected = False,
     remote: Optional[RemoteOptions] = None,
+    group: Any = None,
 ) -> Report:
     """Materialize ``model`` on ``device`` from ``checkpoint``, each tensor allocated once.
 
@@ -183,6 +184,13 @@ def load(
         remote: how a URL checkpoint (``s3://``, ``gs://``, ``https://``) is read: connections, timeouts, retries,
             unsigned access (:class:`~materialize.RemoteOptions`; docs/remote.md). Its bytes go straight into
             the tensors as a local file's do; ``mmap`` and disk offload, which map local files, are refused.
+        group: a ``torch.distributed`` process group whose ranks load the same checkpoint together (every rank
+            of it calls ``load`` with the same group): each byte any of them needs is read from storage by one
+            rank and reaches the others over the group (gloo, or a group with a CPU backend), in chunks within
+            ``staging_bytes`` per rank. For replicas (DDP, HSDP's replicate dimension) and tensor-parallel
+            layouts, whose ranks need the same bytes. ``report.bytes_read`` is then what this rank read from
+            storage, ``report.bytes_received`` what it got from the others (:mod:`materialize.io.groupread`;
+            docs/distributed.md). Without one, each rank reads what it needs and nothing is communicated.
 
     Tied parameters stay one tensor. Real buffers absent from the checkpoint
     move to ``device`` unchanged. If the load fails, every tensor the model
@@ -196,7 +204,7 @@ def load(
         ignore_unexpected=unexpected_to_ignore(ignore_unexpected), device_map=device_map, max_memory=max_memory,
     )
     read = ReadOptions(mmap=mmap, staging_bytes=staging_bytes, allow_overflow=allow_overflow, check=check,
-                       check_finite=check_finite, progress=progress, direct_io=direct_io)
+                       check_finite=check_finite, progress=progress, direct_io=direct_io, group=group)
     announce_opening(progress, checkpoint)
     with opened(checkpoint, trust_pickle, state_dict_key, remote) as ckpt:
         report_phase(progress, f"planning {counted(len(ckpt), 'tensor')}")
@@ -371,6 +379,7 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
             raise
     return make_report(
         ckpt, the_plan.device, [local_of(tensor) for _, tensor in registered], reader.bytes_read, started, memory,
+        bytes_received=reader.bytes_received,
         loaded=[e.name for e in the_plan.of("load")],
         initialized=[e.name for e in the_plan.of("init")],
         replayed=[e.name for e in the_plan.of("init")] if isinstance(init, ReplayInit) else [],

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import Any, TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
@@ -73,3 +73,4 @@ class ReadOptions:
     check_finite: bool = False
     progress: Optional[ProgressFn] = None
     direct_io: bool = False
+    group: Any = None  # a torch.distributed process group whose ranks share the reads (materialize.io.groupread)

@@ -50,6 +50,8 @@ class Report:
         bytes_by_device: the bytes placed on each device (``"disk"``: left mapped).
         bytes_read: the bytes read from the checkpoint files into memory (this rank's, for a sharded model),
             not those left mapped (``mmap``, a device map's disk: ``mapped`` names those tensors).
+        bytes_received: with ``group=``, the bytes this rank received from the group's other ranks (read from
+            storage by them); ``bytes_read`` is then what this rank read from storage for the group. 0 otherwise.
         model_bytes: the memory the tensors hold, each storage counted once.
         seconds: how long the load took.
         peak_host_bytes: the process's peak anonymous resident memory during the load (``None`` off Linux).
@@ -81,6 +83,7 @@ class Report:
     dtypes: dict[str, int] = field(default_factory=dict)
     bytes_by_device: dict[str, int] = field(default_factory=dict)
     bytes_read: int = 0
+    bytes_received: int = 0
     model_bytes: int = 0
     seconds: float = 0.0
     peak_host_bytes: Optional[int] = None
@@ -129,6 +132,7 @@ class Report:
             "dtypes": self.dtypes,
             "bytes_by_device": self.bytes_by_device,
             "bytes_read": self.bytes_read,
+            "bytes_received": self.bytes_received,
             "model_bytes": self.model_bytes,
             "seconds": round(self.seconds, 6),
             "gb_per_second": None if self.gb_per_second is None else round(self.gb_per_second, 3),

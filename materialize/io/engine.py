@@ -111,10 +111,10 @@ def stream(
     """
     checked = None if allow_overflow else check_cast_range
     direct, cast, staged, strided = [], [], [], []
-    for job in _pieces_of_stacks(jobs):
+    for job in pieces_of_stacks(jobs):
         if job.info.numel == 0:
             continue
-        job = _flattened_if_same_dense_layout(job)
+        job = flattened_if_same_dense_layout(job)
         if not job.info.contiguous or not job.dest.is_contiguous():
             strided.append(job)  # a box of the destination (a tensor-parallel chunk) is filled as a strided view is
         elif not job.dest.is_cpu:
@@ -154,7 +154,7 @@ def _threads_for(jobs: list[Job], local: Optional[int] = None) -> int:
     return max(local, remote.connections) if remote is not None else local
 
 
-def _flattened_if_same_dense_layout(job: Job) -> Job:
+def flattened_if_same_dense_layout(job: Job) -> Job:
     """A job whose destination has the strides of its dense strided source (a column-major tensor into a
     column-major one) as the contiguous copy it is: both lay out their elements in the same order."""
     info, dest = job.info, job.dest
@@ -164,7 +164,7 @@ def _flattened_if_same_dense_layout(job: Job) -> Job:
     return Job(dest.as_strided((info.numel,), (1,)), flat)
 
 
-def _pieces_of_stacks(jobs: Iterable[Job]) -> Iterator[Job]:
+def pieces_of_stacks(jobs: Iterable[Job]) -> Iterator[Job]:
     """Each job whose source is assembled from several checkpoint tensors, as one job per piece, in place."""
     for job in jobs:
         if not isinstance(job.info, Stacked):
@@ -503,7 +503,7 @@ class _StridedLayout:
     per_block: int  # indexes of it per block
 
 
-def _strided_layout(info: TensorInfo) -> _StridedLayout:
+def strided_layout(info: TensorInfo) -> _StridedLayout:
     shape = info.view_shape or info.shape  # a rearranged tensor: the destination is filled under the view's shape
     strides = info.stride if info.stride is not None else contiguous_strides(shape)  # a box of the destination
     outer = max((d for d in range(len(shape)) if shape[d] > 1), key=lambda d: strides[d], default=0)
@@ -565,7 +565,7 @@ def _run_strided(jobs: list[Job], files: FileSet, tracker: _Progress, threads: i
             count, step = scatter.rows.shape[0], max(1, STRIDED_BLOCK_BYTES // scatter.row_bytes)
             tasks += [(read_rows, (job, scatter, first, min(first + step, count))) for first in range(0, count, step)]
             continue
-        layout = _strided_layout(job.info)
+        layout = strided_layout(job.info)
         count = layout.shape[layout.outer]
         tasks += [(read_block, (job, layout, first, min(first + layout.per_block, count)))
                   for first in range(0, count, layout.per_block)]

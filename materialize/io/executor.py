@@ -29,7 +29,7 @@ import torch
 from ..checkpoint import TensorInfo
 from ..checkpoint.pieces import Job
 from ..options import ProgressFn, ReadOptions
-from .engine import stream
+from .engine import default_cast_threads, stream
 from .fileio import CountingFiles, FileSet, reading
 from .transfer import Staging, staging_for
 from .validate import check_bools
@@ -43,7 +43,13 @@ class Reads:
         self.files = files
         self.options = options
         self._maps = FileMaps() if maps else None
-        self.bytes_read = 0
+        self.bytes_read = 0  # from storage
+        self.bytes_received = 0  # from the group's other ranks
+        self._group = None
+        if options.group is not None:
+            from .groupread import GroupReads  # torch.distributed, only where a group is asked for
+
+            self._group = GroupReads(options.group, options.staging_bytes)
 
     @property
     def counted(self) -> Optional[CountingFiles]:
@@ -60,8 +66,17 @@ class Reads:
 
     def read(self, jobs: list[Job], *, progress: Optional[ProgressFn] = None) -> int:
         """Fill every job's destination; the bytes read."""
-        done = stream(jobs, self.files, staging_factory=self._staging, allow_overflow=self.options.allow_overflow,
-                      progress=progress)
+        if self._group is not None:
+            # The engine copies each piece into place from the chunks the group delivered: work for the cores.
+            def fill(part: list[Job], files: FileSet, told: Optional[ProgressFn]) -> int:
+                return stream(part, files, staging_factory=self._staging, allow_overflow=self.options.allow_overflow,
+                              progress=told, reader_threads=default_cast_threads())
+
+            done = self._group.stream(jobs, self.files, fill, progress)
+            self.bytes_received = self._group.counts.received
+        else:
+            done = stream(jobs, self.files, staging_factory=self._staging, allow_overflow=self.options.allow_overflow,
+                          progress=progress)
         check_bools((job.info, job.dest) for job in jobs)
         self.bytes_read += done
         return done

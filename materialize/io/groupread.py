@@ -1,0 +1,454 @@
+"""Loads shared by the ranks of a process group: every byte any rank needs is read from storage by one rank.
+
+Without a group each rank reads what it needs, and bytes several ranks need
+(a replicated model, HSDP's replicas, tensors replicated under tensor
+parallelism, the rows a row-wise parallel tensor's columns span) are read
+once per rank. With ``group=`` the ranks agree on who reads what, and the
+bytes travel over the group's collectives instead:
+
+1. Each rank cuts its reads into pieces whose bytes span at most
+   ``staging_bytes / 2`` of their file (a large tensor into runs of
+   elements, a tensor-parallel box into blocks of rows) and the ranks gather
+   every rank's byte ranges and file sizes (one ``all_gather_object``); files
+   of another size on some rank are an error, never a model of two files.
+2. Every rank computes the same schedule from them: the union of the ranges,
+   cut where the set of ranks needing the bytes changes and every
+   ``staging_bytes / (2 * ranks)`` bytes. Each chunk is read by one rank that
+   needs it: the rank alone needing it, else the one of its ranks with the
+   fewest bytes to read so far, so the reads spread evenly over the ranks
+   and the job reads at the sum of their bandwidth (a rank-0 read and a
+   broadcast reads at one rank's). Chunks in file order make rounds, a rank
+   reading at most one chunk a round.
+3. A round: the readers read their chunks from storage; an ``all_reduce``
+   says whether every rank succeeded (else every rank raises the same error,
+   naming the file and tensor); each chunk goes by point-to-point sends to
+   the other ranks that need it; each rank fills the pieces whose bytes have
+   all arrived (the engine, reading from the chunks in memory) and lets go
+   of the chunks no piece still waiting needs.
+
+Host memory in flight per rank: a round's chunks (at most ``staging_bytes /
+2``) and the chunks held for a piece not yet complete (at most
+``staging_bytes / 2``). The bytes land in a chunk first and are copied into
+place: one copy more than a load without a group makes. The group must carry
+CPU tensors (gloo, or a ``cpu:gloo,cuda:nccl`` group); a rank that stops
+answering fails the others after the group's own timeout.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from ..checkpoint import TensorInfo
+from ..checkpoint.base import make_info
+from ..checkpoint.pieces import Job
+from ..errors import CheckpointAccessError, CheckpointError, MaterializeError
+from ..options import ProgressFn
+from .engine import flattened_if_same_dense_layout, pieces_of_stacks, strided_layout
+from .fileio import CountingFiles, FileSet, Part, byte_view, file_size_of
+
+DEFAULT_BUDGET_BYTES = 64 * 1024 * 1024  # staging_bytes' own default
+Fill = Callable[[list[Job], FileSet, Optional[ProgressFn]], object]  # the engine's stream, as the executor runs it
+MIN_CHUNK_BYTES = 4096  # a floor for a tiny budget: a page
+
+
+@dataclass
+class GroupCounts:
+    """What one rank's part of a group load moved: bytes read from storage, received from and sent to others."""
+
+    from_storage: int = 0
+    received: int = 0
+    sent: int = 0
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    key: int  # index of the file in the sorted list of every rank's files
+    start: int
+    end: int
+    owner: int  # group rank that reads it
+    audience: tuple[int, ...]  # group ranks that need its bytes (the owner among them)
+
+
+@dataclass
+class _Piece:
+    job: Job
+    key: int
+    start: int
+    end: int
+
+
+@dataclass
+class _Held:
+    """The chunks this rank holds, per file, sorted by start."""
+
+    starts: dict[int, list[int]] = field(default_factory=dict)
+    chunks: dict[int, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
+
+    def add(self, key: int, start: int, data: torch.Tensor) -> None:
+        starts = self.starts.setdefault(key, [])
+        at = bisect.bisect(starts, start)
+        starts.insert(at, start)
+        self.chunks.setdefault(key, []).insert(at, (start, data))
+
+    def drop_before(self, key: int, position: int) -> None:
+        """Let go of every chunk of files before ``key``, and of ``key``'s ending at or before ``position``."""
+        for other in [k for k in self.starts if k < key]:
+            del self.starts[other], self.chunks[other]
+        chunks = self.chunks.get(key, [])
+        keep = [(start, data) for start, data in chunks if start + data.numel() > position]
+        self.chunks[key] = keep
+        self.starts[key] = [start for start, _ in keep]
+
+    def copy(self, key: int, offset: int, dest: memoryview, name: str, path: Any) -> None:
+        """Fill ``dest`` with the bytes at ``offset``, from however many chunks hold them."""
+        starts, chunks = self.starts.get(key, []), self.chunks.get(key, [])
+        address = ctypes.addressof(ctypes.c_char.from_buffer(dest)) if len(dest) else 0
+        done = 0
+        while done < len(dest):
+            at = bisect.bisect(starts, offset + done) - 1
+            if at < 0 or chunks[at][0] + chunks[at][1].numel() <= offset + done:
+                raise CheckpointError(f"bytes {offset + done}-{offset + len(dest) - 1} were not received from the "
+                                      "group (a schedule no rank kept)", path=path, tensor=name)
+            start, data = chunks[at]
+            count = min(len(dest) - done, start + data.numel() - (offset + done))
+            ctypes.memmove(address + done, data.data_ptr() + offset + done - start, count)  # the GIL let go
+            done += count
+
+
+class _HeldFiles(FileSet):
+    """The held chunks, read as the engine reads files."""
+
+    def __init__(self, held: _Held, keys: dict[str, int]) -> None:
+        super().__init__()
+        self._held = held
+        self._keys = keys
+
+    def read_into(self, path, offset: int, dest: memoryview, *, tensor: str) -> None:
+        self._held.copy(self._keys[os.fspath(path)], offset, dest, tensor, path)
+
+    def read_run(self, path, offset: int, parts: list[Part]) -> None:
+        position = offset
+        for dest, tensor in parts:
+            if isinstance(dest, int):  # bytes between two tensors: nobody needs them
+                position += dest
+                continue
+            self.read_into(path, position, dest, tensor=tensor)
+            position += len(dest)
+
+    @property
+    def scatters(self) -> bool:
+        return False  # rows come out of the chunks by copies, not by preadv
+
+    def read_scattered(self, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("scatters is False: the engine reads blocks instead")
+
+
+def cut(job: Job, most: int) -> list[Job]:
+    """``job`` as jobs whose source bytes each span at most ``most`` bytes of the file (one element, or one
+    index of a strided source's outermost dimension, at least)."""
+    info, dest = job.info, job.dest
+    if info.contiguous and dest.is_contiguous():
+        if info.nbytes <= most:
+            return [job]
+        step = max(1, most // info.itemsize)
+        flat = dest.view(-1)
+        return [Job(flat[first:min(first + step, info.numel)],
+                    make_info(info.name, info.dtype_name, info.itemsize, (min(first + step, info.numel) - first,),
+                              info.path, info.offset + first * info.itemsize, storage=info.storage))
+                for first in range(0, info.numel, step)]
+    layout = strided_layout(info)
+    count = layout.shape[layout.outer] if layout.shape else 1
+    if _span(layout, count) * info.itemsize <= most or layout.step == 0:
+        return [job]
+    per = max(1, (most // info.itemsize - layout.inner_span) // layout.step + 1)
+    whole = dest.view(layout.shape)
+    jobs = []
+    for first in range(0, count, per):
+        rows = min(per, count - first)
+        shape = list(layout.shape)
+        shape[layout.outer] = rows
+        jobs.append(Job(whole.narrow(layout.outer, first, rows),
+                        make_info(info.name, info.dtype_name, info.itemsize, tuple(shape), info.path,
+                                  info.offset + first * layout.step * info.itemsize, stride=layout.strides,
+                                  span_nbytes=_span(layout, rows) * info.itemsize, storage=info.storage)))
+    return jobs
+
+
+def _span(layout, rows: int) -> int:
+    """Elements of the file that ``rows`` indexes of the outermost dimension span."""
+    return (rows - 1) * layout.step + layout.inner_span if rows else 0
+
+
+def _source_bytes(info: TensorInfo) -> int:
+    if info.contiguous:
+        return info.nbytes
+    layout = strided_layout(info)
+    return _span(layout, layout.shape[layout.outer] if layout.shape else 1) * info.itemsize
+
+
+class _Accumulated:
+    """One progress over the engine's several calls: each call's bytes added to those of the calls before."""
+
+    def __init__(self, callback: Optional[ProgressFn], total: int) -> None:
+        self.callback, self.total, self.base = callback, total, 0
+        if callback is not None and total:
+            callback(0, total)
+
+    def call(self) -> Optional[ProgressFn]:
+        if self.callback is None:
+            return None
+        base = self.base
+        return lambda done, _: self.callback(base + done, self.total) if done else None
+
+
+class GroupReads:
+    """One rank's side of loads shared by ``group``; :meth:`stream` stands in for the engine's ``stream``."""
+
+    def __init__(self, group: Any, budget_bytes: Optional[int] = None) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise CheckpointError("group= needs torch.distributed initialized (init_process_group) on every rank")
+        self.dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        if self.rank < 0:
+            raise CheckpointError("group= names a process group this rank is not in")
+        _refuse_without_cpu(dist, group)
+        budget = budget_bytes or DEFAULT_BUDGET_BYTES
+        self.piece_bytes = max(MIN_CHUNK_BYTES, budget // 2)
+        self.chunk_bytes = max(MIN_CHUNK_BYTES, budget // (2 * self.size))
+        self.counts = GroupCounts()
+
+    # --- the schedule ------------------------------------------------------------------------------------------
+
+    def stream(self, jobs: Iterable[Job], files: FileSet, fill: Fill, progress: Optional[ProgressFn]) -> int:
+        """Fill every job's destination with this group's bytes, ``fill`` (the engine) copying them into place
+        from the chunks held; the bytes this rank read from storage."""
+        pieces, paths = self._pieces(jobs)
+        names = sorted({name for name in paths})
+        sizes = {name: file_size_of(paths[name]) for name in names}
+        gathered: list[Any] = [None] * self.size
+        ranges = {name: _merged([(p.start, p.end) for p in pieces if p.key == name]) for name in names}
+        self.dist.all_gather_object(gathered, (sizes, ranges), group=self.group)
+        keys = sorted({name for theirs, _ in gathered for name in theirs})
+        index = {name: number for number, name in enumerate(keys)}
+        _refuse_other_files(gathered, keys)
+        for piece in pieces:
+            piece.key = index[piece.key]
+        pieces.sort(key=lambda p: (p.key, p.start))
+        chunks = _schedule([{index[n]: r for n, r in theirs.items()} for _, theirs in gathered], self.chunk_bytes)
+        storage = files._inner if isinstance(files, CountingFiles) else files
+        held = _Held()
+        engine_files: FileSet = _HeldFiles(held, index)
+        if isinstance(files, CountingFiles):  # the sanitizer's counts: of bytes put into destinations, as ever
+            counted = CountingFiles(engine_files)
+            counted.bytes_by_tensor, counted._count_lock = files.bytes_by_tensor, files._count_lock
+            engine_files = counted
+        before = self.counts.from_storage
+        progress_all = _Accumulated(progress, sum(p.job.info.read_nbytes for p in pieces))
+        ends = [(piece.key, piece.end) for piece in pieces]
+        waiting = 0  # pieces[:waiting] are filled
+        failure: Optional[BaseException] = None
+        for turn in _rounds(chunks):
+            mine = [chunk for chunk in turn if chunk.owner == self.rank]
+            data: dict[_Chunk, torch.Tensor] = {}
+            if failure is None:
+                for chunk in mine:
+                    try:
+                        data[chunk] = self._read(storage, chunk, pieces, ends, keys, paths)
+                    except Exception as exc:  # carried to every rank by the agreement below
+                        failure = exc
+            self._agree(failure)
+            self._exchange(turn, data)
+            for chunk, received in data.items():
+                held.add(chunk.key, chunk.start, received)
+            last = turn[-1]
+            ready = waiting
+            while ready < len(pieces) and (pieces[ready].key, pieces[ready].end) <= (last.key, last.end):
+                ready += 1
+            if ready > waiting:
+                try:
+                    self._fill(pieces[waiting:ready], engine_files, fill, progress_all)
+                except Exception as exc:
+                    failure = exc
+                waiting = ready
+            if waiting < len(pieces):
+                held.drop_before(pieces[waiting].key, pieces[waiting].start)
+            else:
+                held.drop_before(len(keys), 0)
+        self._agree(failure)
+        if waiting < len(pieces):  # a schedule that left a piece of this rank's out: never a partial load
+            raise CheckpointError(f"{len(pieces) - waiting} piece(s) were not received from the group",
+                                  path=os.fspath(pieces[waiting].job.info.path), tensor=pieces[waiting].job.info.name)
+        return self.counts.from_storage - before
+
+    def _pieces(self, jobs: Iterable[Job]) -> tuple[list[_Piece], dict[str, Any]]:
+        pieces: list[_Piece] = []
+        paths: dict[str, Any] = {}
+        for job in pieces_of_stacks(jobs):
+            if job.info.numel == 0:
+                continue
+            for part in cut(flattened_if_same_dense_layout(job), self.piece_bytes):
+                name = os.fspath(part.info.path)
+                paths.setdefault(name, part.info.path)
+                pieces.append(_Piece(part, name, part.info.offset, part.info.offset + _source_bytes(part.info)))  # type: ignore[arg-type]
+        return pieces, paths
+
+    def _read(self, storage: FileSet, chunk: _Chunk, pieces: list[_Piece], ends: list[tuple[int, int]],
+              keys: list[str], paths: dict[str, Any]) -> torch.Tensor:
+        data = torch.empty(chunk.end - chunk.start, dtype=torch.uint8)
+        at = bisect.bisect(ends, (chunk.key, chunk.start))
+        name = pieces[at].job.info.name if at < len(pieces) else "?"  # a tensor of this rank's whose bytes these are
+        storage.read_into(paths[keys[chunk.key]], chunk.start, byte_view(data), tensor=name)
+        self.counts.from_storage += data.numel()
+        return data
+
+    def _exchange(self, turn: list[_Chunk], data: dict[_Chunk, torch.Tensor]) -> None:
+        """Each chunk of the round from its reader to the other ranks needing it; received ones into ``data``."""
+        dist = self.dist
+        works = []
+        for chunk in turn:
+            if chunk.owner == self.rank:
+                for other in chunk.audience:
+                    if other != self.rank:
+                        works.append(dist.isend(data[chunk], dist.get_global_rank(self.group, other), self.group))
+                        self.counts.sent += data[chunk].numel()
+            elif self.rank in chunk.audience:
+                data[chunk] = torch.empty(chunk.end - chunk.start, dtype=torch.uint8)
+                works.append(dist.irecv(data[chunk], dist.get_global_rank(self.group, chunk.owner), self.group))
+                self.counts.received += chunk.end - chunk.start
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError as exc:  # a rank gone, or the group's timeout
+            raise CheckpointAccessError(f"the group's exchange failed: {_one_line(exc)}") from None
+
+    def _agree(self, failure: Optional[BaseException]) -> None:
+        """Whether every rank got on; where one did not, every rank raises its error (the lowest rank's)."""
+        dist = self.dist
+        flag = torch.tensor([1 if failure is not None else 0], dtype=torch.int32)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            if not flag.item():
+                return
+            said: list[Any] = [None] * self.size
+            dist.all_gather_object(said, _described(failure) if failure is not None else None, group=self.group)
+        except RuntimeError as exc:
+            raise CheckpointAccessError(f"the group's exchange failed: {_one_line(exc)}") from None
+        rank, described = next((r, d) for r, d in enumerate(said) if d is not None)
+        raise _rebuilt(described, rank) from failure
+
+    def _fill(self, pieces: list[_Piece], files: FileSet, fill: Fill, progress: _Accumulated) -> None:
+        fill([piece.job for piece in pieces], files, progress.call())
+        progress.base += sum(piece.job.info.read_nbytes for piece in pieces)
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[list[int]] = []
+    for start, end in sorted(ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
+
+
+def _schedule(needs: list[dict[int, list[tuple[int, int]]]], chunk_bytes: int) -> list[_Chunk]:
+    """Every byte some rank needs, in chunks of one audience each, each chunk given a reader (see the module)."""
+    chunks: list[_Chunk] = []
+    load = [0] * len(needs)
+    for key in sorted({key for theirs in needs for key in theirs}):
+        edges = sorted({edge for theirs in needs for start, end in theirs.get(key, []) for edge in (start, end)})
+        # Which ranks need each elementary segment: a sweep over every rank's sorted, merged ranges.
+        cursors = [0] * len(needs)
+        segments: list[tuple[int, int, tuple[int, ...]]] = []
+        for low, high in zip(edges, edges[1:]):
+            audience = []
+            for rank, theirs in enumerate(needs):
+                ranges = theirs.get(key, [])
+                while cursors[rank] < len(ranges) and ranges[cursors[rank]][1] <= low:
+                    cursors[rank] += 1
+                if cursors[rank] < len(ranges) and ranges[cursors[rank]][0] <= low:
+                    audience.append(rank)
+            if not audience:
+                continue
+            if segments and segments[-1][1] == low and segments[-1][2] == tuple(audience):
+                segments[-1] = (segments[-1][0], high, segments[-1][2])
+            else:
+                segments.append((low, high, tuple(audience)))
+        for low, high, audience in segments:
+            for start in range(low, high, chunk_bytes):
+                end = min(high, start + chunk_bytes)
+                owner = min(audience, key=lambda rank: (load[rank], rank))
+                load[owner] += end - start
+                chunks.append(_Chunk(key, start, end, owner, audience))
+    return chunks
+
+
+def _rounds(chunks: list[_Chunk]) -> Iterable[list[_Chunk]]:
+    """Consecutive chunks, each round with at most one chunk a reader."""
+    turn: list[_Chunk] = []
+    owners: set[int] = set()
+    for chunk in chunks:
+        if chunk.owner in owners:
+            yield turn
+            turn, owners = [], set()
+        turn.append(chunk)
+        owners.add(chunk.owner)
+    if turn:
+        yield turn
+
+
+def _refuse_other_files(gathered: list[Any], keys: list[str]) -> None:
+    for name in keys:
+        seen = {rank: sizes[name] for rank, (sizes, _) in enumerate(gathered) if name in sizes}
+        if len(set(seen.values())) > 1:
+            shown = ", ".join(f"rank {rank}: {size} bytes" for rank, size in seen.items())
+            raise CheckpointError(f"the ranks of the group see different files here ({shown}): a group load needs "
+                                  "the same checkpoint on every rank", path=name)
+
+
+def _refuse_without_cpu(dist: Any, group: Any) -> None:
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" not in backend and "cpu" not in backend and "mpi" not in backend:
+        raise CheckpointError(
+            f"group= needs a group that carries CPU tensors; this one is {backend!r}: pass "
+            "torch.distributed.new_group(backend='gloo') (or init_process_group(backend='cpu:gloo,cuda:nccl'))")
+
+
+def _described(failure: BaseException) -> tuple[str, str, Optional[str], Optional[str]]:
+    if isinstance(failure, MaterializeError):
+        return type(failure).__name__, failure.reason, failure.path, failure.tensor
+    return type(failure).__name__, _one_line(failure), None, None
+
+
+def _rebuilt(described: tuple[str, str, Optional[str], Optional[str]], rank: int) -> MaterializeError:
+    kind, reason, path, tensor = described
+    cls = _error_classes().get(kind)
+    if cls is None or cls.__init__ is not MaterializeError.__init__:
+        cls, reason = CheckpointError, f"{kind}: {reason}"
+    return cls(f"{reason} (on rank {rank} of the group)", path=path, tensor=tensor)
+
+
+def _error_classes() -> dict[str, type[MaterializeError]]:
+    found: dict[str, type[MaterializeError]] = {}
+    waiting = [MaterializeError]
+    while waiting:
+        cls = waiting.pop()
+        found[cls.__name__] = cls
+        waiting += cls.__subclasses__()
+    return found
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text[:300] or type(exc).__name__

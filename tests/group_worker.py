@@ -152,7 +152,23 @@ def failure(folder: str, world: int) -> dict:
     return {"error": None}
 
 
-SCENARIOS = {"replicated": replicated, "hsdp": hsdp, "tp_fsdp": tp_fsdp, "mesh3d": mesh3d, "failure": failure}
+def absent(folder: str, world: int) -> dict:
+    """The last rank never calls the load: the others fail after the group's timeout (5 s here), one line."""
+    from datetime import timedelta
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=5))
+    if dist.get_rank() == world - 1:
+        return {"called": False}
+    model = tiny_skeleton()
+    try:
+        mz.load(model, os.path.join(folder, "model.safetensors"), group=group)
+    except mz.MaterializeError as error:
+        return {"called": True, "error": type(error).__name__, "message": str(error),
+                "left_on_meta": all(p.is_meta for p in model.parameters())}
+    return {"called": True, "error": None}
+
+
+SCENARIOS = {"absent": absent, "replicated": replicated, "hsdp": hsdp, "tp_fsdp": tp_fsdp, "mesh3d": mesh3d, "failure": failure}
 
 
 def main() -> None:

@@ -6,6 +6,11 @@ over the group equal the bytes the union of the ranks needs, and a failed read f
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +26,7 @@ from conftest import reference_model, run_ranks, saved_state, write_safetensors
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
 WORKER = Path(__file__).with_name("group_worker.py")
+RECIPE = Path(__file__).with_name("group_recipe.py")
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +108,40 @@ def test_a_read_failing_on_one_rank_fails_every_rank_with_the_same_error(folder,
     assert errors[0]["path"] == str(copy / "model.safetensors") and errors[0]["tensor"]
     assert "file ends at byte" in errors[0]["message"] and "of the group" in errors[0]["message"]
     assert "\n" not in errors[0]["message"] and errors[0]["left_on_meta"]
+
+
+def test_a_rank_that_never_calls_the_load_fails_the_others_after_the_groups_timeout(folder, tmp_path):
+    ranks = run_ranks("absent", folder, tmp_path / "run", world=3, worker=WORKER)
+
+    called = [rank["absent"] for rank in ranks if rank["absent"]["called"]]
+    assert len(called) == 2
+    for got in called:
+        assert got["error"] == "CheckpointAccessError" and got["left_on_meta"]
+        assert got["message"].startswith("the group's ranks did not all start the load") and "\n" not in got["message"]
+
+
+def test_two_torchrun_launchers_as_two_nodes_run_the_documented_recipe(folder, tmp_path):
+    llama = tmp_path / "checkpoints" / "llama"
+    llama.mkdir(parents=True)
+    (llama / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    out = tmp_path / "out"
+    out.mkdir()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    launchers = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank",
+         str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), str(RECIPE), str(out)],
+        cwd=tmp_path, env={**os.environ, "GROUP_NODE": str(node), "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    logs = [launcher.communicate(timeout=300)[0] for launcher in launchers]
+
+    assert [launcher.returncode for launcher in launchers] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)]
+    assert sorted(r["node"] for r in ranks) == ["0", "0", "1", "1"] and all(r["world"] == 4 for r in ranks)
+    assert all(r["equal"] for r in ranks)
+    assert sum(r["bytes_read"] for r in ranks) == _model_bytes()
+    assert all(r["bytes_read"] + r["received"] == _model_bytes() for r in ranks)
 
 
 def _info(shape, offset=0, stride=None):

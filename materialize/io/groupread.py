@@ -238,7 +238,10 @@ class GroupReads:
         sizes = {name: file_size_of(paths[name]) for name in names}
         gathered: list[Any] = [None] * self.size
         ranges = {name: _merged([(p.start, p.end) for p in pieces if p.key == name]) for name in names}
-        self.dist.all_gather_object(gathered, (sizes, ranges), group=self.group)
+        try:
+            self.dist.all_gather_object(gathered, (sizes, ranges), group=self.group)
+        except RuntimeError as exc:  # a rank that never came, after the group's timeout
+            raise CheckpointAccessError(f"the group's ranks did not all start the load: {_one_line(exc)}") from None
         keys = sorted({name for theirs, _ in gathered for name in theirs})
         index = {name: number for number, name in enumerate(keys)}
         _refuse_other_files(gathered, keys)

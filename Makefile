@@ -8,7 +8,8 @@
 #   make bench-deferred  the bench models made from scratch: deferred_init + materialize against eager construction;
 #                        then the recording against eager construction over a sample of the zoo's models
 #   make bench-sharded  the 1.9 GB checkpoint into an FSDP2 model on 2 ranks, against set_model_state_dict;
-#                       then into torchtitan's 2-D layout on 4 ranks, against dcp.load
+#                       then into torchtitan's 2-D layout on 4 ranks, against dcp.load; then 4 replicas of
+#                       the whole model, group= against every rank reading and rank 0 reading + broadcasting
 #   make bench-remote  the 1.9 GB checkpoint streamed from nginx (http://) and a moto S3 server (s3://) on loopback,
 #                      against the local file and Run:ai's Model Streamer (needs nginx: apt-get install nginx-light)
 #   make zoo    every transformers class of the auto mappings (tiny configs), timm family and torchvision builder
@@ -133,6 +134,7 @@ bench-deferred: $(BENCH_STAMP)
 bench-sharded: $(BENCH_STAMP)
 	$(PY) -m bench.sharded --config $(CONFIG)
 	$(PY) -m bench.sharded --config $(CONFIG) --layout 2d
+	$(PY) -m bench.sharded --config $(CONFIG) --layout replicas
 
 bench-remote: $(BENCH_STAMP)
 	$(PY) -m bench.remote --config $(CONFIG)

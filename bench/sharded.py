@@ -25,9 +25,22 @@ ranks (4: a 2x2 mesh), and the methods are:
   tensor), one the 2-D layout itself wrote (each rank its chunks, written
   once by the ranks before the runs: what torchtitan resumes from).
 
+With ``--layout replicas`` every rank holds the whole model (DDP, inference
+replicas), on ``--world`` ranks (4), and the methods are:
+
+- ours, ``group=``: each byte read from storage by one rank, sent to the others;
+- ours, every rank reads all of it;
+- torch, rank 0 reads and broadcasts: ``to_empty``, rank 0 ``load_file``, then
+  ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``;
+- torch, every rank reads: ``load_file`` + ``load_state_dict(assign=True)``.
+
+The 2-D layout's table has ``group=`` beside ours without it too.
+
 Figures: the slowest rank's load seconds, the largest rank's peak RSS
-growth, each result verified (sampled tensors gathered and checksummed).
-Writes ``bench/results/bench-sharded.md`` (``bench-sharded-2d.md``) and ``.json``.
+growth, the bytes read from storage summed over the ranks, each result
+verified (sampled tensors gathered and checksummed). Writes
+``bench/results/bench-sharded.md`` (``bench-sharded-2d.md``,
+``bench-sharded-replicas.md``) and ``.json``.
 """
 
 from __future__ import annotations
@@ -56,10 +69,17 @@ METHODS = {
 }
 METHODS_2D = {
     "ours: every rank reads its own part, safetensors": "ours-2d",
+    "ours, group=: each byte read by one rank, safetensors": "group-2d",
     "ours: a one-process DCP save": "ours-2d-dcp",
     "torch DCP: to_empty + dcp.load, a one-process DCP save": "dcp-2d",
     "ours: a DCP save of the same 2-D layout": "ours-2d-dcp2d",
     "torch DCP: to_empty + dcp.load, a DCP save of the same 2-D layout": "dcp-2d-dcp2d",
+}
+METHODS_REPLICAS = {
+    "ours, group=: each byte read by one rank, sent to the others": "group-replicas",
+    "ours: every rank reads all": "ours-replicas",
+    "torch: rank 0 reads, set_model_state_dict broadcasts": "broadcast-replicas",
+    "torch: every rank load_file + load_state_dict(assign=True)": "everyone-replicas",
 }
 SAVE_2D = "save-2d"  # not timed: the ranks write the DCP save of their own layout, once
 
@@ -70,6 +90,10 @@ def is_2d(method: str) -> bool:
 
 def dcp_2d_folder(single: Path, world: int) -> Path:
     return single.parent / f"dcp-2d-{world}"
+
+
+def is_replicas(method: str) -> bool:
+    return method in METHODS_REPLICAS.values()
 
 
 def rank_main(method: str, path: Path, dcp_folder: Optional[Path], expected: dict, store: Path, rank: int, world: int,
@@ -94,13 +118,26 @@ def rank_main(method: str, path: Path, dcp_folder: Optional[Path], expected: dic
         from bench.models.parallel import torchtitan_2d
 
         torchtitan_2d(model, mesh)
+    elif is_replicas(method):
+        pass  # the whole model on every rank
     else:
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     own_layout = dcp_2d_folder(path, world)
-    if method in ("ours", "ours-2d", SAVE_2D):
-        mz.load(model, path)
+    file_bytes = path.stat().st_size
+    # What each rank reads from storage: the report's, for ours; the whole file, for a rank that load_file's it;
+    # unknown (None) for dcp.load.
+    storage = (file_bytes if method in ("everyone", "everyone-replicas") or (rank == 0 and "broadcast" in method)
+               else 0 if "broadcast" in method else None)
+    if method in ("ours", "ours-2d", "ours-replicas", SAVE_2D):
+        storage = mz.load(model, path).bytes_read
+    elif method in ("group-2d", "group-replicas"):
+        storage = mz.load(model, path, group=dist.group.WORLD).bytes_read
+    elif method == "everyone-replicas":
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(path), assign=True)
     elif method in ("ours-2d-dcp", "ours-2d-dcp2d"):
         mz.load(model, own_layout if method.endswith("dcp2d") else dcp_folder)
     elif method in ("dcp-2d", "dcp-2d-dcp2d"):
@@ -113,7 +150,7 @@ def rank_main(method: str, path: Path, dcp_folder: Optional[Path], expected: dic
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         model.to_empty(device="cpu")
-        broadcast = method == "broadcast"
+        broadcast = "broadcast" in method
         state = load_file(path) if rank == 0 or not broadcast else {}
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast))
         del state
@@ -124,8 +161,10 @@ def rank_main(method: str, path: Path, dcp_folder: Optional[Path], expected: dic
 
         dcp.save({"model": model.state_dict()}, checkpoint_id=str(own_layout.with_name(own_layout.name + ".partial")))
     params = dict(model.named_parameters())
-    verified = all(crc(params[name].full_tensor()) == value for name, value in expected["same"].items())
-    out.write_text(json.dumps({"load_s": seconds, "rss_growth": peak - before, "verified": verified}))
+    whole = (lambda t: t.full_tensor()) if not is_replicas(method) else (lambda t: t)
+    verified = all(crc(whole(params[name])) == value for name, value in expected["same"].items())
+    out.write_text(json.dumps({"load_s": seconds, "rss_growth": peak - before, "verified": verified,
+                               "storage_bytes": storage}))
     dist.barrier()
     os._exit(0)  # gloo's teardown at exit aborts now and then on its own; the result is written
 
@@ -147,7 +186,8 @@ def one(method: str, path: Path, world: int, config: str, data: str, scratch: Pa
         raise RuntimeError(f"{method}: a rank wrote no result: {errors[0][-2000:]}")
     ranks = [json.loads(out.read_text()) for out in outs]
     return {"load_s": max(r["load_s"] for r in ranks), "rss_growth": max(r["rss_growth"] for r in ranks),
-            "verified": all(r["verified"] for r in ranks)}
+            "verified": all(r["verified"] for r in ranks),
+            "storage_bytes": None if any(r["storage_bytes"] is None for r in ranks) else sum(r["storage_bytes"] for r in ranks)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -155,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", default="configs/bench-llama-1b.toml")
     parser.add_argument("--data", default="data/bench")
     parser.add_argument("--world", type=int, default=None, help="ranks (default 2; 4 for --layout 2d)")
-    parser.add_argument("--layout", choices=("fsdp", "2d"), default="fsdp")
+    parser.add_argument("--layout", choices=("fsdp", "2d", "replicas"), default="fsdp")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--rank", help=argparse.SUPPRESS)
@@ -166,13 +206,14 @@ def main(argv: list[str] | None = None) -> None:
     expected = json.loads(paths["expected"].read_text())
     method = args.rank.split(",")[0] if args.rank else None
     two_d = is_2d(method) if method else args.layout == "2d"
+    replicas = is_replicas(method) if method else args.layout == "replicas"
     dcp_folder = ensure_dcp(args.config, Path(args.data))[0] if two_d else None  # written once, for 2-D only
     if args.rank:
         _, rank, world, store, out = args.rank.split(",")
         rank_main(method, paths["single"], dcp_folder, expected, Path(store), int(rank), int(world), Path(out))
         return
-    world = args.world or (4 if two_d else 2)
-    methods = METHODS_2D if two_d else METHODS
+    world = args.world or (4 if two_d or replicas else 2)
+    methods = METHODS_2D if two_d else METHODS_REPLICAS if replicas else METHODS
     scratch = Path(args.data).resolve() / "sharded-runs"  # a file:// store wants an absolute path
     if two_d and not (dcp_2d_folder(paths["single"], world) / ".metadata").exists():
         folder = dcp_2d_folder(paths["single"], world)
@@ -184,8 +225,10 @@ def main(argv: list[str] | None = None) -> None:
                                                      scratch), args.runs)
     ours = next(iter(methods))
     layout = (f"torchtitan's 2-D layout on {world} ranks ({world // 2} FSDP2 x 2 tensor parallel, gloo, CPU); "
-              "the DCP saves: one a single process wrote, one this layout's ranks wrote" if two_d else f"FSDP2 over {world} ranks (gloo, CPU)")
-    write_table(Path(args.out), "bench-sharded-2d" if two_d else "bench-sharded",
+              "the DCP saves: one a single process wrote, one this layout's ranks wrote" if two_d
+              else f"the whole model on each of {world} ranks (gloo, CPU)" if replicas
+              else f"FSDP2 over {world} ranks (gloo, CPU)")
+    write_table(Path(args.out), "bench-sharded-2d" if two_d else "bench-sharded-replicas" if replicas else "bench-sharded",
                 f"{expected['nbytes'] / 1e9:.2f} GB of bf16 weights ({Path(args.config).stem}, one safetensors file), "
                 f"{layout}; median of {args.runs} runs after a warm-up, methods "
                 "taking turns, each run fresh processes, page cache warm. Load s: the slowest rank, sharding on meta "

@@ -32,17 +32,25 @@ def write_table(out: Path, name: str, intro: str, results: dict[str, list[dict]]
     """``out/name.md`` and ``.json``: per method the median load, its spread, its ratio to the row
     ``ratio_to(label)`` names, peak RSS growth where measured, and whether every run was verified."""
     with_rss = all("rss_growth" in result for rows in results.values() for result in rows)
+    with_storage = all("storage_bytes" in result for rows in results.values() for result in rows)
     report = {}
     for label, rows in results.items():
         times = [row["load_s"] for row in rows]
         report[label] = {"load_s": statistics.median(times), "runs": times, "verified": all(row["verified"] for row in rows)}
         if with_rss:
             report[label]["rss_growth"] = statistics.median(row["rss_growth"] for row in rows)
-    lines = [intro, "", f"| method | load s | min-max s | {ratio_heading} |{' RSS growth GB |' if with_rss else ''} verified |",
-             f"| --- | ---: | ---: | ---: |{' ---: |' if with_rss else ''} --- |"]
+        if with_storage:
+            known = [row["storage_bytes"] for row in rows if row["storage_bytes"] is not None]
+            report[label]["storage_bytes"] = statistics.median(known) if known else None
+    storage_heading = " storage GB |" if with_storage else ""
+    lines = [intro, "", f"| method | load s | min-max s | {ratio_heading} |{' RSS growth GB |' if with_rss else ''}"
+                        f"{storage_heading} verified |",
+             f"| --- | ---: | ---: | ---: |{' ---: |' if with_rss else ''}{' ---: |' if with_storage else ''} --- |"]
     for label, summary in report.items():
         times = summary["runs"]
         rss = f" {summary['rss_growth'] / 1e9:.2f} |" if with_rss else ""
+        if with_storage:
+            rss += " - |" if summary["storage_bytes"] is None else f" {summary['storage_bytes'] / 1e9:.2f} |"
         lines.append(f"| {label} | {summary['load_s']:.3f} | {min(times):.3f}-{max(times):.3f} | "
                      f"{summary['load_s'] / report[ratio_to(label)]['load_s']:.2f} |{rss} "
                      f"{'yes' if summary['verified'] else 'NO'} |")

@@ -112,11 +112,27 @@ def test_the_sharded_bench_loads_torchtitans_2d_layout_on_four_ranks_by_every_me
     out = _run_on_the_tiny_config("bench.sharded", tmp_path, "--layout", "2d")
 
     report = json.loads((out / "bench-sharded-2d.json").read_text())
-    assert report["world"] == 4 and len(report["results"]) == 5
+    assert report["world"] == 4 and len(report["results"]) == 6
     assert all(row["verified"] for row in report["results"].values()), report
+    rows = report["results"]
+    alone, shared = rows["ours: every rank reads its own part, safetensors"], rows["ours, group=: each byte read by one rank, safetensors"]
+    assert shared["storage_bytes"] < alone["storage_bytes"]  # the row-wise spans and the norms read once
     assert "| torch DCP: to_empty + dcp.load, a DCP save of the same 2-D layout |" in (out / "bench-sharded-2d.md").read_text()
     assert (tmp_path / "data" / "bench-tiny" / "dcp-2d-4" / ".metadata").is_file()  # the ranks wrote it, once
     assert not (tmp_path / "results" / "bench-sharded.json").exists()  # the 1-D table is its own run
+
+
+def test_the_sharded_bench_loads_four_replicas_by_every_method_and_counts_the_bytes_from_storage(tmp_path):
+    out = _run_on_the_tiny_config("bench.sharded", tmp_path, "--layout", "replicas")
+
+    report = json.loads((out / "bench-sharded-replicas.json").read_text())
+    rows = report["results"]
+    assert report["world"] == 4 and len(rows) == 4 and all(row["verified"] for row in rows.values()), report
+    file_bytes = rows["torch: rank 0 reads, set_model_state_dict broadcasts"]["storage_bytes"]
+    assert rows["torch: every rank load_file + load_state_dict(assign=True)"]["storage_bytes"] == 4 * file_bytes
+    shared = rows["ours, group=: each byte read by one rank, sent to the others"]["storage_bytes"]
+    assert shared == rows["ours: every rank reads all"]["storage_bytes"] // 4 and 0 < shared <= file_bytes
+    assert "| storage GB |" in (out / "bench-sharded-replicas.md").read_text()
 
 
 def test_the_deferred_bench_times_the_recording_and_eager_construction_of_the_models_of_the_zoo(tmp_path):

@@ -168,7 +168,25 @@ def absent(folder: str, world: int) -> dict:
     return {"called": True, "error": None}
 
 
-SCENARIOS = {"absent": absent, "replicated": replicated, "hsdp": hsdp, "tp_fsdp": tp_fsdp, "mesh3d": mesh3d, "failure": failure}
+def big_linear() -> nn.Linear:
+    torch.manual_seed(3)
+    return nn.Linear(1024, 1024)  # 4 MB: far more than the head a remote open reads
+
+
+def remote(base: str, world: int) -> dict:
+    """URLs on tests/range_server.py (127.0.0.1): ``alone/`` loaded without a group, ``shared/`` with one (the
+    same file at two paths, so that the server's log tells the loads apart)."""
+    result = {}
+    for name, group in (("alone", None), ("shared", dist.group.WORLD)):
+        with mz.meta_init():
+            model = nn.Linear(1024, 1024)
+        report = mz.load(model, f"{base}/{name}/model.safetensors", group=group, staging_bytes=1024 * 1024)
+        result[name] = {"same": _same_as_eager(model, big_linear()), "bytes_read": report.bytes_read,
+                        "received": report.bytes_received}
+    return result
+
+
+SCENARIOS = {"absent": absent, "remote": remote, "replicated": replicated, "hsdp": hsdp, "tp_fsdp": tp_fsdp, "mesh3d": mesh3d, "failure": failure}
 
 
 def main() -> None:

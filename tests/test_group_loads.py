@@ -144,6 +144,30 @@ def test_two_torchrun_launchers_as_two_nodes_run_the_documented_recipe(folder, t
     assert all(r["bytes_read"] + r["received"] == _model_bytes() for r in ranks)
 
 
+def test_ranks_loading_a_url_together_ask_the_server_for_each_byte_once(tmp_path):
+    from group_worker import big_linear
+    from remote_servers import RangeServer, byte_range
+
+    for name in ("alone", "shared"):
+        (tmp_path / "www" / name).mkdir(parents=True)
+        write_safetensors(dict(big_linear().state_dict()), tmp_path / "www" / name / "model.safetensors")
+    weights = sum(t.numel() * t.element_size() for t in big_linear().state_dict().values())
+    size = (tmp_path / "www" / "alone" / "model.safetensors").stat().st_size
+    with RangeServer(tmp_path / "www") as server:
+        ranks = run_ranks("remote", server.url, tmp_path / "run", world=3, worker=WORKER)
+        sent = {name: 0 for name in ("alone", "shared")}
+        for request in server.requests:
+            if request.method == "GET":
+                first, last = byte_range(request.range, size) or (0, size - 1)
+                sent[request.path.split("/")[1]] += last - first + 1
+
+    for rank in ranks:
+        assert all(rank["remote"]["alone"]["same"].values()) and all(rank["remote"]["shared"]["same"].values())
+    assert sum(rank["remote"]["shared"]["bytes_read"] for rank in ranks) == weights
+    assert sent["alone"] >= 3 * weights  # every rank asked for every byte
+    assert weights <= sent["shared"] <= weights + 3 * 256 * 1024  # once, beside each rank's read of the header
+
+
 def _info(shape, offset=0, stride=None):
     return make_info("w", "float32", 4, shape, Path("m.safetensors"), offset, stride=stride)
 

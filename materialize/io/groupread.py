@@ -13,22 +13,24 @@ bytes travel over the group's collectives instead:
    of another size on some rank are an error, never a model of two files.
 2. Every rank computes the same schedule from them: the union of the ranges,
    cut where the set of ranks needing the bytes changes and every
-   ``staging_bytes / (2 * ranks)`` bytes. Each chunk is read by one rank that
+   ``staging_bytes / (4 * ranks)`` bytes. Each chunk is read by one rank that
    needs it: the rank alone needing it, else the one of its ranks with the
    fewest bytes to read so far, so the reads spread evenly over the ranks
    and the job reads at the sum of their bandwidth (a rank-0 read and a
    broadcast reads at one rank's). Chunks in file order make rounds, a rank
    reading at most one chunk a round.
-3. A round: the readers read their chunks from storage; an ``all_reduce``
-   says whether every rank succeeded (else every rank raises the same error,
-   naming the file and tensor); each chunk goes by point-to-point sends to
-   the other ranks that need it; each rank fills the pieces whose bytes have
-   all arrived (the engine, reading from the chunks in memory) and lets go
-   of the chunks no piece still waiting needs.
+3. A round, on a thread of its own: the readers read their chunks from
+   storage; an ``all_reduce`` says whether every rank succeeded (else every
+   rank raises the same error, naming the file and tensor); each chunk goes
+   by point-to-point sends to the other ranks that need it. Meanwhile the
+   caller's thread fills the pieces whose bytes have all arrived in the
+   round before (the engine, reading from the chunks in memory) and lets go
+   of the chunks no piece still waiting needs; an error there is carried to
+   every rank by the next agreement.
 
-Host memory in flight per rank: a round's chunks (at most ``staging_bytes /
-2``) and the chunks held for a piece not yet complete (at most
-``staging_bytes / 2``). The bytes land in a chunk first and are copied into
+Host memory in flight per rank: two rounds' chunks, the one being filled
+and the one arriving (at most ``staging_bytes / 2``), and the chunks held
+for a piece not yet complete (at most ``staging_bytes / 2``). The bytes land in a chunk first and are copied into
 place: one copy more than a load without a group makes. The group must carry
 CPU tensors (gloo, or a ``cpu:gloo,cuda:nccl`` group); a rank that stops
 answering fails the others after the group's own timeout.
@@ -39,6 +41,8 @@ from __future__ import annotations
 import bisect
 import ctypes
 import os
+import queue
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -56,6 +60,7 @@ from .fileio import CountingFiles, FileSet, Part, byte_view, file_size_of
 DEFAULT_BUDGET_BYTES = 64 * 1024 * 1024  # staging_bytes' own default
 Fill = Callable[[list[Job], FileSet, Optional[ProgressFn]], object]  # the engine's stream, as the executor runs it
 MIN_CHUNK_BYTES = 4096  # a floor for a tiny budget: a page
+_EXCHANGED, _AGREED = object(), object()  # what the exchange thread says besides rounds: all sent, all agreed
 
 
 @dataclass
@@ -225,7 +230,7 @@ class GroupReads:
         _refuse_without_cpu(dist, group)
         budget = budget_bytes or DEFAULT_BUDGET_BYTES
         self.piece_bytes = max(MIN_CHUNK_BYTES, budget // 2)
-        self.chunk_bytes = max(MIN_CHUNK_BYTES, budget // (2 * self.size))
+        self.chunk_bytes = max(MIN_CHUNK_BYTES, budget // (4 * self.size))  # two rounds held: one filled, one arriving
         self.counts = GroupCounts()
 
     # --- the schedule ------------------------------------------------------------------------------------------
@@ -259,36 +264,65 @@ class GroupReads:
         before = self.counts.from_storage
         progress_all = _Accumulated(progress, sum(p.job.info.read_nbytes for p in pieces))
         ends = [(piece.key, piece.end) for piece in pieces]
+        fill_failed: list[BaseException] = []  # the filling thread's error, carried by the next agreement
+        delivered: queue.Queue = queue.Queue()
+        room = threading.Semaphore(2)  # the round being filled and the one arriving, no more
+
+        def exchange() -> None:
+            """The rounds, on their own thread: reading and sending round t+1 while round t is copied into place."""
+            try:
+                for turn in _rounds(chunks):
+                    room.acquire()
+                    data: dict[_Chunk, torch.Tensor] = {}
+                    failure = fill_failed[0] if fill_failed else None
+                    for chunk in (c for c in turn if c.owner == self.rank and failure is None):
+                        try:
+                            data[chunk] = self._read(storage, chunk, pieces, ends, keys, paths)
+                        except Exception as exc:  # carried to every rank by the agreement
+                            failure = exc
+                    self._agree(failure)
+                    self._exchange(turn, data)
+                    delivered.put((turn, data))
+                delivered.put(_EXCHANGED)
+                all_filled.wait()
+                self._agree(fill_failed[0] if fill_failed else None)
+                delivered.put(_AGREED)
+            except BaseException as exc:
+                delivered.put(exc)
+
+        all_filled = threading.Event()
+        exchanging = threading.Thread(target=exchange, name="materialize-group", daemon=True)
+        exchanging.start()
         waiting = 0  # pieces[:waiting] are filled
-        failure: Optional[BaseException] = None
-        for turn in _rounds(chunks):
-            mine = [chunk for chunk in turn if chunk.owner == self.rank]
-            data: dict[_Chunk, torch.Tensor] = {}
-            if failure is None:
-                for chunk in mine:
-                    try:
-                        data[chunk] = self._read(storage, chunk, pieces, ends, keys, paths)
-                    except Exception as exc:  # carried to every rank by the agreement below
-                        failure = exc
-            self._agree(failure)
-            self._exchange(turn, data)
+        while True:
+            item = delivered.get()
+            if isinstance(item, BaseException):
+                exchanging.join()
+                raise item
+            if item is _EXCHANGED:
+                all_filled.set()
+                continue
+            if item is _AGREED:
+                break
+            turn, data = item
             for chunk, received in data.items():
                 held.add(chunk.key, chunk.start, received)
             last = turn[-1]
             ready = waiting
             while ready < len(pieces) and (pieces[ready].key, pieces[ready].end) <= (last.key, last.end):
                 ready += 1
-            if ready > waiting:
+            if ready > waiting and not fill_failed:
                 try:
                     self._fill(pieces[waiting:ready], engine_files, fill, progress_all)
                 except Exception as exc:
-                    failure = exc
-                waiting = ready
+                    fill_failed.append(exc)
+            waiting = ready
             if waiting < len(pieces):
                 held.drop_before(pieces[waiting].key, pieces[waiting].start)
             else:
                 held.drop_before(len(keys), 0)
-        self._agree(failure)
+            room.release()
+        exchanging.join()
         if waiting < len(pieces):  # a schedule that left a piece of this rank's out: never a partial load
             raise CheckpointError(f"{len(pieces) - waiting} piece(s) were not received from the group",
                                   path=os.fspath(pieces[waiting].job.info.path), tensor=pieces[waiting].job.info.name)

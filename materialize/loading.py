@@ -180,8 +180,8 @@ def load(
             alone. A checkpoint already in the page cache is read from
             storage again, so it is off by default. Ignored for tensors
             that stay mapped (``mmap``, disk offload), and for a URL.
-        remote: how a URL checkpoint (``s3://``, ``gs://``, ``https://``) is read: connections, timeouts, retries,
-            unsigned access (:class:`~materialize.RemoteOptions`; docs/remote.md). Its bytes go straight into
+        remote: how a URL checkpoint (``s3://``, ``gs://``, ``az://``, ``https://``) is read: connections,
+            timeouts, retries, unsigned access (:class:`~materialize.RemoteOptions`; docs/remote.md). Its bytes go straight into
             the tensors as a local file's do; ``mmap`` and disk offload, which map local files, are refused.
 
     Tied parameters stay one tensor. Real buffers absent from the checkpoint

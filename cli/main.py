@@ -129,7 +129,7 @@ model_options = [
     click.option("--json", "as_json", is_flag=True, help=JSON_HELP),
     click.option("--debug", is_flag=True, help="Show the traceback of an error."),
 ]
-remote_options = [  # how a URL (s3://, gs://, https://) or a streamed hub repo is read: docs/remote.md
+remote_options = [  # how a URL (s3://, gs://, az://, https://) or a streamed hub repo is read: docs/remote.md
     click.option("--stream", is_flag=True,
                  help="CHECKPOINT is a hub repo id: read its weights from the hub by ranged GETs, downloading none "
                       "(config and index are fetched)."),
@@ -140,7 +140,7 @@ remote_options = [  # how a URL (s3://, gs://, https://) or a streamed hub repo 
     click.option("--retries", type=click.IntRange(min=0), default=None, metavar="N",
                  help="Retries of a failed request, each resuming where it stopped (default 8)."),
     click.option("--no-sign-request", "anonymous", is_flag=True,
-                 help="Read s3:// and gs:// without credentials (a public bucket)."),
+                 help="Read s3://, gs:// and az:// without credentials (a public bucket or container)."),
     click.option("--header", "headers", type=HEADER, multiple=True, metavar="'NAME: VALUE'",
                  help="Send this header to an http(s):// source's server (repeatable), e.g. 'Authorization: Bearer T'."),
 ]

@@ -16,7 +16,7 @@ def inspect(checkpoint: CheckpointLike, *, trust_pickle: bool = False, state_dic
 
     ``checkpoint`` is anything :func:`open_checkpoint` opens, a hub repo id (``org/name``, at ``revision``,
     found as :func:`load_model` finds it; with ``stream`` its headers are read from the hub, nothing
-    downloaded but its JSON files), a URL (``s3://``, ``gs://``, ``https://``, read as ``remote`` says), or an open
+    downloaded but its JSON files), a URL (``s3://``, ``gs://``, ``az://``, ``https://``, read as ``remote`` says), or an open
     :class:`Checkpoint` (left open); ``trust_pickle`` and ``state_dict_key`` are as there. The dict holds ``path``, ``format``,
     ``state_dict_key`` (the entry taken, or ``None``), ``shards`` (each file's path), ``tensor_count``,
     ``nbytes``, ``metadata`` (a safetensors header's, or an index's) and ``tensors``: one dict per tensor

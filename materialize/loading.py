@@ -181,8 +181,8 @@ def load(
             alone. A checkpoint already in the page cache is read from
             storage again, so it is off by default. Ignored for tensors
             that stay mapped (``mmap``, disk offload), and for a URL.
-        remote: how a URL checkpoint (``s3://``, ``gs://``, ``https://``) is read: connections, timeouts, retries,
-            unsigned access (:class:`~materialize.RemoteOptions`; docs/remote.md). Its bytes go straight into
+        remote: how a URL checkpoint (``s3://``, ``gs://``, ``az://``, ``https://``) is read: connections,
+            timeouts, retries, unsigned access (:class:`~materialize.RemoteOptions`; docs/remote.md). Its bytes go straight into
             the tensors as a local file's do; ``mmap`` and disk offload, which map local files, are refused.
         group: a ``torch.distributed`` process group whose ranks load the same checkpoint together (every rank
             of it calls ``load`` with the same group): each byte any of them needs is read from storage by one

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from conftest import TINY, hub_cache, reference_model, saved_state, write_sharded
+from azure_server import AzureServer
 from fake_hub import FakeHub
 from gcs_server import GcsServer
 from s3_server import S3Server
@@ -77,11 +78,13 @@ def test_every_relative_link_of_the_readme_and_docs_resolves():
 @pytest.fixture(scope="module")
 def fixtures(tmp_path_factory):
     """Every file the snippets name, tiny, and the environment their commands run in: with an S3 server holding
-    ``s3://bucket/llama/``, a stand-in GCS holding ``gs://bucket/llama/`` (a service account's key for it), and a
-    stand-in hub serving ``tiny-org/tiny-llama``, all on 127.0.0.1 (docs/remote.md)."""
+    ``s3://bucket/llama/``, a stand-in GCS holding ``gs://bucket/llama/`` (a service account's key for it), a
+    stand-in Blob service holding ``az://container/llama/`` (a managed identity for it), and a stand-in hub serving
+    ``tiny-org/tiny-llama``, all on 127.0.0.1 (docs/remote.md)."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("moto")
     pytest.importorskip("google.auth")
+    pytest.importorskip("azure.identity")
     if import_torchvision() is None:
         pytest.skip("timm and torchvision are not installed (make test-oldest's venvs)")
     import timm
@@ -105,15 +108,20 @@ def fixtures(tmp_path_factory):
     cache = hub_cache(folder, folder / "tiny-llama", "tiny-org/tiny-llama")
     shutil.copytree(folder / "tiny-llama", folder / "hub" / "tiny-org" / "tiny-llama")
     (folder / "gcloud").mkdir()  # gcloud's configuration: none of this machine's
-    with S3Server() as s3, FakeHub(folder / "hub") as hub, GcsServer(folder / "gcs") as gcs:
+    with S3Server() as s3, FakeHub(folder / "hub") as hub, GcsServer(folder / "gcs") as gcs, \
+            AzureServer(folder / "azure") as blobs:
         s3.make_bucket("bucket")
         gcs.make_bucket("bucket")
+        blobs.make_container("container")
         for path in sorted((folder / "tiny-llama").iterdir()):
             s3.put("bucket", f"llama/{path.name}", path)
             gcs.put("bucket", f"llama/{path.name}", path)
+            blobs.put("container", f"llama/{path.name}", path)
         google = {**gcs.env(), "GOOGLE_APPLICATION_CREDENTIALS": str(gcs.service_account_file(folder / "key.json")),
                   "CLOUDSDK_CONFIG": str(folder / "gcloud"), "NO_GCE_CHECK": "true"}
-        env = {**pythonpath_with_shim(folder), **s3.env(), **google, "HF_HUB_CACHE": str(cache),
+        azure = {**blobs.identity_env(), **blobs.no_identity_env(),
+                 "AZURE_STORAGE_CONNECTION_STRING": blobs.connection_string()}
+        env = {**pythonpath_with_shim(folder), **s3.env(), **google, **azure, "HF_HUB_CACHE": str(cache),
                "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": hub.endpoint}
         yield folder, env
 

@@ -231,8 +231,8 @@ def test_a_missing_object_and_an_unknown_scheme_are_one_line_errors(served):
     root, server = served
     with pytest.raises(mz.CheckpointNotFoundError, match="no such object"):
         mz.load_tensors(f"{server.url}/absent.safetensors")
-    with pytest.raises(mz.CheckpointError, match="az:// sources are not read.*https:// URL of the blob"):
-        mz.load_tensors("az://container/model.safetensors")
+    with pytest.raises(mz.CheckpointError, match="wasbs:// sources are not read.*write az://CONTAINER@ACCOUNT"):
+        mz.load_tensors("wasbs://container@account.blob.core.windows.net/model.safetensors")
     with pytest.raises(mz.CheckpointError, match=r"ftp:// sources are not read by this build \(it reads .*gs://"):
         mz.load_tensors("ftp://host/model.safetensors")
 

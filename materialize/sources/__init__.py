@@ -2,10 +2,10 @@
 
 A URL becomes a :class:`~.remotepath.RemotePath` over a store (one per
 scheme: ``http(s)://`` in :mod:`.httpstore`, ``s3://`` in :mod:`.s3`,
-``gs://`` in :mod:`.gcs`, the hub's files through an ``HttpStore`` made in
-:mod:`materialize.integrations.hub`), and the readers read it as a local path;
-the bytes of tensors go through :class:`~.http.Transport` straight into
-their destinations. A new kind of storage is a new store registered in
+``gs://`` in :mod:`.gcs`, ``az://`` in :mod:`.azure`, the hub's files
+through an ``HttpStore`` made in :mod:`materialize.integrations.hub`), and
+the readers read it as a local path; the bytes of tensors go through
+:class:`~.http.Transport` straight into their destinations. A new kind of storage is a new store registered in
 :data:`SCHEMES`, and nothing above this package changes.
 """
 
@@ -48,15 +48,25 @@ def _open_gcs(url: str, options: RemoteOptions) -> RemotePath:
     return open_gcs(url, options)
 
 
+def _open_azure(url: str, options: RemoteOptions) -> RemotePath:
+    from .azure import open_azure  # azure-identity, for credentials where no SAS token is given: the remote extra
+
+    return open_azure(url, options)
+
+
 SCHEMES: dict[str, Callable[[str, RemoteOptions], RemotePath]] = {
     "http": _open_http,
     "https": _open_http,
     "s3": _open_s3,
     "gs": _open_gcs,
+    "az": _open_azure,
+    "abfs": _open_azure,  # adlfs's names for the same store, with the account in the URL as Spark writes it
+    "abfss": _open_azure,
 }
 _NOT_HERE = {
     "gcs": "Google Cloud Storage: write gs://BUCKET/key",
-    "az": "Azure Blob Storage: use an https:// URL of the blob (a SAS URL for a private one)",
+    "wasbs": "Azure Blob Storage: write az://CONTAINER@ACCOUNT.blob.core.windows.net/key",
+    "wasb": "Azure Blob Storage: write az://CONTAINER@ACCOUNT.blob.core.windows.net/key",
     "hf": "the hub: pass the repo id (org/name) with --stream (stream=True)",
 }
 

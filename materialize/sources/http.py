@@ -154,10 +154,12 @@ class Transport:
             raise
         return response, connection, (scheme, host, port)
 
-    def head(self, url: str, headers: Mapping[str, str], *, what: str = "HEAD") -> Answer:
+    def head(self, url: str, headers: Mapping[str, str], *, what: str = "HEAD", name: Optional[str] = None) -> Answer:
         """The answer to a HEAD of ``url``, redirects followed (an ``Authorization`` header is not sent to
-        another host, as browsers and requests do), retried like a GET."""
-        return self._retrying(lambda: self._whole("HEAD", lambda: (url, dict(headers)), url), what=what, name=url)
+        another host, as browsers and requests do), retried like a GET. ``name`` is what messages call it (else
+        ``url``: a URL carrying a signature in its query is named otherwise)."""
+        name = name or url
+        return self._retrying(lambda: self._whole("HEAD", lambda: (url, dict(headers)), name), what=what, name=name)
 
     def get(self, target: Target, *, name: str, what: str = "GET") -> Answer:
         """The whole answer to a GET of the small resource ``target`` names (a listing page, an object's
@@ -287,7 +289,7 @@ class Transport:
             try:
                 response, connection, where = self._send("GET", url, headers)
             except (OSError, http.client.HTTPException) as exc:
-                _refuse_if_lasting(exc, url)
+                _refuse_if_lasting(exc, url, name=name)
                 raise _Retryable(_describe(exc)) from None
             status = response.status
             if status in REDIRECT_STATUS and response.getheader("Location"):
@@ -503,15 +505,17 @@ def _says_slow_down(body: bytes) -> bool:
 
 
 def server_words(body: bytes) -> str:
-    """An error answer's code and message, for the one-line error: an S3-style XML error's ``Code`` and
+    """An error answer's code and message, for the one-line error: an S3- or Azure-style XML error's ``Code`` and
     ``Message``, or a Google JSON error's reason and message; ``""`` for any other body. Begins with a space."""
     code = re.search(rb"<Code>([^<]{1,100})</Code>", body)
-    message = re.search(rb"<Message>([^<]{1,300})</Message>", body)
+    message = re.search(rb"<Message>([^<]{1,600})</Message>", body)
     if not code:
         return _json_words(body)
-    words = code[1].decode("utf-8", "replace")
+    words = " ".join(code[1].decode("utf-8", "replace").split())
     if message:
-        words += ": " + message[1].decode("utf-8", "replace")
+        # Azure's message goes on over lines: RequestId and Time, for its support, not for this line
+        text = re.split(r"\s*\bRequestId:", message[1].decode("utf-8", "replace"))[0]
+        words += ": " + " ".join(text.split())[:300]
     return f" {words}"
 
 

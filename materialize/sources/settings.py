@@ -11,7 +11,7 @@ MiB = 1024 * 1024
 
 @dataclass(frozen=True)
 class RemoteOptions:
-    """How a checkpoint named by a URL (``s3://``, ``gs://``, ``https://``) or streamed from the hub is read.
+    """How a checkpoint named by a URL (``s3://``, ``gs://``, ``az://``, ``https://``) or streamed from the hub is read.
 
     Pass as ``remote=`` to :func:`~materialize.load`, :func:`~materialize.load_model`,
     :func:`~materialize.load_tensors`, :func:`~materialize.plan`,
@@ -28,13 +28,14 @@ class RemoteOptions:
             before the request is retried; a slow store that keeps sending is never cut off.
         retries: attempts after the first, per part, on a reset connection, a timeout, a 5xx or a SlowDown
             answer, with exponential backoff; a part resumes at the byte where its answer stopped.
-        anonymous: read S3 and Google Cloud Storage without credentials (a public bucket); the CLI's
-            ``--no-sign-request``.
+        anonymous: read S3, Google Cloud Storage and Azure Blob Storage without credentials (a public bucket or
+            container); the CLI's ``--no-sign-request``.
         ca_bundle: a PEM file of certificate authorities for HTTPS (else ``AWS_CA_BUNDLE`` for S3, else the
             system's).
         headers: sent with every request to an ``http(s)://`` source's server (``{"Authorization": "Bearer
             ..."}`` for a private one); never to another host a redirect leads to. Not used for ``s3://``
-            (signed), ``gs://`` (google-auth's token) or the hub (``HF_TOKEN``).
+            (signed), ``gs://`` (google-auth's token), ``az://`` (azure-identity's token, or a SAS token) or the hub
+            (``HF_TOKEN``).
     """
 
     connections: int = 16

@@ -1,0 +1,472 @@
+"""A stand-in for Azure Blob Storage's REST API and App Service's managed identity endpoint, for the az:// tests.
+
+Each folder under ``root`` is a container and each file below it a blob (its name the file's path in the
+container, ``/`` included). Requests are path-style, as Azurite takes them: ``/ACCOUNT/CONTAINER/BLOB``, so the
+service endpoint is ``http://127.0.0.1:PORT/ACCOUNT`` (what a connection string's ``BlobEndpoint`` names). The
+server answers what the ``az://`` source asks, as the Blob service answers it:
+
+- ``HEAD``/``GET /ACCOUNT/CONTAINER/BLOB``: ``Content-Length``, ``ETag`` (quoted), ``x-ms-blob-type``; a single
+  ``Range`` answered 206 with ``Content-Range``; ``If-Match`` another tag: 412 ``ConditionNotMet``;
+- ``GET /ACCOUNT/CONTAINER?restype=container&comp=list&prefix=P&delimiter=/&marker=M&maxresults=N``: a listing
+  page, XML ``EnumerationResults`` with ``Blobs/Blob`` (``Name``, ``Properties/Content-Length``,
+  ``Properties/Etag`` unquoted, as the service gives it) and ``Blobs/BlobPrefix``, ``NextMarker`` (opaque, with
+  characters a URL must encode) while more remain;
+- ``GET /msi/token?api-version=2019-08-01&resource=R`` with ``X-IDENTITY-HEADER``: App Service's managed identity
+  endpoint (what ``IDENTITY_ENDPOINT`` names), answering ``{"access_token", "expires_on", "resource",
+  "token_type"}`` for the storage resource;
+- ``GET /metadata/identity/oauth2/token``: the instance metadata service of a virtual machine that has no managed
+  identity (400 ``Identity not found``), where ``AZURE_POD_IDENTITY_AUTHORITY_HOST`` sends azure-identity.
+
+A blob's ETag is derived from its size, modification time and inode, so replacing a file makes a new one. A
+request is authorized by ``Authorization: Bearer`` one of ``accepted`` (with an ``x-ms-version`` of 2017-11-09 or
+later, as the service asks of bearer tokens; 401 ``InvalidAuthenticationInfo`` for another token, 403
+``AuthorizationPermissionMismatch`` for one of ``denied``), or by a SAS query whose ``sig`` is ``sas_signature``
+(403 ``AuthenticationFailed`` for another), or by nothing in a container named in ``public`` (anonymous reads of
+a private container: 404 ``ResourceNotFound``, as the service hides it). Containers named in ``hierarchical``
+also hold each folder as an empty blob with ``hdi_isfolder`` metadata, as a Data Lake (HNS) account lists them.
+Errors are the service's XML error bodies, and for HEAD its ``x-ms-error-code`` header. Like the other servers
+of these tests it leaves no thread or socket behind its ``with`` block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import socketserver
+import stat
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, BinaryIO, Iterable, NamedTuple, Optional
+from urllib.parse import parse_qs, quote, unquote
+from xml.sax.saxutils import escape
+
+JOIN_SECONDS = 10.0
+ACCOUNT = "standin"
+STORAGE_RESOURCE = "https://storage.azure.com"
+BEARER_VERSION = "2017-11-09"  # the first REST version that takes OAuth bearer tokens
+TOKEN_PATH = "/msi/token"
+IMDS_TOKEN_PATH = "/metadata/identity/oauth2/token"
+
+
+class Seen(NamedTuple):
+    """One request the server answered: method, raw path with its query, headers (names lower-cased), status."""
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    status: int
+
+
+def etag_of(info: os.stat_result) -> str:
+    """A blob's ETag, unquoted, in the service's form (``0x`` and 15 hex digits); changes when the file does."""
+    digest = hashlib.blake2b(f"{info.st_size}:{info.st_mtime_ns}:{info.st_ino}".encode(), digest_size=8).digest()
+    return "0x8D" + digest.hex().upper()[:13]
+
+
+MARKER_TAIL = "!a+b/c="  # what an opaque marker may hold, and a client must escape ('+' would become a space)
+
+
+def _marker(index: int) -> str:
+    return f"2!{index:08d}{MARKER_TAIL}"
+
+
+def _marker_index(marker: str) -> Optional[int]:
+    """The listing position a marker this server gave names; ``None`` for one it did not give (mangled)."""
+    if not marker.startswith("2!") or not marker.endswith(MARKER_TAIL) or not marker[2:10].isdigit():
+        return None
+    return int(marker[2:10])
+
+
+class AzureServer:
+    """The Blob service over the folders under ``root`` and a managed identity endpoint, on 127.0.0.1 inside a
+    ``with`` block.
+
+    ``issued`` is the token the managed identity endpoint hands out (``None``: it refuses, 400, as for an
+    identity not assigned); ``accepted`` the tokens storage requests may carry (by default the issued one);
+    ``identity_header`` the secret the endpoint asks for (``IDENTITY_HEADER``). ``page_size`` entries (blobs and
+    prefixes together) make a listing page, fewer where the request's ``maxresults`` asks.
+    """
+
+    def __init__(self, root: Path, *, public: Iterable[str] = (), issued: Optional[str] = "stand-in-token",
+                 accepted: Optional[Iterable[str]] = None, denied: Iterable[str] = (),
+                 sas_signature: str = "stand-in+sig/==", identity_header: str = "stand-in-identity-header",
+                 hierarchical: Iterable[str] = (), page_size: int = 5000, token_seconds: int = 3600) -> None:
+        self.root = Path(root).resolve()
+        self.public = set(public)
+        self.hierarchical = set(hierarchical)
+        self.issued = issued
+        self.accepted = set(accepted) if accepted is not None else {issued} - {None}
+        self.denied = set(denied)
+        self.sas_signature = sas_signature
+        self.identity_header = identity_header
+        self.page_size = page_size
+        self.token_seconds = token_seconds
+        self.requests: list[Seen] = []
+        self.tokens_issued = 0
+        self._lock = threading.Lock()
+        self._server: Optional[_Server] = None
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def url(self) -> str:
+        """``http://127.0.0.1:PORT``."""
+        if self._server is None:
+            raise RuntimeError("the server runs only inside its with block")
+        return f"http://127.0.0.1:{self._server.server_port}"
+
+    @property
+    def endpoint(self) -> str:
+        """The Blob service endpoint of the stand-in's account (path-style, as Azurite's)."""
+        return f"{self.url}/{ACCOUNT}"
+
+    @property
+    def sas_token(self) -> str:
+        """A SAS token (a query, no ``?``) the server accepts, its signature percent-encoded as the service gives it."""
+        return ("sv=2023-11-03&ss=b&srt=co&sp=rl&se=2099-01-01T00%3A00%3A00Z&spr=https%2Chttp"
+                f"&sig={quote(self.sas_signature, safe='')}")
+
+    def connection_string(self, **settings: str) -> str:
+        """``AZURE_STORAGE_CONNECTION_STRING`` naming this server's endpoint, with ``settings`` added."""
+        fields = {"BlobEndpoint": self.endpoint, "AccountName": ACCOUNT, **settings}
+        return ";".join(f"{name}={value}" for name, value in fields.items())
+
+    def identity_env(self) -> dict[str, str]:
+        """App Service's managed identity variables naming this server's token endpoint."""
+        return {"IDENTITY_ENDPOINT": f"{self.url}{TOKEN_PATH}", "IDENTITY_HEADER": self.identity_header}
+
+    def no_identity_env(self) -> dict[str, str]:
+        """Sends azure-identity's instance metadata requests here, where no identity is assigned: what a machine
+        off Azure has, answered at once (169.254.169.254 itself may be a real one, or hang up to the probe's
+        timeout), and no retries, as for a refused connection."""
+        return {"AZURE_POD_IDENTITY_AUTHORITY_HOST": self.url}
+
+    def put(self, container: str, name: str, source: Path) -> None:
+        """Upload ``source`` as the blob ``name``, replacing (a new file, a new ETag) what was there."""
+        target = self.root / container / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staged = target.with_name(target.name + ".uploading")
+        staged.write_bytes(Path(source).read_bytes())
+        os.replace(staged, target)
+
+    def make_container(self, container: str, *, public: bool = False, hierarchical: bool = False) -> None:
+        (self.root / container).mkdir(parents=True, exist_ok=True)
+        if public:
+            self.public.add(container)
+        if hierarchical:
+            self.hierarchical.add(container)
+
+    def seen(self, method: Optional[str] = None) -> list[Seen]:
+        with self._lock:
+            return [r for r in self.requests if method is None or r.method == method]
+
+    def __enter__(self) -> "AzureServer":
+        self._server = _Server(self)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name=f"AzureServer:{self._server.server_port}", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        server, thread = self._server, self._thread
+        if server is None or thread is None:
+            return
+        server.shutdown()
+        server.server_close()
+        handlers = server.close_connections()
+        thread.join(JOIN_SECONDS)
+        for handler in handlers:
+            handler.join(JOIN_SECONDS)
+        self._server = self._thread = None
+        left = [t.name for t in [thread, *handlers] if t.is_alive()]
+        if left and exc_info[0] is None:
+            raise RuntimeError(f"AzureServer threads still alive after closing: {left}")
+
+    # --- what the handler asks ------------------------------------------------------------------------------
+
+    def _record(self, seen: Seen) -> None:
+        with self._lock:
+            self.requests.append(seen)
+
+    def _issue(self) -> Optional[str]:
+        with self._lock:
+            if self.issued is not None:
+                self.tokens_issued += 1
+        return self.issued
+
+    def _container(self, container: str) -> Optional[Path]:
+        folder = (self.root / container).resolve()
+        return folder if folder.parent == self.root and folder.is_dir() else None
+
+    def _open(self, container: Path, name: str) -> Optional[BinaryIO]:
+        candidate = (container / name).resolve()
+        if container not in candidate.parents or name.endswith("/"):
+            return None
+        try:
+            file = open(candidate, "rb")
+        except OSError:
+            return None
+        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+            file.close()
+            return None
+        return file
+
+    def _entries(self, container: Path) -> dict[str, Optional[os.stat_result]]:
+        """Every blob: a file's name and its stat; in a hierarchical container each folder too (``None``)."""
+        found: dict[str, Optional[os.stat_result]] = {}
+        for path in container.rglob("*"):
+            name = path.relative_to(container).as_posix()
+            if path.is_file() and not path.name.endswith(".uploading"):
+                found[name] = path.stat()
+            elif path.is_dir() and container.name in self.hierarchical:
+                found[name] = None
+        return found
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False  # joined by AzureServer.__exit__, after the open connections are shut down
+    request_queue_size = 128
+
+    def __init__(self, owner: AzureServer) -> None:
+        self.owner = owner
+        self._open_sockets: set[socket.socket] = set()
+        self._handler_threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        super().__init__(("127.0.0.1", 0), _Handler)
+
+    def server_bind(self) -> None:
+        socketserver.TCPServer.server_bind(self)  # no reverse lookup of 127.0.0.1
+        self.server_name, self.server_port = self.server_address[:2]
+
+    def process_request(self, request: socket.socket, client_address: Any) -> None:
+        thread = threading.Thread(target=self.process_request_thread, args=(request, client_address),
+                                  name=f"AzureServer:{self.server_port} connection", daemon=True)
+        with self._lock:
+            self._open_sockets.add(request)
+            self._handler_threads = [t for t in self._handler_threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def shutdown_request(self, request: socket.socket) -> None:
+        with self._lock:
+            self._open_sockets.discard(request)
+        super().shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], OSError):  # a client hanging up, or close_connections: expected
+            super().handle_error(request, client_address)
+
+    def close_connections(self) -> list[threading.Thread]:
+        with self._lock:
+            for request in self._open_sockets:
+                try:
+                    request.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            return list(self._handler_threads)
+
+
+def _range(header: Optional[str], size: int) -> Optional[tuple[int, int]]:
+    """The first and last byte a single ``bytes=a-b`` (or ``a-``) asks for; ``None``: the whole blob; raises
+    ``ValueError`` for a range that starts past the end (416)."""
+    if not header or not header.startswith("bytes=") or "," in header:
+        return None
+    first, _, last = header[len("bytes="):].strip().partition("-")
+    if not first.isdigit() or (last and not last.isdigit()):
+        return None
+    start, end = int(first), int(last) if last else size - 1
+    if end < start:
+        return None
+    if start >= size:
+        raise ValueError("unsatisfiable")
+    return start, min(end, size - 1)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+    timeout = 60
+    server: _Server
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    @property
+    def owner(self) -> AzureServer:
+        return self.server.owner
+
+    def do_HEAD(self) -> None:
+        self._storage(head=True)
+
+    def do_GET(self) -> None:
+        if self.path.partition("?")[0] == TOKEN_PATH:
+            return self._token()
+        if self.path.partition("?")[0] == IMDS_TOKEN_PATH:
+            return self._json(400, {"error": "invalid_request", "error_description": "Identity not found"})
+        self._storage(head=False)
+
+    def _token(self) -> None:
+        query = {k: v[-1] for k, v in parse_qs(self.path.partition("?")[2]).items()}
+        if self.headers.get("X-IDENTITY-HEADER") != self.owner.identity_header:
+            return self._json(401, {"statusCode": 401, "message": "The identity header is missing or wrong."})
+        if query.get("api-version") != "2019-08-01" or query.get("resource") != STORAGE_RESOURCE:
+            return self._json(400, {"statusCode": 400, "message": f"Unexpected request {query}."})
+        token = self.owner._issue()
+        if token is None:
+            return self._json(400, {"statusCode": 400, "message": "No managed identity is assigned to this app."})
+        self._json(200, {"access_token": token, "expires_on": str(int(time.time()) + self.owner.token_seconds),
+                         "resource": STORAGE_RESOURCE, "token_type": "Bearer", "client_id": "stand-in-client"})
+
+    def _storage(self, *, head: bool) -> None:
+        raw, _, query_text = self.path.partition("?")
+        query = {k: v[-1] for k, v in parse_qs(query_text, keep_blank_values=True).items()}
+        account, _, rest = raw.lstrip("/").partition("/")
+        container_name, _, name = rest.partition("/")
+        container_name, name = unquote(container_name), unquote(name)
+        if unquote(account) != ACCOUNT or not container_name:
+            return self._error(400, "InvalidUri", "The requested URI does not represent any resource on the server.")
+        if not self._authorized(container_name, query):
+            return
+        container = self.owner._container(container_name)
+        if container is None:
+            return self._error(404, "ContainerNotFound", "The specified container does not exist.")
+        if not name:
+            if query.get("restype") == "container" and query.get("comp") == "list" and not head:
+                return self._list(container, query)
+            return self._error(400, "InvalidQueryParameterValue", "Value for one of the query parameters is not valid.")
+        if container_name in self.owner.hierarchical and (container / name).is_dir():
+            return self._blob(None, 0, etag_of((container / name).stat()), folder=True)
+        opened = self.owner._open(container, name)
+        if opened is None:
+            return self._error(404, "BlobNotFound", "The specified blob does not exist.")
+        with opened as file:
+            info = os.fstat(file.fileno())
+            self._blob(file, info.st_size, etag_of(info))
+
+    def _authorized(self, container: str, query: dict[str, str]) -> bool:
+        given = self.headers.get("Authorization")
+        if "sig" in query:
+            if query["sig"] != self.owner.sas_signature:
+                self._error(403, "AuthenticationFailed", "Server failed to authenticate the request. Make sure the "
+                            "value of Authorization header is formed correctly including the signature.\n"
+                            "AuthenticationErrorDetail:Signature did not match.")
+                return False
+            return True
+        if given is None:
+            if container in self.owner.public:
+                return True
+            self._error(404, "ResourceNotFound", "The specified resource does not exist.")
+            return False
+        if not given.startswith("Bearer ") or (self.headers.get("x-ms-version") or "") < BEARER_VERSION:
+            self._error(400, "InvalidHeaderValue", "Authentication scheme Bearer is not supported in this version.")
+            return False
+        token = given[len("Bearer "):]
+        if token in self.owner.denied:
+            self._error(403, "AuthorizationPermissionMismatch",
+                        "This request is not authorized to perform this operation using this permission.")
+            return False
+        if token not in self.owner.accepted:
+            self._error(401, "InvalidAuthenticationInfo", "Server failed to authenticate the request. Please refer "
+                        "to the information in the www-authenticate header.",
+                        {"WWW-Authenticate": "Bearer authorization_uri=https://login.microsoftonline.com/tenant/"
+                                             "oauth2/authorize resource_id=https://storage.azure.com"})
+            return False
+        return True
+
+    def _blob(self, file: Optional[BinaryIO], size: int, etag: str, *, folder: bool = False) -> None:
+        headers = {"Content-Type": "application/octet-stream", "Accept-Ranges": "bytes", "ETag": f'"{etag}"',
+                   "x-ms-blob-type": "BlockBlob", "x-ms-version": "2023-11-03"}
+        if folder:
+            headers["x-ms-meta-hdi_isfolder"] = "true"
+        wanted_tag = self.headers.get("If-Match")
+        if wanted_tag is not None and wanted_tag.strip() not in (f'"{etag}"', "*"):
+            return self._error(412, "ConditionNotMet", "The condition specified using HTTP conditional header(s) "
+                               "is not met.")
+        try:
+            wanted = _range(self.headers.get("Range"), size)
+        except ValueError:
+            return self._error(416, "InvalidRange", "The range specified is invalid for the current size of the "
+                               "resource.", {"Content-Range": f"bytes */{size}"})
+        start, end = wanted if wanted is not None else (0, size - 1)
+        self.send_response(206 if wanted is not None else 200)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        if wanted is not None:
+            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+        self.send_header("Content-Length", str(end - start + 1))
+        self.end_headers()
+        self._record(206 if wanted is not None else 200)
+        if end >= start and file is not None and self.command == "GET":
+            try:
+                self.connection.sendfile(file, start, end - start + 1)
+            except OSError:
+                self.close_connection = True
+
+    def _list(self, container: Path, query: dict[str, str]) -> None:
+        prefix, delimiter = query.get("prefix", ""), query.get("delimiter", "")
+        with_metadata = "metadata" in query.get("include", "").split(",")
+        blobs = self.owner._entries(container)
+        entries: dict[str, bool] = {}  # blob name or prefix -> whether it is a prefix
+        for name in blobs:
+            if not name.startswith(prefix):
+                continue
+            rest = name[len(prefix):]
+            if delimiter and delimiter in rest:
+                entries.setdefault(prefix + rest.split(delimiter)[0] + delimiter, True)
+            else:
+                entries[name] = False
+        ordered = sorted(entries)
+        start = _marker_index(query["marker"]) if query.get("marker") else 0
+        if start is None:
+            return self._error(400, "OutOfRangeInput", "One of the request inputs is out of range.")
+        size = min(self.owner.page_size, int(query.get("maxresults") or 5000))
+        page = ordered[start:start + size]
+        parts = [f'<?xml version="1.0" encoding="utf-8"?><EnumerationResults ServiceEndpoint="{self.owner.url}/'
+                 f'{ACCOUNT}/" ContainerName="{escape(container.name)}"><Prefix>{escape(prefix)}</Prefix>'
+                 f'<Delimiter>{escape(delimiter)}</Delimiter><Blobs>']
+        for entry in page:
+            if entries[entry]:
+                parts.append(f"<BlobPrefix><Name>{escape(entry)}</Name></BlobPrefix>")
+                continue
+            info = blobs[entry]
+            folder = info is None
+            info = info or (container / entry).stat()
+            metadata = "<Metadata><hdi_isfolder>true</hdi_isfolder></Metadata>" if folder else "<Metadata />"
+            parts.append(f"<Blob><Name>{escape(entry)}</Name><Properties><Content-Length>"
+                         f"{0 if folder else info.st_size}</Content-Length><Etag>{etag_of(info)}</Etag>"
+                         f"<BlobType>BlockBlob</BlobType></Properties>{metadata if with_metadata else ''}</Blob>")
+        more = start + len(page) < len(ordered)
+        parts.append(f"</Blobs><NextMarker>{escape(_marker(start + len(page))) if more else ''}</NextMarker>"
+                     "</EnumerationResults>")
+        self._send(200, "".join(parts).encode(), {"Content-Type": "application/xml"})
+
+    def _record(self, status: int) -> None:
+        self.owner._record(Seen(self.command, self.path, {k.lower(): v for k, v in self.headers.items()}, status))
+
+    def _json(self, status: int, value: Any) -> None:
+        self._send(status, json.dumps(value).encode(), {"Content-Type": "application/json"})
+
+    def _error(self, status: int, code: str, message: str, headers: Optional[dict[str, str]] = None) -> None:
+        request_id = hashlib.blake2b(os.urandom(8), digest_size=16).hexdigest()
+        body = (f'<?xml version="1.0" encoding="utf-8"?><Error><Code>{code}</Code><Message>{escape(message)}\n'
+                f"RequestId:{request_id}\nTime:{time.strftime('%Y-%m-%dT%H:%M:%S.0000000Z', time.gmtime())}"
+                "</Message></Error>").encode()
+        self._send(status, body, {"Content-Type": "application/xml", "x-ms-error-code": code, **(headers or {})})
+
+    def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+        self.send_response(status)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self._record(status)
+        if self.command == "HEAD":
+            return  # a HEAD's answer has no body: its error code is in x-ms-error-code
+        try:
+            self.wfile.write(body)
+        except OSError:
+            self.close_connection = True

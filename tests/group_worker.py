@@ -57,6 +57,11 @@ def replicated(folder: str, world: int) -> dict:
                         "received": report.bytes_received, "alone_read": alone_report.bytes_read,
                         "alone_received": alone_report.bytes_received, "alone_collectives": alone.calls,
                         "loaded": len(report.loaded)}
+    tied = tiny_skeleton(tie=True)  # a tie, and a checkpoint holding both its names: settled over the group too
+    tied_report = mz.load(tied, os.path.join(folder, "tied.safetensors"), group=group, staging_bytes=SMALL)
+    tied_eager = reference_model(tie=True)
+    result["tied"] = {"same": _same_as_eager(tied, tied_eager), "tied": tied.lm_head.weight is tied.model.embed_tokens.weight,
+                      "bytes_read": tied_report.bytes_read}
     tokens = torch.arange(24).view(2, 12) % 96
     result["losses"] = [_steps(model, tokens), _steps(eager, tokens)]
     return result

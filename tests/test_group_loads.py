@@ -40,6 +40,8 @@ def folder(tmp_path_factory) -> Path:
     with pytest.warns(UserWarning):  # DCP saving outside a process group says so
         dcp.save(dict(state), checkpoint_id=made / "dcp")
     write_safetensors(saved_state(reference_mlp()), made / "mlp.safetensors")
+    tied = reference_model(tie=True).state_dict()
+    write_safetensors({name: value.clone() for name, value in tied.items()}, made / "tied.safetensors")  # both names
     return made
 
 
@@ -76,6 +78,10 @@ def test_four_ranks_share_reads_of_a_replicated_model_hsdp_and_the_2d_layout(fol
             assert all(rank["tp_fsdp"][kind]["equal"].values()), (kind, rank["tp_fsdp"][kind]["equal"])
         assert sum(rank["tp_fsdp"][kind]["bytes_read"] for rank in ranks) == whole, kind
         assert sum(rank["tp_fsdp"][kind]["alone_read"] for rank in ranks) > whole, kind
+    tied_bytes = (folder / "tied.safetensors").stat().st_size
+    for rank in ranks:
+        assert all(rank["replicated"]["tied"]["same"].values()) and rank["replicated"]["tied"]["tied"]
+    assert 0 < sum(rank["replicated"]["tied"]["bytes_read"] for rank in ranks) < tied_bytes
     for rank in ranks:
         shared, eager = rank["replicated"]["losses"]
         assert shared == eager  # three steps, bit for bit

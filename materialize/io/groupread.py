@@ -263,7 +263,7 @@ class GroupReads:
             engine_files = counted
         before = self.counts.from_storage
         progress_all = _Accumulated(progress, sum(p.job.info.read_nbytes for p in pieces))
-        ends = [(piece.key, piece.end) for piece in pieces]
+        starts = [(piece.key, piece.start) for piece in pieces]
         fill_failed: list[BaseException] = []  # the filling thread's error, carried by the next agreement
         delivered: queue.Queue = queue.Queue()
         room = threading.Semaphore(2)  # the round being filled and the one arriving, no more
@@ -277,7 +277,7 @@ class GroupReads:
                     failure = fill_failed[0] if fill_failed else None
                     for chunk in (c for c in turn if c.owner == self.rank and failure is None):
                         try:
-                            data[chunk] = self._read(storage, chunk, pieces, ends, keys, paths)
+                            data[chunk] = self._read(storage, chunk, pieces, starts, keys, paths)
                         except Exception as exc:  # carried to every rank by the agreement
                             failure = exc
                     self._agree(failure)
@@ -340,12 +340,11 @@ class GroupReads:
                 pieces.append(_Piece(part, name, part.info.offset, part.info.offset + _source_bytes(part.info)))  # type: ignore[arg-type]
         return pieces, paths
 
-    def _read(self, storage: FileSet, chunk: _Chunk, pieces: list[_Piece], ends: list[tuple[int, int]],
+    def _read(self, storage: FileSet, chunk: _Chunk, pieces: list[_Piece], starts: list[tuple[int, int]],
               keys: list[str], paths: dict[str, Any]) -> torch.Tensor:
         data = torch.empty(chunk.end - chunk.start, dtype=torch.uint8)
-        at = bisect.bisect(ends, (chunk.key, chunk.start))
-        name = pieces[at].job.info.name if at < len(pieces) else "?"  # a tensor of this rank's whose bytes these are
-        storage.read_into(paths[keys[chunk.key]], chunk.start, byte_view(data), tensor=name)
+        storage.read_into(paths[keys[chunk.key]], chunk.start, byte_view(data),
+                          tensor=_holder(pieces, starts, chunk).job.info.name)
         self.counts.from_storage += data.numel()
         return data
 
@@ -387,6 +386,16 @@ class GroupReads:
     def _fill(self, pieces: list[_Piece], files: FileSet, fill: Fill, progress: _Accumulated) -> None:
         fill([piece.job for piece in pieces], files, progress.call())
         progress.base += sum(piece.job.info.read_nbytes for piece in pieces)
+
+
+def _holder(pieces: list[_Piece], starts: list[tuple[int, int]], chunk: _Chunk) -> _Piece:
+    """A piece of this rank's holding the chunk's first byte (the reader needs them all): the tensor an error of
+    the chunk's read names."""
+    at = max(0, bisect.bisect(starts, (chunk.key, chunk.start)) - 1)
+    for back in range(at, max(-1, at - 64), -1):  # pieces sorted by start: the one holding it starts at or before
+        if pieces[back].key == chunk.key and pieces[back].end > chunk.start:
+            return pieces[back]
+    return pieces[at]
 
 
 def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -135,6 +135,7 @@ bench-sharded: $(BENCH_STAMP)
 	$(PY) -m bench.sharded --config $(CONFIG)
 	$(PY) -m bench.sharded --config $(CONFIG) --layout 2d
 	$(PY) -m bench.sharded --config $(CONFIG) --layout replicas
+	$(PY) -m bench.sharded --config $(CONFIG) --layout replicas --source s3
 
 bench-remote: $(BENCH_STAMP)
 	$(PY) -m bench.remote --config $(CONFIG)

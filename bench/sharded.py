@@ -34,6 +34,10 @@ replicas), on ``--world`` ranks (4), and the methods are:
   ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``;
 - torch, every rank reads: ``load_file`` + ``load_state_dict(assign=True)``.
 
+With ``--source s3`` the replicas read the same file from a loopback S3
+server (moto's, ``bench/s3_server.py``), ours with a group and without
+(torch's recipes read local files).
+
 The 2-D layout's table has ``group=`` beside ours without it too.
 
 Figures: the slowest rank's load seconds, the largest rank's peak RSS
@@ -54,10 +58,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from contextlib import nullcontext
 from typing import Optional
 
 import torch
 
+from bench import s3_server
 from bench.fixtures import crc, ensure
 from bench.turns import take_turns, write_table
 
@@ -97,7 +103,7 @@ def is_replicas(method: str) -> bool:
 
 
 def rank_main(method: str, path: Path, dcp_folder: Optional[Path], expected: dict, store: Path, rank: int, world: int,
-              out: Path) -> None:
+              out: Path, url: Optional[str] = None) -> None:
     """One rank of one load by ``method``; ``dcp_folder`` is the one-process DCP save (2-D methods)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -130,10 +136,11 @@ def rank_main(method: str, path: Path, dcp_folder: Optional[Path], expected: dic
     # unknown (None) for dcp.load.
     storage = (file_bytes if method in ("everyone", "everyone-replicas") or (rank == 0 and "broadcast" in method)
                else 0 if "broadcast" in method else None)
+    source = url or path  # a URL: the same file from a loopback S3 server (--source s3)
     if method in ("ours", "ours-2d", "ours-replicas", SAVE_2D):
-        storage = mz.load(model, path).bytes_read
+        storage = mz.load(model, source).bytes_read
     elif method in ("group-2d", "group-replicas"):
-        storage = mz.load(model, path, group=dist.group.WORLD).bytes_read
+        storage = mz.load(model, source, group=dist.group.WORLD).bytes_read
     elif method == "everyone-replicas":
         from safetensors.torch import load_file
 
@@ -169,7 +176,8 @@ def rank_main(method: str, path: Path, dcp_folder: Optional[Path], expected: dic
     os._exit(0)  # gloo's teardown at exit aborts now and then on its own; the result is written
 
 
-def one(method: str, path: Path, world: int, config: str, data: str, scratch: Path) -> dict:
+def one(method: str, path: Path, world: int, config: str, data: str, scratch: Path, url: Optional[str] = None,
+        env: Optional[dict] = None) -> dict:
     """One load on ``world`` fresh processes: the slowest rank's time, the largest rank's memory."""
     scratch.mkdir(parents=True, exist_ok=True)
     store = scratch / "store"
@@ -178,7 +186,8 @@ def one(method: str, path: Path, world: int, config: str, data: str, scratch: Pa
     for out in outs:
         out.unlink(missing_ok=True)
     processes = [subprocess.Popen([sys.executable, "-m", "bench.sharded", "--config", config, "--data", data, "--rank",
-                                   f"{method},{rank},{world},{store},{out}"], cwd=Path(__file__).parent.parent,
+                                   f"{method},{rank},{world},{store},{out}", *(["--url", url] if url else [])],
+                                  cwd=Path(__file__).parent.parent, env={**os.environ, **(env or {})},
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                  for rank, out in enumerate(outs)]
     errors = [process.communicate(timeout=900)[1] for process in processes]
@@ -198,7 +207,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layout", choices=("fsdp", "2d", "replicas"), default="fsdp")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--source", choices=("file", "s3"), default="file",
+                        help="replicas only: the file, or the same file from a loopback S3 server (bench/s3_server.py)")
     parser.add_argument("--rank", help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     from bench.dcp import ensure_dcp
 
@@ -210,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     dcp_folder = ensure_dcp(args.config, Path(args.data))[0] if two_d else None  # written once, for 2-D only
     if args.rank:
         _, rank, world, store, out = args.rank.split(",")
-        rank_main(method, paths["single"], dcp_folder, expected, Path(store), int(rank), int(world), Path(out))
+        rank_main(method, paths["single"], dcp_folder, expected, Path(store), int(rank), int(world), Path(out), args.url)
         return
     world = args.world or (4 if two_d or replicas else 2)
     methods = METHODS_2D if two_d else METHODS_REPLICAS if replicas else METHODS
@@ -221,14 +233,22 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(partial, ignore_errors=True)
         one(SAVE_2D, paths["single"], world, args.config, args.data, scratch)  # each rank writes its own chunks
         partial.rename(folder)
-    results = take_turns(methods, lambda method: one(method, paths["single"], world, args.config, args.data,
-                                                     scratch), args.runs)
+    from_s3 = replicas and args.source == "s3"
+    if from_s3:  # torch's recipes read local files: ours alone, with a group and without
+        methods = {label: method for label, method in methods.items() if method in ("group-replicas", "ours-replicas")}
+    with (s3_server.serve({paths["single"].name: paths["single"]}) if from_s3 else nullcontext()) as s3:
+        url = f"s3://{s3.bucket}/{paths['single'].name}" if s3 is not None else None
+        env = s3.env if s3 is not None else None
+        results = take_turns(methods, lambda method: one(method, paths["single"], world, args.config, args.data,
+                                                         scratch, url, env), args.runs)
     ours = next(iter(methods))
     layout = (f"torchtitan's 2-D layout on {world} ranks ({world // 2} FSDP2 x 2 tensor parallel, gloo, CPU); "
               "the DCP saves: one a single process wrote, one this layout's ranks wrote" if two_d
-              else f"the whole model on each of {world} ranks (gloo, CPU)" if replicas
+              else f"the whole model on each of {world} ranks (gloo, CPU)"
+              + (", from a loopback S3 server (moto, bench/s3_server.py)" if from_s3 else "") if replicas
               else f"FSDP2 over {world} ranks (gloo, CPU)")
-    write_table(Path(args.out), "bench-sharded-2d" if two_d else "bench-sharded-replicas" if replicas else "bench-sharded",
+    name = "bench-sharded-2d" if two_d else f"bench-sharded-replicas{'-s3' if from_s3 else ''}" if replicas else "bench-sharded"
+    write_table(Path(args.out), name,
                 f"{expected['nbytes'] / 1e9:.2f} GB of bf16 weights ({Path(args.config).stem}, one safetensors file), "
                 f"{layout}; median of {args.runs} runs after a warm-up, methods "
                 "taking turns, each run fresh processes, page cache warm. Load s: the slowest rank, sharding on meta "

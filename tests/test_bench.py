@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 TINY_CONFIG = f"""
@@ -133,6 +135,16 @@ def test_the_sharded_bench_loads_four_replicas_by_every_method_and_counts_the_by
     shared = rows["ours, group=: each byte read by one rank, sent to the others"]["storage_bytes"]
     assert shared == rows["ours: every rank reads all"]["storage_bytes"] // 4 and 0 < shared <= file_bytes
     assert "| storage GB |" in (out / "bench-sharded-replicas.md").read_text()
+
+
+def test_the_sharded_bench_reads_four_replicas_from_a_loopback_s3_server_once_with_a_group(tmp_path):
+    pytest.importorskip("moto")
+    out = _run_on_the_tiny_config("bench.sharded", tmp_path, "--layout", "replicas", "--source", "s3")
+
+    rows = json.loads((out / "bench-sharded-replicas-s3.json").read_text())["results"]
+    assert len(rows) == 2 and all(row["verified"] for row in rows.values()), rows
+    shared = rows["ours, group=: each byte read by one rank, sent to the others"]["storage_bytes"]
+    assert shared * 4 == rows["ours: every rank reads all"]["storage_bytes"] and shared > 0
 
 
 def test_the_deferred_bench_times_the_recording_and_eager_construction_of_the_models_of_the_zoo(tmp_path):

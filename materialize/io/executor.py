@@ -68,11 +68,23 @@ class Reads:
         """Fill every job's destination; the bytes read."""
         if self._group is not None:
             # The engine copies each piece into place from the chunks the group delivered: work for the cores.
+            # A GPU's pinned staging is made once for the load, not once a round.
+            kept: dict[torch.device, Staging] = {}
+
+            def staging(device: torch.device) -> Staging:
+                if device not in kept:
+                    kept[device] = self._staging(device)
+                return _KeptOpen(kept[device])  # type: ignore[return-value]
+
             def fill(part: list[Job], files: FileSet, told: Optional[ProgressFn]) -> int:
-                return stream(part, files, staging_factory=self._staging, allow_overflow=self.options.allow_overflow,
+                return stream(part, files, staging_factory=staging, allow_overflow=self.options.allow_overflow,
                               progress=told, reader_threads=default_cast_threads())
 
-            done = self._group.stream(jobs, self.files, fill, progress)
+            try:
+                done = self._group.stream(jobs, self.files, fill, progress)
+            finally:
+                for made in kept.values():
+                    made.close()
             self.bytes_received = self._group.counts.received
         else:
             done = stream(jobs, self.files, staging_factory=self._staging, allow_overflow=self.options.allow_overflow,
@@ -83,6 +95,19 @@ class Reads:
 
     def _staging(self, device: torch.device) -> Staging:
         return staging_for(device, self.options.staging_bytes)
+
+
+class _KeptOpen:
+    """A staging the engine may close after each of a group load's rounds, left open for the next one."""
+
+    def __init__(self, staging: Staging) -> None:
+        self._staging = staging
+
+    def __getattr__(self, name: str):
+        return getattr(self._staging, name)
+
+    def close(self) -> None:
+        pass  # closed once, when the group's load ends
 
 
 @contextmanager

@@ -32,7 +32,8 @@ replicas), on ``--world`` ranks (4), and the methods are:
 - ours, every rank reads all of it;
 - torch, rank 0 reads and broadcasts: ``to_empty``, rank 0 ``load_file``, then
   ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``;
-- torch, every rank reads: ``load_file`` + ``load_state_dict(assign=True)``.
+- torch, every rank reads: ``to_empty``, ``load_file`` + ``load_state_dict`` (copying into the model's
+  memory; ``assign=True`` would keep views of load_file's mapping, read only when used).
 
 With ``--source s3`` the replicas read the same file from a loopback S3
 server (moto's, ``bench/s3_server.py``), ours with a group and without
@@ -85,7 +86,7 @@ METHODS_REPLICAS = {
     "ours, group=: each byte read by one rank, sent to the others": "group-replicas",
     "ours: every rank reads all": "ours-replicas",
     "torch: rank 0 reads, set_model_state_dict broadcasts": "broadcast-replicas",
-    "torch: every rank load_file + load_state_dict(assign=True)": "everyone-replicas",
+    "torch: every rank to_empty, load_file + load_state_dict": "everyone-replicas",
 }
 SAVE_2D = "save-2d"  # not timed: the ranks write the DCP save of their own layout, once
 
@@ -144,7 +145,10 @@ def rank_main(method: str, path: Path, dcp_folder: Optional[Path], expected: dic
     elif method == "everyone-replicas":
         from safetensors.torch import load_file
 
-        model.load_state_dict(load_file(path), assign=True)
+        # Copied into the model's own memory: with assign=True the tensors would stay views of load_file's
+        # mapping, nothing read until used (what mmap=True gives), and nothing to compare with a load.
+        model.to_empty(device="cpu")
+        model.load_state_dict(load_file(path))
     elif method in ("ours-2d-dcp", "ours-2d-dcp2d"):
         mz.load(model, own_layout if method.endswith("dcp2d") else dcp_folder)
     elif method in ("dcp-2d", "dcp-2d-dcp2d"):

@@ -131,7 +131,7 @@ def test_the_sharded_bench_loads_four_replicas_by_every_method_and_counts_the_by
     rows = report["results"]
     assert report["world"] == 4 and len(rows) == 4 and all(row["verified"] for row in rows.values()), report
     file_bytes = rows["torch: rank 0 reads, set_model_state_dict broadcasts"]["storage_bytes"]
-    assert rows["torch: every rank load_file + load_state_dict(assign=True)"]["storage_bytes"] == 4 * file_bytes
+    assert rows["torch: every rank to_empty, load_file + load_state_dict"]["storage_bytes"] == 4 * file_bytes
     shared = rows["ours, group=: each byte read by one rank, sent to the others"]["storage_bytes"]
     assert shared == rows["ours: every rank reads all"]["storage_bytes"] // 4 and 0 < shared <= file_bytes
     assert "| storage GB |" in (out / "bench-sharded-replicas.md").read_text()

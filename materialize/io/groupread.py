@@ -29,8 +29,10 @@ bytes travel over the group's collectives instead:
    every rank by the next agreement.
 
 Host memory in flight per rank: two rounds' chunks, the one being filled
-and the one arriving (at most ``staging_bytes / 2``), and the chunks held
-for a piece not yet complete (at most ``staging_bytes / 2``). The bytes land in a chunk first and are copied into
+and the one arriving (at most ``staging_bytes / 2``), the chunks held for a
+piece not yet complete (at most ``staging_bytes / 2``), and the rank's next
+:data:`READ_AHEAD` chunks, read from storage ahead of their rounds (each at
+most ``staging_bytes / (4 * ranks)``). The bytes land in a chunk first and are copied into
 place: one copy more than a load without a group makes. The group must carry
 CPU tensors (gloo, or a ``cpu:gloo,cuda:nccl`` group); a rank that stops
 answering fails the others after the group's own timeout.
@@ -43,7 +45,9 @@ import ctypes
 import os
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -60,6 +64,7 @@ from .fileio import CountingFiles, FileSet, Part, byte_view, file_size_of
 DEFAULT_BUDGET_BYTES = 64 * 1024 * 1024  # staging_bytes' own default
 Fill = Callable[[list[Job], FileSet, Optional[ProgressFn]], object]  # the engine's stream, as the executor runs it
 MIN_CHUNK_BYTES = 4096  # a floor for a tiny budget: a page
+READ_AHEAD = 4  # chunks of this rank's read from storage before their round: requests in flight on a remote store
 _EXCHANGED, _AGREED = object(), object()  # what the exchange thread says besides rounds: all sent, all agreed
 
 
@@ -268,18 +273,23 @@ class GroupReads:
         delivered: queue.Queue = queue.Queue()
         room = threading.Semaphore(2)  # the round being filled and the one arriving, no more
 
+        turns = list(_rounds(chunks))
+        reads = _ReadAhead([c for turn in turns for c in turn if c.owner == self.rank],
+                           lambda chunk: self._read(storage, chunk, pieces, starts, keys, paths))
+
         def exchange() -> None:
             """The rounds, on their own thread: reading and sending round t+1 while round t is copied into place."""
             try:
-                for turn in _rounds(chunks):
+                for turn in turns:
                     room.acquire()
                     data: dict[_Chunk, torch.Tensor] = {}
                     failure = fill_failed[0] if fill_failed else None
-                    for chunk in (c for c in turn if c.owner == self.rank and failure is None):
+                    for chunk in (c for c in turn if c.owner == self.rank):
                         try:
-                            data[chunk] = self._read(storage, chunk, pieces, starts, keys, paths)
+                            data[chunk] = reads.next()
+                            self.counts.from_storage += chunk.end - chunk.start
                         except Exception as exc:  # carried to every rank by the agreement
-                            failure = exc
+                            failure = failure or exc
                     self._agree(failure)
                     self._exchange(turn, data)
                     delivered.put((turn, data))
@@ -289,6 +299,8 @@ class GroupReads:
                 delivered.put(_AGREED)
             except BaseException as exc:
                 delivered.put(exc)
+            finally:
+                reads.close()
 
         all_filled = threading.Event()
         exchanging = threading.Thread(target=exchange, name="materialize-group", daemon=True)
@@ -345,7 +357,6 @@ class GroupReads:
         data = torch.empty(chunk.end - chunk.start, dtype=torch.uint8)
         storage.read_into(paths[keys[chunk.key]], chunk.start, byte_view(data),
                           tensor=_holder(pieces, starts, chunk).job.info.name)
-        self.counts.from_storage += data.numel()
         return data
 
     def _exchange(self, turn: list[_Chunk], data: dict[_Chunk, torch.Tensor]) -> None:
@@ -386,6 +397,37 @@ class GroupReads:
     def _fill(self, pieces: list[_Piece], files: FileSet, fill: Fill, progress: _Accumulated) -> None:
         fill([piece.job for piece in pieces], files, progress.call())
         progress.base += sum(piece.job.info.read_nbytes for piece in pieces)
+
+
+class _ReadAhead:
+    """This rank's chunks read from storage in order, :data:`READ_AHEAD` at a time on threads of their own: a
+    store answering each request after a round trip (object storage, a network file system) is kept busy
+    while the rounds before are sent."""
+
+    def __init__(self, chunks: list[_Chunk], read: Callable[[_Chunk], torch.Tensor]) -> None:
+        self._chunks = iter(chunks)
+        self._read = read
+        self._pool = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="materialize-group-read")
+        self._pending: deque[Future] = deque()
+        self._top_up()
+
+    def _top_up(self) -> None:
+        while len(self._pending) < READ_AHEAD:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return
+            self._pending.append(self._pool.submit(self._read, chunk))
+
+    def next(self) -> torch.Tensor:
+        """The next chunk's bytes (its read's error, raised)."""
+        future = self._pending.popleft()
+        self._top_up()
+        return future.result()
+
+    def close(self) -> None:
+        for future in self._pending:
+            future.cancel()
+        self._pool.shutdown(wait=True)
 
 
 def _holder(pieces: list[_Piece], starts: list[tuple[int, int]], chunk: _Chunk) -> _Piece:

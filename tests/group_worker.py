@@ -134,9 +134,22 @@ def mesh3d(folder: str, world: int) -> dict:
     alone_report = mz.load(alone, path)
     report = mz.load(shared, path, group=dist.group.WORLD, staging_bytes=SMALL)
     source = reference_mlp().state_dict()
-    return {"locals_equal": _locals_equal(shared, alone), "bytes_read": report.bytes_read,
-            "received": report.bytes_received, "alone_read": alone_report.bytes_read,
-            "whole_equal": all(torch.equal(p.full_tensor(), source[n]) for n, p in shared.named_parameters())}
+    result = {"locals_equal": _locals_equal(shared, alone), "bytes_read": report.bytes_read,
+              "received": report.bytes_received, "alone_read": alone_report.bytes_read,
+              "whole_equal": all(torch.equal(p.full_tensor(), source[n]) for n, p in shared.named_parameters())}
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    losses = []
+    for net in (shared, alone):  # three steps each: the same losses and the same tensors after, bit for bit
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        for _ in range(3):
+            loss = net(x).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    result["losses"] = losses
+    result["trained_equal"] = _locals_equal(shared, alone)
+    return result
 
 
 def failure(folder: str, world: int) -> dict:

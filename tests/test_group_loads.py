@@ -96,6 +96,7 @@ def test_eight_ranks_on_a_2x2x2_mesh_read_each_byte_once(folder, tmp_path):
     mlp_bytes = sum(t.numel() * t.element_size() for t in reference_mlp().state_dict().values())
     for rank in ranks:
         assert all(rank["mesh3d"]["locals_equal"].values()) and rank["mesh3d"]["whole_equal"]
+        assert rank["mesh3d"]["losses"][0] == rank["mesh3d"]["losses"][1] and all(rank["mesh3d"]["trained_equal"].values())
         assert all(rank["replicated"]["safetensors"]["same"].values())
     assert sum(rank["mesh3d"]["bytes_read"] for rank in ranks) == mlp_bytes
     assert sum(rank["mesh3d"]["alone_read"] for rank in ranks) > mlp_bytes

@@ -7,7 +7,7 @@ once per rank. With ``group=`` the ranks agree on who reads what, and the
 bytes travel over the group's collectives instead:
 
 1. Each rank cuts its reads into pieces whose bytes span at most
-   ``staging_bytes / 2`` of their file (a large tensor into runs of
+   ``staging_bytes / 4`` of their file (a large tensor into runs of
    elements, a tensor-parallel box into blocks of rows) and the ranks gather
    every rank's byte ranges and file sizes (one ``all_gather_object``); files
    of another size on some rank are an error, never a model of two files.
@@ -28,11 +28,12 @@ bytes travel over the group's collectives instead:
    of the chunks no piece still waiting needs; an error there is carried to
    every rank by the next agreement.
 
-Host memory in flight per rank: two rounds' chunks, the one being filled
-and the one arriving (at most ``staging_bytes / 2``), the chunks held for a
-piece not yet complete (at most ``staging_bytes / 2``), and the rank's next
-:data:`READ_AHEAD` chunks, read from storage ahead of their rounds (each at
-most ``staging_bytes / (4 * ranks)``). The bytes land in a chunk first and are copied into
+Host memory in flight per rank, within ``staging_bytes``: two rounds'
+chunks, the one being filled and the one arriving (at most
+``staging_bytes / 2``), the chunks held for a piece not yet complete (at
+most ``staging_bytes / 4``), and the rank's next chunks read from storage
+ahead of their rounds (:data:`READ_AHEAD`, at most one a rank: at most
+``staging_bytes / 4``). The bytes land in a chunk first and are copied into
 place: one copy more than a load without a group makes. The group must carry
 CPU tensors (gloo, or a ``cpu:gloo,cuda:nccl`` group); a rank that stops
 answering fails the others after the group's own timeout.
@@ -266,7 +267,7 @@ class GroupReads:
             raise CheckpointError("group= names a process group this rank is not in")
         _refuse_without_cpu(dist, group)
         budget = budget_bytes or DEFAULT_BUDGET_BYTES
-        self.piece_bytes = max(MIN_CHUNK_BYTES, budget // 2)
+        self.piece_bytes = max(MIN_CHUNK_BYTES, budget // 4)
         self.chunk_bytes = max(MIN_CHUNK_BYTES, budget // (4 * self.size))  # two rounds held: one filled, one arriving
         self.counts = GroupCounts()
 
@@ -307,7 +308,7 @@ class GroupReads:
         room = threading.Semaphore(2)  # the round being filled and the one arriving, no more
 
         turns = list(_rounds(chunks))
-        reads = _ReadAhead([c for turn in turns for c in turn if c.owner == self.rank],
+        reads = _ReadAhead([c for turn in turns for c in turn if c.owner == self.rank], min(READ_AHEAD, self.size),
                            lambda chunk: self._read(storage, chunk, buffers, pieces, starts, keys, paths))
 
         def exchange() -> None:
@@ -433,19 +434,20 @@ class GroupReads:
 
 
 class _ReadAhead:
-    """This rank's chunks read from storage in order, :data:`READ_AHEAD` at a time on threads of their own: a
-    store answering each request after a round trip (object storage, a network file system) is kept busy
-    while the rounds before are sent."""
+    """This rank's chunks read from storage in order, ``depth`` at a time on threads of their own: a store
+    answering each request after a round trip (object storage, a network file system) is kept busy while
+    the rounds before are sent."""
 
-    def __init__(self, chunks: list[_Chunk], read: Callable[[_Chunk], torch.Tensor]) -> None:
+    def __init__(self, chunks: list[_Chunk], depth: int, read: Callable[[_Chunk], torch.Tensor]) -> None:
         self._chunks = iter(chunks)
         self._read = read
-        self._pool = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="materialize-group-read")
+        self._depth = depth
+        self._pool = ThreadPoolExecutor(depth, thread_name_prefix="materialize-group-read")
         self._pending: deque[Future] = deque()
         self._top_up()
 
     def _top_up(self) -> None:
-        while len(self._pending) < READ_AHEAD:
+        while len(self._pending) < self._depth:
             chunk = next(self._chunks, None)
             if chunk is None:
                 return

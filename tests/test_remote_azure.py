@@ -25,6 +25,7 @@ import materialize as mz
 from materialize.sources import open_url
 from tests.azure_server import ACCOUNT, AzureServer
 from tests.conftest import write_safetensors, write_sharded, write_torch
+from tests.remote_checks import same_tensors as _same, small_state as _state, upload as _upload
 
 pytest.importorskip("azure.identity")
 
@@ -69,25 +70,6 @@ def azure(server, environment, monkeypatch):
         if name != "HOME":  # this process's own caches stay where they are
             monkeypatch.setenv(name, value)
     return server
-
-
-def _state(seed: int = 0) -> dict[str, torch.Tensor]:
-    torch.manual_seed(seed)
-    return {"embed.weight": torch.randn(200, 32), "norm.weight": torch.randn(32).to(torch.bfloat16),
-            "steps": torch.arange(9), "empty": torch.zeros(0)}
-
-
-def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert list(got) == list(want)
-    for name in want:
-        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, name
-        assert torch.equal(got[name].reshape(-1).view(torch.uint8), want[name].reshape(-1).view(torch.uint8)), name
-
-
-def _upload(server: AzureServer, container: str, folder: Path, prefix: str) -> None:
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            server.put(container, f"{prefix}{path.relative_to(folder).as_posix()}", path)
 
 
 def _query(seen) -> dict[str, str]:

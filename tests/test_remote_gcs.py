@@ -19,6 +19,7 @@ import transformers
 import materialize as mz
 from tests.conftest import write_safetensors, write_sharded, write_torch
 from tests.gcs_server import GcsServer
+from tests.remote_checks import same_tensors as _same, small_state as _state, upload as _upload
 
 pytest.importorskip("google.auth")
 pytest.importorskip("cryptography")  # makes the key that signs the JWT (recent google-auth needs it; 2.23.2 does not)
@@ -52,25 +53,6 @@ def gcs(server, environment, monkeypatch):
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
     return server
-
-
-def _state(seed: int = 0) -> dict[str, torch.Tensor]:
-    torch.manual_seed(seed)
-    return {"embed.weight": torch.randn(200, 32), "norm.weight": torch.randn(32).to(torch.bfloat16),
-            "steps": torch.arange(9), "empty": torch.zeros(0)}
-
-
-def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert list(got) == list(want)
-    for name in want:
-        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, name
-        assert torch.equal(got[name].reshape(-1).view(torch.uint8), want[name].reshape(-1).view(torch.uint8)), name
-
-
-def _upload(server: GcsServer, bucket: str, folder: Path, prefix: str) -> None:
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            server.put(bucket, f"{prefix}{path.relative_to(folder).as_posix()}", path)
 
 
 def _media(server: GcsServer, since: int) -> list[dict[str, str]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +19,12 @@ import materialize as mz
 from tests.conftest import write_safetensors, write_sharded, write_torch
 from tests.remote_servers import FaultProxy
 from tests.s3_server import S3Server
+from tests.remote_checks import same_tensors, small_state as _state, upload as _upload
 
 pytest.importorskip("botocore")
 pytest.importorskip("moto")  # the dev lock's; make test-oldest has botocore's floor but no server to test against
+
+_same = partial(same_tensors, ordered=False)  # a safetensors file lists its names in its own order, not the state's
 
 CLI = str(Path(sys.executable).parent / "materialize")
 
@@ -40,25 +44,6 @@ def aws(s3, monkeypatch):
     for name, value in s3.env().items():
         monkeypatch.setenv(name, value)
     return s3
-
-
-def _state(seed: int = 0) -> dict[str, torch.Tensor]:
-    torch.manual_seed(seed)
-    return {"embed.weight": torch.randn(200, 32), "norm.weight": torch.randn(32).to(torch.bfloat16),
-            "steps": torch.arange(9), "empty": torch.zeros(0)}
-
-
-def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert set(got) == set(want)
-    for name in want:
-        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, name
-        assert torch.equal(got[name].reshape(-1).view(torch.uint8), want[name].reshape(-1).view(torch.uint8)), name
-
-
-def _upload(s3: S3Server, bucket: str, folder: Path, prefix: str) -> None:
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            s3.put(bucket, f"{prefix}{path.relative_to(folder).as_posix()}", path)
 
 
 def test_an_object_a_prefix_and_an_index_load_as_their_local_files(aws, tmp_path):

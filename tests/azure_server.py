@@ -33,19 +33,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
-import socketserver
 import stat
-import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable, NamedTuple, Optional
 from urllib.parse import parse_qs, quote, unquote
 from xml.sax.saxutils import escape
 
-JOIN_SECONDS = 10.0
+from tests.local_server import TrackedHTTPServer, serve_in_thread, single_range, stop_serving
+
 ACCOUNT = "standin"
 STORAGE_RESOURCE = "https://storage.azure.com"
 BEARER_VERSION = "2017-11-09"  # the first REST version that takes OAuth bearer tokens
@@ -109,7 +107,7 @@ class AzureServer:
         self.requests: list[Seen] = []
         self.tokens_issued = 0
         self._lock = threading.Lock()
-        self._server: Optional[_Server] = None
+        self._server: Optional[TrackedHTTPServer] = None
         self._thread: Optional[threading.Thread] = None
 
     @property
@@ -165,24 +163,16 @@ class AzureServer:
             return [r for r in self.requests if method is None or r.method == method]
 
     def __enter__(self) -> "AzureServer":
-        self._server = _Server(self)
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name=f"AzureServer:{self._server.server_port}", daemon=True)
-        self._thread.start()
+        self._server = TrackedHTTPServer(_Handler, self, "AzureServer")
+        self._thread = serve_in_thread(self._server)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         server, thread = self._server, self._thread
         if server is None or thread is None:
             return
-        server.shutdown()
-        server.server_close()
-        handlers = server.close_connections()
-        thread.join(JOIN_SECONDS)
-        for handler in handlers:
-            handler.join(JOIN_SECONDS)
+        left = stop_serving(server, thread)
         self._server = self._thread = None
-        left = [t.name for t in [thread, *handlers] if t.is_alive()]
         if left and exc_info[0] is None:
             raise RuntimeError(f"AzureServer threads still alive after closing: {left}")
 
@@ -227,70 +217,11 @@ class AzureServer:
         return found
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False  # joined by AzureServer.__exit__, after the open connections are shut down
-    request_queue_size = 128
-
-    def __init__(self, owner: AzureServer) -> None:
-        self.owner = owner
-        self._open_sockets: set[socket.socket] = set()
-        self._handler_threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
-        super().__init__(("127.0.0.1", 0), _Handler)
-
-    def server_bind(self) -> None:
-        socketserver.TCPServer.server_bind(self)  # no reverse lookup of 127.0.0.1
-        self.server_name, self.server_port = self.server_address[:2]
-
-    def process_request(self, request: socket.socket, client_address: Any) -> None:
-        thread = threading.Thread(target=self.process_request_thread, args=(request, client_address),
-                                  name=f"AzureServer:{self.server_port} connection", daemon=True)
-        with self._lock:
-            self._open_sockets.add(request)
-            self._handler_threads = [t for t in self._handler_threads if t.is_alive()] + [thread]
-        thread.start()
-
-    def shutdown_request(self, request: socket.socket) -> None:
-        with self._lock:
-            self._open_sockets.discard(request)
-        super().shutdown_request(request)
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        if not isinstance(sys.exc_info()[1], OSError):  # a client hanging up, or close_connections: expected
-            super().handle_error(request, client_address)
-
-    def close_connections(self) -> list[threading.Thread]:
-        with self._lock:
-            for request in self._open_sockets:
-                try:
-                    request.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-            return list(self._handler_threads)
-
-
-def _range(header: Optional[str], size: int) -> Optional[tuple[int, int]]:
-    """The first and last byte a single ``bytes=a-b`` (or ``a-``) asks for; ``None``: the whole blob; raises
-    ``ValueError`` for a range that starts past the end (416)."""
-    if not header or not header.startswith("bytes=") or "," in header:
-        return None
-    first, _, last = header[len("bytes="):].strip().partition("-")
-    if not first.isdigit() or (last and not last.isdigit()):
-        return None
-    start, end = int(first), int(last) if last else size - 1
-    if end < start:
-        return None
-    if start >= size:
-        raise ValueError("unsatisfiable")
-    return start, min(end, size - 1)
-
-
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True
     timeout = 60
-    server: _Server
+    server: TrackedHTTPServer
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -387,7 +318,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(412, "ConditionNotMet", "The condition specified using HTTP conditional header(s) "
                                "is not met.")
         try:
-            wanted = _range(self.headers.get("Range"), size)
+            wanted = single_range(self.headers.get("Range"), size)
         except ValueError:
             return self._error(416, "InvalidRange", "The range specified is invalid for the current size of the "
                                "resource.", {"Content-Range": f"bytes */{size}"})

@@ -22,14 +22,16 @@ import hashlib
 import hmac
 import json
 import secrets
-import socket
+import sys
 import tempfile
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import parse_qs, quote, unquote, urlsplit
+
+from tests.local_server import TrackedHTTPServer, serve_in_thread, stop_serving
 
 # Files the hub stores in LFS (resolve redirects them to the CDN); every other file is served by the hub itself.
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -70,29 +72,24 @@ class FakeHub:
         self._facts: dict[tuple[Path, int, int], FileFacts] = {}
         self._facts_lock = threading.Lock()
         self._url_key = secrets.token_bytes(16)  # signs CDN URLs: only a URL the hub handed out is served
-        self._servers: list[_Server] = []
-        self._threads: list[threading.Thread] = []
+        self._running: list[tuple[TrackedHTTPServer, threading.Thread]] = []
 
     def __enter__(self) -> FakeHub:
         try:
             hub = self._start(_HubHandler)
             cdn = self._start(_CdnHandler)
         except BaseException:
-            self.__exit__()
+            self.__exit__(*sys.exc_info())
             raise
         self.endpoint = f"http://127.0.0.1:{hub.server_address[1]}"
         self.cdn_url = f"http://127.0.0.1:{cdn.server_address[1]}"
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        for server in self._servers:
-            server.shutdown()
-            server.close_connections()  # kept-alive connections would otherwise hold their threads open
-            server.server_close()
-        for thread in self._threads:
-            thread.join(timeout=10)
-        self._servers.clear()
-        self._threads.clear()
+        left = [name for server, thread in self._running for name in stop_serving(server, thread)]
+        self._running.clear()
+        if left and exc_info[0] is None:
+            raise RuntimeError(f"FakeHub threads still alive after closing: {left}")
 
     # ------------------------------------------------------------------ for tests
 
@@ -190,13 +187,9 @@ class FakeHub:
     def signature(self, path: str, expires: str) -> str:
         return hmac.new(self._url_key, f"{path}?{expires}".encode(), hashlib.sha256).hexdigest()
 
-    def _start(self, handler: type[BaseHTTPRequestHandler]) -> _Server:
-        server = _Server(("127.0.0.1", 0), handler, self)
-        self._servers.append(server)
-        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
-                                  name=f"fake-hub-{handler.host_kind}", daemon=True)
-        thread.start()
-        self._threads.append(thread)
+    def _start(self, handler: type[_Handler]) -> TrackedHTTPServer:
+        server = TrackedHTTPServer(handler, self, f"fake-hub-{handler.host_kind}")
+        self._running.append((server, serve_in_thread(server)))
         return server
 
 
@@ -211,34 +204,6 @@ def _attachment(filename: str) -> str:
 
 def _nowhere() -> Path:
     return Path(tempfile.gettempdir()) / "materialize-tests-no-hf-home" / "absent"
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], hub: FakeHub) -> None:
-        self.hub = hub
-        self._open: set[socket.socket] = set()
-        self._open_lock = threading.Lock()
-        super().__init__(address, handler)
-
-    def process_request(self, request: socket.socket, client_address: Any) -> None:
-        with self._open_lock:
-            self._open.add(request)
-        super().process_request(request, client_address)
-
-    def shutdown_request(self, request: socket.socket) -> None:
-        with self._open_lock:
-            self._open.discard(request)
-        super().shutdown_request(request)
-
-    def close_connections(self) -> None:
-        with self._open_lock:
-            for connection in self._open:
-                try:
-                    connection.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
 
 class _Unsatisfiable(Exception):
@@ -274,14 +239,14 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     timeout = 60  # an idle kept-alive connection ends its thread
     host_kind = ""
-    server: _Server
+    server: TrackedHTTPServer
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
     @property
     def hub(self) -> FakeHub:
-        return self.server.hub
+        return self.server.owner
 
     def do_GET(self) -> None:
         self._handle()

@@ -13,7 +13,7 @@ from typing import BinaryIO, Optional
 from urllib.parse import urlsplit
 
 from tests.http_messages import Head, answer_framing, body_pieces, read_head, request_framing, status_code
-from tests.range_server import JOIN_SECONDS
+from tests.local_server import JOIN_SECONDS
 
 _SLOWDOWN_BODY = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
 _SERVER_ERROR_BODY = b"Internal Server Error\n"

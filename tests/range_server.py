@@ -7,19 +7,15 @@ import email.utils
 import mimetypes
 import os
 import re
-import socket
 import ssl
-import socketserver
 import stat
-import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import BinaryIO, Mapping, NamedTuple, Optional
 from urllib.parse import unquote, urlsplit
 
-# Long enough for any thread of ours to notice a closed socket; a thread still alive after it is a leak.
-JOIN_SECONDS = 10.0
+from tests.local_server import TrackedHTTPServer, serve_in_thread, stop_serving
 
 
 class RequestRecord(NamedTuple):
@@ -78,7 +74,7 @@ def _if_match_fails(header: Optional[str], etag: str) -> bool:
 class _RangeHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: every answer below carries a Content-Length
     disable_nagle_algorithm = True  # headers and a small body go out at once, not after the peer's delayed ACK
-    server: "_TrackingHTTPServer"
+    server: TrackedHTTPServer
 
     def log_message(self, format: str, *args: object) -> None:
         pass
@@ -160,56 +156,6 @@ class _RangeHandler(BaseHTTPRequestHandler):
                 self.close_connection = True
 
 
-class _TrackingHTTPServer(ThreadingHTTPServer):
-    """Knows each connection it accepted and each thread it started, so that closing ends them all: a
-    kept-alive connection would otherwise hold its thread in a read until the client hangs up."""
-
-    daemon_threads = True
-    block_on_close = False  # joined here instead, after the open connections are shut down
-    request_queue_size = 128  # parallel ranged GETs connect at once; a full backlog costs a 1 s SYN retry
-
-    def __init__(self, owner: "RangeServer") -> None:
-        self.owner = owner
-        self.accepted = 0
-        self._lock = threading.Lock()
-        self._open: set[socket.socket] = set()
-        self._handler_threads: list[threading.Thread] = []
-        super().__init__(("127.0.0.1", 0), _RangeHandler)
-
-    def server_bind(self) -> None:
-        # HTTPServer's own asks the resolver for a fully qualified name: a lookup a test has no use for.
-        socketserver.TCPServer.server_bind(self)
-        self.server_name, self.server_port = self.server_address[:2]
-
-    def process_request(self, request: socket.socket, client_address: object) -> None:
-        thread = threading.Thread(target=self.process_request_thread, args=(request, client_address),
-                                  name=f"RangeServer:{self.server_port} connection", daemon=True)
-        with self._lock:
-            self.accepted += 1
-            self._open.add(request)
-            self._handler_threads = [t for t in self._handler_threads if t.is_alive()] + [thread]
-        thread.start()
-
-    def shutdown_request(self, request: socket.socket) -> None:
-        with self._lock:  # forgotten before it is closed, so close_connections never touches a closed socket
-            self._open.discard(request)
-        super().shutdown_request(request)
-
-    def handle_error(self, request: object, client_address: object) -> None:
-        if not isinstance(sys.exc_info()[1], OSError):  # a client hanging up, or close_connections: expected
-            super().handle_error(request, client_address)
-
-    def close_connections(self) -> list[threading.Thread]:
-        """Shut down every open connection (each handler's read then sees the end); the threads to join."""
-        with self._lock:
-            for request in self._open:
-                try:
-                    request.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-            return list(self._handler_threads)
-
-
 class RangeServer:
     """A static file server over ``root`` with what object stores and CDNs offer: single byte ranges, a strong
     ETag and ``If-Match``, keep-alive, an optional bearer token, and redirects to another host.
@@ -228,7 +174,7 @@ class RangeServer:
         self.redirects = dict(sorted((redirects or {}).items(), key=lambda item: -len(item[0])))
         self.requests: list[RequestRecord] = []
         self._requests_lock = threading.Lock()
-        self._server: Optional[_TrackingHTTPServer] = None
+        self._server: Optional[TrackedHTTPServer] = None
         self._thread: Optional[threading.Thread] = None
 
     @property
@@ -244,26 +190,18 @@ class RangeServer:
         return self._server.accepted if self._server is not None else 0
 
     def __enter__(self) -> "RangeServer":
-        self._server = _TrackingHTTPServer(self)
+        self._server = TrackedHTTPServer(_RangeHandler, self, "RangeServer")
         if self.tls is not None:
             self._server.socket = self.tls.wrap_socket(self._server.socket, server_side=True)
-        # A short poll: shutdown() waits for it, and tests start and stop many servers.
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name=f"RangeServer:{self._server.server_port}", daemon=True)
-        self._thread.start()
+        self._thread = serve_in_thread(self._server)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         server, thread = self._server, self._thread
         if server is None or thread is None:
             return
-        server.shutdown()  # no accept after this returns, so the thread list below is complete
-        server.server_close()
-        handlers = server.close_connections()
-        thread.join(JOIN_SECONDS)
-        for handler in handlers:
-            handler.join(JOIN_SECONDS)
-        left = [t.name for t in [thread, *handlers] if t.is_alive()]
+        # The server is kept, unlike the cloud stand-ins', so that ``connections`` still answers after the block.
+        left = stop_serving(server, thread)
         if left and exc_info[0] is None:
             raise RuntimeError(f"RangeServer threads still alive after closing: {left}")
 

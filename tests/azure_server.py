@@ -33,8 +33,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import stat
-import threading
 import time
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -42,7 +40,7 @@ from typing import Any, BinaryIO, Iterable, NamedTuple, Optional
 from urllib.parse import parse_qs, quote, unquote
 from xml.sax.saxutils import escape
 
-from tests.local_server import TrackedHTTPServer, serve_in_thread, single_range, stop_serving
+from tests.local_server import CloudStandIn, TrackedHTTPServer, single_range
 
 ACCOUNT = "standin"
 STORAGE_RESOURCE = "https://storage.azure.com"
@@ -80,7 +78,7 @@ def _marker_index(marker: str) -> Optional[int]:
     return int(marker[2:10])
 
 
-class AzureServer:
+class AzureServer(CloudStandIn):
     """The Blob service over the folders under ``root`` and a managed identity endpoint, on 127.0.0.1 inside a
     ``with`` block.
 
@@ -94,6 +92,7 @@ class AzureServer:
                  accepted: Optional[Iterable[str]] = None, denied: Iterable[str] = (),
                  sas_signature: str = "stand-in+sig/==", identity_header: str = "stand-in-identity-header",
                  hierarchical: Iterable[str] = (), page_size: int = 5000, token_seconds: int = 3600) -> None:
+        super().__init__()
         self.root = Path(root).resolve()
         self.public = set(public)
         self.hierarchical = set(hierarchical)
@@ -105,10 +104,6 @@ class AzureServer:
         self.page_size = page_size
         self.token_seconds = token_seconds
         self.requests: list[Seen] = []
-        self.tokens_issued = 0
-        self._lock = threading.Lock()
-        self._server: Optional[TrackedHTTPServer] = None
-        self._thread: Optional[threading.Thread] = None
 
     @property
     def url(self) -> str:
@@ -158,52 +153,9 @@ class AzureServer:
         if hierarchical:
             self.hierarchical.add(container)
 
-    def seen(self, method: Optional[str] = None) -> list[Seen]:
-        with self._lock:
-            return [r for r in self.requests if method is None or r.method == method]
-
-    def __enter__(self) -> "AzureServer":
-        self._server = TrackedHTTPServer(_Handler, self, "AzureServer")
-        self._thread = serve_in_thread(self._server)
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        server, thread = self._server, self._thread
-        if server is None or thread is None:
-            return
-        left = stop_serving(server, thread)
-        self._server = self._thread = None
-        if left and exc_info[0] is None:
-            raise RuntimeError(f"AzureServer threads still alive after closing: {left}")
-
     # --- what the handler asks ------------------------------------------------------------------------------
 
-    def _record(self, seen: Seen) -> None:
-        with self._lock:
-            self.requests.append(seen)
-
-    def _issue(self) -> Optional[str]:
-        with self._lock:
-            if self.issued is not None:
-                self.tokens_issued += 1
-        return self.issued
-
-    def _container(self, container: str) -> Optional[Path]:
-        folder = (self.root / container).resolve()
-        return folder if folder.parent == self.root and folder.is_dir() else None
-
-    def _open(self, container: Path, name: str) -> Optional[BinaryIO]:
-        candidate = (container / name).resolve()
-        if container not in candidate.parents or name.endswith("/"):
-            return None
-        try:
-            file = open(candidate, "rb")
-        except OSError:
-            return None
-        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
-            file.close()
-            return None
-        return file
+    _container = CloudStandIn._folder
 
     def _entries(self, container: Path) -> dict[str, Optional[os.stat_result]]:
         """Every blob: a file's name and its stat; in a hierarchical container each folder too (``None``)."""
@@ -401,3 +353,6 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
         except OSError:
             self.close_connection = True
+
+
+AzureServer.handler = _Handler

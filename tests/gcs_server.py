@@ -22,14 +22,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import stat
-import threading
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable, NamedTuple, Optional
 from urllib.parse import parse_qs, unquote
 
-from tests.local_server import TrackedHTTPServer, serve_in_thread, single_range, stop_serving
+from tests.local_server import CloudStandIn, TrackedHTTPServer, single_range
 
 CHUNK = 1024 * 1024
 
@@ -59,7 +57,7 @@ def generation_of(info: os.stat_result) -> str:
     return str(int.from_bytes(digest, "big") >> 11 or 1)
 
 
-class GcsServer:
+class GcsServer(CloudStandIn):
     """GCS's JSON API over the folders under ``root`` and a token endpoint, on 127.0.0.1 inside a ``with`` block.
 
     ``issued`` is the token the token endpoint hands out (``None``: it refuses every grant, 400
@@ -69,16 +67,13 @@ class GcsServer:
 
     def __init__(self, root: Path, *, public: Iterable[str] = (), issued: Optional[str] = "stand-in-token",
                  accepted: Optional[Iterable[str]] = None, page_size: int = 1000) -> None:
+        super().__init__()
         self.root = Path(root).resolve()
         self.public = set(public)
         self.issued = issued
         self.accepted = set(accepted) if accepted is not None else {issued} - {None}
         self.page_size = page_size
         self.requests: list[Seen] = []
-        self.tokens_issued = 0
-        self._lock = threading.Lock()
-        self._server: Optional[TrackedHTTPServer] = None
-        self._thread: Optional[threading.Thread] = None
 
     @property
     def url(self) -> str:
@@ -114,52 +109,9 @@ class GcsServer:
         }))
         return path
 
-    def seen(self, method: Optional[str] = None) -> list[Seen]:
-        with self._lock:
-            return [r for r in self.requests if method is None or r.method == method]
-
-    def __enter__(self) -> "GcsServer":
-        self._server = TrackedHTTPServer(_Handler, self, "GcsServer")
-        self._thread = serve_in_thread(self._server)
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        server, thread = self._server, self._thread
-        if server is None or thread is None:
-            return
-        left = stop_serving(server, thread)
-        self._server = self._thread = None
-        if left and exc_info[0] is None:
-            raise RuntimeError(f"GcsServer threads still alive after closing: {left}")
-
     # --- what the handler asks ------------------------------------------------------------------------------
 
-    def _record(self, seen: Seen) -> None:
-        with self._lock:
-            self.requests.append(seen)
-
-    def _issue(self) -> Optional[str]:
-        with self._lock:
-            if self.issued is not None:
-                self.tokens_issued += 1
-        return self.issued
-
-    def _bucket(self, bucket: str) -> Optional[Path]:
-        folder = (self.root / bucket).resolve()
-        return folder if folder.parent == self.root and folder.is_dir() else None
-
-    def _open(self, bucket: Path, name: str) -> Optional[BinaryIO]:
-        candidate = (bucket / name).resolve()
-        if bucket not in candidate.parents or name.endswith("/"):
-            return None
-        try:
-            file = open(candidate, "rb")
-        except OSError:
-            return None
-        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
-            file.close()
-            return None
-        return file
+    _bucket = CloudStandIn._folder
 
     def _names(self, bucket: Path) -> list[str]:
         return sorted(p.relative_to(bucket).as_posix() for p in bucket.rglob("*")
@@ -323,3 +275,6 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
         except OSError:
             self.close_connection = True
+
+
+GcsServer.handler = _Handler

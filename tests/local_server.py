@@ -1,16 +1,20 @@
 """What the stand-in HTTP servers of these tests share (``RangeServer``, ``GcsServer``, ``AzureServer``,
 ``FakeHub``): a threading server on 127.0.0.1 that knows each connection it accepted and each thread it started,
-the start and stop that leave no thread or socket behind, and the single-range parser of the cloud stand-ins.
-Each server's own answers stay in its module."""
+the start and stop that leave no thread or socket behind, and what the cloud stand-ins (``GcsServer``,
+``AzureServer``) share: :class:`CloudStandIn` (the request log, the token count, the ``with`` block, the folders
+that are buckets or containers) and the single-range parser. Each server's own answers stay in its module."""
 
 from __future__ import annotations
 
+import os
 import socket
 import socketserver
+import stat
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, BinaryIO, Optional
 
 # Long enough for any thread of ours to notice a closed socket; a thread still alive after it is a leak.
 JOIN_SECONDS = 10.0
@@ -105,3 +109,67 @@ def single_range(header: Optional[str], size: int) -> Optional[tuple[int, int]]:
     if start >= size:
         raise ValueError("unsatisfiable")
     return start, min(end, size - 1)
+
+
+class CloudStandIn:
+    """A cloud store's stand-in over the folders under ``root`` (each a bucket or a container, each file below an
+    object), on 127.0.0.1 inside a ``with`` block: the requests it answered (``requests``, :meth:`seen`), the
+    tokens its token endpoint handed out (``issued``, ``tokens_issued``). A subclass names its handler class and
+    sets ``root``, ``issued`` and ``requests`` in its ``__init__`` (after calling this one's)."""
+
+    handler: type[BaseHTTPRequestHandler]  # set by the subclass's module once its handler class exists
+
+    def __init__(self) -> None:
+        self.tokens_issued = 0
+        self._lock = threading.Lock()
+        self._server: Optional[TrackedHTTPServer] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def seen(self, method: Optional[str] = None) -> list[Any]:
+        with self._lock:
+            return [r for r in self.requests if method is None or r.method == method]
+
+    def __enter__(self):
+        self._server = TrackedHTTPServer(self.handler, self, type(self).__name__)
+        self._thread = serve_in_thread(self._server)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        server, thread = self._server, self._thread
+        if server is None or thread is None:
+            return
+        left = stop_serving(server, thread)
+        self._server = self._thread = None
+        if left and exc_info[0] is None:
+            raise RuntimeError(f"{type(self).__name__} threads still alive after closing: {left}")
+
+    # --- what the handlers ask ----------------------------------------------------------------------------
+
+    def _record(self, seen: Any) -> None:
+        with self._lock:
+            self.requests.append(seen)
+
+    def _issue(self) -> Optional[str]:
+        with self._lock:
+            if self.issued is not None:
+                self.tokens_issued += 1
+        return self.issued
+
+    def _folder(self, name: str) -> Optional[Path]:
+        """The bucket (container) ``name``: a folder directly under ``root``; ``None`` where there is none."""
+        folder = (self.root / name).resolve()
+        return folder if folder.parent == self.root and folder.is_dir() else None
+
+    def _open(self, folder: Path, name: str) -> Optional[BinaryIO]:
+        """The object ``name`` of a bucket, opened; ``None`` for no such regular file inside it."""
+        candidate = (folder / name).resolve()
+        if folder not in candidate.parents or name.endswith("/"):
+            return None
+        try:
+            file = open(candidate, "rb")
+        except OSError:
+            return None
+        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+            file.close()
+            return None
+        return file

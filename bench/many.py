@@ -185,7 +185,8 @@ class PhaseClock:
         planning, loading = at.get("planning", started), at.get("loading", started)
         first = self.first_bytes or ended
         last = self.last_bytes or first
-        return {"open": planning - at.get("opening", started), "plan": loading - planning,
+        # From the call itself: what comes before the opening step (the model's device looked up) is the open's.
+        return {"open": planning - started, "plan": loading - planning,
                 "allocate": first - loading, "read": last - first, "report": ended - last}
 
 
@@ -209,13 +210,22 @@ def _peak_rss() -> int:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
 
 
-def child(method: str, path: Path, expected: dict) -> dict:
-    """One timed load in this fresh process."""
+def _imported(path: Path) -> Callable[..., Any]:
+    """``mz.load``, with the modules it imports on first use for ``path``'s format imported: imports are not
+    the load."""
     import materialize as mz
 
+    if path.suffix == ".pt":
+        import materialize.checkpoint.torchzip  # noqa: F401
+    return mz.load
+
+
+def child(method: str, path: Path, expected: dict) -> dict:
+    """One timed load in this fresh process."""
     # A process's first meta computation imports torch's Python meta kernels (about a second): paid here,
     # untimed, by every method alike.
     torch.ones(3, device="meta").cos()
+    load = _imported(path)
     built = time.perf_counter()
     model = None if method == "limit" else _skeleton(expected["model_args"], "deferred" if "deferred" in method else "meta")
     build_s = time.perf_counter() - built
@@ -226,7 +236,7 @@ def child(method: str, path: Path, expected: dict) -> dict:
     started = time.perf_counter()
     if method.startswith("ours"):
         clock = PhaseClock()
-        mz.load(model, path, progress=clock)
+        load(model, path, progress=clock)
         ended = time.perf_counter()
         phases = clock.phases(started, ended)
     elif method == "safetensors":
@@ -315,6 +325,16 @@ def rank_main(method: str, path: Path, expected: dict, store: Path, rank: int, w
     os._exit(0)  # gloo's teardown at exit aborts now and then on its own; the result is written
 
 
+def child_env(data: str) -> dict[str, str]:
+    """The environment of every measured process. Where bytecode is not written (PYTHONDONTWRITEBYTECODE), a
+    fresh process would compile every module it imports, which a user's does not: the children keep theirs
+    under the data folder instead, written by the warm-up."""
+    env = dict(os.environ)
+    if env.pop("PYTHONDONTWRITEBYTECODE", None):
+        env["PYTHONPYCACHEPREFIX"] = str(Path(data).resolve() / "pycache")
+    return env
+
+
 def _child_command(args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-m", "bench.many", "--data", args.data, "--tensors", str(args.tensors),
             "--hidden", str(args.hidden), "--intermediate", str(args.intermediate)]
@@ -322,7 +342,7 @@ def _child_command(args: argparse.Namespace) -> list[str]:
 
 def run_child(args: argparse.Namespace, method: str, form: str) -> dict:
     done = subprocess.run([*_child_command(args), "--one", f"{method},{form}"], capture_output=True, text=True,
-                          cwd=ROOT)
+                          cwd=ROOT, env=child_env(args.data))
     if done.returncode != 0:
         raise RuntimeError(f"{method} on {form} failed: {done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -337,7 +357,8 @@ def run_fsdp(args: argparse.Namespace, method: str, scratch: Path) -> dict:
     for out in outs:
         out.unlink(missing_ok=True)
     processes = [subprocess.Popen([*_child_command(args), "--rank", f"{method},{rank},{FSDP_WORLD},{store},{out}"],
-                                  cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                  cwd=ROOT, env=child_env(args.data), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  text=True)
                  for rank, out in enumerate(outs)]
     errors = [process.communicate(timeout=3600)[1] for process in processes]
     if not all(out.exists() for out in outs):
@@ -354,14 +375,14 @@ def inspect_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-c", "from materialize_cli.main import main; main()"]
 
 
-def run_inspect(method: str, paths: dict[str, Path]) -> dict:
+def run_inspect(method: str, paths: dict[str, Path], data: str) -> dict:
     """The CLI's ``inspect`` in a subprocess, its listing discarded: wall seconds, start-up included."""
     if method == "startup":
         command = [sys.executable, "-c", "import materialize"]
     else:
         command = [*inspect_command(), "inspect", str(paths[method.removeprefix("inspect-")])]
     started = time.perf_counter()
-    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=child_env(data))
     seconds = time.perf_counter() - started
     listed = done.stdout.count(b"\n")
     return {"load_s": seconds, "verified": done.returncode == 0 and (method == "startup" or listed >= 1),
@@ -370,15 +391,14 @@ def run_inspect(method: str, paths: dict[str, Path]) -> dict:
 
 def profile_child(method: str, form: str, path: Path, expected: dict, out: Path) -> None:
     """``method`` once under cProfile: the heaviest functions by own time and by cumulative time."""
-    import materialize as mz
-
     torch.ones(3, device="meta").cos()
+    load = _imported(path)
     model = _skeleton(expected["model_args"], "deferred" if "deferred" in method else "meta")
     profiler = cProfile.Profile()
     clock = PhaseClock()
     started = time.perf_counter()
     profiler.enable()
-    mz.load(model, path, progress=clock)
+    load(model, path, progress=clock)
     profiler.disable()
     ended = time.perf_counter()
     text = io.StringIO()
@@ -492,7 +512,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.profile:
         for form in FORMS:
             subprocess.run([*_child_command(args), "--out", args.out, "--profile-one", f"ours,{form}"], cwd=ROOT,
-                           check=True)
+                           env=child_env(args.data), check=True)
         return
     wanted = args.groups.split(",") if args.groups else list(GROUPS)
     out = Path(args.out)
@@ -509,7 +529,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         if group == "fsdp2":
             run = lambda method: run_fsdp(args, method, scratch)  # noqa: E731
         elif group == "inspect":
-            run = lambda method: run_inspect(method, paths)  # noqa: E731
+            run = lambda method: run_inspect(method, paths, args.data)  # noqa: E731
         else:
             run = lambda method, form=group: run_child(args, method, form)  # noqa: E731
         measured = take_turns(methods, run, args.runs, warm_up=not args.no_warm_up)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from collections import Counter
@@ -230,7 +231,7 @@ def load(
 def refresh_flat_weights(model: nn.Module) -> None:
     """RNNs keep a list of their weight tensors (``_flat_weights``, which cuDNN's ``flatten_parameters`` reads);
     torch refreshes it wherever it replaces them (``_apply``), and so do a load and ``materialize``."""
-    for module in model.modules():
+    for _, module in named_modules(model):  # torch's walk costs a generator per level, a model of experts many
         if isinstance(module, nn.RNNBase):
             module._init_flat_weights()
 
@@ -510,11 +511,17 @@ def _materialize_entry(
 def _asked_strides(original: torch.Tensor, entry: Entry) -> Optional[tuple[int, ...]]:
     """The strides a meta tensor asked for (a channels_last weight), where they lay its elements out densely;
     None for contiguous ones."""
-    if entry.shard is not None or is_lazy(original) or tuple(original.shape) != entry.local_shape:
+    if entry.shard is not None or is_lazy(original) or original.shape != entry.local_shape:
         return None
-    stride = tuple(original.stride())
+    stride = original.stride()
     # Exactly: a 1x1 convolution's channels_last weight counts as contiguous, but its strides are not.
-    return None if stride == contiguous_strides(entry.local_shape) or not _dense(original) else stride
+    return None if stride == _contiguous_strides_of(entry.local_shape) or not _dense(original) else stride
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous_strides_of(shape: tuple[int, ...]) -> tuple[int, ...]:
+    # A model of many tensors has few shapes: an expert's three, repeated thousands of times.
+    return contiguous_strides(shape)
 
 
 def _dense(tensor: torch.Tensor) -> bool:

@@ -125,11 +125,10 @@ class Entry:
 
     def stays_in_file(self, mmap: bool) -> bool:
         """Whether a load leaves this tensor as a view of the file instead of copying it."""
-        viewable = (
-            self.action == "load" and self.source is not None and self.shard is None
-            and self.source.dtype == self.dtype and self.source.mappable
-        )
-        return viewable and (self.on_disk or (mmap and self.device.type == "cpu"))
+        if not (self.on_disk or (mmap and self.device.type == "cpu")):  # first: most loads map nothing
+            return False
+        return (self.action == "load" and self.source is not None and self.shard is None
+                and self.source.dtype == self.dtype and self.source.mappable)
 
     @property
     def nbytes(self) -> int:
@@ -224,9 +223,13 @@ class Plan:
     @property
     def bytes_by_device(self) -> dict[str, int]:
         """The bytes the model's tensors take on each device (``"disk"``: left mapped in the file)."""
-        totals: Counter[str] = Counter()
+        by_device: dict[object, int] = {}  # by device object first: its name is made once a device, not a tensor
         for entry in self.entries:
-            totals["disk" if entry.on_disk else str(entry.device)] += entry.nbytes
+            key = "disk" if entry.on_disk else entry.device
+            by_device[key] = by_device.get(key, 0) + entry.nbytes
+        totals: Counter[str] = Counter()
+        for key, nbytes in by_device.items():
+            totals[str(key)] += nbytes
         return dict(totals)
 
     @property

@@ -62,7 +62,13 @@ def parameter_like(original: nn.Parameter, tensor: torch.Tensor, requires_grad: 
     ``__init__``: they ran already, with the caller's arguments, which
     defaults would replace.
     """
-    kind = original.cls_to_become if is_lazy(original) else type(original)
+    kind = type(original)
+    if kind is nn.Parameter and type(tensor) is torch.Tensor:
+        made = torch.Tensor._make_subclass(nn.Parameter, tensor, requires_grad)  # nn.Parameter's own path, less a frame
+        if original.__dict__:
+            made.__dict__.update(original.__dict__)
+        return made
+    kind = original.cls_to_become if is_lazy(original) else kind
     # A tensor already of the class (a DTensor: a wrapper subclass, never re-wrapped; torch 2.7 refuses it) is
     # marked a parameter as nn.Parameter marks one.
     made = (nn.Parameter(tensor, requires_grad=requires_grad) if kind is nn.Parameter or type(tensor) is kind

@@ -440,13 +440,14 @@ def make_report(
     ckpt: Checkpoint, device: torch.device, final: list[torch.Tensor], bytes_read: int, started: float,
     memory: PeakMemory, **outcome: Any,
 ) -> Report:
-    placed = {str(tensor.device) for tensor in final if not tensor.is_meta}
+    # Devices and dtypes gathered as objects, named once each: a name made per tensor costs a model of many.
+    placed = {str(device) for device in {tensor.device for tensor in final if not tensor.is_meta}}
     return Report(
         checkpoint=os.fspath(ckpt.path),
         format=ckpt.format,
         state_dict_key=ckpt.state_dict_key,
         device=placed.pop() if len(placed) == 1 else str(device),  # a DTensor lives on its mesh's device
-        dtypes=dict(Counter(dtype_name(t.dtype) for t in final)),
+        dtypes={dtype_name(dtype): count for dtype, count in Counter(t.dtype for t in final).items()},
         bytes_read=bytes_read,
         model_bytes=_unique_bytes(final),
         seconds=time.perf_counter() - started,

@@ -478,13 +478,13 @@ def _follow_load_code(plan: Plan, replayed: Replayed, strays: list[tuple[str, Te
     real module once the load is done, with the values it reads (see :mod:`materialize.planning.loadruns`)."""
     plan.load_code_runs = replayed.runs
     fed = {info.name for run in replayed.runs for info in run.fed.values()}
-    loaded = {id(entry.source) for entry in plan.entries if entry.action == "load"}
+    loaded = {id(entry.source) for entry in plan.entries if entry.action == "load"} if fed else set()
     plan.fed_to_load_code = sorted({info.name for run in replayed.runs for info in run.fed.values()
                                     if id(info) not in loaded})  # the others the code moved into the model
     plan.ignored.extend(info.name for m, info in strays if replayed.left_alone(m, "unexpected") and info.name not in fed)
     plan.missing = [name for name in plan.missing if not replayed.left_alone(name, "missing")]
     fills = {name for run in replayed.runs for name in run.fills}
-    for entry in plan.entries:
+    for entry in plan.entries if fills else ():
         if entry.source is None and entry.action != "load" and set(entry.names) <= fills:
             entry.action = "code"
 
@@ -625,9 +625,11 @@ def make_plan(
     refuse_loading_nothing(plan, reinitialized_shapes)
     _raise_for_unmappable_disk(plan, ckpt)
 
-    follow = dtype or _float_dtype_of_loads(plan.entries)
-    loaded_beside = _float_dtypes_loaded_by_module(plan.entries) if dtype is None else {}
-    for entry in plan.of("init"):
+    initialized = plan.of("init")
+    # Both only for what is initialized: a load of every tensor skips two passes over them.
+    follow = (dtype or _float_dtype_of_loads(plan.entries)) if initialized else None
+    loaded_beside = _float_dtypes_loaded_by_module(plan.entries) if dtype is None and initialized else {}
+    for entry in initialized:
         # Computed buffers (never saved, like a rotary inv_freq) keep the dtype their module gives them.
         computed = not any(owner.persistent for owner in entry.owners)
         if follow is not None and entry.dtype.is_floating_point and not computed:

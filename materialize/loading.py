@@ -36,7 +36,7 @@ from .planning.loadhooks import run_post_hooks
 from .io.peak import PeakMemory
 from .checkpoint.base import contiguous_strides
 from .skeleton.meta import buffer_like, is_lazy, parameter_like, shared_memory_asked
-from .skeleton.modtree import named_modules
+from .skeleton.modtree import modules_of
 from .planning.plan import DtypeRule, Entry, InitFn, Plan, Tolerated, initializer_of, make_plan, raise_for_mismatch
 from .options import IgnoreUnexpected, PlanOptions, ProgressFn, ReadOptions, unexpected_to_ignore
 from .progress import ProgressLike, counted, report_phase, takes_progress
@@ -231,7 +231,7 @@ def load(
 def refresh_flat_weights(model: nn.Module) -> None:
     """RNNs keep a list of their weight tensors (``_flat_weights``, which cuDNN's ``flatten_parameters`` reads);
     torch refreshes it wherever it replaces them (``_apply``), and so do a load and ``materialize``."""
-    for _, module in named_modules(model):  # torch's walk costs a generator per level, a model of experts many
+    for module in modules_of(model):  # torch's walk costs a generator per level, a model of experts many
         if isinstance(module, nn.RNNBase):
             module._init_flat_weights()
 
@@ -248,7 +248,7 @@ def default_device(model: nn.Module) -> torch.device:
 
 def model_device(model: nn.Module) -> torch.device:
     """The one device the model's real parameters are on (its real buffers', if no parameter is real), else the CPU."""
-    modules = [module for _, module in named_modules(model)]  # torch's own walk costs a generator per level
+    modules = modules_of(model)  # torch's own walk costs a generator per level
     for registry in ("_parameters", "_buffers"):
         devices = {tensor.device for module in modules for tensor in getattr(module, registry).values()
                    if tensor is not None and not tensor.is_meta}

@@ -588,6 +588,15 @@ def test_the_module_walk_is_torchs_for_shared_and_empty_children():
     assert len(named_modules(model, remove_duplicate=False)) == len(named_modules(model)) + 1  # the block, twice
 
 
+def test_the_nameless_module_walk_is_torchs_for_shared_and_empty_children():
+    from materialize.skeleton.modtree import modules_of
+
+    model = nn.Sequential(SharedBlock(), nn.Sequential(nn.Identity(), SharedBlock()))
+    model.add_module("later", model[0].decoder)
+
+    assert [id(module) for module in modules_of(model)] == [id(module) for module in model.modules()]
+
+
 def test_a_block_registered_twice_loads_once_under_either_name(tmp_path):
     source = SharedBlock()
     for kept in ("encoder.0", "decoder"):

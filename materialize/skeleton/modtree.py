@@ -41,15 +41,15 @@ def modules_of(model: nn.Module) -> list[nn.Module]:
     """``list(model.modules())``: each module once, in the same order, without names (where a walk asks none,
     making a name per module is most of its cost)."""
     found: list[nn.Module] = []
-    seen: set[int] = set()
-    pending = [model]
-    while pending:
-        module = pending.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        found.append(module)
-        children = [child for child in module._modules.values() if child is not None]
-        children.reverse()  # popped first to last: pre-order, children as registered
-        pending.extend(children)
+    _walk_modules(model, found, set())
     return found
+
+
+def _walk_modules(module: nn.Module, found: list[nn.Module], seen: set[int]) -> None:
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    found.append(module)
+    for child in module._modules.values():
+        if child is not None:
+            _walk_modules(child, found, seen)

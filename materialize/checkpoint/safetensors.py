@@ -172,7 +172,7 @@ def _parse_entry(path: Path, name: str, entry: object, data_start: int, data_siz
     expected = numel * itemsize
     if end - begin != expected:
         raise CheckpointError(f"holds {end - begin} bytes but {dtype_name} x {shape} needs {expected}", path=path, tensor=name)
-    return make_info(name, torch_name, itemsize, tuple(shape), path, data_start + begin), begin, end
+    return make_info(name, torch_name, itemsize, tuple(shape), path, data_start + begin, numel=numel), begin, end
 
 
 _DIMENSION_LIMIT = 2**63

@@ -112,14 +112,17 @@ def stream(
     checked = None if allow_overflow else check_cast_range
     direct, cast, staged, strided = [], [], [], []
     for job in pieces_of_stacks(jobs):
-        if job.info.numel == 0:
+        info, dest = job.info, job.dest
+        if info.numel == 0:
             continue
-        job = flattened_if_same_dense_layout(job)
-        if not job.info.contiguous or not job.dest.is_contiguous():
+        if info.stride is not None:  # only a strided source may be a dense layout read as one run
+            job = flattened_if_same_dense_layout(job)
+            info, dest = job.info, job.dest
+        if info.stride is not None or not dest.is_contiguous():
             strided.append(job)  # a box of the destination (a tensor-parallel chunk) is filled as a strided view is
-        elif not job.dest.is_cpu:
+        elif not dest.is_cpu:
             staged.append(job)
-        elif job.dest.dtype == job.info.dtype:
+        elif dest.dtype == info.dtype:
             direct.append(job)
         else:
             cast.append(job)

@@ -476,11 +476,12 @@ def _materialize_entry(
     """Allocate one tensor (once, whatever its tie group) and register it everywhere."""
     original = entry.original
     source = entry.source
+    action = entry.action
     view = reader.view(source) if reader is not None and source is not None and entry.stays_in_file(mmap) else None
     if view is not None:
         tensor = view
         mapped.append(entry.name)
-    elif entry.action == "keep":
+    elif action == "keep":
         tensor = original if is_lazy(original) else original.to(entry.device)
     elif _reusable(original, entry):
         tensor = original  # already real, right place and type: fill it in place
@@ -489,20 +490,23 @@ def _materialize_entry(
             entry.local_shape, dtype=entry.dtype, device=entry.device, name=entry.name,
             path=source.path if source is not None else None, stride=_asked_strides(original, entry),
         )
-        if tensor.device.type == "cpu" and shared_memory_asked(original):
+        if tensor.is_cpu and shared_memory_asked(original):
             tensor.share_memory_()  # empty yet: moving it costs no copy of values
     sharded = entry.shard is not None
     local = local_of(tensor) if sharded else tensor  # what this process fills: a DTensor's shard on this rank
-    if (check and view is None and entry.action != "keep") or (entry.action == "code" and tensor is not original):
+    if (check and view is None and action != "keep") or (action == "code" and tensor is not original):
         poison(local)  # whatever is not written later is caught by the audit (the load code's, by _refuse_unfilled)
     if sharded and not is_dtensor(tensor):
         tensor = entry.shard.wrap(tensor)
-    if tensor is not original and isinstance(original, nn.Parameter):
-        tensor = parameter_like(original, tensor, original.requires_grad and (tensor.is_floating_point() or tensor.is_complex()))
-    elif tensor is not original:
-        tensor = buffer_like(original, tensor)
+    if tensor is not original:
+        if isinstance(original, nn.Parameter):
+            dtype = tensor.dtype
+            tensor = parameter_like(original, tensor,
+                                    original.requires_grad and (dtype.is_floating_point or dtype.is_complex))
+        else:
+            tensor = buffer_like(original, tensor)
     entry.hold(tensor, undo)
-    if entry.action != "load" or view is not None:
+    if action != "load" or view is not None:
         return []
     assert source is not None
     # Reader threads run with autograd on: a tensor that requires grad is filled through a detached alias.

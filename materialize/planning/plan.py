@@ -465,8 +465,9 @@ def _refuse_wrappers(plan: Plan, ckpt: Checkpoint) -> None:
     loaded, with the way to load it with torch."""
     for entry in plan.entries:
         tensor = entry.original
-        if (tensor.is_meta or entry.action == "load") and not is_lazy(tensor) and not is_dtensor(tensor) and \
-                type(tensor).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        # The class first: a plain tensor's or parameter's answers at once, for a model of many.
+        if type(tensor).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__ and \
+                (tensor.is_meta or entry.action == "load") and not is_lazy(tensor) and not is_dtensor(tensor):
             raise InitError(f"is a {type(tensor).__name__}, a tensor subclass wrapping others (its own "
                             "__torch_dispatch__), which a load reading bytes into plain memory cannot make or fill. "
                             f"{torch_load_hint(ckpt.format)}", path=ckpt.path, tensor=entry.name)
@@ -487,13 +488,6 @@ def _follow_load_code(plan: Plan, replayed: Replayed, strays: list[tuple[str, Te
     for entry in plan.entries if fills else ():
         if entry.source is None and entry.action != "load" and set(entry.names) <= fills:
             entry.action = "code"
-
-
-def _vacant_slots(modules: list[tuple[str, nn.Module]]) -> frozenset[str]:
-    """The names of submodules registered as ``None`` (``model.output = None``: a pipeline stage cut as
-    torchtitan cuts one)."""
-    return frozenset(f"{prefix}.{name}" if prefix else name
-                     for prefix, module in modules for name, child in module._modules.items() if child is None)
 
 
 def _under(model_name: str, vacant: frozenset[str]) -> bool:
@@ -568,7 +562,8 @@ def make_plan(
     """
     device, dtype, strict, key_map, init = options.device, options.dtype, options.strict, options.key_map, options.init
     ignore_mismatched_sizes = options.ignore_mismatched_sizes
-    modules = named_modules(model, remove_duplicate=False)
+    vacant_slots: list[str] = []
+    modules = named_modules(model, remove_duplicate=False, vacant=vacant_slots)
     groups = _collect_groups(modules)
     model_names = {name for _, named in groups for name, _ in named}
     if isinstance(key_map, KeyMap):
@@ -608,7 +603,7 @@ def make_plan(
     extra_state_owners = _extra_state_owners(modules)
     saved_tensors = {name: to_ckpt.pop(name) for name in extra_state_owners if name in to_ckpt}
     strays = [(m, piece.info) for m, source in to_ckpt.items() if m not in model_names for piece in pieces_of(source)]
-    vacant = _vacant_slots(modules)
+    vacant = frozenset(vacant_slots)
     plan.ignored.extend(info.name for m, info in strays if _under(m, vacant))
     strays = [(m, info) for m, info in strays if not _under(m, vacant)]
     _follow_load_code(plan, replayed, strays)

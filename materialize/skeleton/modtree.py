@@ -14,18 +14,22 @@ from typing import Optional
 from torch import nn
 
 
-def named_modules(model: nn.Module, *, remove_duplicate: bool = True) -> list[tuple[str, nn.Module]]:
+def named_modules(model: nn.Module, *, remove_duplicate: bool = True,
+                  vacant: Optional[list[str]] = None) -> list[tuple[str, nn.Module]]:
     """``model.named_modules(remove_duplicate=...)`` as a list.
 
     With ``remove_duplicate=False`` a module registered in several places is
     listed under each of its names (as a tied tensor is reached from each).
+    ``vacant``, if given, is added the name of each submodule slot registered
+    as ``None`` on the way (the walk passes them over anyway).
     """
     found: list[tuple[str, nn.Module]] = []
-    _walk(model, "", found, set() if remove_duplicate else None)
+    _walk(model, "", found, set() if remove_duplicate else None, vacant)
     return found
 
 
-def _walk(module: nn.Module, prefix: str, found: list[tuple[str, nn.Module]], seen: Optional[set[int]]) -> None:
+def _walk(module: nn.Module, prefix: str, found: list[tuple[str, nn.Module]], seen: Optional[set[int]],
+          vacant: Optional[list[str]]) -> None:
     if seen is not None:
         if id(module) in seen:
             return
@@ -34,7 +38,9 @@ def _walk(module: nn.Module, prefix: str, found: list[tuple[str, nn.Module]], se
     dot = prefix + "." if prefix else ""
     for name, child in module._modules.items():
         if child is not None:
-            _walk(child, dot + name, found, seen)
+            _walk(child, dot + name, found, seen, vacant)
+        elif vacant is not None:
+            vacant.append(dot + name)
 
 
 def modules_of(model: nn.Module) -> list[nn.Module]:

@@ -360,15 +360,24 @@ def _collect_groups(modules: list[tuple[str, nn.Module]]) -> list[tuple[torch.Te
         dot = f"{prefix}." if prefix else ""
         for attr, param in module._parameters.items():
             if param is not None:
-                named = groups.setdefault(id(param), (param, []))[1]
-                shared = shared or bool(named)
-                named.append((dot + attr, Owner(module, attr, True, True)))
+                group = groups.get(id(param))  # no tuple and list made for a tensor met before
+                if group is None:
+                    groups[id(param)] = (param, [(dot + attr, Owner(module, attr, True, True))])
+                else:
+                    shared = True
+                    group[1].append((dot + attr, Owner(module, attr, True, True)))
+        if not module._buffers:
+            continue
         non_persistent = module._non_persistent_buffers_set
         for attr, buffer in module._buffers.items():
             if buffer is not None:
-                named = groups.setdefault(id(buffer), (buffer, []))[1]
-                shared = shared or bool(named)
-                named.append((dot + attr, Owner(module, attr, False, attr not in non_persistent)))
+                group = groups.get(id(buffer))
+                owner = Owner(module, attr, False, attr not in non_persistent)
+                if group is None:
+                    groups[id(buffer)] = (buffer, [(dot + attr, owner)])
+                else:
+                    shared = True
+                    group[1].append((dot + attr, owner))
     if shared:  # a module registered in two places is walked twice: each name once, its first owner
         for _, named in groups.values():
             if len(named) > 1:

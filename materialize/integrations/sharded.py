@@ -35,6 +35,7 @@ error: ``Partial`` placements (a sum still to be made), and a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import sys
@@ -146,15 +147,20 @@ def unreadable(tensor: torch.Tensor) -> Optional[str]:
     module = _dtensor_module()
     if module is None or not isinstance(tensor, module.DTensor):
         return None
-    placements = tuple(tensor.placements)
+    return _unreadable_layout(tuple(tensor.placements), tuple(tensor.shape), tuple(tensor.device_mesh.shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _unreadable_layout(placements: tuple[Any, ...], shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> Optional[str]:
+    # Asked once a layout: a sharded model of thousands of experts has a few.
     other = next((p for p in placements if not (p.is_replicate() or _is_shard(p))), None)
     if other is not None:
         return f"{other!r}"
-    ambiguous = ambiguous_split(tuple(tensor.shape), tuple(tensor.device_mesh.shape), placements)
+    ambiguous = ambiguous_split(shape, mesh_shape, placements)
     if ambiguous is None:
         return None
     placement, dim = ambiguous
-    return (f"{placement!r}: a dim {dim} of {tensor.shape[dim]}, which a split in {int(placement.split_factor)} does not "
+    return (f"{placement!r}: a dim {dim} of {shape[dim]}, which a split in {int(placement.split_factor)} does not "
             "divide evenly; DTensor and FSDP2 then disagree on which indices a rank holds")
 
 
@@ -198,19 +204,28 @@ def _some_names(names: list[str], limit: int = 8) -> str:
     return ", ".join(f"'{name}'" for name in names[:limit]) + more
 
 
-def shard_spec(tensor: torch.Tensor, name: str, path: Optional[Path] = None) -> Optional[ShardSpec]:
+def shard_spec(tensor: torch.Tensor, name: str, path: Optional[Path] = None,
+               known: Optional[dict[tuple, ShardSpec]] = None) -> Optional[ShardSpec]:
     """This rank's boxes of ``tensor`` if it is a DTensor, else None; refuses placements no box describes.
 
-    ``path`` is the checkpoint being loaded, named in the error.
+    ``path`` is the checkpoint being loaded, named in the error. ``known``: the specs found so far for
+    tensors of the same mesh, placements, shape and local tensor (a plan's, while its meshes live), each
+    found once.
     """
     module = _dtensor_module()
     if module is None or not isinstance(tensor, module.DTensor):
         return None
     placements = tuple(tensor.placements)
+    mesh = tensor.device_mesh
+    # The local tensor without to_local's autograd call, where DTensor keeps it (its shape and device alone).
+    held = getattr(tensor, "_local_tensor", None)
+    key = (id(mesh), placements, tuple(tensor.shape), tuple(tensor.stride()), tuple(held.shape),
+           held.device) if known is not None and isinstance(held, torch.Tensor) else None
+    if key is not None and key in known:
+        return known[key]
     refused = unreadable(tensor)
     if refused is not None:
         raise ShardingError(f"is a DTensor placed {refused} on its mesh; {UNREADABLE_REMEDY}", path=path, tensor=name)
-    mesh = tensor.device_mesh
     if mesh.get_coordinate() is None:
         raise ShardingError("is a DTensor on a mesh this rank is not part of", path=path, tensor=name)
     local = tensor.to_local()
@@ -221,8 +236,11 @@ def shard_spec(tensor: torch.Tensor, name: str, path: Optional[Path] = None) -> 
             f"is a DTensor placed {list(placements)} whose local shape is {list(local.shape)} on this rank, where the "
             f"placements give {list(local_shape)}: this torch shards in a way not understood here; "
             f"{UNREADABLE_REMEDY}", path=path, tensor=name)
-    return ShardSpec(mesh, placements, boxes_of(runs), local_shape, tuple(tensor.shape), tuple(tensor.stride()),
+    spec = ShardSpec(mesh, placements, boxes_of(runs), local_shape, tuple(tensor.shape), tuple(tensor.stride()),
                      local_device=local.device)
+    if key is not None:
+        known[key] = spec
+    return spec
 
 
 def local_runs(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...],

@@ -210,6 +210,9 @@ class Plan:
     load_code_runs: list[LoadCodeRun] = field(default_factory=list)
     fed_to_load_code: list[str] = field(default_factory=list)
     mmap: bool = False
+    # DTensor layouts found while planning, by mesh, placements and shapes: each found once (not a field of
+    # the plan's JSON form).
+    shard_specs: dict[tuple, ShardSpec] = field(default_factory=dict, repr=False, compare=False)
 
     def of(self, action: Action) -> list[Entry]:
         """The entries the load handles so: ``"load"``, ``"init"``, ``"keep"`` or ``"code"``."""
@@ -725,7 +728,7 @@ def _entry(
     ckpt: Checkpoint, device: torch.device, dtype: Optional[torch.dtype],
     placement: Optional[Callable[[str], Union[torch.device, str]]], tolerated: Optional[Tolerated],
 ) -> Entry:
-    spec = shard_spec(tensor, names[0], ckpt.path)
+    spec = shard_spec(tensor, names[0], ckpt.path, plan.shard_specs)
     if info is not None and tolerated is not None and tolerated.computed_buffers_stand and \
             not any(owner.persistent for owner in owners):
         plan.ignored.extend(piece.info.name for piece in pieces_of(info))

@@ -378,20 +378,23 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
             if isinstance(error, AllocationError) and error.tensor is not None:
                 with_whole_load(error, *_needs_where(the_plan, error.tensor, mmap, staging_bytes), placeable=True)
             raise
+    names_by_action: dict[str, list[str]] = {"load": [], "init": [], "keep": [], "code": []}
+    for entry in the_plan.entries:  # one pass, not one per action
+        names_by_action[entry.action].append(entry.name)
     return make_report(
         ckpt, the_plan.device, [local_of(tensor) for _, tensor in registered], reader.bytes_read, started, memory,
         bytes_received=reader.bytes_received,
-        loaded=[e.name for e in the_plan.of("load")],
-        initialized=[e.name for e in the_plan.of("init")],
-        replayed=[e.name for e in the_plan.of("init")] if isinstance(init, ReplayInit) else [],
-        kept=[e.name for e in the_plan.of("keep")],
+        loaded=names_by_action["load"],
+        initialized=names_by_action["init"],
+        replayed=list(names_by_action["init"]) if isinstance(init, ReplayInit) else [],
+        kept=names_by_action["keep"],
         missing=list(the_plan.missing),
         unexpected=list(the_plan.unexpected),
         ignored=list(the_plan.ignored),
         reinitialized=list(the_plan.reinitialized),
         not_from_checkpoint=the_plan.not_from_checkpoint,
         fed_to_load_code=list(the_plan.fed_to_load_code),
-        filled_by_load_code=[e.name for e in the_plan.of("code")],
+        filled_by_load_code=names_by_action["code"],
         key_map=the_plan.key_map,
         tied=[list(entry.names) for index, entry in enumerate(the_plan.entries)
               if len(entry.names) > 1 and index not in compared] + retied,

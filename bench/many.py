@@ -20,7 +20,9 @@ of ``--runs``:
 - FSDP2 over 2 gloo ranks (``--groups fsdp2``): ours on every rank against rank 0's ``load_file`` +
   ``set_model_state_dict(broadcast_from_rank0=True)``, sharding on meta timed apart;
 - ``materialize inspect`` of each form, as a CLI subprocess (its wall time, interpreter start-up included,
-  beside the start-up of ``python -c "import materialize"`` alone).
+  beside the start-up of ``python -c "import materialize"`` alone);
+- scaling (``--scaling-counts``): ours on one safetensors file and on a torch zip of 12,500 to 100,000
+  tensors of 256 bytes, each phase per tensor: whether each grows linearly with the count.
 
 transformers' ``from_pretrained`` is not among them: its MoE classes (Mixtral, Qwen2-MoE, DeepSeek-V3 and
 the others its conversion mapping sends to them, transformers 5.x) hold a layer's experts fused, one 3-D
@@ -90,6 +92,7 @@ GROUPS = {
         "ours: every rank reads its own rows": "fsdp-ours",
         "torch: rank 0 load_file, set_model_state_dict broadcasts": "fsdp-broadcast",
     },
+    "scaling": {},  # ours at several tensor counts of tiny tensors: see scaling_methods
     "inspect": {
         "materialize inspect, one safetensors file": "inspect-single",
         "materialize inspect, sharded safetensors": "inspect-sharded",
@@ -98,6 +101,15 @@ GROUPS = {
     },
 }
 PHASES = ("open", "plan", "allocate", "read", "assign", "report")
+SCALING_COUNTS = "12500,25000,50000,100000"
+SCALING_SHAPE = (16, 8)  # 256-byte experts: the bytes cost nothing, each phase's cost per tensor shows
+
+
+def scaling_methods(counts: dict[int, int]) -> dict[str, str]:
+    """Ours on one safetensors file and on a torch zip at each count asked (to the count the model makes of
+    it): is each phase linear in the tensors?"""
+    return {f"{made:,} tensors, {FORM_WORDS[form]}": f"ours,{form},{asked}" for asked, made in counts.items()
+            for form in ("single", "torch")}
 FSDP_WORLD = 2
 
 
@@ -348,6 +360,20 @@ def run_child(args: argparse.Namespace, method: str, form: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def run_scaling(args: argparse.Namespace, method: str) -> dict:
+    """One load of ``ours,FORM,COUNT`` on the tiny-tensor checkpoint of that count, in a fresh process."""
+    name, form, count = method.split(",")
+    hidden, intermediate = SCALING_SHAPE
+    command = [sys.executable, "-m", "bench.many", "--data", args.data, "--tensors", count, "--hidden", str(hidden),
+               "--intermediate", str(intermediate), "--one", f"{name},{form}"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=child_env(args.data))
+    if done.returncode != 0:
+        raise RuntimeError(f"{method} failed: {done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["tensors"] = json.loads(ensure(Path(args.data), int(count), hidden, intermediate)["expected"].read_text())["tensors"]
+    return result
+
+
 def run_fsdp(args: argparse.Namespace, method: str, scratch: Path) -> dict:
     """One FSDP2 load on fresh processes: the slowest rank's times, the largest rank's memory."""
     scratch.mkdir(parents=True, exist_ok=True)
@@ -417,7 +443,7 @@ def summarize(rows: list[dict]) -> dict:
     times = [row["load_s"] for row in rows]
     summary: dict[str, Any] = {"load_s": statistics.median(times), "runs": times,
                                "verified": all(row["verified"] for row in rows)}
-    for key in ("build_s", "shard_s", "rss_growth", "lines"):
+    for key in ("build_s", "shard_s", "rss_growth", "lines", "tensors"):
         if all(key in row for row in rows):
             summary[key] = statistics.median(row[key] for row in rows)
     names = [name for name in PHASES if all(name in row.get("phases", {}) for row in rows)]
@@ -438,7 +464,7 @@ def markdown(report: dict) -> str:
     groups = [group for group in GROUPS if group in report["results"]]
     for group in groups:
         rows = report["results"][group]
-        if group == "inspect":
+        if group in ("inspect", "scaling"):
             continue
         limit = next((row for label, row in rows.items() if label.startswith("limit")), None)
         lines += [f"**{FORM_WORDS.get(group, 'FSDP2 over 2 ranks (gloo, CPU), one safetensors file')}**", "",
@@ -454,7 +480,7 @@ def markdown(report: dict) -> str:
                          + (f" {row['shard_s']:.2f} |" if group == "fsdp2" else "")
                          + f" {row.get('rss_growth', 0) / 1e9:.2f} | {'yes' if row['verified'] else 'NO'} |")
         lines.append("")
-    phased = [(group, label, row) for group in groups if group != "inspect"
+    phased = [(group, label, row) for group in groups if group not in ("inspect", "scaling")
               for label, row in report["results"][group].items() if "phases" in row]
     if phased:
         lines += ["Phases (median seconds; us a tensor in brackets). Ours: open (headers, index, pickle scan), plan, "
@@ -465,6 +491,16 @@ def markdown(report: dict) -> str:
             cells = [f"{row['phases'][name]:.3f} ({row['phases'][name] / tensors * 1e6:.1f})"
                      if name in row["phases"] else "-" for name in PHASES]
             lines.append(f"| {FORM_WORDS.get(group, 'FSDP2')} | {label} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if "scaling" in report["results"]:
+        lines += ["**Ours as the tensors grow** (tiny experts of 16 x 8, so the bytes cost nothing; median seconds, "
+                  "us a tensor in brackets)", "", "| tensors, form | load | " + " | ".join(PHASES[:4] + PHASES[5:]) + " |",
+                  "| --- |" + " ---: |" * 6]
+        for label, row in report["results"]["scaling"].items():
+            count = row["tensors"]
+            cells = [f"{row['phases'][name]:.3f} ({row['phases'][name] / count * 1e6:.1f})"
+                     for name in PHASES if name != "assign"]
+            lines.append(f"| {label} | {row['load_s']:.3f} ({row['load_s'] / count * 1e6:.1f}) | " + " | ".join(cells) + " |")
         lines.append("")
     if "inspect" in report["results"]:
         lines += ["**materialize inspect** (CLI subprocess, wall seconds, interpreter start-up included; the listing "
@@ -483,6 +519,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--intermediate", type=int, default=96)
     parser.add_argument("--data", default="data/bench")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--scaling-counts", default=SCALING_COUNTS,
+                        help="the tensor counts of the scaling group (tiny tensors), comma-separated")
     parser.add_argument("--no-warm-up", action="store_true", help="no discarded first run (for a quick check)")
     parser.add_argument("--groups", help=f"comma-separated, of {', '.join(GROUPS)} (default all)")
     parser.add_argument("--merge", action="store_true", help="keep the other groups of an earlier report in --out")
@@ -526,7 +564,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     for group in wanted:
         methods = GROUPS[group]
         run: Callable[[str], dict]
-        if group == "fsdp2":
+        if group == "scaling":
+            counts = {int(count): json.loads(ensure(Path(args.data), int(count), *SCALING_SHAPE)["expected"].read_text())
+                      ["tensors"] for count in args.scaling_counts.split(",")}  # written before the clock
+            methods = scaling_methods(counts)
+            run = lambda method: run_scaling(args, method)  # noqa: E731
+        elif group == "fsdp2":
             run = lambda method: run_fsdp(args, method, scratch)  # noqa: E731
         elif group == "inspect":
             run = lambda method: run_inspect(method, paths, args.data)  # noqa: E731

@@ -166,13 +166,15 @@ def test_the_many_tensors_bench_verifies_every_method_of_every_form_and_times_ea
     out = tmp_path / "results"
 
     subprocess.run([sys.executable, "-m", "bench.many", "--tensors", "300", "--hidden", "16", "--intermediate", "8",
-                    "--runs", "1", "--no-warm-up", "--data", str(tmp_path / "data"), "--out", str(out)],
+                    "--runs", "1", "--no-warm-up", "--scaling-counts", "60,120", "--data", str(tmp_path / "data"),
+                    "--out", str(out)],
                    cwd=ROOT, check=True, capture_output=True, text=True)
 
     report = json.loads((out / "bench-many.json").read_text())
     assert report["tensors"] == 300
     groups = report["results"]
-    assert set(groups) == {"single", "sharded", "torch", "fsdp2", "inspect"}
+    assert set(groups) == {"single", "sharded", "torch", "fsdp2", "scaling", "inspect"}
+    assert [row["tensors"] for row in groups["scaling"].values()] == [60, 60, 120, 120]
     for group, rows in groups.items():
         for label, row in rows.items():
             assert row["verified"], (group, label, row)

@@ -31,6 +31,11 @@ loading: another model, of two expert tensors a layer, than this one of 2,500. I
 module per expert (Switch Transformers, NLLB-MoE) are T5-style encoder-decoders with ``wi``/``wo`` feed-forwards,
 not gate/up/down experts.
 
+``--baseline CHECKOUT`` adds ours on another checkout's library (an earlier commit's ``materialize``
+package; ``--baseline-name`` names its rows) to the groups of the three forms, the scaling and ``inspect``,
+taking turns with the rest: a change measured before and after in one run, on the machine as it is then
+(this VM's fresh memory costs twice as much in one hour as in another). Each row records the library it ran.
+
 Each of our loads is given a progress object that records when the library reports each step
 (``materialize.progress.report_phase``: opening, planning, loading) and when its reads start and end (the
 first and last byte callbacks), which splits a load into open (headers, index, pickle scan), plan,
@@ -103,6 +108,18 @@ GROUPS = {
 PHASES = ("open", "plan", "allocate", "read", "assign", "report")
 SCALING_COUNTS = "12500,25000,50000,100000"
 SCALING_SHAPE = (16, 8)  # 256-byte experts: the bytes cost nothing, each phase's cost per tensor shows
+
+
+def with_baseline(methods: dict[str, str], group: str, name: str) -> dict[str, str]:
+    """``methods`` with ours on the baseline's library beside ours (the meta_init model's load, and inspect),
+    taking turns with the rest: the two libraries compared in one run, on the machine as it is then."""
+    if group in ("single", "sharded", "torch"):
+        return {**methods, f"ours, meta_init model, {name}": "ours" + BASELINE}
+    if group == "inspect":
+        return {key: value for label, method in methods.items() if method != "startup"
+                for key, value in ((label, method), (f"{label}, {name}", method + BASELINE))} | \
+            {label: method for label, method in methods.items() if method == "startup"}
+    return methods
 
 
 def scaling_methods(counts: dict[int, int]) -> dict[str, str]:
@@ -279,7 +296,10 @@ def child(method: str, path: Path, expected: dict) -> dict:
         del buffers
     else:
         raise SystemExit(f"unknown method {method}")
-    result = {"load_s": ended - started, "build_s": build_s, "phases": phases, "rss_growth": _peak_rss() - before}
+    import materialize
+
+    result = {"load_s": ended - started, "build_s": build_s, "phases": phases, "rss_growth": _peak_rss() - before,
+              "library": str(Path(materialize.__file__).resolve().parent)}  # which checkout's, with --baseline
     if model is None:
         result["verified"] = True  # raw bytes: nothing to compare by name
     else:
@@ -352,9 +372,35 @@ def _child_command(args: argparse.Namespace) -> list[str]:
             "--hidden", str(args.hidden), "--intermediate", str(args.intermediate)]
 
 
+BASELINE = "@baseline"  # a method's suffix: run on the library of --baseline
+
+
+def baseline_folder(checkout: Path, data: Path) -> Path:
+    """A folder holding only ``materialize``, the package of ``checkout``: a child started there imports it
+    (its working folder comes first on its path), and the bench itself from this checkout."""
+    folder = data / "baseline-library"
+    folder.mkdir(parents=True, exist_ok=True)
+    link = folder / "materialize"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to((checkout / "materialize").resolve(), target_is_directory=True)
+    return folder
+
+
+def _where(args: argparse.Namespace, method: str) -> tuple[str, dict[str, str], Path]:
+    """The method without its suffix, and the environment and working folder of its child: the baseline's
+    library for a method of :data:`BASELINE`, this checkout's otherwise."""
+    env = child_env(args.data)
+    if not method.endswith(BASELINE):
+        return method, env, ROOT
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return method.removesuffix(BASELINE), env, args.baseline_folder
+
+
 def run_child(args: argparse.Namespace, method: str, form: str) -> dict:
+    method, env, cwd = _where(args, method)
     done = subprocess.run([*_child_command(args), "--one", f"{method},{form}"], capture_output=True, text=True,
-                          cwd=ROOT, env=child_env(args.data))
+                          cwd=cwd, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{method} on {form} failed: {done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -362,11 +408,12 @@ def run_child(args: argparse.Namespace, method: str, form: str) -> dict:
 
 def run_scaling(args: argparse.Namespace, method: str) -> dict:
     """One load of ``ours,FORM,COUNT`` on the tiny-tensor checkpoint of that count, in a fresh process."""
+    method, env, cwd = _where(args, method)
     name, form, count = method.split(",")
     hidden, intermediate = SCALING_SHAPE
     command = [sys.executable, "-m", "bench.many", "--data", args.data, "--tensors", count, "--hidden", str(hidden),
                "--intermediate", str(intermediate), "--one", f"{name},{form}"]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=child_env(args.data))
+    done = subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{method} failed: {done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -401,14 +448,17 @@ def inspect_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-c", "from materialize_cli.main import main; main()"]
 
 
-def run_inspect(method: str, paths: dict[str, Path], data: str) -> dict:
+def run_inspect(args: argparse.Namespace, method: str, paths: dict[str, Path]) -> dict:
     """The CLI's ``inspect`` in a subprocess, its listing discarded: wall seconds, start-up included."""
+    method, env, cwd = _where(args, method)
+    if cwd != ROOT:  # the command's own folder comes first on its path: the baseline's package, from PYTHONPATH
+        env["PYTHONPATH"] = os.pathsep.join([str(cwd), env["PYTHONPATH"]])
     if method == "startup":
         command = [sys.executable, "-c", "import materialize"]
     else:
         command = [*inspect_command(), "inspect", str(paths[method.removeprefix("inspect-")])]
     started = time.perf_counter()
-    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=child_env(data))
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env)
     seconds = time.perf_counter() - started
     listed = done.stdout.count(b"\n")
     return {"load_s": seconds, "verified": done.returncode == 0 and (method == "startup" or listed >= 1),
@@ -446,6 +496,8 @@ def summarize(rows: list[dict]) -> dict:
     for key in ("build_s", "shard_s", "rss_growth", "lines", "tensors"):
         if all(key in row for row in rows):
             summary[key] = statistics.median(row[key] for row in rows)
+    if all("library" in row for row in rows):
+        summary["library"] = rows[0]["library"]
     names = [name for name in PHASES if all(name in row.get("phases", {}) for row in rows)]
     if names:
         summary["phases"] = {name: statistics.median(row["phases"][name] for row in rows) for name in names}
@@ -521,6 +573,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--scaling-counts", default=SCALING_COUNTS,
                         help="the tensor counts of the scaling group (tiny tensors), comma-separated")
+    parser.add_argument("--baseline", help="a checkout of the library to compare with, in the same run: ours on "
+                                           "its materialize package takes turns with ours on this one's")
+    parser.add_argument("--baseline-name", default="baseline", help="how the tables name --baseline's rows")
     parser.add_argument("--no-warm-up", action="store_true", help="no discarded first run (for a quick check)")
     parser.add_argument("--groups", help=f"comma-separated, of {', '.join(GROUPS)} (default all)")
     parser.add_argument("--merge", action="store_true", help="keep the other groups of an earlier report in --out")
@@ -532,6 +587,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--rank", help=argparse.SUPPRESS)
     parser.add_argument("--profile-one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.data = str(Path(args.data).resolve())  # children may start in another folder (--baseline)
     paths = ensure(Path(args.data), args.tensors, args.hidden, args.intermediate)
     expected = json.loads(paths["expected"].read_text())
     if args.one:
@@ -553,6 +609,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                            env=child_env(args.data), check=True)
         return
     wanted = args.groups.split(",") if args.groups else list(GROUPS)
+    args.baseline_folder = baseline_folder(Path(args.baseline), Path(args.data)) if args.baseline else None
     out = Path(args.out)
     earlier = out / f"{args.name}.json"
     report = json.loads(earlier.read_text()) if args.merge and earlier.exists() else {"results": {}}
@@ -562,17 +619,20 @@ def main(argv: Optional[list[str]] = None) -> None:
                         f"experts, {args.hidden} x {args.intermediate} projections")
     scratch = Path(args.data).resolve() / "many-runs"  # a file:// store wants an absolute path
     for group in wanted:
-        methods = GROUPS[group]
+        methods = with_baseline(GROUPS[group], group, args.baseline_name) if args.baseline else GROUPS[group]
         run: Callable[[str], dict]
         if group == "scaling":
             counts = {int(count): json.loads(ensure(Path(args.data), int(count), *SCALING_SHAPE)["expected"].read_text())
                       ["tensors"] for count in args.scaling_counts.split(",")}  # written before the clock
             methods = scaling_methods(counts)
+            if args.baseline:
+                methods = {key: value for label, method in methods.items()
+                           for key, value in ((label, method), (f"{label}, {args.baseline_name}", method + BASELINE))}
             run = lambda method: run_scaling(args, method)  # noqa: E731
         elif group == "fsdp2":
             run = lambda method: run_fsdp(args, method, scratch)  # noqa: E731
         elif group == "inspect":
-            run = lambda method: run_inspect(method, paths, args.data)  # noqa: E731
+            run = lambda method: run_inspect(args, method, paths)  # noqa: E731
         else:
             run = lambda method, form=group: run_child(args, method, form)  # noqa: E731
         measured = take_turns(methods, run, args.runs, warm_up=not args.no_warm_up)

@@ -167,14 +167,17 @@ def test_the_many_tensors_bench_verifies_every_method_of_every_form_and_times_ea
 
     subprocess.run([sys.executable, "-m", "bench.many", "--tensors", "300", "--hidden", "16", "--intermediate", "8",
                     "--runs", "1", "--no-warm-up", "--scaling-counts", "60,120", "--data", str(tmp_path / "data"),
-                    "--out", str(out)],
+                    "--baseline", str(ROOT), "--baseline-name", "same checkout", "--out", str(out)],
                    cwd=ROOT, check=True, capture_output=True, text=True)
 
     report = json.loads((out / "bench-many.json").read_text())
     assert report["tensors"] == 300
     groups = report["results"]
     assert set(groups) == {"single", "sharded", "torch", "fsdp2", "scaling", "inspect"}
-    assert [row["tensors"] for row in groups["scaling"].values()] == [60, 60, 120, 120]
+    assert [row["tensors"] for row in groups["scaling"].values()] == [60, 60, 60, 60, 120, 120, 120, 120]
+    baseline = groups["single"]["ours, meta_init model, same checkout"]  # the library of --baseline, in turns
+    assert baseline["verified"] and baseline["library"] == str(ROOT / "materialize")
+    assert "materialize inspect, torch zip, same checkout" in groups["inspect"]
     for group, rows in groups.items():
         for label, row in rows.items():
             assert row["verified"], (group, label, row)

@@ -37,7 +37,7 @@ from ..checkpoint.pieces import Job, Stacked, piece_destination
 from ..dtypes import RangeCheck, check_cast_range
 from ..errors import AllocationError, CastOverflowError
 from ..options import ProgressFn
-from .fileio import MAX_IOVECS, FileSet, Part, byte_view
+from .fileio import MAX_IOVECS, FileSet, Part, byte_view, memory_at
 from .hostmem import prefault
 from .kernelthreads import set_this_threads_kernel_threads
 from ..sources.remotepath import is_remote
@@ -179,33 +179,39 @@ def pieces_of_stacks(jobs: Iterable[Job]) -> Iterator[Job]:
 
 def _run_direct(jobs: list[Job], files: FileSet, tracker: _Progress, threads: int) -> None:
     def read_run(run: list[Span]) -> None:
-        if len(run) == 1 or not _prefault_together(run):
+        # One pass over the run (a reader thread's Python work per small tensor is what a load of many waits
+        # on): each destination's address, its view, the bytes passed over between pieces, and where the
+        # destinations lie.
+        parts: list[Part] = []
+        low = high = end = None
+        total = 0
+        for job, start, stop in run:
+            address = job.dest.data_ptr() + start
+            nbytes = stop - start
+            if low is None or address < low:
+                low = address
+            if high is None or address + nbytes > high:
+                high = address + nbytes
+            total += nbytes
+            info = job.info
+            at = info.offset + start
+            if end is not None and at > end:
+                parts.append((at - end, info.name))  # a short file here is this tensor's to report
+            parts.append((memory_at(address, nbytes), info.name))
+            end = info.offset + stop
+        # Destinations close together (small tensors allocated one after another) are faulted in by one call:
+        # a fault per page inside the read cost a 100,000-tensor load a third of its reading.
+        if len(run) > 1 and total >= PREFAULT_MIN_BYTES and high - low <= 2 * total:
+            prefault(low, high - low)
+        else:
             for job, start, stop in run:
                 if stop - start >= PREFAULT_MIN_BYTES:
                     prefault(job.dest.data_ptr() + start, stop - start)
         first, start, _ = run[0]
-        files.read_run(first.info.path, first.info.offset + start,
-                       _with_gaps(run, [byte_view(job.dest)[start:stop] for job, start, stop in run]))
-        tracker.add(sum(stop - start for _, start, stop in run))
+        files.read_run(first.info.path, first.info.offset + start, parts)
+        tracker.add(total)
 
     _run_in_tasks(read_run, _pieces(jobs, DIRECT_CHUNK_BYTES), threads, run_bytes=TASK_BYTES)
-
-
-def _prefault_together(run: list[Span]) -> bool:
-    """Fault in the destinations of a run of small pieces with one call where they lie close together (small
-    tensors allocated one after another do), and say so: a fault per page inside the read cost a 100,000-tensor
-    load a third of its reading. Pieces spread further apart than twice their bytes are left to the caller."""
-    low = high = None
-    total = 0
-    for job, start, stop in run:
-        address = job.dest.data_ptr() + start
-        low = address if low is None or address < low else low
-        high = address + stop - start if high is None or address + stop - start > high else high
-        total += stop - start
-    if total < PREFAULT_MIN_BYTES or high - low > 2 * total:
-        return False
-    prefault(low, high - low)
-    return True
 
 
 def _run_cpu_cast(jobs: list[Job], files: FileSet, tracker: _Progress, threads: int, check_range: Optional[RangeCheck]) -> None:

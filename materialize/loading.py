@@ -42,7 +42,7 @@ from .options import IgnoreUnexpected, PlanOptions, ProgressFn, ReadOptions, une
 from .progress import ProgressLike, counted, report_phase, takes_progress
 from .report import Report
 from .sanitizer import audit, is_poisoned, nonfinite, poison
-from .integrations.sharded import is_dtensor, local_of
+from .integrations.sharded import held_local, is_dtensor, local_of
 from .planning.ties import TieSettling, compared_before_allocating
 from .io.transfer import resolve_device
 
@@ -382,7 +382,7 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
     for entry in the_plan.entries:  # one pass, not one per action
         names_by_action[entry.action].append(entry.name)
     return make_report(
-        ckpt, the_plan.device, [local_of(tensor) for _, tensor in registered], reader.bytes_read, started, memory,
+        ckpt, the_plan.device, [held_local(tensor) for _, tensor in registered], reader.bytes_read, started, memory,
         bytes_received=reader.bytes_received,
         loaded=names_by_action["load"],
         initialized=names_by_action["init"],

@@ -118,6 +118,16 @@ def local_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
+def held_local(tensor: torch.Tensor) -> torch.Tensor:
+    """:func:`local_of` for asking what a tensor is (its device, dtype, memory), not for computing with it: a
+    DTensor's local tensor as it holds it, without ``to_local``'s autograd call (tens of microseconds, for
+    each of a sharded model's tensors)."""
+    if not is_dtensor(tensor):
+        return tensor
+    held = getattr(tensor, "_local_tensor", None)
+    return held if isinstance(held, torch.Tensor) else tensor.to_local()
+
+
 UNREADABLE_REMEDY = "load the model before sharding it"
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import materialize as mz
-from materialize.checkpoint import plainrecords, torchpickle
+from materialize.checkpoint import pickle_budget, plainrecords, torchpickle
 from materialize.checkpoint.plainrecords import PlainTensor, plain_layout
 
 
@@ -185,3 +185,84 @@ def test_a_build_on_a_tensor_reads_as_without_records(tmp_path, monkeypatch, sta
             except mz.MaterializeError as error:
                 outcomes.append(("refused", str(error)))
     assert outcomes[0] == outcomes[1]
+
+
+# The budget scan's record fast path (pickle_budget._tensor_record): the same counts as the general path.
+
+def _state_pickle(obj: object, protocol: int = 2) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer, pickle_protocol=protocol)
+    with zipfile.ZipFile(io.BytesIO(buffer.getvalue())) as opened:
+        return opened.read(next(n for n in opened.namelist() if n.endswith("data.pkl")))
+
+
+def _scans(data: bytes, limit: int = 10**9) -> tuple:
+    """The scan's result with the record fast path, and without it; how many records it took."""
+    taken = []
+    real = pickle_budget._tensor_record
+
+    def counted(*args):
+        found = real(*args)
+        taken.append(found is not None)
+        return found
+
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(pickle_budget, "_tensor_record", counted)
+        fast = pickle_budget._scan(data, limit)
+        patched.setattr(pickle_budget, "_tensor_record", lambda *args: None)
+        general = pickle_budget._scan(data, limit)
+    return fast, general, sum(taken)
+
+
+def _many(count: int = 400) -> dict:
+    """Enough tensors that the memo passes 256 entries (the fast path's stores), of every layout kind."""
+    state: dict = {}
+    while len(state) < count:  # fresh tensors each round: the pickler stores a tensor met again by reference
+        state.update((f"layer{len(state) + i}.{name}", tensor) for i, (name, tensor) in enumerate(_views().items()))
+    return state
+
+
+@pytest.mark.parametrize("case", list(_saved_objects()) + ["many"])
+def test_the_scans_record_fast_path_counts_as_the_general_path(case):
+    obj = _many() if case == "many" else _saved_objects()[case]
+    fast, general, taken = _scans(_state_pickle(obj))
+    assert fast == general
+    if case == "many":
+        assert taken > 300
+
+
+def test_the_scan_of_a_long_layout_and_a_shared_key_counts_as_the_general_path():
+    shared = torch.zeros(2, 3, 4, 5, 6)
+    state = {f"t{i}": shared[i % 2] if i % 2 else torch.zeros(i % 7, 1, 2, 3, 1) for i in range(600)}
+    fast, general, taken = _scans(_state_pickle(state))
+    assert fast == general and taken > 500
+
+
+def test_a_pickle_that_fetches_a_records_stores_again_counts_as_the_general_path():
+    # Every stored index fetched back and changed (APPEND, SETITEM, BUILD): the general path's stale recount.
+    data = _state_pickle(_many(300))
+    stores = [arg for op, arg, _ in pickletools.genops(data) if op.name == "LONG_BINPUT"]
+    tail = b"".join(pickle.LONG_BINGET + index.to_bytes(4, "little") + change + pickle.POP
+                    for index, change in zip(stores[-60:], [pickle.NONE + pickle.APPEND, pickle.NONE + pickle.NONE
+                                                            + pickle.SETITEM, pickle.EMPTY_DICT + pickle.BUILD] * 20))
+    hostile = data[:-2] + tail + data[-2:]  # before the final SETITEMS and STOP
+    fast, general, taken = _scans(hostile)
+    assert fast == general and taken > 200
+
+
+def test_records_with_bytes_changed_are_counted_as_the_general_path():
+    # Memo indices pointed elsewhere (at containers, at missing entries, past the pickle), opcodes swapped, lengths
+    # changed: wherever a change lands, the fast path counts as the general path or leaves the record to it.
+    import random
+
+    data = bytearray(_state_pickle(_many(320)))
+    start = len(data) // 2
+    rng = random.Random(7)
+    for trial in range(300):
+        mutated = bytearray(data)
+        for _ in range(rng.choice((1, 1, 2, 3))):
+            at = rng.randrange(start, len(data) - 1)
+            mutated[at] = rng.choice((rng.randrange(256), 0x68, 0x6A, 0x72, 0x74, 0x85, 0x87, 0x28, 0x29, 0x4B, 0x4A,
+                                      0x00, 0x01, 0xFF, mutated[at] ^ 1))
+        fast, general, _ = _scans(bytes(mutated), limit=2**20 + 100)
+        assert fast == general, trial

@@ -125,7 +125,7 @@ def test_a_layout_outside_the_records_domain_is_left_to_torch(offset, size, stri
 
 
 def _storage() -> plainrecords.PlainStorage:
-    return plainrecords.PlainStorage(torchpickle.StorageRef("0", 64), torch.float32, {})
+    return plainrecords.plain_storage("0", 64, torch.float32, {})
 
 
 @pytest.mark.parametrize("dtype, requires_grad", [
@@ -139,14 +139,14 @@ def test_a_dtype_or_gradient_flag_outside_the_domain_is_left_to_torch(dtype, req
 def test_a_record_refuses_what_a_file_could_do_to_it():
     record = plainrecords.plain_tensor(_storage(), 0, (2, 2), (2, 1), torch.float32, False)
     assert isinstance(record, PlainTensor)
-    storage = record.fields.storage
+    storage = record.fields[0]
     for attempt in (lambda: setattr(record, "fields", None), lambda: record.__setstate__((None, {"fields": None})),
-                    lambda: bool(record), lambda: iter(record), lambda: setattr(storage, "ref", None),
+                    lambda: bool(record), lambda: iter(record), lambda: setattr(storage, "fields", None),
                     lambda: storage.__setstate__({}), lambda: iter(storage)):
         with pytest.raises((AttributeError, TypeError)):
             attempt()
     assert repr(record) == repr(_meta(0, (2, 2), (2, 1)))
-    assert record.with_grad(1) is None and record.with_grad(True).fields.parameter
+    assert record.with_grad(1) is None and record.with_grad(True).fields[9]
 
 
 def _pickle_of(build: bytes) -> bytes:
@@ -266,3 +266,33 @@ def test_records_with_bytes_changed_are_counted_as_the_general_path():
                                       0x00, 0x01, 0xFF, mutated[at] ^ 1))
         fast, general, _ = _scans(bytes(mutated), limit=2**20 + 100)
         assert fast == general, trial
+
+
+def _rewritten(source: Path, path: Path, edit) -> Path:
+    with zipfile.ZipFile(source) as archive, zipfile.ZipFile(path, "w") as target:
+        for record in archive.infolist():
+            data = edit(record.filename, archive.read(record))
+            if data is not None:
+                target.writestr(record, data)
+    return path
+
+
+@pytest.mark.parametrize("edit", [
+    lambda name, data: None if name.endswith("/data/1") else data,  # a storage record missing
+    lambda name, data: data[:3] if name.endswith("/data/1") else data,  # shorter than the storage it holds
+    lambda name, data: data[:-4] if name.endswith("/data/0") else data,  # shorter than a view into it needs
+], ids=["missing", "short", "short-for-a-view"])
+def test_a_bad_storage_record_is_refused_as_without_records(tmp_path, monkeypatch, edit):
+    base = torch.arange(12.0)
+    torch.save({"view": base[2:10].view(2, 4), "other": torch.ones(3), "whole": base}, tmp_path / "genuine.pt")
+    path = _rewritten(tmp_path / "genuine.pt", tmp_path / "bad.pt", edit)
+    errors = []
+    for records in (True, False):
+        with monkeypatch.context() as patched:
+            if not records:
+                patched.setattr(torchpickle, "plain_tensor", lambda *args: None)
+            with pytest.raises(mz.MaterializeError) as caught:
+                mz.open_checkpoint(path)
+            errors.append(str(caught.value))
+    assert errors[0] == errors[1]
+    assert "bad.pt" in errors[0]

@@ -20,7 +20,7 @@ has none.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -40,24 +40,25 @@ _set = object.__setattr__
 
 
 class PlainStorage(Unchangeable):
-    """A storage a plain pickle names: its record (a ``StorageRef``) and dtype. The meta storage torch's
-    own rebuild needs is made only when asked for (:meth:`typed`), and then noted in ``refs`` as before."""
+    """A storage a plain pickle names: its key, size in bytes and dtype (its ``StorageRef``, read alike). The
+    meta storage torch's own rebuild needs is made only when asked for (:meth:`typed`), and then noted in
+    ``refs`` as before. Its fields are one tuple: one write to make."""
 
-    __slots__ = ("ref", "dtype", "_refs", "_typed")
-
-    def __init__(self, ref: Any, dtype: torch.dtype, refs: dict[int, Any]) -> None:
-        _set(self, "ref", ref)
-        _set(self, "dtype", dtype)
-        _set(self, "_refs", refs)
-        _set(self, "_typed", None)
+    __slots__ = ("fields", "_typed")
+    key = property(lambda storage: storage.fields[0])
+    nbytes = property(lambda storage: storage.fields[1])
+    dtype = property(lambda storage: storage.fields[2])
 
     def typed(self) -> torch.storage.TypedStorage:
         """The meta storage this stands for, made once; noted in ``refs`` for :func:`.torchpickle.tensor_info`."""
-        if self._typed is None:
-            storage = torch.UntypedStorage(self.ref.nbytes, device="meta")
-            self._refs[storage._cdata] = self.ref
-            _set(self, "_typed", torch.storage.TypedStorage(wrap_storage=storage, dtype=self.dtype, _internal=True))
-        return self._typed
+        made = getattr(self, "_typed", None)
+        if made is None:
+            _, nbytes, dtype, refs = self.fields
+            storage = torch.UntypedStorage(nbytes, device="meta")
+            refs[storage._cdata] = self
+            made = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+            _set(self, "_typed", made)
+        return made
 
     def __iter__(self) -> Any:
         raise TypeError("a storage record is not iterable")
@@ -72,34 +73,25 @@ class PlainStorage(Unchangeable):
         return repr(self.typed())
 
 
-class Fields(NamedTuple):
-    """What a :class:`PlainTensor` holds."""
-
-    storage: PlainStorage
-    offset: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
-    numel: int
-    contiguous: bool
-    extent: int  # the elements its view spans from ``offset`` (0 when it has none)
-    parameter: bool  # made by torch's parameter rebuild
-
-
-def _field(index: int) -> property:
-    return property(lambda record: record.fields[index])
+def plain_storage(key: str, nbytes: int, dtype: torch.dtype, refs: dict[int, Any]) -> PlainStorage:
+    """The record of a storage ``key`` of ``nbytes`` bytes; ``refs`` notes the meta storage, if one is made."""
+    storage = object.__new__(PlainStorage)
+    _set(storage, "fields", (key, nbytes, dtype, refs))
+    return storage
 
 
 class PlainTensor(Unchangeable):
-    """A tensor of a plain pickle as written: its :class:`Fields`, one tuple (one write to make)."""
+    """A tensor of a plain pickle as written, its fields one tuple (one write to make):
+    ``(storage, offset, shape, stride, dtype, requires_grad, numel, contiguous, extent, parameter)``:
+    ``extent`` the elements its view spans from ``offset`` (0 when it has none), ``parameter`` whether
+    torch's parameter rebuild made it."""
 
     __slots__ = ("fields",)
-    shape = _field(Fields._fields.index("shape"))
-    dtype = _field(Fields._fields.index("dtype"))
+    shape = property(lambda record: record.fields[2])
+    dtype = property(lambda record: record.fields[4])
 
     def numel(self) -> int:
-        return self.fields.numel
+        return self.fields[6]
 
     def tensor(self) -> torch.Tensor:
         """The meta tensor torch's rebuild would have made of it (not the parameter, for a parameter's)."""
@@ -111,9 +103,9 @@ class PlainTensor(Unchangeable):
 
     def with_grad(self, requires_grad: Any) -> Optional["PlainTensor"]:
         """The record of ``torch.nn.Parameter`` of it (torch's parameter rebuild); None where torch decides."""
-        if type(requires_grad) is not bool or (requires_grad and self.fields.dtype not in _GRAD_DTYPES):
+        if type(requires_grad) is not bool or (requires_grad and self.dtype not in _GRAD_DTYPES):
             return None
-        return _record(self.fields._replace(requires_grad=requires_grad, parameter=True))
+        return _record(self.fields[:5] + (requires_grad,) + self.fields[6:9] + (True,))
 
     def __bool__(self) -> bool:
         raise TypeError("the truth value of a tensor record is undefined")
@@ -126,10 +118,10 @@ class PlainTensor(Unchangeable):
 
     def __repr__(self) -> str:  # as the meta tensor reads (a file can key a dict by one, or name a storage by it)
         tensor = self.tensor()
-        return repr(torch.nn.Parameter(tensor, self.fields.requires_grad) if self.fields.parameter else tensor)
+        return repr(torch.nn.Parameter(tensor, self.fields[5]) if self.fields[9] else tensor)
 
 
-def _record(fields: Fields) -> PlainTensor:
+def _record(fields: tuple) -> PlainTensor:
     record = object.__new__(PlainTensor)
     _set(record, "fields", fields)
     return record
@@ -176,4 +168,4 @@ def plain_tensor(storage: PlainStorage, offset: int, size: tuple, stride: tuple,
     layout = plain_layout(offset, size, stride, dtype.itemsize)
     if layout is None:
         return None
-    return _record(Fields(storage, offset, size, stride, dtype, requires_grad, *layout, False))
+    return _record((storage, offset, size, stride, dtype, requires_grad) + layout + (False,))

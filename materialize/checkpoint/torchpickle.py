@@ -29,7 +29,7 @@ from .base import TensorInfo, is_extra_state, make_info, shape_fits_int64
 from .modelstate import Shapes, copies_of, not_there, several_copies
 from .pickle_budget import check_budget
 from .pickle_scan import hostile_calls, quantized_tensors
-from .plainrecords import PlainStorage, PlainTensor, plain_tensor
+from .plainrecords import PlainStorage, PlainTensor, plain_storage, plain_tensor
 from .sealed import Unchangeable, sealed_call
 from .standins import (
     INERT_GLOBALS, CalledStandIn, StandIn, is_module_state, is_numpy_array, module_state, stand_in_class,
@@ -96,7 +96,7 @@ def persistent_loader(path: Path, refs: dict[int, StorageRef], *, records: bool 
                 f"storage record data/{key} is named as {first} and as {dtype}; torch.save never writes one storage "
                 "with two dtypes", path=path)
         if records:
-            return PlainStorage(StorageRef(str(key), numel * dtype.itemsize), dtype, refs)
+            return plain_storage(str(key), numel * dtype.itemsize, dtype, refs)
         storage = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
         refs[storage._cdata] = StorageRef(str(key), numel * dtype.itemsize)
         return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
@@ -210,7 +210,7 @@ def _plain_rebuild(rebuild: Callable[..., torch.Tensor], *, dtype_given: bool) -
 def _meta_tensor(record: PlainTensor) -> torch.Tensor:
     """The meta tensor a record stands for, where torch's own code must be given one; noted as rebuilds' are."""
     tensor = record.tensor()
-    _MADE.tensors.append((tensor, record.fields.offset, record.shape, record.fields.stride))
+    _MADE.tensors.append((tensor, record.fields[1], record.shape, record.fields[3]))
     return tensor
 
 
@@ -745,25 +745,52 @@ def tensor_info(
     )
 
 
+def tensor_infos(path: Path, tensors: dict[str, Any], refs: dict[int, StorageRef], records: dict[str, tuple[int, int]],
+                 file_size: int) -> dict[str, TensorInfo]:
+    """:func:`tensor_info` of each named tensor, in order: records (see :mod:`.plainrecords`) in this one loop,
+    without a call each, where they pass its checks (else its error); meta tensors by :func:`tensor_info`."""
+    infos: dict[str, TensorInfo] = {}
+    new = object.__new__
+    for name, tensor in tensors.items():
+        if type(tensor) is not PlainTensor:
+            infos[name] = tensor_info(path, name, tensor, refs, records, file_size)
+            continue
+        storage, offset, shape, stride, dtype, _, numel, contiguous, extent, _ = tensor.fields
+        key, nbytes = storage.fields[:2]
+        located = records.get(key)
+        itemsize = dtype.itemsize
+        start = offset * itemsize
+        if located is None or located[1] < nbytes or located[0] + nbytes > file_size or start + extent * itemsize > nbytes:
+            infos[name] = tensor_info(path, name, tensor, refs, records, file_size)  # raises, saying which
+            continue
+        info = new(TensorInfo)  # as make_info makes it: a dict of fields, the element count cached
+        info.__dict__.update({
+            "name": name, "dtype_name": _DTYPE_NAMES[dtype], "itemsize": itemsize, "shape": shape, "path": path,
+            "offset": located[0] + start, "stride": None if contiguous else stride,
+            "span_nbytes": None if contiguous else extent * itemsize, "storage": located[0], "numel": numel})
+        infos[name] = info
+    return infos
+
+
 def _record_info(path: Path, name: str, record: PlainTensor, records: dict[str, tuple[int, int]], file_size: int,
                  fail: Callable[[str], CheckpointError]) -> TensorInfo:
     """:func:`tensor_info` of a record: its checks in the same order, less those its domain rules out (layout
     kinds, lazy bits, negative or oversized layouts: see :mod:`.plainrecords`)."""
     storage, offset, shape, stride, dtype, _, numel, contiguous, extent, _ = record.fields
-    ref = storage.ref
-    located = records.get(ref.key)
+    key, nbytes = storage.fields[:2]
+    located = records.get(key)
     if located is None:
-        raise fail(f"storage record data/{ref.key} is missing from the zip")
+        raise fail(f"storage record data/{key} is missing from the zip")
     record_offset, record_size = located
-    if record_size < ref.nbytes:
-        raise fail(f"storage record data/{ref.key} holds {record_size} bytes, {ref.nbytes} expected")
-    if record_offset + ref.nbytes > file_size:
-        raise fail(f"storage record data/{ref.key} runs past the end of the file (truncated?)")
+    if record_size < nbytes:
+        raise fail(f"storage record data/{key} holds {record_size} bytes, {nbytes} expected")
+    if record_offset + nbytes > file_size:
+        raise fail(f"storage record data/{key} runs past the end of the file (truncated?)")
     itemsize = dtype.itemsize
     start = offset * itemsize
     span = extent * itemsize
-    if start + span > ref.nbytes:
-        raise fail(f"view of bytes [{start}, {start + span}) lies outside its {ref.nbytes}-byte storage")
+    if start + span > nbytes:
+        raise fail(f"view of bytes [{start}, {start + span}) lies outside its {nbytes}-byte storage")
     return make_info(
         name=name,
         dtype_name=_DTYPE_NAMES[dtype],

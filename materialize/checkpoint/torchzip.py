@@ -23,7 +23,7 @@ from ..errors import CheckpointError, UnsupportedFormatError
 from ..io.fileio import file_size_of, remote_pread
 from ..sources.remotepath import is_remote
 from .base import TensorInfo
-from .torchpickle import Payload, StorageRef, first_line, read_bare_tensor, read_payload, tensor_info
+from .torchpickle import Payload, StorageRef, first_line, read_bare_tensor, read_payload, tensor_infos
 
 _LOCAL_HEADER = struct.Struct("<4s4xH16xHH")
 _SMALL_RECORD = 1 << 20
@@ -319,5 +319,4 @@ def _read_zip(
         else:
             payload = Payload({single: read_bare_tensor(path, data, refs, what=f"tensor '{single}'")}, None, {})
         _verify_small_records(path, archive, prefix, {byteorder, f"{prefix}/data.pkl"})
-    return payload._replace(tensors={name: tensor_info(path, name, t, refs, records, file_size)
-                                     for name, t in payload.tensors.items()})
+    return payload._replace(tensors=tensor_infos(path, payload.tensors, refs, records, file_size))

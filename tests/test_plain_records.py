@@ -296,3 +296,20 @@ def test_a_bad_storage_record_is_refused_as_without_records(tmp_path, monkeypatc
             errors.append(str(caught.value))
     assert errors[0] == errors[1]
     assert "bad.pt" in errors[0]
+
+
+def test_the_records_dtypes_are_made_by_torch_as_records_assume():
+    import warnings
+
+    for dtype in plainrecords._RECORD_DTYPES:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a warning torch gives for the meta tensor would be lost with the record
+            tensor = torch.empty((0,), dtype=dtype, device="meta")
+        assert tensor.layout == torch.strided and not tensor.is_quantized, dtype
+        torch.nn.Parameter(tensor, requires_grad=False)
+        if dtype in plainrecords._GRAD_DTYPES:
+            torch.empty((0,), dtype=dtype, device="meta").requires_grad = True
+            torch.nn.Parameter(torch.empty((0,), dtype=dtype, device="meta"), requires_grad=True)
+        else:
+            with pytest.raises(RuntimeError):
+                torch.empty((0,), dtype=dtype, device="meta").requires_grad = True

@@ -465,26 +465,18 @@ def _tensor_record(data: bytes, pos: int, memo: dict[int, Value], nodes: list[_N
     if location_at == key_at or get(location_at, _MISSING) is not None or get(hooks_from, _MISSING) is not None \
             or hooks_from in (key_at, id_at, size_at, stride_at):
         return None
-    new_node = object.__new__
-    persistent_id = new_node(_Node)  # ('storage', class, key, location, count)
-    persistent_id.items, persistent_id.used, persistent_id.objects, persistent_id.depth, persistent_id.chosen = \
-        [None] * 5, True, 6, 1, 0
-    storage = new_node(_Node)  # BINPERSID's result
-    storage.items, storage.used, storage.objects, storage.depth, storage.chosen = [persistent_id], True, 7, 2, 0
+    persistent_id = _made([None] * 5, 6, 1)  # ('storage', class, key, location, count)
+    storage = _made([persistent_id], 7, 2)  # BINPERSID's result
     nodes.append(persistent_id)
     nodes.append(storage)
     size = _layout_node(size_items, nodes) if size_items is not None else None
     stride = _layout_node(stride_items, nodes) if stride_items is not None else None
-    hooks = new_node(_Node)  # OrderedDict()
-    hooks.items, hooks.used, hooks.objects, hooks.depth, hooks.chosen = [None, None], True, 3, 1, 0
-    args = new_node(_Node)
-    args.items, args.used, args.depth, args.chosen = [storage, None, size, stride, None, hooks], True, 3, 0
-    args.objects = 13 + (size.objects if size is not None else 1) + (stride.objects if stride is not None else 1)
-    call = new_node(_Node)
-    call.items, call.used, call.objects, call.depth, call.chosen = [None, args], False, 2 + args.objects, 4, 0
-    nodes.append(hooks)
-    nodes.append(args)
-    nodes.append(call)
+    hooks = _made([None, None], 3, 1)  # OrderedDict()
+    args = _made([storage, None, size, stride, None, hooks],
+                 13 + (size.objects if size is not None else 1) + (stride.objects if stride is not None else 1), 3)
+    call = _made([None, args], 2 + args.objects, 4)
+    call.used = False
+    nodes += (hooks, args, call)
     if key_at >= 0:
         memo[key_at] = None
     memo[id_at] = persistent_id
@@ -498,6 +490,17 @@ def _tensor_record(data: bytes, pos: int, memo: dict[int, Value], nodes: list[_N
     return found.end(), call
 
 
+def _made(items: list, objects: int, depth: int) -> _Node:
+    """A node of a record, held by the next (``used``), of counts known from the record's form: as
+    ``_Node(items)`` counts them, less its loop."""
+    node = _new_node(_Node)
+    node.items, node.used, node.objects, node.depth, node.chosen = items, True, objects, depth, 0
+    return node
+
+
+_new_node = object.__new__
+
+
 def _layout_node(items: bytes, nodes: list[_Node]) -> _Node:
     """The node of a record's size or stride tuple, appended to ``nodes``."""
     last = items[-1]
@@ -508,8 +511,7 @@ def _layout_node(items: bytes, nodes: list[_Node]) -> _Node:
         while at < len(items) - 1:
             at += _INT_WIDTHS[items[at]]
             count += 1
-    node = object.__new__(_Node)
-    node.items, node.used, node.objects, node.depth, node.chosen = [None] * count, True, 1 + count, 1, 0
+    node = _made([None] * count, 1 + count, 1)
     nodes.append(node)
     return node
 

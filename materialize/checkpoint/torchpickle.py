@@ -90,15 +90,16 @@ def persistent_loader(path: Path, refs: dict[int, StorageRef], *, records: bool 
             dtype = getattr(storage_type, "_dtype", None) or getattr(storage_type, "dtype", None)
         if not isinstance(dtype, torch.dtype) or type(numel) is not int or numel < 0:
             raise CheckpointError(f"malformed storage record {brief(key)} in data.pkl", path=path)
-        first = dtypes.setdefault(str(key), dtype)
+        name = str(key)
+        first = dtypes.setdefault(name, dtype)
         if first != dtype:  # torch.load would read it as the first dtype named; torch.save never writes this
             raise CheckpointError(
                 f"storage record data/{key} is named as {first} and as {dtype}; torch.save never writes one storage "
                 "with two dtypes", path=path)
         if records:
-            return plain_storage(str(key), numel * dtype.itemsize, dtype, refs)
+            return plain_storage(name, numel * dtype.itemsize, dtype, refs)
         storage = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
-        refs[storage._cdata] = StorageRef(str(key), numel * dtype.itemsize)
+        refs[storage._cdata] = StorageRef(name, numel * dtype.itemsize)
         return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
 
     return persistent_load

@@ -168,3 +168,11 @@ def test_a_zip64_entry_reads_as_zipfile_reads_it(fields):
     ours = _our_view(damaged)
     assert ours == _zipfile_view(damaged)
     assert ours[0] == ("read" if fields == 3 else "error")
+
+
+def test_headers_far_apart_are_read_alone():
+    # Big records between them: each header its own small read, not the records' data with it.
+    reads = []
+    spans = [(i * 24_000, 100) for i in range(10)]
+    list(torchzip._local_headers(spans, lambda n, at: reads.append(n) or b"x" * n, 0))
+    assert reads == [100] * 10

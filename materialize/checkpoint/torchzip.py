@@ -88,18 +88,22 @@ def _record_offsets(
     return offsets
 
 
-# Local headers this close together are read by one positional read (with what lies between them).
+# Local headers at most _HEADER_GAP bytes apart are read by one positional read of at most _HEADER_RUN bytes
+# (with the record data between them): a zip of small tensors in few reads, one of big tensors in one small read
+# a header, never their data.
 _HEADER_RUN = 1 << 16
+_HEADER_GAP = 1 << 12
 
 
 def _local_headers(spans: list[tuple[int, int]], pread: Callable[[int, int], bytes], base: int) -> Iterator[bytes]:
     """The bytes at each ``(offset, length)`` of ``spans`` in turn (each record's local header and name), as
     one positional read each would return them.
 
-    Spans that follow one another in the file, all within
+    Spans that follow one another in the file, each at most
+    :data:`_HEADER_GAP` bytes after the one before and all within
     :data:`_HEADER_RUN` bytes of the first, are read by one positional read
-    of the run: a zip of 100,000 small tensors takes a read per few hundred
-    records, not one each; a run is read only when its first span is asked for.
+    of the run: a zip of 100,000 small tensors takes a read per hundred or
+    so records, not one each; a run is read only when its first span is asked for.
     """
     window, window_at = b"", 0
     for index, (offset, length) in enumerate(spans):
@@ -107,7 +111,7 @@ def _local_headers(spans: list[tuple[int, int]], pread: Callable[[int, int], byt
         if not (0 <= start and start + length <= len(window)):
             run_end = offset + length
             for next_offset, next_length in spans[index + 1:index + 1024]:
-                if next_offset < run_end or next_offset + next_length - offset > _HEADER_RUN:
+                if not run_end <= next_offset <= run_end + _HEADER_GAP or next_offset + next_length - offset > _HEADER_RUN:
                     break
                 run_end = next_offset + next_length
             window, window_at, start = pread(run_end - offset, base + offset), offset, 0

@@ -177,7 +177,10 @@ def _plain_rebuild(rebuild: Callable[..., torch.Tensor], *, dtype_given: bool) -
 
     A tensor without hooks or metadata (every tensor of a state dict) is set
     straight onto its storage: torch's own rebuild also looks for a fake
-    tensor mode on every call, most of its cost. A negative layout, which
+    tensor mode on every call, most of its cost. On a storage of
+    :func:`persistent_loader`'s records, it is not made at all where its
+    layout is one torch makes as given: its record stands for it (see
+    :mod:`.plainrecords`). A negative layout, which
     meta storages would quietly accept, sends the file to the weights-only
     path, whose opcode scan (:func:`.pickle_scan.hostile_calls`) refuses
     it with the layout named. So does a layout changed after the rebuild (a

@@ -213,6 +213,8 @@ class Plan:
     # DTensor layouts found while planning, by mesh, placements and shapes: each found once (not a field of
     # the plan's JSON form).
     shard_specs: dict[tuple, ShardSpec] = field(default_factory=dict, repr=False, compare=False)
+    # The model's RNNs: their list of weights (``_flat_weights``) is refreshed once the load replaced them.
+    rnn_modules: list[nn.Module] = field(default_factory=list, repr=False, compare=False)
 
     def of(self, action: Action) -> list[Entry]:
         """The entries the load handles so: ``"load"``, ``"init"``, ``"keep"`` or ``"code"``."""
@@ -592,6 +594,7 @@ def make_plan(
                 key_map=rename.describe() if isinstance(rename, KeyMap) else "",
                 renamed_by_model=replayed.renamed,
                 built_on_meta=any(tensor.is_meta for tensor, named in groups if named[0][1].is_parameter))
+    plan.rnn_modules = list({id(module): module for _, module in modules if isinstance(module, nn.RNNBase)}.values())
     refuse_unreadable_placements([(named[0][0], tensor) for tensor, named in groups], ckpt.path)  # all, not the first
     reinitialized_shapes: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
     for tensor, named in groups:

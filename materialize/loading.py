@@ -35,7 +35,7 @@ from .planning.keymap import KeyMapLike
 from .planning.loadhooks import run_post_hooks
 from .io.peak import PeakMemory
 from .checkpoint.base import contiguous_strides
-from .skeleton.meta import buffer_like, is_lazy, parameter_like, shared_memory_asked
+from .skeleton.meta import buffer_like, fresh_parameter_like, is_lazy, parameter_like, shared_memory_asked
 from .skeleton.modtree import modules_of, one_walk
 from .planning.plan import DtypeRule, Entry, InitFn, Plan, Tolerated, initializer_of, make_plan, raise_for_mismatch
 from .options import IgnoreUnexpected, PlanOptions, ProgressFn, ReadOptions, unexpected_to_ignore
@@ -508,13 +508,14 @@ def _materialize_entry(
     local = local_of(tensor) if sharded else tensor  # what this process fills: a DTensor's shard on this rank
     if (check and view is None and action != "keep") or (action == "code" and tensor is not original):
         poison(local)  # whatever is not written later is caught by the audit (the load code's, by _refuse_unfilled)
-    if sharded and not is_dtensor(tensor):
+    wrapped = sharded and not is_dtensor(tensor)
+    if wrapped:
         tensor = entry.shard.wrap(tensor)
     if tensor is not original:
         if isinstance(original, nn.Parameter):
             dtype = tensor.dtype
-            tensor = parameter_like(original, tensor,
-                                    original.requires_grad and (dtype.is_floating_point or dtype.is_complex))
+            make = fresh_parameter_like if wrapped else parameter_like  # a DTensor just made is this load's alone
+            tensor = make(original, tensor, original.requires_grad and (dtype.is_floating_point or dtype.is_complex))
         else:
             tensor = buffer_like(original, tensor)
     entry.hold(tensor, undo)

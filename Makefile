@@ -10,6 +10,10 @@
 #   make bench-sharded  the 1.9 GB checkpoint into an FSDP2 model on 2 ranks, against set_model_state_dict;
 #                       then into torchtitan's 2-D layout on 4 ranks, against dcp.load; then 4 replicas of
 #                       the whole model, group= against every rank reading and rank 0 reading + broadcasting
+#   make bench-many  a mixture-of-experts checkpoint of 100,000 small tensors (2.5 GB) as one safetensors file,
+#                    sharded safetensors and a torch zip, into a model built on meta and one from deferred_init,
+#                    against safetensors and torch.load + load_state_dict(assign=True), under FSDP2 on 2 ranks,
+#                    and materialize inspect; each load's phases timed apart
 #   make bench-remote  the 1.9 GB checkpoint streamed from nginx (http://) and a moto S3 server (s3://) on loopback,
 #                      against the local file and Run:ai's Model Streamer (needs nginx: apt-get install nginx-light)
 #   make zoo    every transformers class of the auto mappings (tiny configs), timm family and torchvision builder
@@ -50,7 +54,7 @@ FUZZ_INPUT_SECONDS_PER_MB ?= 4
 FUZZ_INPUT_MEMORY_MB_PER_MB ?= 64
 FUZZ_TARGETS ?=
 
-.PHONY: demo test docs-api bench bench-strided bench-dcp bench-deferred bench-sharded bench-remote zoo fuzz venv clean lock test-latest test-oldest
+.PHONY: demo test docs-api bench bench-strided bench-dcp bench-deferred bench-sharded bench-many bench-remote zoo fuzz venv clean lock test-latest test-oldest
 
 # A fresh venv each time an input changes, so nothing of an earlier lock stays behind. The editable install
 # is built without isolation, by the locked setuptools, so no build step fetches a floating one.
@@ -136,6 +140,9 @@ bench-sharded: $(BENCH_STAMP)
 	$(PY) -m bench.sharded --config $(CONFIG) --layout 2d
 	$(PY) -m bench.sharded --config $(CONFIG) --layout replicas
 	$(PY) -m bench.sharded --config $(CONFIG) --layout replicas --source s3
+
+bench-many: $(BENCH_STAMP)
+	$(PY) -m bench.many
 
 bench-remote: $(BENCH_STAMP)
 	$(PY) -m bench.remote --config $(CONFIG)

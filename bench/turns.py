@@ -16,9 +16,10 @@ from pathlib import Path
 Run = Callable[[str], dict]  # method -> {"load_s", "verified", and "rss_growth" where measured}
 
 
-def take_turns(methods: dict[str, str], run: Run, runs: int) -> dict[str, list[dict]]:
-    """Every method once to warm up (page cache, import caches), then ``runs`` rounds of each in turn."""
-    for method in methods.values():
+def take_turns(methods: dict[str, str], run: Run, runs: int, *, warm_up: bool = True) -> dict[str, list[dict]]:
+    """Every method once to warm up (page cache, import caches; unless not ``warm_up``), then ``runs`` rounds of
+    each in turn."""
+    for method in methods.values() if warm_up else ():
         run(method)
     results: dict[str, list[dict]] = {label: [] for label in methods}
     for _ in range(runs):

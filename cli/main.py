@@ -303,12 +303,21 @@ def _inspect_lines(ckpt: mz.Checkpoint) -> Iterator[str]:
         yield f"state dict: entry {ckpt.state_dict_key!r} of the saved dict"
     if ckpt.module is not None:
         yield f"pickled module: {type(ckpt.module).__module__}.{type(ckpt.module).__qualname__}"
-    width = max((len(shown) for shown in map(printable, ckpt) if len(shown) <= NAME_COLUMN), default=4)
+    infos = list(ckpt.values())
+    names = [printable(info.name) for info in infos]  # each escaped once, for the width and for its row
+    width = max((len(shown) for shown in names if len(shown) <= NAME_COLUMN), default=4)
     many_files = len(ckpt.shards) > 1
-    for info in ckpt.values():
-        shape = "x".join(map(str, info.shape)) or "scalar"
-        row = f"{printable(info.name).ljust(width)}  {info.dtype_name:<14} {shape:<20} {format_bytes(info.nbytes):>10}"
-        yield row + (f"  {printable(info.path.name)}" if many_files else "")
+    # The columns after the name, made once for each kind of tensor: a checkpoint of a hundred thousand experts
+    # has a few (inspect is to answer within a second).
+    columns: dict[tuple, str] = {}
+    for shown, info in zip(names, infos):
+        kind = (info.dtype_name, info.shape, info.nbytes, info.path if many_files else None)
+        rest = columns.get(kind)
+        if rest is None:
+            shape = "x".join(map(str, info.shape)) or "scalar"
+            rest = columns[kind] = (f"  {info.dtype_name:<14} {shape:<20} {format_bytes(info.nbytes):>10}"
+                                    + (f"  {printable(info.path.name)}" if many_files else ""))
+        yield shown.ljust(width) + rest
 
 
 @main.command("plan")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from collections import Counter
@@ -34,14 +35,14 @@ from .planning.keymap import KeyMapLike
 from .planning.loadhooks import run_post_hooks
 from .io.peak import PeakMemory
 from .checkpoint.base import contiguous_strides
-from .skeleton.meta import buffer_like, is_lazy, parameter_like, shared_memory_asked
-from .skeleton.modtree import named_modules
+from .skeleton.meta import buffer_like, fresh_parameter_like, is_lazy, parameter_like, shared_memory_asked
+from .skeleton.modtree import modules_of, one_walk
 from .planning.plan import DtypeRule, Entry, InitFn, Plan, Tolerated, initializer_of, make_plan, raise_for_mismatch
 from .options import IgnoreUnexpected, PlanOptions, ProgressFn, ReadOptions, unexpected_to_ignore
 from .progress import ProgressLike, counted, report_phase, takes_progress
 from .report import Report
 from .sanitizer import audit, is_poisoned, nonfinite, poison
-from .integrations.sharded import is_dtensor, local_of
+from .integrations.sharded import held_local, is_dtensor, local_of
 from .planning.ties import TieSettling, compared_before_allocating
 from .io.transfer import resolve_device
 
@@ -198,24 +199,27 @@ def load(
     are freed; values already written into a real model's own tensors, filled
     in place, stay written, and the error names those tensors.
     """
-    options = PlanOptions(
-        device=resolve_device(device if device is not None else default_device(model)), dtype=parse_dtype(dtype),
-        strict=strict, key_map=key_map, init=init, ignore_mismatched_sizes=ignore_mismatched_sizes,
-        ignore_unexpected=unexpected_to_ignore(ignore_unexpected), device_map=device_map, max_memory=max_memory,
-    )
+    walk = one_walk(model)  # the device lookup and planning walk the model once; no model code runs in between
+    with walk:
+        options = PlanOptions(
+            device=resolve_device(device if device is not None else default_device(model)), dtype=parse_dtype(dtype),
+            strict=strict, key_map=key_map, init=init, ignore_mismatched_sizes=ignore_mismatched_sizes,
+            ignore_unexpected=unexpected_to_ignore(ignore_unexpected), device_map=device_map, max_memory=max_memory,
+        )
     read = ReadOptions(mmap=mmap, staging_bytes=staging_bytes, allow_overflow=allow_overflow, check=check,
                        check_finite=check_finite, progress=progress, direct_io=direct_io, group=group)
     announce_opening(progress, checkpoint)
     with opened(checkpoint, trust_pickle, state_dict_key, remote) as ckpt:
         report_phase(progress, f"planning {counted(len(ckpt), 'tensor')}")
-        the_plan, options, placement = planned(model, ckpt, options)
+        with walk:
+            the_plan, options, placement = planned(model, ckpt, options)
         report_phase(progress, f"loading {counted(len(the_plan.of('load')), 'tensor')}")
         report = execute(the_plan, ckpt, read, init=options.init)
     if is_hf_model(model):
         mark_loaded(model, report.loaded)
         if report.untied:
             forget_ties(model, report.untied)
-    refresh_flat_weights(model)
+    refresh_flat_weights_of(the_plan)
     run_post_hooks(the_plan.post_hooked, report.missing, report.unexpected)
     if the_plan.strict_after_hooks:  # what the hooks left unforgiven fails the load, as in load_state_dict
         the_plan.missing, the_plan.unexpected, the_plan.mismatched = report.missing, report.unexpected, []
@@ -230,9 +234,15 @@ def load(
 def refresh_flat_weights(model: nn.Module) -> None:
     """RNNs keep a list of their weight tensors (``_flat_weights``, which cuDNN's ``flatten_parameters`` reads);
     torch refreshes it wherever it replaces them (``_apply``), and so do a load and ``materialize``."""
-    for module in model.modules():
+    for module in modules_of(model):  # torch's walk costs a generator per level, a model of experts many
         if isinstance(module, nn.RNNBase):
             module._init_flat_weights()
+
+
+def refresh_flat_weights_of(plan: Plan) -> None:
+    """:func:`refresh_flat_weights` for the RNNs whose tensors a load replaced: those owning one of its entries."""
+    for module in plan.rnn_modules:
+        module._init_flat_weights()
 
 
 def default_device(model: nn.Module) -> torch.device:
@@ -247,7 +257,7 @@ def default_device(model: nn.Module) -> torch.device:
 
 def model_device(model: nn.Module) -> torch.device:
     """The one device the model's real parameters are on (its real buffers', if no parameter is real), else the CPU."""
-    modules = [module for _, module in named_modules(model)]  # torch's own walk costs a generator per level
+    modules = modules_of(model)  # torch's own walk costs a generator per level
     for registry in ("_parameters", "_buffers"):
         devices = {tensor.device for module in modules for tensor in getattr(module, registry).values()
                    if tensor is not None and not tensor.is_meta}
@@ -377,20 +387,23 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
             if isinstance(error, AllocationError) and error.tensor is not None:
                 with_whole_load(error, *_needs_where(the_plan, error.tensor, mmap, staging_bytes), placeable=True)
             raise
+    names_by_action: dict[str, list[str]] = {"load": [], "init": [], "keep": [], "code": []}
+    for entry in the_plan.entries:  # one pass, not one per action
+        names_by_action[entry.action].append(entry.name)
     return make_report(
-        ckpt, the_plan.device, [local_of(tensor) for _, tensor in registered], reader.bytes_read, started, memory,
+        ckpt, the_plan.device, [held_local(tensor) for _, tensor in registered], reader.bytes_read, started, memory,
         bytes_received=reader.bytes_received,
-        loaded=[e.name for e in the_plan.of("load")],
-        initialized=[e.name for e in the_plan.of("init")],
-        replayed=[e.name for e in the_plan.of("init")] if isinstance(init, ReplayInit) else [],
-        kept=[e.name for e in the_plan.of("keep")],
+        loaded=names_by_action["load"],
+        initialized=names_by_action["init"],
+        replayed=list(names_by_action["init"]) if isinstance(init, ReplayInit) else [],
+        kept=names_by_action["keep"],
         missing=list(the_plan.missing),
         unexpected=list(the_plan.unexpected),
         ignored=list(the_plan.ignored),
         reinitialized=list(the_plan.reinitialized),
         not_from_checkpoint=the_plan.not_from_checkpoint,
         fed_to_load_code=list(the_plan.fed_to_load_code),
-        filled_by_load_code=[e.name for e in the_plan.of("code")],
+        filled_by_load_code=names_by_action["code"],
         key_map=the_plan.key_map,
         tied=[list(entry.names) for index, entry in enumerate(the_plan.entries)
               if len(entry.names) > 1 and index not in compared] + retied,
@@ -439,13 +452,14 @@ def make_report(
     ckpt: Checkpoint, device: torch.device, final: list[torch.Tensor], bytes_read: int, started: float,
     memory: PeakMemory, **outcome: Any,
 ) -> Report:
-    placed = {str(tensor.device) for tensor in final if not tensor.is_meta}
+    # Devices and dtypes gathered as objects, named once each: a name made per tensor costs a model of many.
+    placed = {str(device) for device in {tensor.device for tensor in final if not tensor.is_meta}}
     return Report(
         checkpoint=os.fspath(ckpt.path),
         format=ckpt.format,
         state_dict_key=ckpt.state_dict_key,
         device=placed.pop() if len(placed) == 1 else str(device),  # a DTensor lives on its mesh's device
-        dtypes=dict(Counter(dtype_name(t.dtype) for t in final)),
+        dtypes={dtype_name(dtype): count for dtype, count in Counter(t.dtype for t in final).items()},
         bytes_read=bytes_read,
         model_bytes=_unique_bytes(final),
         seconds=time.perf_counter() - started,
@@ -474,11 +488,12 @@ def _materialize_entry(
     """Allocate one tensor (once, whatever its tie group) and register it everywhere."""
     original = entry.original
     source = entry.source
+    action = entry.action
     view = reader.view(source) if reader is not None and source is not None and entry.stays_in_file(mmap) else None
     if view is not None:
         tensor = view
         mapped.append(entry.name)
-    elif entry.action == "keep":
+    elif action == "keep":
         tensor = original if is_lazy(original) else original.to(entry.device)
     elif _reusable(original, entry):
         tensor = original  # already real, right place and type: fill it in place
@@ -487,20 +502,24 @@ def _materialize_entry(
             entry.local_shape, dtype=entry.dtype, device=entry.device, name=entry.name,
             path=source.path if source is not None else None, stride=_asked_strides(original, entry),
         )
-        if tensor.device.type == "cpu" and shared_memory_asked(original):
+        if tensor.is_cpu and shared_memory_asked(original):
             tensor.share_memory_()  # empty yet: moving it costs no copy of values
     sharded = entry.shard is not None
     local = local_of(tensor) if sharded else tensor  # what this process fills: a DTensor's shard on this rank
-    if (check and view is None and entry.action != "keep") or (entry.action == "code" and tensor is not original):
+    if (check and view is None and action != "keep") or (action == "code" and tensor is not original):
         poison(local)  # whatever is not written later is caught by the audit (the load code's, by _refuse_unfilled)
-    if sharded and not is_dtensor(tensor):
+    wrapped = sharded and not is_dtensor(tensor)
+    if wrapped:
         tensor = entry.shard.wrap(tensor)
-    if tensor is not original and isinstance(original, nn.Parameter):
-        tensor = parameter_like(original, tensor, original.requires_grad and (tensor.is_floating_point() or tensor.is_complex()))
-    elif tensor is not original:
-        tensor = buffer_like(original, tensor)
+    if tensor is not original:
+        if isinstance(original, nn.Parameter):
+            dtype = tensor.dtype
+            make = fresh_parameter_like if wrapped else parameter_like  # a DTensor just made is this load's alone
+            tensor = make(original, tensor, original.requires_grad and (dtype.is_floating_point or dtype.is_complex))
+        else:
+            tensor = buffer_like(original, tensor)
     entry.hold(tensor, undo)
-    if entry.action != "load" or view is not None:
+    if action != "load" or view is not None:
         return []
     assert source is not None
     # Reader threads run with autograd on: a tensor that requires grad is filled through a detached alias.
@@ -510,11 +529,17 @@ def _materialize_entry(
 def _asked_strides(original: torch.Tensor, entry: Entry) -> Optional[tuple[int, ...]]:
     """The strides a meta tensor asked for (a channels_last weight), where they lay its elements out densely;
     None for contiguous ones."""
-    if entry.shard is not None or is_lazy(original) or tuple(original.shape) != entry.local_shape:
+    if entry.shard is not None or is_lazy(original) or original.shape != entry.local_shape:
         return None
-    stride = tuple(original.stride())
+    stride = original.stride()
     # Exactly: a 1x1 convolution's channels_last weight counts as contiguous, but its strides are not.
-    return None if stride == contiguous_strides(entry.local_shape) or not _dense(original) else stride
+    return None if stride == _contiguous_strides_of(entry.local_shape) or not _dense(original) else stride
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous_strides_of(shape: tuple[int, ...]) -> tuple[int, ...]:
+    # A model of many tensors has few shapes: an expert's three, repeated thousands of times.
+    return contiguous_strides(shape)
 
 
 def _dense(tensor: torch.Tensor) -> bool:

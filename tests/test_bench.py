@@ -160,3 +160,32 @@ def test_the_deferred_bench_times_the_recording_and_eager_construction_of_the_mo
     assert report["ratio_of_sums"] == sum(r["recorded_s"] for r in timed) / sum(r["eager_s"] for r in timed)
     assert report["meta_import_s"] > 0
     assert "recorded / eager" in (out / "bench-deferred-zoo.md").read_text()
+
+
+def test_the_many_tensors_bench_verifies_every_method_of_every_form_and_times_each_phase(tmp_path):
+    out = tmp_path / "results"
+
+    subprocess.run([sys.executable, "-m", "bench.many", "--tensors", "300", "--hidden", "16", "--intermediate", "8",
+                    "--runs", "1", "--no-warm-up", "--scaling-counts", "60,120", "--data", str(tmp_path / "data"),
+                    "--baseline", str(ROOT), "--baseline-name", "same checkout", "--out", str(out)],
+                   cwd=ROOT, check=True, capture_output=True, text=True)
+
+    report = json.loads((out / "bench-many.json").read_text())
+    assert report["tensors"] == 300
+    groups = report["results"]
+    assert set(groups) == {"single", "sharded", "torch", "fsdp2", "scaling", "inspect"}
+    assert [row["tensors"] for row in groups["scaling"].values()] == [60, 60, 60, 60, 120, 120, 120, 120]
+    baseline = groups["single"]["ours, meta_init model, same checkout"]  # the library of --baseline, in turns
+    assert baseline["verified"] and baseline["library"] == str(ROOT / "materialize")
+    assert "materialize inspect, torch zip, same checkout" in groups["inspect"]
+    for group, rows in groups.items():
+        for label, row in rows.items():
+            assert row["verified"], (group, label, row)
+    for form in ("single", "sharded", "torch"):
+        ours = groups[form]["ours, meta_init model"]["phases"]
+        assert set(ours) == {"open", "plan", "allocate", "read", "report"} and all(s >= 0 for s in ours.values())
+        assert groups[form]["ours, deferred_init model"]["build_s"] > 0
+    assert groups["inspect"]["materialize inspect, torch zip"]["lines"] > 300  # a row a tensor, and a heading
+    assert (tmp_path / "data" / "many-300-16x8" / "hf" / "model.safetensors.index.json").is_file()
+    text = (out / "bench-many.md").read_text()
+    assert "| one safetensors file | ours, meta_init model |" in text and "**materialize inspect**" in text

@@ -77,12 +77,16 @@ def read_sharded(index_path: Path, read_shard: ShardReader) -> tuple[dict[str, T
     weight_map, metadata = read_index(index_path)
     shards = resolve_shards(index_path, weight_map)
     tensors: dict[str, TensorInfo] = {}
-    expected_by_shard: dict[str, set[str]] = {}
+    names_by_shard: dict[str, list[str]] = {}
     for name, shard_name in weight_map.items():
-        expected_by_shard.setdefault(shard_name, set()).add(name)
+        names = names_by_shard.get(shard_name)
+        if names is None:
+            names_by_shard[shard_name] = [name]
+        else:
+            names.append(name)
     for shard_name, shard_path in shards.items():
         found = read_shard(shard_path)
-        expected = expected_by_shard[shard_name]
+        expected = set(names_by_shard[shard_name])
         absent = sorted(expected - found.keys())
         if absent:
             raise CheckpointError(
@@ -92,7 +96,6 @@ def read_sharded(index_path: Path, read_shard: ShardReader) -> tuple[dict[str, T
             owner = weight_map.get(name)
             where = f"the index maps it to {owner}" if owner else "the index does not name it"
             raise CheckpointError(f"shard {shard_name} holds tensor '{name}' but {where}", path=index_path, tensor=name)
-        for name in expected:
-            tensors[name] = found[name]
+        tensors.update(found)  # what the shard holds is what the index expects of it, checked above
     ordered = {name: tensors[name] for name in weight_map}
     return ordered, list(shards.values()), metadata

@@ -110,6 +110,13 @@ _TABLE = _opcode_table()
 # (BININT1, NEWFALSE, ...): the scan's fast path. An empty tuple is such a value too.
 _ATOM_WIDTHS = [1 + entry[1] if entry and entry[2] == _ATOM and entry[0] in (_NONE, _FIXED) else 0 for entry in _TABLE]
 _ATOM_WIDTHS[ord(")")] = 1
+# Opcode byte -> how many values it takes from the top of the stack into a new container, for the scan's fast
+# path: TUPLE1-3, BINPERSID and REDUCE (torch's records are made of them); 0 for the rest.
+_FROM_TOP_COUNTS = [0] * 256
+for _name, _count in (("TUPLE1", 1), ("TUPLE2", 2), ("TUPLE3", 3), ("BINPERSID", 1), ("REDUCE", 2)):
+    _FROM_TOP_COUNTS[next(ord(op.code) for op in pickletools.opcodes if op.name == _name)] = _count
+assert all(_EFFECTS[op.name] == (_FROM_TOP, _FROM_TOP_COUNTS[ord(op.code)])
+           for op in pickletools.opcodes if _FROM_TOP_COUNTS[ord(op.code)])
 
 
 _CAP = 1 << 62  # counts stop growing here: past any limit, and still a machine-sized int
@@ -124,6 +131,11 @@ class _Node:
     def __init__(self, items: list) -> None:
         self.items = items
         self.used = False  # held by another container: a later change to this one leaves that one's count stale
+        if items.count(None) == len(items):  # atoms alone (a shape, a stride, a storage's key): counted at C speed
+            self.objects = 1 + len(items) if len(items) < _CAP else _CAP
+            self.depth = 1
+            self.chosen = 0
+            return
         objects = depth = 1
         chosen = 0  # values inside whose hash the file chooses (see MAX_CHOSEN_HASHES)
         for child in items:
@@ -201,6 +213,8 @@ def _scan(data: bytes, limit: int) -> tuple[int, int, int, int]:
     """
     table = _TABLE
     atom_widths = _ATOM_WIDTHS
+    from_top = _FROM_TOP_COUNTS
+    new_node = object.__new__
     stack: list[Value] = []
     marks: list[int] = []
     memo: dict[int, Value] = {}
@@ -237,6 +251,45 @@ def _scan(data: bytes, limit: int) -> tuple[int, int, int, int]:
             if code == 0x28:  # MARK
                 marks.append(len(stack))
                 pos += 1
+                continue
+            # Then the containers of each tensor's record (its storage's key, shape, stride, the rebuild's
+            # arguments and call) and one-byte memo stores: what the table's general path does, less its lookups.
+            count = from_top[code]
+            if count or code == 0x74:
+                if count:  # TUPLE1, TUPLE2, TUPLE3, BINPERSID, REDUCE
+                    if len(stack) < count:
+                        break
+                    items = stack[-count:]
+                    del stack[-count:]
+                else:  # TUPLE
+                    mark = marks.pop()
+                    items = stack[mark:]
+                    del stack[mark:]
+                if items.count(None) == len(items):  # atoms alone: _Node's count, without its call
+                    node = new_node(_Node)
+                    node.items, node.used, node.objects, node.depth, node.chosen = items, False, 1 + len(items), 1, 0
+                else:
+                    node = _Node(items)
+                    if node.chosen and code == 0x52:  # REDUCE: a call
+                        hashed += _chosen_weight(node.items[1:])
+                nodes.append(node)
+                stack.append(node)
+                pos += 1
+                if node.objects > most:
+                    most = node.objects
+                if node.depth > deepest:
+                    deepest = node.depth
+                if hashed > MAX_CHOSEN_HASHES or (not stale and (most > limit or deepest > MAX_DEPTH)):
+                    return most, deepest, 0, hashed
+                continue
+            if code == 0x71:  # BINPUT
+                if pos + 2 > end:
+                    break
+                index = data[pos + 1]
+                if index > end:
+                    return most, deepest, index, hashed
+                memo[index] = stack[-1]
+                pos += 2
                 continue
             entry = table[code]
             if entry is None:

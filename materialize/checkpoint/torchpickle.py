@@ -678,4 +678,5 @@ def tensor_info(
         stride=None if contiguous else stride,
         span_nbytes=None if contiguous else span,
         storage=record_offset,
+        numel=numel,
     )

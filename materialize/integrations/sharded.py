@@ -35,6 +35,7 @@ error: ``Partial`` placements (a sum still to be made), and a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import sys
@@ -46,7 +47,7 @@ from typing import Any, Optional
 import torch
 
 from ..checkpoint import TensorInfo
-from ..checkpoint.base import contiguous_strides
+from ..checkpoint.base import contiguous_strides, make_info
 from ..errors import ShardingError
 from ..checkpoint.pieces import Piece, Stacked
 
@@ -82,6 +83,8 @@ class ShardSpec:
     global_shape: tuple[int, ...]
     global_stride: tuple[int, ...]
     local_device: Optional[torch.device] = None  # where this rank's shard already lives, if it is real
+    # The layout's DTensorSpec by dtype, made once (see wrap).
+    dtensor_specs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False, hash=False)
 
     @property
     def device(self) -> torch.device:
@@ -96,10 +99,23 @@ class ShardSpec:
         return torch.device(kind, getattr(torch, kind).current_device())
 
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
+        """``local``, this rank's shard, as the DTensor it is part of (no autograd history, not requiring grad).
+
+        ``DTensor.from_local`` costs an autograd call and a new DTensorSpec
+        (with its checks) per tensor: tens of microseconds, for each of a
+        sharded mixture of experts' hundred thousand. Its spec is made once
+        per layout and dtype, and each shard wrapped in it as FSDP2 wraps its
+        own parameters' (``DTensor(local, spec, requires_grad=...)``, torch's
+        ``_from_local_no_grad``): a DTensorSpec is not changed once made.
+        """
         from torch.distributed.tensor import DTensor
 
-        return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
-                                  shape=torch.Size(self.global_shape), stride=self.global_stride)
+        spec = self.dtensor_specs.get(local.dtype)
+        if spec is None:
+            made = DTensor.from_local(local, self.mesh, self.placements, run_check=False,
+                                      shape=torch.Size(self.global_shape), stride=self.global_stride)
+            spec = self.dtensor_specs[local.dtype] = made._spec
+        return DTensor(local, spec, requires_grad=False)
 
 
 def _dtensor_module() -> Optional[Any]:
@@ -115,6 +131,16 @@ def is_dtensor(tensor: torch.Tensor) -> bool:
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor (this rank's memory); any other tensor itself."""
     return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def held_local(tensor: torch.Tensor) -> torch.Tensor:
+    """:func:`local_of` for asking what a tensor is (its device, dtype, memory), not for computing with it: a
+    DTensor's local tensor as it holds it, without ``to_local``'s autograd call (tens of microseconds, for
+    each of a sharded model's tensors)."""
+    if not is_dtensor(tensor):
+        return tensor
+    held = getattr(tensor, "_local_tensor", None)
+    return held if isinstance(held, torch.Tensor) else tensor.to_local()
 
 
 UNREADABLE_REMEDY = "load the model before sharding it"
@@ -146,15 +172,20 @@ def unreadable(tensor: torch.Tensor) -> Optional[str]:
     module = _dtensor_module()
     if module is None or not isinstance(tensor, module.DTensor):
         return None
-    placements = tuple(tensor.placements)
+    return _unreadable_layout(tuple(tensor.placements), tuple(tensor.shape), tuple(tensor.device_mesh.shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _unreadable_layout(placements: tuple[Any, ...], shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> Optional[str]:
+    # Asked once a layout: a sharded model of thousands of experts has a few.
     other = next((p for p in placements if not (p.is_replicate() or _is_shard(p))), None)
     if other is not None:
         return f"{other!r}"
-    ambiguous = ambiguous_split(tuple(tensor.shape), tuple(tensor.device_mesh.shape), placements)
+    ambiguous = ambiguous_split(shape, mesh_shape, placements)
     if ambiguous is None:
         return None
     placement, dim = ambiguous
-    return (f"{placement!r}: a dim {dim} of {tensor.shape[dim]}, which a split in {int(placement.split_factor)} does not "
+    return (f"{placement!r}: a dim {dim} of {shape[dim]}, which a split in {int(placement.split_factor)} does not "
             "divide evenly; DTensor and FSDP2 then disagree on which indices a rank holds")
 
 
@@ -198,19 +229,28 @@ def _some_names(names: list[str], limit: int = 8) -> str:
     return ", ".join(f"'{name}'" for name in names[:limit]) + more
 
 
-def shard_spec(tensor: torch.Tensor, name: str, path: Optional[Path] = None) -> Optional[ShardSpec]:
+def shard_spec(tensor: torch.Tensor, name: str, path: Optional[Path] = None,
+               known: Optional[dict[tuple, ShardSpec]] = None) -> Optional[ShardSpec]:
     """This rank's boxes of ``tensor`` if it is a DTensor, else None; refuses placements no box describes.
 
-    ``path`` is the checkpoint being loaded, named in the error.
+    ``path`` is the checkpoint being loaded, named in the error. ``known``: the specs found so far for
+    tensors of the same mesh, placements, shape and local tensor (a plan's, while its meshes live), each
+    found once.
     """
     module = _dtensor_module()
     if module is None or not isinstance(tensor, module.DTensor):
         return None
     placements = tuple(tensor.placements)
+    mesh = tensor.device_mesh
+    # The local tensor without to_local's autograd call, where DTensor keeps it (its shape and device alone).
+    held = getattr(tensor, "_local_tensor", None)
+    key = (id(mesh), placements, tuple(tensor.shape), tuple(tensor.stride()), tuple(held.shape),
+           held.device) if known is not None and isinstance(held, torch.Tensor) else None
+    if key is not None and key in known:
+        return known[key]
     refused = unreadable(tensor)
     if refused is not None:
         raise ShardingError(f"is a DTensor placed {refused} on its mesh; {UNREADABLE_REMEDY}", path=path, tensor=name)
-    mesh = tensor.device_mesh
     if mesh.get_coordinate() is None:
         raise ShardingError("is a DTensor on a mesh this rank is not part of", path=path, tensor=name)
     local = tensor.to_local()
@@ -221,8 +261,11 @@ def shard_spec(tensor: torch.Tensor, name: str, path: Optional[Path] = None) -> 
             f"is a DTensor placed {list(placements)} whose local shape is {list(local.shape)} on this rank, where the "
             f"placements give {list(local_shape)}: this torch shards in a way not understood here; "
             f"{UNREADABLE_REMEDY}", path=path, tensor=name)
-    return ShardSpec(mesh, placements, boxes_of(runs), local_shape, tuple(tensor.shape), tuple(tensor.stride()),
+    spec = ShardSpec(mesh, placements, boxes_of(runs), local_shape, tuple(tensor.shape), tuple(tensor.stride()),
                      local_device=local.device)
+    if key is not None:
+        known[key] = spec
+    return spec
 
 
 def local_runs(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...],
@@ -331,13 +374,28 @@ def region(info: TensorInfo, offsets: Sequence[int], sizes: Sequence[int]) -> Te
     if info.view_shape is not None:
         raise ShardingError("is read rearranged from the checkpoint (its layout differs from the model's), "
                             "which cannot be sharded in the same read; load it unsharded", path=info.path, tensor=info.name)
-    strides = info.stride if info.stride is not None else contiguous_strides(info.shape)
+    strides = info.stride if info.stride is not None else _contiguous_strides_of(info.shape)
     offset = info.offset + sum(o * s for o, s in zip(offsets, strides)) * info.itemsize
-    whole_box = all(stride == expected for size, stride, expected in zip(sizes, strides, contiguous_strides(sizes)) if size > 1)
+    whole_box = all(stride == expected for size, stride, expected in zip(sizes, strides, _contiguous_strides_of(sizes))
+                    if size > 1)
     if math.prod(sizes) == 0 or whole_box:
-        return dataclasses.replace(info, shape=sizes, offset=offset, stride=None, span_nbytes=None, storage=None)
+        return _with(info, sizes, offset, None, None)
     span = (sum((size - 1) * stride for size, stride in zip(sizes, strides)) + 1) * info.itemsize
-    return dataclasses.replace(info, shape=sizes, offset=offset, stride=tuple(strides), span_nbytes=span, storage=None)
+    return _with(info, sizes, offset, tuple(strides), span)
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous_strides_of(shape: tuple[int, ...]) -> tuple[int, ...]:
+    # A sharded model of many tensors has few shapes: an expert's three, repeated thousands of times.
+    return contiguous_strides(shape)
+
+
+def _with(info: TensorInfo, shape: tuple[int, ...], offset: int, stride: Optional[tuple[int, ...]],
+          span_nbytes: Optional[int]) -> TensorInfo:
+    """``info`` as a view of other bytes of its file (its storage no longer whole)."""
+    if type(info) is TensorInfo:  # made without the frozen dataclass's __init__: one for each of a model's tensors
+        return make_info(info.name, info.dtype_name, info.itemsize, shape, info.path, offset, stride, span_nbytes)
+    return dataclasses.replace(info, shape=shape, offset=offset, stride=stride, span_nbytes=span_nbytes, storage=None)
 
 
 def _stacked_part(info: Stacked, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Stacked:

@@ -44,9 +44,15 @@ def byte_view(tensor: "torch.Tensor") -> memoryview:
     nbytes = tensor.nbytes
     if nbytes == 0:
         return memoryview(bytearray())
+    return memory_at(tensor.data_ptr(), nbytes)
+
+
+def memory_at(address: int, nbytes: int) -> memoryview:
+    """A writable view of ``nbytes`` (at least one) of this process's memory at ``address``, which must stay
+    allocated while the view is used."""
     if _memory_view is not None:
-        return _memory_view(tensor.data_ptr(), nbytes, _PyBUF_WRITE)
-    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
+        return _memory_view(address, nbytes, _PyBUF_WRITE)
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
 
 
 def open_for_reading(path: Path) -> int:

@@ -145,9 +145,19 @@ def replay_load_hooks(
     checkpoint in errors. ``fetch`` reads the value of a checkpoint entry
     that code failing on stand-ins asked for (none: such code stays unrun).
     """
-    unrun = [f"{prefix or '<root>'} ({type(module).__name__} overrides load_state_dict, which a load does not call)"
-             for prefix, module in modules if _overrides_load_state_dict(module)]
-    adapting = [(prefix, module) for prefix, module in modules if _has_own_load_code(module)]
+    unrun: list[str] = []
+    adapting: list[tuple[str, nn.Module]] = []
+    by_class: dict[type, tuple[bool, bool]] = {}  # the weak cache costs a weak reference a lookup
+    for prefix, module in modules:  # one pass, each class asked once: an MoE has more modules than tensors
+        cls = type(module)
+        known = by_class.get(cls)
+        if known is None:
+            known = by_class[cls] = _class_code(cls)
+        own_load_from, own_load = known
+        if own_load:
+            unrun.append(f"{prefix or '<root>'} ({cls.__name__} overrides load_state_dict, which a load does not call)")
+        if (own_load_from or module._load_state_dict_pre_hooks) and _has_own_load_code(module):
+            adapting.append((prefix, module))
     if not adapting:
         return Replayed(sources, unrun=unrun)
     # Extra states go to set_extra_state, which on a stand-in could change what the twin shares with its module.

@@ -39,6 +39,8 @@ VALUES_BUDGET = 1 << 20
 def load_code_reads(plan: Plan) -> tuple[list[Job], dict[tuple[int, str], torch.Tensor]]:
     """Reads for the values load code takes that planning did not read and the model does not load (an entry
     the code renames into the model is the model's tensor, read once), onto the CPU, by (run, name)."""
+    if not plan.load_code_runs:
+        return [], {}  # the usual case: no pass over every loaded tensor for nothing
     loaded = _loaded_from(plan)
     jobs: list[Job] = []
     values: dict[tuple[int, str], torch.Tensor] = {}

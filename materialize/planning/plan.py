@@ -125,11 +125,10 @@ class Entry:
 
     def stays_in_file(self, mmap: bool) -> bool:
         """Whether a load leaves this tensor as a view of the file instead of copying it."""
-        viewable = (
-            self.action == "load" and self.source is not None and self.shard is None
-            and self.source.dtype == self.dtype and self.source.mappable
-        )
-        return viewable and (self.on_disk or (mmap and self.device.type == "cpu"))
+        if not (self.on_disk or (mmap and self.device.type == "cpu")):  # first: most loads map nothing
+            return False
+        return (self.action == "load" and self.source is not None and self.shard is None
+                and self.source.dtype == self.dtype and self.source.mappable)
 
     @property
     def nbytes(self) -> int:
@@ -211,6 +210,11 @@ class Plan:
     load_code_runs: list[LoadCodeRun] = field(default_factory=list)
     fed_to_load_code: list[str] = field(default_factory=list)
     mmap: bool = False
+    # DTensor layouts found while planning, by mesh, placements and shapes: each found once (not a field of
+    # the plan's JSON form).
+    shard_specs: dict[tuple, ShardSpec] = field(default_factory=dict, repr=False, compare=False)
+    # The model's RNNs: their list of weights (``_flat_weights``) is refreshed once the load replaced them.
+    rnn_modules: list[nn.Module] = field(default_factory=list, repr=False, compare=False)
 
     def of(self, action: Action) -> list[Entry]:
         """The entries the load handles so: ``"load"``, ``"init"``, ``"keep"`` or ``"code"``."""
@@ -224,9 +228,13 @@ class Plan:
     @property
     def bytes_by_device(self) -> dict[str, int]:
         """The bytes the model's tensors take on each device (``"disk"``: left mapped in the file)."""
-        totals: Counter[str] = Counter()
+        by_device: dict[object, int] = {}  # by device object first: its name is made once a device, not a tensor
         for entry in self.entries:
-            totals["disk" if entry.on_disk else str(entry.device)] += entry.nbytes
+            key = "disk" if entry.on_disk else entry.device
+            by_device[key] = by_device.get(key, 0) + entry.nbytes
+        totals: Counter[str] = Counter()
+        for key, nbytes in by_device.items():
+            totals[str(key)] += nbytes
         return dict(totals)
 
     @property
@@ -357,15 +365,24 @@ def _collect_groups(modules: list[tuple[str, nn.Module]]) -> list[tuple[torch.Te
         dot = f"{prefix}." if prefix else ""
         for attr, param in module._parameters.items():
             if param is not None:
-                named = groups.setdefault(id(param), (param, []))[1]
-                shared = shared or bool(named)
-                named.append((dot + attr, Owner(module, attr, True, True)))
+                group = groups.get(id(param))  # no tuple and list made for a tensor met before
+                if group is None:
+                    groups[id(param)] = (param, [(dot + attr, Owner(module, attr, True, True))])
+                else:
+                    shared = True
+                    group[1].append((dot + attr, Owner(module, attr, True, True)))
+        if not module._buffers:
+            continue
         non_persistent = module._non_persistent_buffers_set
         for attr, buffer in module._buffers.items():
             if buffer is not None:
-                named = groups.setdefault(id(buffer), (buffer, []))[1]
-                shared = shared or bool(named)
-                named.append((dot + attr, Owner(module, attr, False, attr not in non_persistent)))
+                group = groups.get(id(buffer))
+                owner = Owner(module, attr, False, attr not in non_persistent)
+                if group is None:
+                    groups[id(buffer)] = (buffer, [(dot + attr, owner)])
+                else:
+                    shared = True
+                    group[1].append((dot + attr, owner))
     if shared:  # a module registered in two places is walked twice: each name once, its first owner
         for _, named in groups.values():
             if len(named) > 1:
@@ -462,8 +479,9 @@ def _refuse_wrappers(plan: Plan, ckpt: Checkpoint) -> None:
     loaded, with the way to load it with torch."""
     for entry in plan.entries:
         tensor = entry.original
-        if (tensor.is_meta or entry.action == "load") and not is_lazy(tensor) and not is_dtensor(tensor) and \
-                type(tensor).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        # The class first: a plain tensor's or parameter's answers at once, for a model of many.
+        if type(tensor).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__ and \
+                (tensor.is_meta or entry.action == "load") and not is_lazy(tensor) and not is_dtensor(tensor):
             raise InitError(f"is a {type(tensor).__name__}, a tensor subclass wrapping others (its own "
                             "__torch_dispatch__), which a load reading bytes into plain memory cannot make or fill. "
                             f"{torch_load_hint(ckpt.format)}", path=ckpt.path, tensor=entry.name)
@@ -475,22 +493,15 @@ def _follow_load_code(plan: Plan, replayed: Replayed, strays: list[tuple[str, Te
     real module once the load is done, with the values it reads (see :mod:`materialize.planning.loadruns`)."""
     plan.load_code_runs = replayed.runs
     fed = {info.name for run in replayed.runs for info in run.fed.values()}
-    loaded = {id(entry.source) for entry in plan.entries if entry.action == "load"}
+    loaded = {id(entry.source) for entry in plan.entries if entry.action == "load"} if fed else set()
     plan.fed_to_load_code = sorted({info.name for run in replayed.runs for info in run.fed.values()
                                     if id(info) not in loaded})  # the others the code moved into the model
     plan.ignored.extend(info.name for m, info in strays if replayed.left_alone(m, "unexpected") and info.name not in fed)
     plan.missing = [name for name in plan.missing if not replayed.left_alone(name, "missing")]
     fills = {name for run in replayed.runs for name in run.fills}
-    for entry in plan.entries:
+    for entry in plan.entries if fills else ():
         if entry.source is None and entry.action != "load" and set(entry.names) <= fills:
             entry.action = "code"
-
-
-def _vacant_slots(modules: list[tuple[str, nn.Module]]) -> frozenset[str]:
-    """The names of submodules registered as ``None`` (``model.output = None``: a pipeline stage cut as
-    torchtitan cuts one)."""
-    return frozenset(f"{prefix}.{name}" if prefix else name
-                     for prefix, module in modules for name, child in module._modules.items() if child is None)
 
 
 def _under(model_name: str, vacant: frozenset[str]) -> bool:
@@ -565,7 +576,8 @@ def make_plan(
     """
     device, dtype, strict, key_map, init = options.device, options.dtype, options.strict, options.key_map, options.init
     ignore_mismatched_sizes = options.ignore_mismatched_sizes
-    modules = named_modules(model, remove_duplicate=False)
+    vacant_slots: list[str] = []
+    modules = named_modules(model, remove_duplicate=False, vacant=vacant_slots)
     groups = _collect_groups(modules)
     model_names = {name for _, named in groups for name, _ in named}
     if isinstance(key_map, KeyMap):
@@ -582,6 +594,7 @@ def make_plan(
                 key_map=rename.describe() if isinstance(rename, KeyMap) else "",
                 renamed_by_model=replayed.renamed,
                 built_on_meta=any(tensor.is_meta for tensor, named in groups if named[0][1].is_parameter))
+    plan.rnn_modules = list({id(module): module for _, module in modules if isinstance(module, nn.RNNBase)}.values())
     refuse_unreadable_placements([(named[0][0], tensor) for tensor, named in groups], ckpt.path)  # all, not the first
     reinitialized_shapes: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
     for tensor, named in groups:
@@ -605,7 +618,7 @@ def make_plan(
     extra_state_owners = _extra_state_owners(modules)
     saved_tensors = {name: to_ckpt.pop(name) for name in extra_state_owners if name in to_ckpt}
     strays = [(m, piece.info) for m, source in to_ckpt.items() if m not in model_names for piece in pieces_of(source)]
-    vacant = _vacant_slots(modules)
+    vacant = frozenset(vacant_slots)
     plan.ignored.extend(info.name for m, info in strays if _under(m, vacant))
     strays = [(m, info) for m, info in strays if not _under(m, vacant)]
     _follow_load_code(plan, replayed, strays)
@@ -622,9 +635,11 @@ def make_plan(
     refuse_loading_nothing(plan, reinitialized_shapes)
     _raise_for_unmappable_disk(plan, ckpt)
 
-    follow = dtype or _float_dtype_of_loads(plan.entries)
-    loaded_beside = _float_dtypes_loaded_by_module(plan.entries) if dtype is None else {}
-    for entry in plan.of("init"):
+    initialized = plan.of("init")
+    # Both only for what is initialized: a load of every tensor skips two passes over them.
+    follow = (dtype or _float_dtype_of_loads(plan.entries)) if initialized else None
+    loaded_beside = _float_dtypes_loaded_by_module(plan.entries) if dtype is None and initialized else {}
+    for entry in initialized:
         # Computed buffers (never saved, like a rotary inv_freq) keep the dtype their module gives them.
         computed = not any(owner.persistent for owner in entry.owners)
         if follow is not None and entry.dtype.is_floating_point and not computed:
@@ -716,7 +731,7 @@ def _entry(
     ckpt: Checkpoint, device: torch.device, dtype: Optional[torch.dtype],
     placement: Optional[Callable[[str], Union[torch.device, str]]], tolerated: Optional[Tolerated],
 ) -> Entry:
-    spec = shard_spec(tensor, names[0], ckpt.path)
+    spec = shard_spec(tensor, names[0], ckpt.path, plan.shard_specs)
     if info is not None and tolerated is not None and tolerated.computed_buffers_stand and \
             not any(owner.persistent for owner in owners):
         plan.ignored.extend(piece.info.name for piece in pieces_of(info))

@@ -35,8 +35,8 @@ from .planning.keymap import KeyMapLike
 from .planning.loadhooks import run_post_hooks
 from .io.peak import PeakMemory
 from .checkpoint.base import contiguous_strides
-from .skeleton.meta import buffer_like, is_lazy, parameter_like, shared_memory_asked
-from .skeleton.modtree import modules_of
+from .skeleton.meta import buffer_like, fresh_parameter_like, is_lazy, parameter_like, shared_memory_asked
+from .skeleton.modtree import modules_of, one_walk
 from .planning.plan import DtypeRule, Entry, InitFn, Plan, Tolerated, initializer_of, make_plan, raise_for_mismatch
 from .options import IgnoreUnexpected, PlanOptions, ProgressFn, ReadOptions, unexpected_to_ignore
 from .progress import ProgressLike, counted, report_phase, takes_progress
@@ -199,24 +199,27 @@ def load(
     are freed; values already written into a real model's own tensors, filled
     in place, stay written, and the error names those tensors.
     """
-    options = PlanOptions(
-        device=resolve_device(device if device is not None else default_device(model)), dtype=parse_dtype(dtype),
-        strict=strict, key_map=key_map, init=init, ignore_mismatched_sizes=ignore_mismatched_sizes,
-        ignore_unexpected=unexpected_to_ignore(ignore_unexpected), device_map=device_map, max_memory=max_memory,
-    )
+    walk = one_walk(model)  # the device lookup and planning walk the model once; no model code runs in between
+    with walk:
+        options = PlanOptions(
+            device=resolve_device(device if device is not None else default_device(model)), dtype=parse_dtype(dtype),
+            strict=strict, key_map=key_map, init=init, ignore_mismatched_sizes=ignore_mismatched_sizes,
+            ignore_unexpected=unexpected_to_ignore(ignore_unexpected), device_map=device_map, max_memory=max_memory,
+        )
     read = ReadOptions(mmap=mmap, staging_bytes=staging_bytes, allow_overflow=allow_overflow, check=check,
                        check_finite=check_finite, progress=progress, direct_io=direct_io, group=group)
     announce_opening(progress, checkpoint)
     with opened(checkpoint, trust_pickle, state_dict_key, remote) as ckpt:
         report_phase(progress, f"planning {counted(len(ckpt), 'tensor')}")
-        the_plan, options, placement = planned(model, ckpt, options)
+        with walk:
+            the_plan, options, placement = planned(model, ckpt, options)
         report_phase(progress, f"loading {counted(len(the_plan.of('load')), 'tensor')}")
         report = execute(the_plan, ckpt, read, init=options.init)
     if is_hf_model(model):
         mark_loaded(model, report.loaded)
         if report.untied:
             forget_ties(model, report.untied)
-    refresh_flat_weights(model)
+    refresh_flat_weights_of(the_plan)
     run_post_hooks(the_plan.post_hooked, report.missing, report.unexpected)
     if the_plan.strict_after_hooks:  # what the hooks left unforgiven fails the load, as in load_state_dict
         the_plan.missing, the_plan.unexpected, the_plan.mismatched = report.missing, report.unexpected, []
@@ -234,6 +237,12 @@ def refresh_flat_weights(model: nn.Module) -> None:
     for module in modules_of(model):  # torch's walk costs a generator per level, a model of experts many
         if isinstance(module, nn.RNNBase):
             module._init_flat_weights()
+
+
+def refresh_flat_weights_of(plan: Plan) -> None:
+    """:func:`refresh_flat_weights` for the RNNs whose tensors a load replaced: those owning one of its entries."""
+    for module in plan.rnn_modules:
+        module._init_flat_weights()
 
 
 def default_device(model: nn.Module) -> torch.device:
@@ -499,13 +508,14 @@ def _materialize_entry(
     local = local_of(tensor) if sharded else tensor  # what this process fills: a DTensor's shard on this rank
     if (check and view is None and action != "keep") or (action == "code" and tensor is not original):
         poison(local)  # whatever is not written later is caught by the audit (the load code's, by _refuse_unfilled)
-    if sharded and not is_dtensor(tensor):
+    wrapped = sharded and not is_dtensor(tensor)
+    if wrapped:
         tensor = entry.shard.wrap(tensor)
     if tensor is not original:
         if isinstance(original, nn.Parameter):
             dtype = tensor.dtype
-            tensor = parameter_like(original, tensor,
-                                    original.requires_grad and (dtype.is_floating_point or dtype.is_complex))
+            make = fresh_parameter_like if wrapped else parameter_like  # a DTensor just made is this load's alone
+            tensor = make(original, tensor, original.requires_grad and (dtype.is_floating_point or dtype.is_complex))
         else:
             tensor = buffer_like(original, tensor)
     entry.hold(tensor, undo)

@@ -288,13 +288,19 @@ class _Collectives:
 
 
 def _locals_equal(model: nn.Module, reference: nn.Module) -> dict:
-    """Per tensor: the same placements, the same local shard bit for bit, the same dtype and requires_grad."""
+    """Per tensor: the same placements and DTensor spec (mesh, shape, stride, dtype), the same local shard bit
+    for bit and in the same strides, the same dtype, requires_grad and parameter marks, a leaf of no autograd
+    history, as torch's own path made it."""
     expected = dict(reference.named_parameters())
     result = {}
     for name, param in model.named_parameters():
         other = expected[name]
         result[name] = (type(param) is type(other) and list(param.placements) == list(other.placements)
+                        and param._spec == other._spec and param.stride() == other.stride()
                         and param.dtype == other.dtype and param.requires_grad == other.requires_grad
+                        and isinstance(param, nn.Parameter) and getattr(param, "_is_param", False)
+                        and param.is_leaf and param.grad_fn is None
+                        and param.to_local().stride() == other.to_local().stride()
                         and torch.equal(param.to_local(), other.to_local()))
     return result
 

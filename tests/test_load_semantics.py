@@ -597,6 +597,45 @@ def test_the_nameless_module_walk_is_torchs_for_shared_and_empty_children():
     assert [id(module) for module in modules_of(model)] == [id(module) for module in model.modules()]
 
 
+def test_one_shared_walk_answers_every_walk_as_torch_does():
+    from materialize.skeleton.modtree import modules_of, named_modules, one_walk
+
+    model = nn.Sequential(SharedBlock(), nn.Sequential(nn.Identity(), SharedBlock()))
+    model.add_module("later", model[0].decoder)
+    model[1].register_module("gap", None)
+    plain = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    walk = one_walk(model)
+    for _ in range(2):  # entered again: the same walk
+        with walk:
+            for remove_duplicate in (True, False):
+                ours = [(name, id(module)) for name, module in named_modules(model, remove_duplicate=remove_duplicate)]
+                theirs = [(name, id(module)) for name, module in model.named_modules(remove_duplicate=remove_duplicate)]
+                assert ours == theirs
+            assert [id(module) for module in modules_of(model)] == [id(module) for module in model.modules()]
+            vacant: list[str] = []
+            named_modules(model, remove_duplicate=False, vacant=vacant)
+            assert vacant == ["1.gap"]
+            assert modules_of(plain) == list(plain.modules())  # another model: walked as ever
+    model.add_module("added", nn.Linear(2, 2))  # outside the span: a fresh walk sees it
+    assert modules_of(model)[-1] is model.added
+
+
+def test_a_load_refreshes_the_flat_weights_of_its_rnns(tmp_path):
+    from safetensors.torch import save_file
+
+    import materialize as mz
+
+    source = nn.Sequential(nn.LSTM(4, 3, num_layers=2), nn.Linear(3, 2))
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, tmp_path / "m.safetensors")
+    with mz.meta_init():
+        model = nn.Sequential(nn.LSTM(4, 3, num_layers=2), nn.Linear(3, 2))
+    mz.load(model, tmp_path / "m.safetensors")
+    lstm = model[0]
+    assert [id(w) for w in lstm._flat_weights] == [id(getattr(lstm, name)) for name in lstm._flat_weights_names]
+    x = torch.randn(5, 1, 4)
+    assert torch.equal(lstm(x)[0], source[0](x)[0])
+
+
 def test_a_block_registered_twice_loads_once_under_either_name(tmp_path):
     source = SharedBlock()
     for kept in ("encoder.0", "decoder"):

@@ -47,7 +47,7 @@ from typing import Any, Optional
 import torch
 
 from ..checkpoint import TensorInfo
-from ..checkpoint.base import contiguous_strides
+from ..checkpoint.base import contiguous_strides, make_info
 from ..errors import ShardingError
 from ..checkpoint.pieces import Piece, Stacked
 
@@ -83,6 +83,8 @@ class ShardSpec:
     global_shape: tuple[int, ...]
     global_stride: tuple[int, ...]
     local_device: Optional[torch.device] = None  # where this rank's shard already lives, if it is real
+    # The layout's DTensorSpec by dtype, made once (see wrap).
+    dtensor_specs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False, hash=False)
 
     @property
     def device(self) -> torch.device:
@@ -97,10 +99,23 @@ class ShardSpec:
         return torch.device(kind, getattr(torch, kind).current_device())
 
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
+        """``local``, this rank's shard, as the DTensor it is part of (no autograd history, not requiring grad).
+
+        ``DTensor.from_local`` costs an autograd call and a new DTensorSpec
+        (with its checks) per tensor: tens of microseconds, for each of a
+        sharded mixture of experts' hundred thousand. Its spec is made once
+        per layout and dtype, and each shard wrapped in it as FSDP2 wraps its
+        own parameters' (``DTensor(local, spec, requires_grad=...)``, torch's
+        ``_from_local_no_grad``): a DTensorSpec is not changed once made.
+        """
         from torch.distributed.tensor import DTensor
 
-        return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
-                                  shape=torch.Size(self.global_shape), stride=self.global_stride)
+        spec = self.dtensor_specs.get(local.dtype)
+        if spec is None:
+            made = DTensor.from_local(local, self.mesh, self.placements, run_check=False,
+                                      shape=torch.Size(self.global_shape), stride=self.global_stride)
+            spec = self.dtensor_specs[local.dtype] = made._spec
+        return DTensor(local, spec, requires_grad=False)
 
 
 def _dtensor_module() -> Optional[Any]:
@@ -359,13 +374,28 @@ def region(info: TensorInfo, offsets: Sequence[int], sizes: Sequence[int]) -> Te
     if info.view_shape is not None:
         raise ShardingError("is read rearranged from the checkpoint (its layout differs from the model's), "
                             "which cannot be sharded in the same read; load it unsharded", path=info.path, tensor=info.name)
-    strides = info.stride if info.stride is not None else contiguous_strides(info.shape)
+    strides = info.stride if info.stride is not None else _contiguous_strides_of(info.shape)
     offset = info.offset + sum(o * s for o, s in zip(offsets, strides)) * info.itemsize
-    whole_box = all(stride == expected for size, stride, expected in zip(sizes, strides, contiguous_strides(sizes)) if size > 1)
+    whole_box = all(stride == expected for size, stride, expected in zip(sizes, strides, _contiguous_strides_of(sizes))
+                    if size > 1)
     if math.prod(sizes) == 0 or whole_box:
-        return dataclasses.replace(info, shape=sizes, offset=offset, stride=None, span_nbytes=None, storage=None)
+        return _with(info, sizes, offset, None, None)
     span = (sum((size - 1) * stride for size, stride in zip(sizes, strides)) + 1) * info.itemsize
-    return dataclasses.replace(info, shape=sizes, offset=offset, stride=tuple(strides), span_nbytes=span, storage=None)
+    return _with(info, sizes, offset, tuple(strides), span)
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous_strides_of(shape: tuple[int, ...]) -> tuple[int, ...]:
+    # A sharded model of many tensors has few shapes: an expert's three, repeated thousands of times.
+    return contiguous_strides(shape)
+
+
+def _with(info: TensorInfo, shape: tuple[int, ...], offset: int, stride: Optional[tuple[int, ...]],
+          span_nbytes: Optional[int]) -> TensorInfo:
+    """``info`` as a view of other bytes of its file (its storage no longer whole)."""
+    if type(info) is TensorInfo:  # made without the frozen dataclass's __init__: one for each of a model's tensors
+        return make_info(info.name, info.dtype_name, info.itemsize, shape, info.path, offset, stride, span_nbytes)
+    return dataclasses.replace(info, shape=shape, offset=offset, stride=stride, span_nbytes=span_nbytes, storage=None)
 
 
 def _stacked_part(info: Stacked, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Stacked:

@@ -187,6 +187,10 @@ class Plan:
             place.
         fed_to_load_code: the checkpoint entries that code reads that are no tensor of the model.
         mmap: planned for a load with ``mmap=True``: what can stay mapped from the files is not read.
+        shard_specs: the DTensor layouts met while planning, each found once (mesh, placements, shapes ->
+            this rank's boxes); not in :meth:`to_dict`.
+        rnn_modules: the model's RNNs, whose list of weights (``_flat_weights``) a load refreshes once it
+            replaced them; not in :meth:`to_dict`.
     """
 
     path: str
@@ -210,9 +214,8 @@ class Plan:
     load_code_runs: list[LoadCodeRun] = field(default_factory=list)
     fed_to_load_code: list[str] = field(default_factory=list)
     mmap: bool = False
-    # DTensor layouts found while planning, by mesh, placements and shapes: each found once (not a field of
-    # the plan's JSON form).
     shard_specs: dict[tuple, ShardSpec] = field(default_factory=dict, repr=False, compare=False)
+    rnn_modules: list[nn.Module] = field(default_factory=list, repr=False, compare=False)
 
     def of(self, action: Action) -> list[Entry]:
         """The entries the load handles so: ``"load"``, ``"init"``, ``"keep"`` or ``"code"``."""
@@ -592,6 +595,7 @@ def make_plan(
                 key_map=rename.describe() if isinstance(rename, KeyMap) else "",
                 renamed_by_model=replayed.renamed,
                 built_on_meta=any(tensor.is_meta for tensor, named in groups if named[0][1].is_parameter))
+    plan.rnn_modules = list({id(module): module for _, module in modules if isinstance(module, nn.RNNBase)}.values())
     refuse_unreadable_placements([(named[0][0], tensor) for tensor, named in groups], ckpt.path)  # all, not the first
     reinitialized_shapes: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
     for tensor, named in groups:

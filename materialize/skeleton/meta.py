@@ -51,6 +51,25 @@ def _to_meta_parameter(module: nn.Module, name: str, param: Optional[nn.Paramete
     return parameter_like(param, param.detach().to("meta"), param.requires_grad)
 
 
+def fresh_parameter_like(original: nn.Parameter, fresh: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+    """:func:`parameter_like` for a tensor the caller just made and holds alone, which may become the parameter
+    itself.
+
+    ``nn.Parameter`` makes a tensor subclass (a DTensor) a parameter by
+    marking a detached alias of it; the detach is a call through the
+    subclass's dispatch, tens of microseconds each. A subclass tensor without
+    autograd history, of the original's class, is marked itself instead.
+    """
+    kind = type(fresh)
+    if kind is torch.Tensor or kind is not type(original) or fresh.grad_fn is not None or fresh.requires_grad:
+        return parameter_like(original, fresh, requires_grad)
+    fresh.requires_grad_(requires_grad)
+    fresh._is_param = True  # as nn.Parameter marks a subclass's tensor
+    if original.__dict__:
+        fresh.__dict__.update(original.__dict__)
+    return fresh
+
+
 def parameter_like(original: nn.Parameter, tensor: torch.Tensor, requires_grad: bool) -> nn.Parameter:
     """``tensor`` as a parameter of ``original``'s class (what a lazy one becomes), with its Python attributes.
 

@@ -9,9 +9,57 @@ same names, the same order (pre-order, children as registered).
 
 from __future__ import annotations
 
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Optional
 
 from torch import nn
+
+
+@dataclass
+class _Walk:
+    """One walk of a model with duplicates (as ``remove_duplicate=False`` lists them), and the vacant slots met."""
+
+    model: nn.Module
+    found: Optional[list[tuple[str, nn.Module]]] = None
+    vacant: list[str] = field(default_factory=list)
+    has_duplicates: bool = False
+
+
+_SHARED: ContextVar[Optional[_Walk]] = ContextVar("materialize_shared_walk", default=None)
+
+
+class one_walk:  # noqa: N801 (used as a context, like contextlib's)
+    """Within (it may be entered again): every walk of ``model`` asked here is made from one walk of it.
+
+    A load asks for the model's modules several times before it runs any of
+    the model's own code (its device, its names, its modules to initialize),
+    and on a model of experts each walk costs microseconds a tensor. Only for
+    spans in which nothing changes which modules the model holds.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._walk = _Walk(model)
+        self._tokens: list = []
+
+    def __enter__(self) -> "one_walk":
+        self._tokens.append(_SHARED.set(self._walk))
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        _SHARED.reset(self._tokens.pop())
+
+
+def _shared_walk(model: nn.Module) -> Optional[_Walk]:
+    walk = _SHARED.get()
+    if walk is None or walk.model is not model:
+        return None
+    if walk.found is None:
+        found: list[tuple[str, nn.Module]] = []
+        _walk(model, "", found, None, walk.vacant)
+        walk.found = found
+        walk.has_duplicates = len({id(module) for _, module in found}) != len(found)
+    return walk
 
 
 def named_modules(model: nn.Module, *, remove_duplicate: bool = True,
@@ -23,9 +71,29 @@ def named_modules(model: nn.Module, *, remove_duplicate: bool = True,
     ``vacant``, if given, is added the name of each submodule slot registered
     as ``None`` on the way (the walk passes them over anyway).
     """
+    walk = _shared_walk(model) if not (remove_duplicate and vacant is not None) else None
+    if walk is not None:
+        if vacant is not None:
+            vacant.extend(walk.vacant)
+        if not remove_duplicate or not walk.has_duplicates:
+            return list(walk.found)
+        return _first_of_each(walk.found)
     found: list[tuple[str, nn.Module]] = []
     _walk(model, "", found, set() if remove_duplicate else None, vacant)
     return found
+
+
+def _first_of_each(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """A walk with duplicates made one without: each module under the first name it was met by. A walk that
+    skips a module met before skips its subtree too, whose modules were all met under it the first time, so
+    the order is the same."""
+    seen: set[int] = set()
+    unique = []
+    for name, module in found:
+        if id(module) not in seen:
+            seen.add(id(module))
+            unique.append((name, module))
+    return unique
 
 
 def _walk(module: nn.Module, prefix: str, found: list[tuple[str, nn.Module]], seen: Optional[set[int]],
@@ -46,6 +114,10 @@ def _walk(module: nn.Module, prefix: str, found: list[tuple[str, nn.Module]], se
 def modules_of(model: nn.Module) -> list[nn.Module]:
     """``list(model.modules())``: each module once, in the same order, without names (where a walk asks none,
     making a name per module is most of its cost)."""
+    walk = _shared_walk(model)
+    if walk is not None:
+        pairs = _first_of_each(walk.found) if walk.has_duplicates else walk.found
+        return [module for _, module in pairs]
     found: list[nn.Module] = []
     _walk_modules(model, found, set())
     return found

@@ -38,6 +38,7 @@ scan costs about as much as a second unpickling at C speed; see docs/reliability
 from __future__ import annotations
 
 import pickletools
+import re
 import struct
 from pathlib import Path
 from typing import Optional, Union
@@ -118,6 +119,27 @@ for _name, _count in (("TUPLE1", 1), ("TUPLE2", 2), ("TUPLE3", 3), ("BINPERSID",
 assert all(_EFFECTS[op.name] == (_FROM_TOP, _FROM_TOP_COUNTS[ord(op.code)])
            for op in pickletools.opcodes if _FROM_TOP_COUNTS[ord(op.code)])
 
+
+# A tensor's record as torch.save writes it at protocol 2 once the memo holds the globals and strings it shares
+# and has passed 256 entries: the scan's record fast path (:func:`_tensor_record`) takes it in one match. Memo
+# fetches (BINGET, LONG_BINGET) are captured whole, stores (LONG_BINPUT) by their index's four bytes; sizes and
+# strides of one to three dimensions are TUPLE1-3, others a MARK ... TUPLE; 0-d ones EMPTY_TUPLE (not stored).
+_FETCH_RE = rb"(h.|j.{4})"
+_STORE_RE = rb"r(.{4})"
+_INT_RE = rb"(?:K.|M..|J.{4})"  # BININT1, BININT2, BININT: never a hash the file chooses
+_LAYOUT_RE = (rb"(?:\)|(" + _INT_RE + rb"\x85|" + _INT_RE * 2 + rb"\x86|" + _INT_RE * 3 + rb"\x87|\((?:" + _INT_RE
+              + rb")*t)" + _STORE_RE + rb")")
+_TENSOR_RECORD = re.compile(
+    _FETCH_RE  # the rebuild's global
+    + rb"\(\(" + _FETCH_RE + _FETCH_RE  # MARK (its arguments), MARK (the persistent id), 'storage', its class
+    + rb"(?:X(.)\x00\x00\x00([0-9]+)" + _STORE_RE + rb"|" + _FETCH_RE + rb")"  # its key: new (and stored), or fetched
+    + _FETCH_RE + _INT_RE + rb"t" + _STORE_RE + rb"Q"  # its location, element count, their tuple (stored), BINPERSID
+    + _INT_RE + _LAYOUT_RE + _LAYOUT_RE  # storage offset, size (stored unless empty), stride
+    + rb"[\x88\x89]"  # requires_grad
+    + _FETCH_RE + rb"\)R" + _STORE_RE  # OrderedDict() (the backward hooks), stored
+    + rb"t" + _STORE_RE + rb"R" + _STORE_RE,  # the arguments' tuple, stored; the rebuild's call, stored
+    re.DOTALL)
+_MISSING = object()
 
 _CAP = 1 << 62  # counts stop growing here: past any limit, and still a machine-sized int
 
@@ -240,10 +262,22 @@ def _scan(data: bytes, limit: int) -> tuple[int, int, int, int]:
                 stack.append(None)
                 pos += width
                 continue
-            if code == 0x68:
-                stack.append(memo[data[pos + 1]])
-                pos += 2
-                continue
+            if code == 0x68 or code == 0x6A:  # BINGET, LONG_BINGET: a tensor's record starts with one
+                record = _tensor_record(data, pos, memo, nodes)
+                if record is not None:
+                    pos, node = record
+                    stack.append(node)
+                    if node.objects > most:
+                        most = node.objects
+                    if node.depth > deepest:
+                        deepest = node.depth
+                    if not stale and (most > limit or deepest > MAX_DEPTH):
+                        return most, deepest, 0, hashed
+                    continue
+                if code == 0x68:
+                    stack.append(memo[data[pos + 1]])
+                    pos += 2
+                    continue
             if code == 0x58:  # BINUNICODE
                 stack.append(None)
                 pos += 5 + unpack_from("<I", data, pos + 1)[0]
@@ -392,6 +426,97 @@ def _scan(data: bytes, limit: int) -> tuple[int, int, int, int]:
     if stale:
         return (*_measure(nodes, limit), 0, hashed)
     return most, deepest, 0, hashed
+
+
+def _tensor_record(data: bytes, pos: int, memo: dict[int, Value], nodes: list[_Node]) -> Optional[tuple[int, _Node]]:
+    """Where a tensor's record (:data:`_TENSOR_RECORD`) starting at ``pos`` ends, and the node of its rebuild's
+    call, with the memo and ``nodes`` as the general path leaves them; None where it is not one, or where the
+    general path could count it otherwise (it then takes the record opcode by opcode, as before).
+
+    That is: every fetch finds an atom (a global or a string) stored before the record, and no store is past
+    the pickle's length (which the general path refuses). The nodes are those the general path makes, in its
+    order, counted alike.
+    """
+    found = _TENSOR_RECORD.match(data, pos)
+    if found is None:
+        return None
+    (rebuild, name, kind, key_length, key, key_put, key_get, location, id_put,
+     size_items, size_put, stride_items, stride_put, hooks_get, hooks_put, args_put, call_put) = found.groups()
+    if key is not None and len(key) != key_length[0]:
+        return None  # the digits run on past the string: another layout of opcodes than the one matched
+    from_bytes = int.from_bytes
+    key_at = from_bytes(key_put, "little") if key_put is not None else -1
+    id_at = from_bytes(id_put, "little")
+    size_at = from_bytes(size_put, "little") if size_put is not None else -1
+    stride_at = from_bytes(stride_put, "little") if stride_put is not None else -1
+    hooks_at = from_bytes(hooks_put, "little")
+    args_at = from_bytes(args_put, "little")
+    call_at = from_bytes(call_put, "little")
+    if max(key_at, id_at, size_at, stride_at, hooks_at, args_at, call_at) > len(data):
+        return None
+    # Each fetch must find an atom: stored before the record (it stores atoms only at key_at, which the location
+    # fetch follows; the hooks' fetch follows the stores of the key, its id and the layout).
+    get = memo.get
+    for token in (rebuild, name, kind, key_get):
+        if token is not None and get(token[1] if len(token) == 2 else from_bytes(token[1:], "little"), _MISSING) is not None:
+            return None
+    location_at = location[1] if len(location) == 2 else from_bytes(location[1:], "little")
+    hooks_from = hooks_get[1] if len(hooks_get) == 2 else from_bytes(hooks_get[1:], "little")
+    if location_at == key_at or get(location_at, _MISSING) is not None or get(hooks_from, _MISSING) is not None \
+            or hooks_from in (key_at, id_at, size_at, stride_at):
+        return None
+    persistent_id = _made([None] * 5, 6, 1)  # ('storage', class, key, location, count)
+    storage = _made([persistent_id], 7, 2)  # BINPERSID's result
+    nodes.append(persistent_id)
+    nodes.append(storage)
+    size = _layout_node(size_items, nodes) if size_items is not None else None
+    stride = _layout_node(stride_items, nodes) if stride_items is not None else None
+    hooks = _made([None, None], 3, 1)  # OrderedDict()
+    args = _made([storage, None, size, stride, None, hooks],
+                 13 + (size.objects if size is not None else 1) + (stride.objects if stride is not None else 1), 3)
+    call = _made([None, args], 2 + args.objects, 4)
+    call.used = False
+    nodes += (hooks, args, call)
+    if key_at >= 0:
+        memo[key_at] = None
+    memo[id_at] = persistent_id
+    if size is not None:
+        memo[size_at] = size
+    if stride is not None:
+        memo[stride_at] = stride
+    memo[hooks_at] = hooks
+    memo[args_at] = args
+    memo[call_at] = call
+    return found.end(), call
+
+
+def _made(items: list, objects: int, depth: int) -> _Node:
+    """A node of a record, held by the next (``used``), of counts known from the record's form: as
+    ``_Node(items)`` counts them, less its loop."""
+    node = _new_node(_Node)
+    node.items, node.used, node.objects, node.depth, node.chosen = items, True, objects, depth, 0
+    return node
+
+
+_new_node = object.__new__
+
+
+def _layout_node(items: bytes, nodes: list[_Node]) -> _Node:
+    """The node of a record's size or stride tuple, appended to ``nodes``."""
+    last = items[-1]
+    if last != 0x74:  # TUPLE1-3
+        count = last - 0x84
+    else:  # MARK, then that many integers of 2, 3 or 5 bytes
+        count, at = 0, 1
+        while at < len(items) - 1:
+            at += _INT_WIDTHS[items[at]]
+            count += 1
+    node = _made([None] * count, 1 + count, 1)
+    nodes.append(node)
+    return node
+
+
+_INT_WIDTHS = {ord("K"): 2, ord("M"): 3, ord("J"): 5}
 
 
 def _hashed_weight(code: int, items: list[Value]) -> int:

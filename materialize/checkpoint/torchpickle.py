@@ -29,6 +29,7 @@ from .base import TensorInfo, is_extra_state, make_info, shape_fits_int64
 from .modelstate import Shapes, copies_of, not_there, several_copies
 from .pickle_budget import check_budget
 from .pickle_scan import hostile_calls, quantized_tensors
+from .plainrecords import PlainStorage, PlainTensor, plain_storage, plain_tensor
 from .sealed import Unchangeable, sealed_call
 from .standins import (
     INERT_GLOBALS, CalledStandIn, StandIn, is_module_state, is_numpy_array, module_state, stand_in_class,
@@ -72,7 +73,9 @@ class StorageRef:
         self.nbytes = nbytes
 
 
-def persistent_loader(path: Path, refs: dict[int, StorageRef]):
+def persistent_loader(path: Path, refs: dict[int, StorageRef], *, records: bool = False):
+    """The ``persistent_load`` of a torch pickle: each storage made on meta and noted in ``refs``, or with
+    ``records``, a :class:`.plainrecords.PlainStorage` (the plain path's), which makes one only if asked."""
     dtypes: dict[str, torch.dtype] = {}  # storage key -> the dtype it was first named with
 
     def persistent_load(saved_id: Any) -> Any:
@@ -87,13 +90,16 @@ def persistent_loader(path: Path, refs: dict[int, StorageRef]):
             dtype = getattr(storage_type, "_dtype", None) or getattr(storage_type, "dtype", None)
         if not isinstance(dtype, torch.dtype) or type(numel) is not int or numel < 0:
             raise CheckpointError(f"malformed storage record {brief(key)} in data.pkl", path=path)
-        first = dtypes.setdefault(str(key), dtype)
+        name = str(key)
+        first = dtypes.setdefault(name, dtype)
         if first != dtype:  # torch.load would read it as the first dtype named; torch.save never writes this
             raise CheckpointError(
                 f"storage record data/{key} is named as {first} and as {dtype}; torch.save never writes one storage "
                 "with two dtypes", path=path)
+        if records:
+            return plain_storage(name, numel * dtype.itemsize, dtype, refs)
         storage = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
-        refs[storage._cdata] = StorageRef(str(key), numel * dtype.itemsize)
+        refs[storage._cdata] = StorageRef(name, numel * dtype.itemsize)
         return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
 
     return persistent_load
@@ -141,13 +147,13 @@ def _plain_globals() -> dict[str, Any]:
         "builtins.complex": complex,
         "builtins.bytearray": sealed_call(_bytearray_of_data),
         "collections.Counter": sealed_call(collections.Counter),
-        "torch._utils._rebuild_parameter_with_state": sealed_call(torch._utils._rebuild_parameter_with_state),
+        "torch._utils._rebuild_parameter_with_state": sealed_call(_plain_parameter_with_state),
     }
     beside.update({f"__builtin__.{kind.__name__}": kind for kind in (set, complex)})  # protocol 2's names
     beside["__builtin__.bytearray"] = beside["builtins.bytearray"]
     return {
         **rebuilds,
-        "torch._utils._rebuild_parameter": sealed_call(torch._utils._rebuild_parameter),
+        "torch._utils._rebuild_parameter": sealed_call(_plain_parameter),
         "collections.OrderedDict": collections.OrderedDict,
         **beside,
         **named,
@@ -171,7 +177,10 @@ def _plain_rebuild(rebuild: Callable[..., torch.Tensor], *, dtype_given: bool) -
 
     A tensor without hooks or metadata (every tensor of a state dict) is set
     straight onto its storage: torch's own rebuild also looks for a fake
-    tensor mode on every call, most of its cost. A negative layout, which
+    tensor mode on every call, most of its cost. On a storage of
+    :func:`persistent_loader`'s records, it is not made at all where its
+    layout is one torch makes as given: its record stands for it (see
+    :mod:`.plainrecords`). A negative layout, which
     meta storages would quietly accept, sends the file to the weights-only
     path, whose opcode scan (:func:`.pickle_scan.hostile_calls`) refuses
     it with the layout named. So does a layout changed after the rebuild (a
@@ -180,11 +189,18 @@ def _plain_rebuild(rebuild: Callable[..., torch.Tensor], *, dtype_given: bool) -
     """
     def rebuild_checked(storage: Any, storage_offset: int, size: tuple, stride: tuple, requires_grad: bool,
                         backward_hooks: Any, *rest: Any) -> torch.Tensor:
-        if storage_offset < 0 or any(d < 0 for d in size) or any(s < 0 for s in stride):
-            raise _NotPlain("negative layout")
         dtype = rest[0] if dtype_given else storage.dtype
         metadata = rest[1:] if dtype_given else rest
-        if backward_hooks or any(metadata) or not isinstance(storage, torch.storage.TypedStorage):
+        bare = not (backward_hooks or any(metadata))
+        if bare and type(storage) is PlainStorage:  # the fast path's: a record where torch makes the layout as given
+            record = plain_tensor(storage, storage_offset, size, stride, dtype, requires_grad)
+            if record is not None:  # (which no negative value is)
+                return record
+        if storage_offset < 0 or any(d < 0 for d in size) or any(s < 0 for s in stride):
+            raise _NotPlain("negative layout")
+        if type(storage) is PlainStorage:  # else a meta tensor, as below: torch's own checks and errors
+            storage = storage.typed()
+        if not bare or not isinstance(storage, torch.storage.TypedStorage):
             return rebuild(storage, storage_offset, size, stride, requires_grad, backward_hooks, *rest)
         tensor = torch.empty((0,), dtype=dtype, device="meta").set_(storage._untyped_storage, storage_offset, size, stride)
         if requires_grad:
@@ -193,6 +209,28 @@ def _plain_rebuild(rebuild: Callable[..., torch.Tensor], *, dtype_given: bool) -
         return tensor
 
     return rebuild_checked
+
+
+def _meta_tensor(record: PlainTensor) -> torch.Tensor:
+    """The meta tensor a record stands for, where torch's own code must be given one; noted as rebuilds' are."""
+    tensor = record.tensor()
+    _MADE.tensors.append((tensor, record.fields[1], record.shape, record.fields[3]))
+    return tensor
+
+
+def _plain_parameter(data: Any, requires_grad: Any, backward_hooks: Any) -> Any:
+    """torch's parameter rebuild; of a record, the record with its gradient flag, where it may have it."""
+    if type(data) is PlainTensor:
+        record = data.with_grad(requires_grad)
+        if record is not None:
+            return record
+        data = _meta_tensor(data)
+    return torch._utils._rebuild_parameter(data, requires_grad, backward_hooks)
+
+
+def _plain_parameter_with_state(data: Any, *args: Any) -> Any:
+    """torch's rebuild of a parameter with attributes, which it sets: of a meta tensor, always."""
+    return torch._utils._rebuild_parameter_with_state(_meta_tensor(data) if type(data) is PlainTensor else data, *args)
 
 
 _PLAIN_GLOBALS = _plain_globals()
@@ -221,9 +259,13 @@ class _PlainStateUnpickler(pickle.Unpickler):
 
 def _unpickle_plain(
     path: Path, data: bytes, refs: dict[int, StorageRef], persistent: Callable[[Path, dict[int, StorageRef]], Any],
+    *, records: bool = False,
 ) -> Any:
+    """The object a plain pickle holds, or :data:`_NOT_PLAIN`; with ``records``, its tensors of zip storages as
+    :class:`.plainrecords.PlainTensor` where they can be."""
     unpickler = _PlainStateUnpickler(io.BytesIO(data), encoding="utf-8")
-    unpickler.persistent_load = persistent(path, refs)
+    unpickler.persistent_load = persistent_loader(path, refs, records=True) if records and persistent is persistent_loader \
+        else persistent(path, refs)
     _MADE.tensors = []
     try:
         loaded = unpickler.load()
@@ -257,6 +299,7 @@ _STAND_IN_SCOPE = getattr(torch.serialization, "safe_globals", None)  # torch 2.
 def unpickle(
     path: Path, data: bytes, refs: dict[int, StorageRef], *, trust_pickle: bool,
     persistent: Callable[[Path, dict[int, StorageRef]], Any] = persistent_loader, what: str = "data.pkl",
+    records: bool = False,
 ) -> tuple[Any, list[tuple[Any, Any, Any]]]:
     """The object ``torch.save`` was given, its tensors on meta; classes torch does not allow become stand-ins.
 
@@ -272,13 +315,15 @@ def unpickle(
     anything it names is refused. While a read runs, torch's allowlist (one
     per process) holds its stand-ins: inert, so another thread's
     ``torch.load`` that meets them is no less safe.
+    With ``records``, the plain path gives the tensors of :func:`persistent_loader`'s storages as
+    :class:`.plainrecords.PlainTensor` where it can (:func:`tensor_info` takes both).
     """
     if trust_pickle:
         unpickler: Any = _TrustedUnpickler(io.BytesIO(data), encoding="utf-8")
         unpickler.persistent_load = persistent(path, refs)
         return _load(path, unpickler, trust_pickle=True, what=what), hostile_calls(data)[0]
     check_budget(data, path=path, what=what)
-    plain = _unpickle_plain(path, data, refs, persistent)
+    plain = _unpickle_plain(path, data, refs, persistent, records=records)
     if plain is not _NOT_PLAIN:
         return plain, []  # its rebuilds checked the layouts on the way
     protocol = data[1] if len(data) > 1 and data[0] == pickle.PROTO[0] else 2
@@ -406,9 +451,14 @@ def read_payload(
     layouts refused."""
     if b"_rebuild_qtensor" in data:  # torch cannot make one on meta: it would fail deep inside, warning
         _refuse_quantized(path, data)
-    unpickled, hostile = unpickle(path, data, refs, trust_pickle=trust_pickle, persistent=persistent, what=what)
+    unpickled, hostile = unpickle(path, data, refs, trust_pickle=trust_pickle, persistent=persistent, what=what,
+                                  records=True)
     try:
         found = find_payload(unpickled, state_dict_key=state_dict_key)
+        if found.extra_states and _holds_records(found.extra_states):  # handed on as they are: read again, for
+            unpickled, hostile = unpickle(  # any tensor in them to be torch's, as it was before records
+                path, data, refs, trust_pickle=trust_pickle, persistent=persistent, what=what)
+            found = find_payload(unpickled, state_dict_key=state_dict_key)
         payload, module = found.tensors, found.module
     except CheckpointError as error:
         error.path = error.path or str(path)
@@ -430,6 +480,21 @@ def read_payload(
             "partitioned into the *_optim_states.pt files beside it; gather them with the zero_to_fp32.py script "
             "DeepSpeed writes into the checkpoint folder, and load what it writes", path=path)
     return found
+
+
+def _holds_records(value: Any) -> bool:
+    """Whether a record (:mod:`.plainrecords`) is among the containers of ``value``: builtin ones, all the plain
+    path builds. Each container is walked once, however often it is referred to."""
+    seen: set[int] = set()
+    work = [value]
+    while work:
+        item = work.pop()
+        if type(item) in (PlainTensor, PlainStorage):
+            return True
+        if isinstance(item, (dict, list, tuple, set, frozenset)) and id(item) not in seen:
+            seen.add(id(item))
+            work.extend(dict.items(item) if isinstance(item, dict) else item)
+    return False
 
 
 def _refuse_quantized(path: Path, data: bytes) -> None:
@@ -589,7 +654,7 @@ def _gather(mapping: dict, prefix: str, entries: dict[str, torch.Tensor], arrays
     seen.add(id(mapping))
     for key, value in dict.items(mapping):
         name = prefix + str(key)
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, (torch.Tensor, PlainTensor)):
             pairs = [(name, value)]
         elif is_numpy_array(value):
             arrays.append(name)
@@ -633,6 +698,8 @@ def tensor_info(
     def fail(reason: str) -> CheckpointError:
         return CheckpointError(reason, path=path, tensor=name)
 
+    if type(tensor) is PlainTensor:
+        return _record_info(path, name, tensor, records, file_size, fail)
     if tensor.layout != torch.strided or tensor.is_quantized:
         raise fail(f"has layout {tensor.layout}; only dense tensors are supported")
     if tensor.is_conj() or tensor.is_neg():  # torch.load resolves the bit on use; the bytes alone are not the values
@@ -671,6 +738,66 @@ def tensor_info(
     return make_info(
         name=name,
         dtype_name=_DTYPE_NAMES.get(tensor.dtype) or str(tensor.dtype).removeprefix("torch."),
+        itemsize=itemsize,
+        shape=shape,
+        path=path,
+        offset=record_offset + start,
+        stride=None if contiguous else stride,
+        span_nbytes=None if contiguous else span,
+        storage=record_offset,
+        numel=numel,
+    )
+
+
+def tensor_infos(path: Path, tensors: dict[str, Any], refs: dict[int, StorageRef], records: dict[str, tuple[int, int]],
+                 file_size: int) -> dict[str, TensorInfo]:
+    """:func:`tensor_info` of each named tensor, in order: records (see :mod:`.plainrecords`) in this one loop,
+    without a call each, where they pass its checks (else its error); meta tensors by :func:`tensor_info`."""
+    infos: dict[str, TensorInfo] = {}
+    new = object.__new__
+    for name, tensor in tensors.items():
+        if type(tensor) is not PlainTensor:
+            infos[name] = tensor_info(path, name, tensor, refs, records, file_size)
+            continue
+        storage, offset, shape, stride, dtype, _, numel, contiguous, extent, _ = tensor.fields
+        key, nbytes = storage.fields[:2]
+        located = records.get(key)
+        itemsize = dtype.itemsize
+        start = offset * itemsize
+        if located is None or located[1] < nbytes or located[0] + nbytes > file_size or start + extent * itemsize > nbytes:
+            infos[name] = tensor_info(path, name, tensor, refs, records, file_size)  # raises, saying which
+            continue
+        info = new(TensorInfo)  # as make_info makes it: a dict of fields, the element count cached
+        info.__dict__.update({
+            "name": name, "dtype_name": _DTYPE_NAMES[dtype], "itemsize": itemsize, "shape": shape, "path": path,
+            "offset": located[0] + start, "stride": None if contiguous else stride,
+            "span_nbytes": None if contiguous else extent * itemsize, "storage": located[0], "numel": numel})
+        infos[name] = info
+    return infos
+
+
+def _record_info(path: Path, name: str, record: PlainTensor, records: dict[str, tuple[int, int]], file_size: int,
+                 fail: Callable[[str], CheckpointError]) -> TensorInfo:
+    """:func:`tensor_info` of a record: its checks in the same order, less those its domain rules out (layout
+    kinds, lazy bits, negative or oversized layouts: see :mod:`.plainrecords`)."""
+    storage, offset, shape, stride, dtype, _, numel, contiguous, extent, _ = record.fields
+    key, nbytes = storage.fields[:2]
+    located = records.get(key)
+    if located is None:
+        raise fail(f"storage record data/{key} is missing from the zip")
+    record_offset, record_size = located
+    if record_size < nbytes:
+        raise fail(f"storage record data/{key} holds {record_size} bytes, {nbytes} expected")
+    if record_offset + nbytes > file_size:
+        raise fail(f"storage record data/{key} runs past the end of the file (truncated?)")
+    itemsize = dtype.itemsize
+    start = offset * itemsize
+    span = extent * itemsize
+    if start + span > nbytes:
+        raise fail(f"view of bytes [{start}, {start + span}) lies outside its {nbytes}-byte storage")
+    return make_info(
+        name=name,
+        dtype_name=_DTYPE_NAMES[dtype],
         itemsize=itemsize,
         shape=shape,
         path=path,

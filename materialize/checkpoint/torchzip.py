@@ -17,13 +17,13 @@ import struct
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Optional
+from typing import Any, BinaryIO, Callable, Iterator, NamedTuple, Optional
 
 from ..errors import CheckpointError, UnsupportedFormatError
 from ..io.fileio import file_size_of, remote_pread
 from ..sources.remotepath import is_remote
 from .base import TensorInfo
-from .torchpickle import Payload, StorageRef, first_line, read_bare_tensor, read_payload, tensor_info
+from .torchpickle import Payload, StorageRef, first_line, read_bare_tensor, read_payload, tensor_infos
 
 _LOCAL_HEADER = struct.Struct("<4s4xH16xHH")
 _SMALL_RECORD = 1 << 20
@@ -31,7 +31,7 @@ _DOS_DIRECTORY = 0x10
 
 
 def _record_offsets(
-    path: Path, archive: zipfile.ZipFile, prefix: str, window: Optional["_Window"] = None,
+    path: Path, archive: "_Archive", prefix: str, window: Optional["_Window"] = None,
 ) -> dict[str, tuple[int, int]]:
     """Storage key -> (absolute data offset, size) for every stored record (of the zip in ``window``, if given).
 
@@ -40,7 +40,8 @@ def _record_offsets(
     central directory: readers that trust one or the other would otherwise
     read different bytes from a damaged file. No record's data is read here,
     so a compressed or oversized record is refused before it costs anything;
-    the cost is one header read per record and a sort of their spans.
+    the cost is one header read per record (records close together read by
+    one read, see :func:`_local_headers`) and a sort of their spans.
     Record CRCs are checked by :func:`_verify_small_records`.
     """
     offsets: dict[str, tuple[int, int]] = {}
@@ -52,8 +53,12 @@ def _record_offsets(
         handle = window.copy() if window is not None else opened.enter_context(open(path, "rb"))
         pread = window.pread if window is not None else functools.partial(os.pread, handle.fileno())
         _check_end_record(path, archive, handle)
-        for info in archive.infolist():
+        infos = archive.infolist()
+        headers = _local_headers([(info.header_offset, _LOCAL_HEADER.size + len(info.raw_name)) for info in infos],
+                                 pread, base)
+        for info in infos:
             name = info.filename
+            raw_name = info.raw_name
             if info.flag_bits & 0x1:
                 raise CheckpointError(f"zip record {name!r} is encrypted; torch never writes that", path=path)
             if info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size:
@@ -65,9 +70,7 @@ def _record_offsets(
             if info.compress_type != zipfile.ZIP_STORED:  # a few compressed bytes could inflate to gigabytes
                 what = f"storage record {name[len(data_dir):]!r}" if name.startswith(data_dir) else f"zip record {name!r}"
                 raise CheckpointError(f"{what} is compressed; torch writes every record stored", path=path)
-            raw_name = _raw_name(info)
-            # One positional read of the header and the name it must repeat: no buffer refilled per record.
-            header = pread(_LOCAL_HEADER.size + len(raw_name), base + info.header_offset)
+            header = next(headers)  # read here, once the record passed the checks above, as it always was
             if len(header) < _LOCAL_HEADER.size:
                 raise CheckpointError(f"zip local header of record {name!r} is truncated", path=path)
             signature, method, name_len, extra_len = _LOCAL_HEADER.unpack_from(header)
@@ -85,8 +88,38 @@ def _record_offsets(
     return offsets
 
 
-def _verify_small_records(path: Path, archive: zipfile.ZipFile, prefix: str, already_read: set[str]) -> None:
-    """Reads every record outside ``data/`` of up to 1 MB so that zipfile checks its CRC; only after
+# Local headers at most _HEADER_GAP bytes apart are read by one positional read of at most _HEADER_RUN bytes
+# (with the record data between them): a zip of small tensors in few reads, one of big tensors in one small read
+# a header, never their data.
+_HEADER_RUN = 1 << 16
+_HEADER_GAP = 1 << 12
+
+
+def _local_headers(spans: list[tuple[int, int]], pread: Callable[[int, int], bytes], base: int) -> Iterator[bytes]:
+    """The bytes at each ``(offset, length)`` of ``spans`` in turn (each record's local header and name), as
+    one positional read each would return them.
+
+    Spans that follow one another in the file, each at most
+    :data:`_HEADER_GAP` bytes after the one before and all within
+    :data:`_HEADER_RUN` bytes of the first, are read by one positional read
+    of the run: a zip of 100,000 small tensors takes a read per hundred or
+    so records, not one each; a run is read only when its first span is asked for.
+    """
+    window, window_at = b"", 0
+    for index, (offset, length) in enumerate(spans):
+        start = offset - window_at
+        if not (0 <= start and start + length <= len(window)):
+            run_end = offset + length
+            for next_offset, next_length in spans[index + 1:index + 1024]:
+                if not run_end <= next_offset <= run_end + _HEADER_GAP or next_offset + next_length - offset > _HEADER_RUN:
+                    break
+                run_end = next_offset + next_length
+            window, window_at, start = pread(run_end - offset, base + offset), offset, 0
+        yield window[start:start + length]
+
+
+def _verify_small_records(path: Path, archive: "_Archive", prefix: str, already_read: set[str]) -> None:
+    """Reads every record outside ``data/`` of up to 1 MB so that its CRC is checked (:meth:`_Archive.read`); only after
     :func:`_record_offsets` has bounded each one to its own stored bytes, so this is one pass over them."""
     data_dir = f"{prefix}/data/"
     for info in archive.infolist():
@@ -101,7 +134,7 @@ _ZIP64_LOCATOR = struct.Struct("<4sIQI")
 _ZIP64_END_RECORD = struct.Struct("<4sQHHIIQQQQ")
 
 
-def _check_end_record(path: Path, archive: zipfile.ZipFile, handle: BinaryIO) -> None:
+def _check_end_record(path: Path, archive: "_Archive", handle: BinaryIO) -> None:
     """The end-of-central-directory fields zipfile ignores but torch's reader checks."""
     handle.seek(0, os.SEEK_END)
     file_size = handle.tell()
@@ -141,15 +174,11 @@ def _check_end_record(path: Path, archive: zipfile.ZipFile, handle: BinaryIO) ->
         raise CheckpointError("zip central directory entries do not add up to its recorded size (corrupt zip)", path=path)
 
 
-def _raw_name(info: zipfile.ZipInfo) -> bytes:
-    return info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
-
-
 # What a damaged zip can raise from zipfile besides BadZipFile.
 ZIP_ERRORS = (zipfile.BadZipFile, RuntimeError, zlib.error, EOFError, OSError, NotImplementedError, UnicodeDecodeError, ValueError)
 
 
-def _read(path: Path, archive: zipfile.ZipFile, name: str) -> bytes:
+def _read(path: Path, archive: "_Archive", name: str) -> bytes:
     try:
         return archive.read(name)
     except ZIP_ERRORS as exc:
@@ -184,6 +213,13 @@ class _Window(io.RawIOBase):
         self._at = start + offset
         return self._at
 
+    def read_at(self, length: int, offset: int) -> bytes:
+        """Up to ``length`` bytes at ``offset`` of the window, as seeking there and reading would give them."""
+        if offset < 0:
+            raise ValueError("negative seek position")
+        wanted = max(0, min(length, self.length - offset))
+        return self.pread(wanted, self.base + offset) if wanted else b""
+
     def readinto(self, buffer: Any) -> int:
         wanted = max(0, min(len(buffer), self.length - self._at))
         data = self.pread(wanted, self.base + self._at) if wanted else b""
@@ -194,13 +230,14 @@ class _Window(io.RawIOBase):
 
 # zipfile decodes a record's extra fields by slicing off one at a time, each slice a copy of the rest: quadratic in
 # their count, 70 ms for one 64 KB extra of 4-byte fields, a minute for a zip of a thousand such records. torch
-# writes at most two fields a record; a record with more than this many is refused before zipfile reads any.
+# writes at most two fields a record; a record with more than this many is refused before any is read (and
+# _read_directory, which reads them as zipfile does, walks them without the copies).
 MAX_EXTRA_FIELDS = 64
 
 
 def _check_extra_fields(path: Path, handle: BinaryIO) -> None:
     """Refuses a central directory entry of more than :data:`MAX_EXTRA_FIELDS` extra fields (one pass over the
-    directory); anything else wrong with the directory is left to zipfile, which reads it next."""
+    directory); anything else wrong with the directory is left to :func:`_read_directory`, which reads it next."""
     try:
         end = zipfile._EndRecData(handle)  # type: ignore[attr-defined]
         size, offset, location = (end[zipfile._ECD_SIZE], end[zipfile._ECD_OFFSET],  # type: ignore[attr-defined]
@@ -214,32 +251,210 @@ def _check_extra_fields(path: Path, handle: BinaryIO) -> None:
     handle.seek(start)
     directory = handle.read(size)
     at = 0
-    while directory[at:at + 4] == b"PK\x01\x02" and at + _CENTRAL_ENTRY_SIZE <= len(directory):
-        flags, = struct.unpack_from("<H", directory, at + 8)
+    while directory.startswith(b"PK\x01\x02", at) and at + _CENTRAL_ENTRY_SIZE <= len(directory):
         name_len, extra_len, comment_len = struct.unpack_from("<HHH", directory, at + 28)
         extra_at = at + _CENTRAL_ENTRY_SIZE + name_len
+        if extra_len < 4 * (MAX_EXTRA_FIELDS + 1):  # each field takes 4 bytes at least: too few for too many
+            at = extra_at + extra_len + comment_len
+            continue
         extra, fields = directory[extra_at:extra_at + extra_len], 0
         walked = 0
         while walked + 4 <= len(extra) and fields <= MAX_EXTRA_FIELDS:
             walked += 4 + int.from_bytes(extra[walked + 2:walked + 4], "little")
             fields += 1
         if fields > MAX_EXTRA_FIELDS:
+            flags, = struct.unpack_from("<H", directory, at + 8)
             name = directory[at + _CENTRAL_ENTRY_SIZE:extra_at].decode("utf-8" if flags & 0x800 else "cp437", "replace")
             raise CheckpointError(f"zip record {name!r} carries more than {MAX_EXTRA_FIELDS} extra fields "
                                   "(corrupt zip)", path=path)
         at = extra_at + extra_len + comment_len
 
 
-def _open_archive(path: Path, source: Optional[BinaryIO] = None) -> zipfile.ZipFile:
+class _Entry(NamedTuple):
+    """A central directory entry, with the fields of zipfile's ``ZipInfo`` that the checks read."""
+
+    filename: str  # cut at a NUL, as zipfile cuts it
+    orig_filename: str
+    raw_name: bytes  # as stored
+    flag_bits: int
+    compress_type: int
+    CRC: int
+    compress_size: int
+    file_size: int
+    volume: int
+    external_attr: int
+    header_offset: int
+
+
+_CENTRAL_ENTRY = struct.Struct(zipfile.structCentralDir)
+_FILE_HEADER = struct.Struct(zipfile.structFileHeader)
+_ZIP64_SIZES = struct.Struct("<Q")
+_UTF8_NAME = 0x800
+
+
+class _Archive:
+    """A torch zip's central directory and stored records, read as ``zipfile.ZipFile`` reads them: the same
+    checks in the same order, raising the same errors, without a ``ZipInfo`` object per record (the cost of
+    opening a zip of 100,000 records, twice what these checks cost).
+
+    ``pread(length, offset)`` reads the file (or a window of one); ``handle``, its file object, is closed
+    with the archive where the archive opened it.
+    """
+
+    def __init__(self, handle: BinaryIO, pread: Callable[[int, int], bytes], owned: bool) -> None:
+        self.handle, self.pread, self._owned = handle, pread, owned
+        self.entries, self.start_dir = _read_directory(handle)
+        self._by_name = {entry.filename: entry for entry in self.entries}  # the last of a name, as zipfile
+
+    def infolist(self) -> list[_Entry]:
+        return self.entries
+
+    def namelist(self) -> list[str]:
+        return [entry.filename for entry in self.entries]
+
+    def read(self, name: str) -> bytes:
+        """A stored record's bytes, as ``ZipFile.read`` returns them (its local header and CRC checked)."""
+        entry = self._by_name.get(name)
+        if entry is None:
+            raise KeyError(f"There is no item named {name!r} in the archive")
+        header = self.pread(_FILE_HEADER.size, entry.header_offset)
+        if len(header) != _FILE_HEADER.size:
+            raise zipfile.BadZipFile("Truncated file header")
+        fields = _FILE_HEADER.unpack(header)
+        if fields[zipfile._FH_SIGNATURE] != zipfile.stringFileHeader:  # type: ignore[attr-defined]
+            raise zipfile.BadZipFile("Bad magic number for file header")
+        name_length = fields[zipfile._FH_FILENAME_LENGTH]  # type: ignore[attr-defined]
+        extra_length = fields[zipfile._FH_EXTRA_FIELD_LENGTH]  # type: ignore[attr-defined]
+        local_name = self.pread(name_length, entry.header_offset + _FILE_HEADER.size) if name_length else b""
+        if entry.flag_bits & 0x20:
+            raise NotImplementedError("compressed patched data (flag bit 5)")
+        if entry.flag_bits & 0x40:
+            raise NotImplementedError("strong encryption (flag bit 6)")
+        local_flags = fields[zipfile._FH_GENERAL_PURPOSE_FLAG_BITS]  # type: ignore[attr-defined]
+        if local_name.decode("utf-8" if local_flags & _UTF8_NAME else "cp437") != entry.orig_filename:
+            raise zipfile.BadZipFile(f"File name in directory {entry.orig_filename!r} and header {local_name!r} differ.")
+        if entry.flag_bits & 0x1:
+            raise RuntimeError(f"File {name!r} is encrypted, password required for extraction")
+        if entry.compress_type != zipfile.ZIP_STORED:  # refused before any read (see _record_offsets)
+            raise NotImplementedError("only stored records are read")
+        data = self.pread(entry.compress_size, entry.header_offset + _FILE_HEADER.size + name_length + extra_length) \
+            if entry.compress_size else b""
+        if len(data) < entry.compress_size:
+            raise EOFError
+        data = data[:entry.file_size]
+        if zlib.crc32(data) != entry.CRC:
+            raise zipfile.BadZipFile(f"Bad CRC-32 for file {entry.filename!r}")
+        return data
+
+    def close(self) -> None:
+        if self._owned:
+            self.handle.close()
+
+    def __enter__(self) -> "_Archive":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _read_directory(handle: BinaryIO) -> tuple[list[_Entry], int]:
+    """The entries of a zip's central directory and where it starts, read as zipfile's ``_RealGetContents``
+    reads them: its checks, its order, its errors."""
+    try:
+        end = zipfile._EndRecData(handle)  # type: ignore[attr-defined]
+    except OSError:
+        raise zipfile.BadZipFile("File is not a zip file") from None
+    if not end:
+        raise zipfile.BadZipFile("File is not a zip file")
+    size = end[zipfile._ECD_SIZE]  # type: ignore[attr-defined]
+    concat = end[zipfile._ECD_LOCATION] - size - end[zipfile._ECD_OFFSET]  # type: ignore[attr-defined]
+    if end[zipfile._ECD_SIGNATURE] == zipfile.stringEndArchive64:  # type: ignore[attr-defined]
+        concat -= zipfile.sizeEndCentDir64 + zipfile.sizeEndCentDir64Locator  # type: ignore[attr-defined]
+    start_dir = end[zipfile._ECD_OFFSET] + concat  # type: ignore[attr-defined]
+    if start_dir < 0:
+        raise zipfile.BadZipFile("Bad offset for central directory")
+    handle.seek(start_dir)
+    directory = handle.read(size)
+    entries = []
+    unpack = _CENTRAL_ENTRY.unpack_from
+    make = tuple.__new__
+    total = 0
+    while total < size:
+        if total + _CENTRAL_ENTRY.size > len(directory):
+            raise zipfile.BadZipFile("Truncated central directory")
+        (signature, _, _, extract_version, _, flags, method, _, _, crc, compressed, file_size, name_length,
+         extra_length, comment_length, volume, _, external, header_offset) = unpack(directory, total)
+        if signature != zipfile.stringCentralDir:  # type: ignore[attr-defined]
+            raise zipfile.BadZipFile("Bad magic number for central directory")
+        at = total + _CENTRAL_ENTRY.size
+        raw_name = directory[at:at + name_length]
+        name = raw_name.decode("utf-8" if flags & _UTF8_NAME else "cp437")
+        if extract_version > zipfile.MAX_EXTRACT_VERSION:  # type: ignore[attr-defined]
+            raise NotImplementedError("zip file version %.1f" % (extract_version / 10))
+        extra = directory[at + name_length:at + name_length + extra_length]
+        if extra:
+            file_size, compressed, header_offset = _zip64_fields(extra, file_size, compressed, header_offset)
+        cut = name.find("\0")
+        entries.append(make(_Entry, (name if cut < 0 else name[:cut], name, raw_name, flags, method, crc, compressed,
+                                     file_size, volume, external, header_offset + concat)))
+        total += _CENTRAL_ENTRY.size + name_length + extra_length + comment_length
+    return entries, start_dir
+
+
+def _zip64_fields(extra: bytes, file_size: int, compressed: int, header_offset: int) -> tuple[int, int, int]:
+    """A directory entry's sizes and offset after its extra fields, as zipfile's ``_decodeExtra`` reads them
+    (a ZIP64 field holds the values stored as 0xFFFFFFFF), with its errors."""
+    at = 0
+    while len(extra) - at >= 4:
+        kind, length = struct.unpack_from("<HH", extra, at)
+        if length + 4 > len(extra) - at:
+            raise zipfile.BadZipFile("Corrupt extra field %04x (size=%d)" % (kind, length))
+        if kind == 0x0001:
+            data = extra[at + 4:at + 4 + length]
+            field = ""
+            try:
+                if file_size in (0xFFFF_FFFF_FFFF_FFFF, 0xFFFF_FFFF):
+                    field = "File size"
+                    file_size, = _ZIP64_SIZES.unpack(data[:8])
+                    data = data[8:]
+                if compressed == 0xFFFF_FFFF:
+                    field = "Compress size"
+                    compressed, = _ZIP64_SIZES.unpack(data[:8])
+                    data = data[8:]
+                if header_offset == 0xFFFF_FFFF:
+                    field = "Header offset"
+                    header_offset, = _ZIP64_SIZES.unpack(data[:8])
+            except struct.error:
+                raise zipfile.BadZipFile(f"Corrupt zip64 extra field. {field} not found.") from None
+        at += length + 4
+    return file_size, compressed, header_offset
+
+
+def _open_archive(path: Path, source: Optional[BinaryIO] = None) -> _Archive:
     with contextlib.ExitStack() as opened:
         handle = source.copy() if isinstance(source, _Window) else opened.enter_context(open(path, "rb"))
         _check_extra_fields(path, handle)
-    try:
-        return zipfile.ZipFile(source if source is not None else path)
-    except (NotImplementedError, UnicodeDecodeError, ValueError, EOFError) as exc:
-        raise CheckpointError(f"is not a readable zip: {first_line(exc)}", path=path) from None
-    except zipfile.BadZipFile:
-        raise CheckpointError("is not a valid torch zip checkpoint (bad or truncated zip)", path=path) from None
+        try:
+            if isinstance(source, _Window):
+                return _Archive(source.copy(), source.read_at, owned=False)
+            archive = _Archive(handle, functools.partial(_pread_all, handle.fileno()), owned=True)
+            opened.pop_all()  # the archive closes the file
+            return archive
+        except (NotImplementedError, UnicodeDecodeError, ValueError, EOFError) as exc:
+            raise CheckpointError(f"is not a readable zip: {first_line(exc)}", path=path) from None
+        except zipfile.BadZipFile:
+            raise CheckpointError("is not a valid torch zip checkpoint (bad or truncated zip)", path=path) from None
+
+
+def _pread_all(descriptor: int, length: int, offset: int) -> bytes:
+    """``length`` bytes at ``offset``, fewer only at the file's end (``os.pread`` may return fewer at once)."""
+    data = os.pread(descriptor, length, offset)
+    while len(data) < length:
+        more = os.pread(descriptor, length - len(data), offset + len(data))
+        if not more:
+            break
+        data += more
+    return data
 
 
 def _archive_prefix(path: Path, names: list[str]) -> str:
@@ -319,5 +534,4 @@ def _read_zip(
         else:
             payload = Payload({single: read_bare_tensor(path, data, refs, what=f"tensor '{single}'")}, None, {})
         _verify_small_records(path, archive, prefix, {byteorder, f"{prefix}/data.pkl"})
-    return payload._replace(tensors={name: tensor_info(path, name, t, refs, records, file_size)
-                                     for name, t in payload.tensors.items()})
+    return payload._replace(tensors=tensor_infos(path, payload.tensors, refs, records, file_size))

@@ -1,0 +1,178 @@
+"""Local headers read in runs (torchzip._local_headers) are the bytes one read each would give, in order, and
+a run is read only when its first header is asked for."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from materialize.checkpoint import torchzip
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_headers_read_in_runs_are_those_read_one_by_one(tmp_path: Path, seed: int):
+    rng = random.Random(seed)
+    path = tmp_path / "bytes"
+    path.write_bytes(rng.randbytes(rng.choice((300, 5000, 200_000))))
+    size = path.stat().st_size
+    spans = []
+    at = rng.randrange(50)
+    for _ in range(rng.randrange(1, 300)):
+        spans.append((at, rng.randrange(30, 120)))
+        # Mostly onward, near or far, sometimes back or past the end: every order a damaged zip can list.
+        at = rng.choice((at + rng.randrange(0, 400), at + rng.randrange(0, 1 << 17), rng.randrange(size + 100),
+                         max(0, at - rng.randrange(200)), size - rng.randrange(60)))
+    with open(path, "rb") as handle:
+        reads = []
+
+        def pread(length: int, offset: int) -> bytes:
+            reads.append((offset, length))
+            return os.pread(handle.fileno(), length, offset)
+
+        base = rng.choice((0, 7))
+        got = list(torchzip._local_headers([(offset - base, length) for offset, length in spans], pread, base))
+        assert got == [os.pread(handle.fileno(), length, offset) for offset, length in spans]
+    assert all(length <= max(torchzip._HEADER_RUN, 120) for _, length in reads)
+    assert len(reads) <= len(spans)
+
+
+def test_a_run_is_read_when_its_first_header_is_asked_for():
+    reads = []
+    headers = torchzip._local_headers([(0, 30), (40, 30), (1 << 20, 30)], lambda n, at: reads.append(at) or b"x" * n, 0)
+    assert reads == []
+    next(headers)
+    assert reads == [0]
+    next(headers)
+    assert reads == [0]  # in the first run
+    next(headers)
+    assert reads == [0, 1 << 20]
+
+
+# torchzip._read_directory and _Archive.read read a zip as zipfile reads it: the same entries, the same errors.
+
+import io  # noqa: E402
+import struct  # noqa: E402
+import zipfile  # noqa: E402
+
+import torch  # noqa: E402
+
+
+def _zip_bytes() -> bytes:
+    buffer = io.BytesIO()
+    torch.save({"a": torch.arange(6.0), "b": torch.ones(2, 3, dtype=torch.int64), "ü": torch.zeros(1)}, buffer)
+    return buffer.getvalue()
+
+
+def _zipfile_view(data: bytes):
+    """What zipfile makes of ``data``: its entries and every stored record's bytes, or its error."""
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+    except Exception as error:  # noqa: BLE001
+        return "error", type(error), str(error)
+    entries = [(i.filename, i.orig_filename, i.flag_bits, i.compress_type, i.CRC, i.compress_size, i.file_size,
+                i.volume, i.external_attr, i.header_offset) for i in archive.infolist()]
+    return "read", archive.start_dir, entries, _reads(archive)
+
+
+def _our_view(data: bytes):
+    handle = io.BytesIO(data)
+    try:
+        archive = torchzip._Archive(handle, lambda length, offset: _pread(data, length, offset), owned=False)
+    except Exception as error:  # noqa: BLE001
+        return "error", type(error), str(error)
+    entries = [(e.filename, e.orig_filename, e.flag_bits, e.compress_type, e.CRC, e.compress_size, e.file_size,
+                e.volume, e.external_attr, e.header_offset) for e in archive.infolist()]
+    assert all(e.raw_name == e.orig_filename.encode("utf-8" if e.flag_bits & 0x800 else "cp437")
+               for e in archive.infolist())
+    return "read", archive.start_dir, entries, _reads(archive)
+
+
+def _pread(data: bytes, length: int, offset: int) -> bytes:
+    if offset < 0:
+        raise OSError(22, "Invalid argument")
+    return data[offset:offset + length]
+
+
+def _reads(archive) -> list:
+    outcomes = []
+    for info in archive.infolist():
+        # _Archive.read is asked only of records that passed _record_offsets: stored, sizes equal, not encrypted,
+        # a local header where one can be read.
+        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size or info.flag_bits & 1 \
+                or info.header_offset < 0:
+            continue
+        try:
+            outcomes.append(("data", archive.read(info.filename)))
+        except (zipfile.BadZipFile, EOFError, OSError, NotImplementedError, UnicodeDecodeError, ValueError) as error:
+            outcomes.append(("error", type(error), str(error)))
+    return outcomes
+
+
+def test_a_genuine_zip_reads_as_zipfile_reads_it():
+    data = _zip_bytes()
+    ours = _our_view(data)
+    assert ours[0] == "read" and ours == _zipfile_view(data)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_damaged_zip_reads_as_zipfile_reads_it(seed):
+    data = _zip_bytes()
+    directory = data.rfind(b"PK\x01\x02", 0, data.rfind(b"PK\x05\x06"))
+    first_entry = data.find(b"PK\x01\x02")
+    rng = random.Random(seed)
+    for trial in range(150):
+        damaged = bytearray(data)
+        for _ in range(rng.choice((1, 1, 2, 3))):
+            # Mostly the directory and its end record, sometimes a local header.
+            at = rng.randrange(first_entry, len(data)) if rng.random() < 0.8 else rng.randrange(0, first_entry)
+            damaged[at] = rng.choice((rng.randrange(256), 0x00, 0xFF, damaged[at] ^ 0x08, damaged[at] ^ 0x80))
+        assert _our_view(bytes(damaged)) == _zipfile_view(bytes(damaged)), (seed, trial, directory)
+
+
+def _with_zip64_entry(data: bytes, values: tuple, stored: bytes) -> bytes:
+    """``data`` with its first directory entry's sizes and offset set to 0xFFFFFFFF and a ZIP64 extra field of
+    ``values`` (as ``stored`` bytes) before its other extra fields."""
+    start = data.find(b"PK\x01\x02")
+    end_at = data.rfind(b"PK\x05\x06")
+    entry = bytearray(data[start:start + 46])
+    name_length, extra_length = struct.unpack_from("<HH", entry, 28)
+    struct.pack_into("<LL", entry, 20, 0xFFFFFFFF, 0xFFFFFFFF)
+    struct.pack_into("<L", entry, 42, 0xFFFFFFFF)
+    extra = struct.pack("<HH", 1, len(stored)) + stored
+    struct.pack_into("<H", entry, 30, extra_length + len(extra))
+    rest_at = start + 46 + name_length
+    rebuilt = bytearray(data[:start] + bytes(entry) + data[start + 46:rest_at] + extra + data[rest_at:])
+    grown = len(extra)
+    end_at += grown
+    size, = struct.unpack_from("<L", rebuilt, end_at + 12)
+    struct.pack_into("<L", rebuilt, end_at + 12, size + grown)
+    zip64_at = rebuilt.rfind(b"PK\x06\x06", 0, end_at)  # torch writes a ZIP64 end record and its locator too
+    if zip64_at >= 0:
+        size, = struct.unpack_from("<Q", rebuilt, zip64_at + 40)
+        struct.pack_into("<Q", rebuilt, zip64_at + 40, size + grown)
+        locator_at = rebuilt.rfind(b"PK\x06\x07", 0, end_at)
+        struct.pack_into("<Q", rebuilt, locator_at + 8, zip64_at)
+    return bytes(rebuilt)
+
+
+@pytest.mark.parametrize("fields", [3, 2, 1, 0])
+def test_a_zip64_entry_reads_as_zipfile_reads_it(fields):
+    data = _zip_bytes()
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        first = archive.infolist()[0]
+        values = (first.file_size, first.compress_size, first.header_offset)
+    damaged = _with_zip64_entry(data, values, struct.pack("<3Q", *values)[:8 * fields])
+    ours = _our_view(damaged)
+    assert ours == _zipfile_view(damaged)
+    assert ours[0] == ("read" if fields == 3 else "error")
+
+
+def test_headers_far_apart_are_read_alone():
+    # Big records between them: each header its own small read, not the records' data with it.
+    reads = []
+    spans = [(i * 24_000, 100) for i in range(10)]
+    list(torchzip._local_headers(spans, lambda n, at: reads.append(n) or b"x" * n, 0))
+    assert reads == [100] * 10

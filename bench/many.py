@@ -551,8 +551,8 @@ def markdown(report: dict) -> str:
              f"{m['cores']} cores, {m['memory_gb']} GiB, Linux {m['kernel']}, torch {m['torch']}. Median of "
              f"{report['runs']} runs after a warm-up, the methods of a group taking turns (fastest and slowest "
              "beside it); each run a fresh process, page cache warm. Load s: the load alone (the model built "
-             "before the clock, build s); us/tensor above the read: (load - the raw read of the same files) / "
-             "tensors. transformers' from_pretrained is left out: its MoE classes fuse a layer's experts into "
+             "before the clock, build s); us/tensor above the read: (load - the raw read of the same files, for the "
+             "cast its floor) / tensors. transformers' from_pretrained is left out: its MoE classes fuse a layer's experts into "
              "3-D tensors (see bench/many.py).", ""]
     groups = [group for group in GROUPS if group in report["results"]]
     for group in groups:

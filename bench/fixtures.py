@@ -10,24 +10,18 @@ from __future__ import annotations
 
 import json
 import struct
-import zlib
 from pathlib import Path
 
 import torch
 
 import materialize as mz
 from materialize.dtypes import dtype_name
+from bench.checksum import crc  # noqa: F401  (the benches import it from here)
 from bench.writer import INDEX_NAME, write_sharded_checkpoint
 from materialize.skeleton.spec import read_config
 
 SAMPLE_EVERY = 7
 _SAFETENSORS_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
-
-
-def crc(tensor: torch.Tensor) -> int:
-    """Checksum of a tensor's bytes (what every method's result is compared by)."""
-    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-    return zlib.crc32(memoryview(flat.numpy()))
 
 
 def hf_config(args: dict, dtype: str) -> dict:

@@ -17,6 +17,11 @@ of ``--runs``:
   ``meta_init`` model;
 - the raw read: every byte of the files read into fresh memory by every core, each 16 MB chunk prefaulted
   (``bench.methods.read_everything``), the bar a load's per-tensor cost is counted above;
+- bf16 to fp32 (``--groups cast``), the one safetensors file: ours, ``mz.load(model, file, dtype=torch.float32)``
+  into the ``meta_init`` model, against accelerate's ``load_checkpoint_and_dispatch(model, file,
+  device_map={"": "cpu"}, dtype=torch.float32)`` into a model built under its ``init_empty_weights`` (as
+  ``make bench`` runs it), and the floor: twice the file's bytes of fresh memory faulted in by every core
+  (``bench.methods.fresh_memory``), what any cast pays for its destination alone;
 - FSDP2 over 2 gloo ranks (``--groups fsdp2``): ours on every rank against rank 0's ``load_file`` +
   ``set_model_state_dict(broadcast_from_rank0=True)``, sharding on meta timed apart;
 - ``materialize inspect`` of each form, as a CLI subprocess (its wall time, interpreter start-up included,
@@ -32,9 +37,10 @@ module per expert (Switch Transformers, NLLB-MoE) are T5-style encoder-decoders 
 not gate/up/down experts.
 
 ``--baseline CHECKOUT`` adds ours on another checkout's library (an earlier commit's ``materialize``
-package; ``--baseline-name`` names its rows) to the groups of the three forms, the scaling and ``inspect``,
-taking turns with the rest: a change measured before and after in one run, on the machine as it is then
-(this VM's fresh memory costs twice as much in one hour as in another). Each row records the library it ran.
+package, as old as ccd4344's flat one; ``--baseline-name`` names its rows) to the groups of the three forms,
+the cast, the scaling and ``inspect``, taking turns with the rest: a change measured before and after in one
+run, on the machine as it is then (this VM's fresh memory costs twice as much in one hour as in another).
+Each row records the library it ran.
 
 Each of our loads is given a progress object that records when the library reports each step
 (``materialize.progress.report_phase``: opening, planning, loading) and when its reads start and end (the
@@ -63,9 +69,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from bench.fixtures import crc, write_safetensors_streaming
+from bench.checksum import crc
 from bench.models.moe import MoELM, shape_for, tensor_count
-from bench.run import machine, recache
 from bench.turns import take_turns
 
 RESULTS = Path(__file__).parent / "results"
@@ -93,6 +98,11 @@ GROUPS = {
         "torch.load(mmap=True) + load_state_dict(assign=True)": "torch-mmap",
         "limit: raw read, all cores, chunks prefaulted": "limit",
     },
+    "cast": {
+        "ours, meta_init model, bf16 -> fp32": "ours-cast",
+        "accelerate load_checkpoint_and_dispatch, init_empty_weights model, bf16 -> fp32": "accelerate-cast",
+        "limit: fresh fp32 memory alone, all cores": "limit-fresh-fp32",
+    },
     "fsdp2": {
         "ours: every rank reads its own rows": "fsdp-ours",
         "torch: rank 0 load_file, set_model_state_dict broadcasts": "fsdp-broadcast",
@@ -105,6 +115,9 @@ GROUPS = {
         "start-up alone: python -c 'import materialize'": "startup",
     },
 }
+GROUP_FORMS = {"cast": "single"}  # a group not named after its form: the form it loads
+GROUP_WORDS = {**FORM_WORDS, "cast": "one safetensors file, bf16 -> fp32",
+               "fsdp2": "FSDP2 over 2 ranks (gloo, CPU), one safetensors file"}
 PHASES = ("open", "plan", "allocate", "read", "assign", "report")
 SCALING_COUNTS = "12500,25000,50000,100000"
 SCALING_SHAPE = (16, 8)  # 256-byte experts: the bytes cost nothing, each phase's cost per tensor shows
@@ -115,6 +128,8 @@ def with_baseline(methods: dict[str, str], group: str, name: str) -> dict[str, s
     taking turns with the rest: the two libraries compared in one run, on the machine as it is then."""
     if group in ("single", "sharded", "torch"):
         return {**methods, f"ours, meta_init model, {name}": "ours" + BASELINE}
+    if group == "cast":
+        return {**methods, f"ours, meta_init model, bf16 -> fp32, {name}": "ours-cast" + BASELINE}
     if group == "inspect":
         return {key: value for label, method in methods.items() if method != "startup"
                 for key, value in ((label, method), (f"{label}, {name}", method + BASELINE))} | \
@@ -146,6 +161,7 @@ def ensure(data: Path, tensors: int, hidden: int, intermediate: int) -> dict[str
         return paths
     folder.mkdir(parents=True, exist_ok=True)
     import materialize as mz
+    from bench.fixtures import write_safetensors_streaming
 
     with mz.meta_init():
         skeleton = MoELM(**args)
@@ -209,17 +225,26 @@ class PhaseClock:
             self.last_bytes = now
 
     def phases(self, started: float, ended: float) -> dict[str, float]:
-        """Seconds of open, plan, allocate, read and report, from the steps a load reported."""
+        """Seconds of open, plan, allocate, read and report, from the steps a load reported. A library that
+        reports no steps (before ``materialize.progress``: ccd4344 and earlier) has no open and plan: its
+        allocate is everything before the first byte."""
         at = {step: when for when, step in self.steps}
-        planning, loading = at.get("planning", started), at.get("loading", started)
         first = self.first_bytes or ended
         last = self.last_bytes or first
+        if not at:
+            return {"allocate": first - started, "read": last - first, "report": ended - last}
+        planning, loading = at.get("planning", started), at.get("loading", started)
         # From the call itself: what comes before the opening step (the model's device looked up) is the open's.
         return {"open": planning - started, "plan": loading - planning,
                 "allocate": first - loading, "read": last - first, "report": ended - last}
 
 
 def _skeleton(args: dict, how: str) -> torch.nn.Module:
+    if how == "accelerate":
+        from accelerate import init_empty_weights
+
+        with init_empty_weights():
+            return MoELM(**args)
     import materialize as mz
 
     if how == "deferred":
@@ -256,18 +281,25 @@ def child(method: str, path: Path, expected: dict) -> dict:
     torch.ones(3, device="meta").cos()
     load = _imported(path)
     built = time.perf_counter()
-    model = None if method == "limit" else _skeleton(expected["model_args"], "deferred" if "deferred" in method else "meta")
+    how = next((how for how in ("deferred", "accelerate") if how in method), "meta")
+    model = None if method.startswith("limit") else _skeleton(expected["model_args"], how)
     build_s = time.perf_counter() - built
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")  # the peak counter from here: the skeleton and imports are not the load
     before = _rss()
     phases: dict[str, float] = {}
     started = time.perf_counter()
+    cast = "-cast" in method
     if method.startswith("ours"):
         clock = PhaseClock()
-        load(model, path, progress=clock)
+        load(model, path, progress=clock, **({"dtype": torch.float32} if cast else {}))
         ended = time.perf_counter()
         phases = clock.phases(started, ended)
+    elif method == "accelerate-cast":  # as bench.methods runs it
+        from accelerate import load_checkpoint_and_dispatch
+
+        load_checkpoint_and_dispatch(model, str(path), device_map={"": "cpu"}, dtype=torch.float32)
+        ended = time.perf_counter()
     elif method == "safetensors":
         from safetensors.torch import load_file
 
@@ -294,6 +326,12 @@ def child(method: str, path: Path, expected: dict) -> dict:
         ended = time.perf_counter()
         phases = {"read": ended - started}
         del buffers
+    elif method == "limit-fresh-fp32":  # the cast's floor: its destination's fresh memory alone
+        from bench.methods import fresh_memory
+
+        buffers = fresh_memory(path, scale=2, threads=os.cpu_count() or 1)
+        ended = time.perf_counter()
+        del buffers
     else:
         raise SystemExit(f"unknown method {method}")
     import materialize
@@ -304,8 +342,11 @@ def child(method: str, path: Path, expected: dict) -> dict:
         result["verified"] = True  # raw bytes: nothing to compare by name
     else:
         tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        # A cast's tensors are fp32, each the file's bf16 exactly: cast back, they are the file's bytes.
+        dtype = torch.float32 if cast else torch.bfloat16
         result["verified"] = (len(tensors) == expected["tensors"] and not any(t.is_meta for t in tensors.values())
-                              and all(crc(tensors[name]) == value for name, value in expected["same"].items()))
+                              and all(tensors[name].dtype == dtype and crc(tensors[name].to(torch.bfloat16)) == value
+                                      for name, value in expected["same"].items()))
     return result
 
 
@@ -510,8 +551,8 @@ def markdown(report: dict) -> str:
              f"{m['cores']} cores, {m['memory_gb']} GiB, Linux {m['kernel']}, torch {m['torch']}. Median of "
              f"{report['runs']} runs after a warm-up, the methods of a group taking turns (fastest and slowest "
              "beside it); each run a fresh process, page cache warm. Load s: the load alone (the model built "
-             "before the clock, build s); us/tensor above the read: (load - the raw read of the same files) / "
-             "tensors. transformers' from_pretrained is left out: its MoE classes fuse a layer's experts into "
+             "before the clock, build s); us/tensor above the read: (load - the raw read of the same files, for the "
+             "cast its floor) / tensors. transformers' from_pretrained is left out: its MoE classes fuse a layer's experts into "
              "3-D tensors (see bench/many.py).", ""]
     groups = [group for group in GROUPS if group in report["results"]]
     for group in groups:
@@ -519,16 +560,21 @@ def markdown(report: dict) -> str:
         if group in ("inspect", "scaling"):
             continue
         limit = next((row for label, row in rows.items() if label.startswith("limit")), None)
-        lines += [f"**{FORM_WORDS.get(group, 'FSDP2 over 2 ranks (gloo, CPU), one safetensors file')}**", "",
-                  "| method | load s | min-max s | x ours | us/tensor above the read | build s |"
+        peer = next((row for label, row in rows.items() if label.startswith("accelerate")), None)
+        lines += [f"**{GROUP_WORDS[group]}**", "",
+                  "| method | load s | min-max s | x ours |" + (" x accelerate |" if peer else "")
+                  + f" us/tensor above the {'floor' if group == 'cast' else 'read'} | build s |"
                   + (" shard s |" if group == "fsdp2" else "") + " RSS growth GB | verified |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if group == "fsdp2" else "") + " ---: | --- |"]
+                  "| --- | ---: | ---: | ---: |" + (" ---: |" if peer else "") + " ---: | ---: |"
+                  + (" ---: |" if group == "fsdp2" else "") + " ---: | --- |"]
         ours = next(iter(rows.values()))
         for label, row in rows.items():
             above = ("-" if limit is None or row is limit
                      else f"{(row['load_s'] - limit['load_s']) / tensors * 1e6:.1f}")
             lines.append(f"| {label} | {row['load_s']:.3f} | {min(row['runs']):.3f}-{max(row['runs']):.3f} | "
-                         f"{row['load_s'] / ours['load_s']:.2f} | {above} | {row.get('build_s', 0):.2f} |"
+                         f"{row['load_s'] / ours['load_s']:.2f} |"
+                         + (f" {row['load_s'] / peer['load_s']:.2f} |" if peer else "")
+                         + f" {above} | {row.get('build_s', 0):.2f} |"
                          + (f" {row['shard_s']:.2f} |" if group == "fsdp2" else "")
                          + f" {row.get('rss_growth', 0) / 1e9:.2f} | {'yes' if row['verified'] else 'NO'} |")
         lines.append("")
@@ -536,13 +582,15 @@ def markdown(report: dict) -> str:
               for label, row in report["results"][group].items() if "phases" in row]
     if phased:
         lines += ["Phases (median seconds; us a tensor in brackets). Ours: open (headers, index, pickle scan), plan, "
-                  "allocate (allocation, registration, read jobs), read (first to last byte), report. Peers: read is "
-                  "load_file / torch.load, assign is load_state_dict(assign=True) (set_model_state_dict under FSDP2).",
+                  "allocate (allocation, registration, read jobs), read (first to last byte), report; a library that "
+                  "reports no steps (ccd4344 and before) has no open and plan, its allocate is all before the first "
+                  "byte. Peers: read is load_file / torch.load, assign is load_state_dict(assign=True) "
+                  "(set_model_state_dict under FSDP2).",
                   "", "| form | method | " + " | ".join(PHASES) + " |", "| --- | --- |" + " ---: |" * len(PHASES)]
         for group, label, row in phased:
             cells = [f"{row['phases'][name]:.3f} ({row['phases'][name] / tensors * 1e6:.1f})"
                      if name in row["phases"] else "-" for name in PHASES]
-            lines.append(f"| {FORM_WORDS.get(group, 'FSDP2')} | {label} | " + " | ".join(cells) + " |")
+            lines.append(f"| {GROUP_WORDS[group]} | {label} | " + " | ".join(cells) + " |")
         lines.append("")
     if "scaling" in report["results"]:
         lines += ["**Ours as the tensors grow** (tiny experts of 16 x 8, so the bytes cost nothing; median seconds, "
@@ -602,6 +650,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         method, form = args.profile_one.split(",")
         profile_child(method, form, paths[form], expected, Path(args.out) / "many-profile")
         return
+    from bench.run import machine, recache
+
     recache({form: paths[form] for form in FORMS})
     if args.profile:
         for form in FORMS:
@@ -634,7 +684,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         elif group == "inspect":
             run = lambda method: run_inspect(args, method, paths)  # noqa: E731
         else:
-            run = lambda method, form=group: run_child(args, method, form)  # noqa: E731
+            run = lambda method, form=GROUP_FORMS.get(group, group): run_child(args, method, form)  # noqa: E731
         measured = take_turns(methods, run, args.runs, warm_up=not args.no_warm_up)
         report["results"][group] = {label: summarize(rows) for label, rows in measured.items()}
         report["results"] = {g: report["results"][g] for g in GROUPS if g in report["results"]}

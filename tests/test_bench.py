@@ -173,11 +173,16 @@ def test_the_many_tensors_bench_verifies_every_method_of_every_form_and_times_ea
     report = json.loads((out / "bench-many.json").read_text())
     assert report["tensors"] == 300
     groups = report["results"]
-    assert set(groups) == {"single", "sharded", "torch", "fsdp2", "scaling", "inspect"}
+    assert set(groups) == {"single", "sharded", "torch", "cast", "fsdp2", "scaling", "inspect"}
     assert [row["tensors"] for row in groups["scaling"].values()] == [60, 60, 60, 60, 120, 120, 120, 120]
     baseline = groups["single"]["ours, meta_init model, same checkout"]  # the library of --baseline, in turns
     assert baseline["verified"] and baseline["library"] == str(ROOT / "materialize")
     assert "materialize inspect, torch zip, same checkout" in groups["inspect"]
+    cast = groups["cast"]  # bf16 -> fp32: ours, accelerate's, the floor, and ours on the baseline's library
+    assert list(cast) == ["ours, meta_init model, bf16 -> fp32",
+                          "accelerate load_checkpoint_and_dispatch, init_empty_weights model, bf16 -> fp32",
+                          "limit: fresh fp32 memory alone, all cores", "ours, meta_init model, bf16 -> fp32, same checkout"]
+    assert set(cast["ours, meta_init model, bf16 -> fp32"]["phases"]) == {"open", "plan", "allocate", "read", "report"}
     for group, rows in groups.items():
         for label, row in rows.items():
             assert row["verified"], (group, label, row)
@@ -189,3 +194,4 @@ def test_the_many_tensors_bench_verifies_every_method_of_every_form_and_times_ea
     assert (tmp_path / "data" / "many-300-16x8" / "hf" / "model.safetensors.index.json").is_file()
     text = (out / "bench-many.md").read_text()
     assert "| one safetensors file | ours, meta_init model |" in text and "**materialize inspect**" in text
+    assert "**one safetensors file, bf16 -> fp32**" in text and "x accelerate |" in text

@@ -30,6 +30,7 @@ from .skeleton.deferred import program_of
 from .io.gcpause import gc_paused
 from .integrations.hub import looks_like_repo_id
 from .integrations.hf import forget_ties, hf_dtype_rule, hf_init, hf_key_map, hf_tolerated, is_hf_model, mark_loaded
+from .io.arena import HostArena
 from .io.hostmem import admit_host_copies, empty_destination, with_whole_load
 from .planning.keymap import KeyMapLike
 from .planning.loadhooks import run_post_hooks
@@ -350,10 +351,19 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
     with PeakMemory(devices_written) as memory, torch.no_grad():
         try:
             compared_in_file = compared_before_allocating(the_plan, mmap)
-            jobs = [
-                job for index, entry in enumerate(the_plan.entries) if index not in compared_in_file
-                for job in _materialize_entry(entry, undo, reader, mmap, mapped, check)
-            ]
+            arena = HostArena()
+            plain = not (check or reader.maps)  # no sanitizer, no file views: a parameter may take the short way
+            jobs = []
+            # In the files' order: tensors read by one run then lie one after another in the arena, faulted in
+            # together (materialize.io.engine._run_direct)
+            for index, entry in sorted(enumerate(the_plan.entries), key=_file_order):
+                if index in compared_in_file:
+                    continue
+                job = _fresh_parameter(entry, undo, arena) if plain else None
+                if job is not None:
+                    jobs.append(job)
+                else:
+                    jobs.extend(_materialize_entry(entry, undo, reader, mmap, mapped, check, arena))
             extra_jobs, extra_states = extra_state_reads(the_plan)
             fed_jobs, fed_values = load_code_reads(the_plan)
             if isinstance(init, ReplayInit):
@@ -482,10 +492,40 @@ def _unique_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
+def _file_order(numbered: tuple[int, Entry]) -> tuple[int, int]:
+    source = numbered[1].source
+    return (id(source.path), source.offset) if source is not None else (0, numbered[0])
+
+
+def _fresh_parameter(entry: Entry, undo: list, arena: HostArena) -> Optional[Job]:
+    """:func:`_materialize_entry` for the usual tensor of a model built on meta, in one step: an ``nn.Parameter``
+    to load, no shard, contiguous, no shared memory asked (a load of a hundred thousand small experts spends
+    its time in per-tensor steps). ``None`` for any other entry, which takes the general way; the outcome is
+    the same either way (``tests/test_load_semantics.py`` compares them)."""
+    original = entry.original
+    if type(original) is not nn.Parameter or entry.action != "load" or entry.shard is not None or not original.is_meta:
+        return None
+    shape = entry.shape
+    if original.stride() != _contiguous_strides_of(shape) or shared_memory_asked(original):
+        return None
+    source = entry.source
+    dtype = entry.dtype
+    tensor = empty_destination(shape, dtype=dtype, device=entry.device, name=entry.names[0], path=source.path,
+                               arena=arena)
+    made = torch.Tensor._make_subclass(nn.Parameter, tensor, original.requires_grad
+                                       and (dtype.is_floating_point or dtype.is_complex))
+    if original.__dict__:
+        made.__dict__.update(original.__dict__)
+    entry.hold(made, undo)
+    return Job(tensor, source)
+
+
 def _materialize_entry(
-    entry: Entry, undo: list, reader: Optional[Reads], mmap: bool, mapped: list[str], check: bool
+    entry: Entry, undo: list, reader: Optional[Reads], mmap: bool, mapped: list[str], check: bool,
+    arena: Optional[HostArena] = None,
 ) -> list[Job]:
-    """Allocate one tensor (once, whatever its tie group) and register it everywhere."""
+    """Allocate one tensor (once, whatever its tie group; a small CPU one from ``arena``) and register it
+    everywhere."""
     original = entry.original
     source = entry.source
     action = entry.action
@@ -500,7 +540,7 @@ def _materialize_entry(
     else:
         tensor = empty_destination(
             entry.local_shape, dtype=entry.dtype, device=entry.device, name=entry.name,
-            path=source.path if source is not None else None, stride=_asked_strides(original, entry),
+            path=source.path if source is not None else None, stride=_asked_strides(original, entry), arena=arena,
         )
         if tensor.is_cpu and shared_memory_asked(original):
             tensor.share_memory_()  # empty yet: moving it costs no copy of values

@@ -181,17 +181,23 @@ def _run_direct(jobs: list[Job], files: FileSet, tracker: _Progress, threads: in
     def read_run(run: list[Span]) -> None:
         # One pass over the run (a reader thread's Python work per small tensor is what a load of many waits
         # on): each destination's address once, its view, the bytes passed over between pieces. Small pieces
-        # are not faulted in together: their neighbours in the heap may be free memory (a skeleton built
-        # under meta_init freed a CPU tensor for each), and one call over the span made a 100,000-tensor load
-        # hold 15% more memory for no time gained.
+        # are faulted in together only where they fill the span between them (carved one after another from
+        # a load's arena, materialize.io.arena): elsewhere their neighbours in the heap may be free memory (a
+        # skeleton built under meta_init freed a CPU tensor for each), and one call over such a span made a
+        # 100,000-tensor load hold 15% more memory for no time gained.
         parts: list[Part] = []
         end = None
-        total = 0
+        total = small = 0
+        low, high = -1, 0
         for job, start, stop in run:
             address = job.dest.data_ptr() + start
             nbytes = stop - start
             if nbytes >= PREFAULT_MIN_BYTES:
                 prefault(address, nbytes)
+            else:
+                small += nbytes
+                low = address if low < 0 or address < low else low
+                high = address + nbytes if address + nbytes > high else high
             total += nbytes
             info = job.info
             at = info.offset + start
@@ -199,6 +205,8 @@ def _run_direct(jobs: list[Job], files: FileSet, tracker: _Progress, threads: in
                 parts.append((at - end, info.name))  # a short file here is this tensor's to report
             parts.append((memory_at(address, nbytes), info.name))
             end = info.offset + stop
+        if small and high - low <= small + small // 8 + len(run) * SLOT_ALIGNMENT:
+            prefault(low, high - low)
         first, start, _ = run[0]
         files.read_run(first.info.path, first.info.offset + start, parts)
         tracker.add(total)

@@ -56,6 +56,11 @@ class Reads:
         """The bytes read per tensor, in check mode (else None)."""
         return self.files if isinstance(self.files, CountingFiles) else None
 
+    @property
+    def maps(self) -> bool:
+        """Whether tensors may be views of the files (:meth:`view` gives none otherwise)."""
+        return self._maps is not None
+
     def view(self, info: TensorInfo) -> Optional[torch.Tensor]:
         """A copy-on-write view of the file's bytes of ``info``; None where it must be read (no maps asked,
         a strided or misaligned tensor)."""

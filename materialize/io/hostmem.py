@@ -33,13 +33,16 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Union
 
 import torch
 
 from ..dtypes import dtype_name
-from ..errors import AllocationError, LowMemoryWarning
+from ..errors import AllocationError, LowMemoryWarning, first_line
 from ..sizes import format_bytes
+
+if TYPE_CHECKING:
+    from .arena import HostArena
 
 PAGE_BYTES = mmap.PAGESIZE
 HUGE_PAGE_BYTES = 2 * 1024 * 1024
@@ -351,15 +354,23 @@ def ways_out(device: torch.device, placeable: bool = False) -> str:
 def empty_destination(
     shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device,
     name: Optional[str] = None, path: Optional[Path] = None, stride: Optional[tuple[int, ...]] = None,
+    arena: Optional["HostArena"] = None,
 ) -> torch.Tensor:
     """Allocate a tensor that is about to be filled completely; running out of memory names it.
 
+    A small contiguous CPU tensor comes from ``arena`` where one is given (see :mod:`materialize.io.arena`).
     Where the kernel overcommits (``vm.overcommit_memory=1``) an impossible
     allocation succeeds and the process is killed while filling it, so a CPU
     destination larger than all RAM and swap together is refused up front.
     """
-    nbytes = math.prod(shape) * dtype.itemsize
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
     on_cpu = device.type == "cpu"
+    if arena is not None and on_cpu and stride is None and arena.carves(nbytes, dtype):
+        try:
+            return arena.empty(shape, dtype, numel, nbytes)
+        except (MemoryError, OSError) as exc:  # mapping a new chunk failed
+            raise _out_of_memory(shape, dtype, device, name, path, first_line(exc)) from None
     if on_cpu:
         limit = ram_and_swap_bytes()
         if limit and nbytes > limit:

@@ -232,6 +232,8 @@ def _ask_shared_memory(tensor: torch.Tensor) -> None:
 
 def shared_memory_asked(tensor: torch.Tensor) -> bool:
     """Whether a constructor under :func:`meta_init` called ``share_memory_()`` on this meta tensor."""
+    if not _shared_memory_asked:  # asked of almost no tensor: a load asks of each
+        return False
     ref = _shared_memory_asked.get(id(tensor))
     return ref is not None and ref() is tensor
 

@@ -1,0 +1,184 @@
+"""Small CPU tensors carved from a load's arena (materialize.io.arena), and the short way a plain parameter
+takes through a load (loading._fresh_parameter): each tensor is still a tensor of its own, as torch.empty
+makes it, and the model is the one the general way makes."""
+
+from __future__ import annotations
+
+import errno
+import multiprocessing
+import weakref
+from pathlib import Path
+
+import pytest
+import safetensors.torch as sft
+import torch
+from torch import nn
+
+import materialize as mz
+import materialize.io.arena as arena_module
+import materialize.loading as loading
+from materialize.io.arena import MAX_TENSOR_BYTES, HostArena
+
+from test_differential import SCENARIOS, build_way, compare_models, trained_state, write
+
+
+def _storage_facts(model: nn.Module) -> dict[str, tuple]:
+    """What torch.empty's tensors have and a view of a shared block would not: per tensor."""
+    facts = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if tensor.is_meta:
+            continue
+        facts[name] = (tensor._base is None, tensor.storage_offset(), tensor.untyped_storage().nbytes(),
+                       tensor.untyped_storage().resizable(), tensor.stride(), type(tensor), tensor.requires_grad)
+    return facts
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
+def test_short_way_makes_the_general_ways_model(name: str, fmt: str, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    scenario = SCENARIOS[name]
+    if fmt not in scenario.formats:
+        pytest.skip(f"{name} is not saved as {fmt}")
+    path = write(trained_state(scenario.build, scenario.mutate, scenario.edit_file), tmp_path / f"model.{fmt}", fmt)
+    short = build_way(scenario.build, "meta_init")
+    short_error = _load_error(short, path)
+    monkeypatch.setattr(loading, "_fresh_parameter", lambda *args, **kwargs: None)
+    general = build_way(scenario.build, "meta_init")
+    general_error = _load_error(general, path)
+    assert short_error == general_error
+    if short_error is None:
+        assert compare_models(short, general) == []
+        assert _storage_facts(short) == _storage_facts(general)
+
+
+def test_the_zoo_takes_the_short_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The comparison above is of something: plain parameters of the zoo do take the short way."""
+    took = []
+    fresh = loading._fresh_parameter
+    monkeypatch.setattr(loading, "_fresh_parameter", lambda *a, **k: took.append(fresh(*a, **k)) or took[-1])
+    scenario = SCENARIOS["moduledict_modulelist_sequential"]
+    path = write(trained_state(scenario.build), tmp_path / "model.safetensors", "safetensors")
+    mz.load(build_way(scenario.build, "meta_init"), path)
+    assert took and all(job is not None for job in took)
+
+
+def _load_error(model: nn.Module, path: Path):
+    try:
+        mz.load(model, path)
+    except Exception as error:  # the same refusal either way
+        return type(error).__name__, str(error)
+    return None
+
+
+class Experts(nn.Module):
+    def __init__(self, count: int = 300) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(16, 8, bias=False) for _ in range(count))
+        self.big = nn.Linear(512, 256)  # over MAX_TENSOR_BYTES: torch.empty's as before
+
+
+def _loaded_experts(tmp_path: Path) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    state = {name: torch.randn(t.shape) for name, t in Experts().state_dict().items()}
+    path = tmp_path / "experts.safetensors"
+    sft.save_file(state, path)
+    with mz.meta_init():
+        model = Experts()
+    mz.load(model, path)
+    return model, state
+
+
+def test_each_small_tensor_has_its_own_storage(tmp_path: Path) -> None:
+    model, state = _loaded_experts(tmp_path)
+    spans = []
+    for name, param in model.named_parameters():
+        assert torch.equal(param, state[name]), name
+        assert type(param) is nn.Parameter and param.requires_grad and param.is_leaf
+        assert param._base is None and param.storage_offset() == 0
+        assert param.untyped_storage().nbytes() == param.nbytes  # the tensor's bytes, nothing of its neighbours
+        assert param.stride() == torch.empty(param.shape).stride()
+        spans.append((param.data_ptr(), param.data_ptr() + param.nbytes))
+    spans.sort()
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # no two overlap
+    assert not model.big.weight.untyped_storage().nbytes() <= MAX_TENSOR_BYTES  # the large one is not carved
+
+
+def test_carved_tensors_save_and_share_as_any(tmp_path: Path) -> None:
+    model, state = _loaded_experts(tmp_path)
+    saved = tmp_path / "again.safetensors"
+    sft.save_file(model.state_dict(), saved)  # refuses tensors sharing memory: these do not
+    assert all(torch.equal(value, state[name]) for name, value in sft.load_file(saved).items())
+    torch.save(model.state_dict(), tmp_path / "again.pt")
+    one = tmp_path / "one.pt"
+    torch.save(model.experts[3].weight, one)  # one tensor saves its own bytes, not a block of them
+    assert one.stat().st_size < 16 * 8 * 4 + 2048
+    assert torch.equal(torch.load(one, weights_only=True), state["experts.3.weight"])
+    weight = model.experts[5].weight
+    weight.data.share_memory_()
+    assert weight.is_shared() and torch.equal(weight, state["experts.5.weight"])
+    weight.data.resize_(8, 16)  # within its bytes: as any tensor
+    with pytest.raises(RuntimeError, match="not resizable"):  # a deliberate difference (docs: README)
+        model.experts[6].weight.data.resize_(64, 64)
+
+
+def _write_in_child(model: nn.Module, queue) -> None:
+    with torch.no_grad():
+        model.experts[0].weight.fill_(7.0)
+    queue.put(float(model.experts[0].weight.sum()))
+
+
+def test_a_forked_child_writes_its_own_copy(tmp_path: Path) -> None:
+    model, state = _loaded_experts(tmp_path)
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_write_in_child, args=(model, queue))
+    child.start()
+    child_sum = queue.get(timeout=60)
+    child.join(timeout=60)
+    assert child.exitcode == 0 and child_sum == 7.0 * 16 * 8
+    assert torch.equal(model.experts[0].weight, state["experts.0.weight"])  # private, as heap memory
+
+
+def test_a_chunk_lives_as_long_as_its_last_tensor() -> None:
+    arena = HostArena()
+    first = arena.empty((4, 4), torch.float32, 16, 64)
+    second = arena.empty((8,), torch.bfloat16, 8, 16)
+    chunk = weakref.ref(arena._chunk)
+    del arena
+    first.fill_(1.0)
+    del first
+    assert chunk() is not None
+    second.fill_(2.0)
+    assert float(second.float().sum()) == 16.0
+    del second
+    assert chunk() is None
+
+
+def test_tensors_start_aligned_and_chunks_follow() -> None:
+    arena = HostArena()
+    made = [arena.empty((3,), torch.uint8, 3, 3) for _ in range(5)]
+    assert all(t.data_ptr() % arena_module.ALIGNMENT == 0 for t in made)
+    big = MAX_TENSOR_BYTES
+    many = [arena.empty((big,), torch.uint8, big, big) for _ in range(arena_module.CHUNK_BYTES // big + 1)]
+    assert len({t.untyped_storage().nbytes() for t in many}) == 1
+    for index, tensor in enumerate(many):
+        tensor.fill_(index % 251)
+    assert all(int(t[0]) == i % 251 and int(t[-1]) == i % 251 for i, t in enumerate(many))  # none overlap
+
+
+def test_no_memory_for_a_chunk_names_the_tensor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = {name: torch.randn(t.shape) for name, t in Experts(4).state_dict().items()}
+    path = tmp_path / "experts.safetensors"
+    sft.save_file(state, path)
+    with mz.meta_init():
+        model = Experts(4)
+
+    def no_memory(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(arena_module.mmap, "mmap", no_memory)
+    with pytest.raises(mz.AllocationError) as caught:
+        mz.load(model, path)
+    assert caught.value.tensor is not None and caught.value.tensor in state
+    assert "experts.safetensors" in str(caught.value) and "Cannot allocate memory" in str(caught.value)
+    assert all(param.is_meta for param in model.parameters())  # nothing half-made stays in the model

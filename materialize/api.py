@@ -22,6 +22,7 @@ from .io.executor import reads
 from .errors import AllocationError, ModelRequiredError, ModelSpecError, ReplayError, SanitizerError
 from .io.gcpause import gc_paused
 from .integrations.hf import HF_SPEC_PREFIX, build_hf, is_hf_folder, is_transformers_folder
+from .io.arena import HostArena
 from .io.hostmem import admit_host_copies, admit_planned, empty_destination, with_whole_load
 from .integrations.hub import resolve as resolve_source
 from .planning.keymap import KeyMapLike
@@ -253,6 +254,7 @@ def load_tensors(
         made: dict[str, torch.Tensor] = {}
         jobs = []
         mapped: list[str] = []
+        arena = HostArena()  # the small tensors (docs: README, "Where a load differs")
 
         def materialize(info: TensorInfo) -> torch.Tensor:
             wanted = _loaded_dtype(info, cast)
@@ -263,7 +265,7 @@ def load_tensors(
             # Saved strides that lay the elements out densely (a transposed or column-major save) are kept, as
             # torch.load keeps them: the file's bytes are then the tensor's memory, read straight in.
             tensor = empty_destination(info.shape, dtype=wanted, device=target, name=info.name, path=info.path,
-                                       stride=info.stride if info.dense_strided else None)
+                                       stride=info.stride if info.dense_strided else None, arena=arena)
             if check:
                 poison(tensor)  # whatever the reads leave unwritten is caught by the audit
             jobs.append(Job(tensor, info))

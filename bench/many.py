@@ -234,8 +234,11 @@ class PhaseClock:
         if not at:
             return {"allocate": first - started, "read": last - first, "report": ended - last}
         planning, loading = at.get("planning", started), at.get("loading", started)
-        # From the call itself: what comes before the opening step (the model's device looked up) is the open's.
-        return {"open": planning - started, "plan": loading - planning,
+        # What comes before the opening step is the model's, not the file's: its device looked up, by the walk of
+        # its modules that planning then uses (materialize.skeleton.modtree.one_walk). It counts as planning; a
+        # library that did not report "opening" (none here) would count it as the open's.
+        opening = at.get("opening", started)
+        return {"open": planning - opening, "plan": (opening - started) + (loading - planning),
                 "allocate": first - loading, "read": last - first, "report": ended - last}
 
 

@@ -102,7 +102,7 @@ def test_reader_threads_keep_reads_in_flight_on_small_machines(monkeypatch, core
     not THP_MODE.exists() or "[never]" in THP_MODE.read_text(), reason="transparent huge pages unavailable"
 )
 def test_fresh_destinations_are_eligible_for_huge_pages(monkeypatch):
-    monkeypatch.setattr(hostmem, "_huge_pages_pay", lambda: True)
+    monkeypatch.setattr(hostmem, "huge_pages_pay", lambda: True)
     tensor = _fresh_mapping(4 * MIN_ADVISED_BYTES)
 
     advise_huge_pages(tensor)
@@ -112,7 +112,7 @@ def test_fresh_destinations_are_eligible_for_huge_pages(monkeypatch):
 
 @pytest.mark.skipif(not THP_MODE.exists() or "[madvise]" not in THP_MODE.read_text(), reason="needs THP mode madvise")
 def test_no_huge_page_hint_where_free_memory_goes_back_to_the_host(monkeypatch):
-    monkeypatch.setattr(hostmem, "_huge_pages_pay", lambda: False)
+    monkeypatch.setattr(hostmem, "huge_pages_pay", lambda: False)
     tensor = _fresh_mapping(4 * MIN_ADVISED_BYTES)
 
     advise_huge_pages(tensor)

@@ -154,12 +154,12 @@ def _parse_entry(path: Path, name: str, entry: object, data_start: int, data_siz
         raise CheckpointError(f"shape {_short(shape)} is larger than any tensor can be (dimensions past 2**63)",
                               path=path, tensor=name)
     offsets = entry.get("data_offsets")
-    if type(offsets) is list and len(offsets) == 2 and any(type(o) is _Huge and not o.negative for o in offsets) \
-            and all(type(o) is _Huge or type(o) is int and o >= 0 for o in offsets):
-        raise CheckpointError(f"data_offsets {_short(offsets)} run past the data region's {data_size} bytes",
-                              path=path, tensor=name)
     if type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int or type(offsets[1]) is not int \
             or offsets[0] < 0 or offsets[1] < 0:
+        if type(offsets) is list and len(offsets) == 2 and any(type(o) is _Huge and not o.negative for o in offsets) \
+                and all(type(o) is _Huge or type(o) is int and o >= 0 for o in offsets):
+            raise CheckpointError(f"data_offsets {_short(offsets)} run past the data region's {data_size} bytes",
+                                  path=path, tensor=name)
         raise CheckpointError(f"data_offsets must be two non-negative integers, got {_short(offsets)}", path=path,
                               tensor=name)
     begin, end = offsets

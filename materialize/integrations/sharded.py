@@ -39,7 +39,7 @@ import functools
 import itertools
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -208,8 +208,10 @@ def ambiguous_split(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...],
     return None
 
 
-def refuse_unreadable_placements(named: Sequence[tuple[str, torch.Tensor]], path: Optional[Path] = None) -> None:
+def refuse_unreadable_placements(named: Iterable[tuple[str, torch.Tensor]], path: Optional[Path] = None) -> None:
     """One error naming every DTensor whose placement cannot be read (see :func:`unreadable`)."""
+    if _dtensor_module() is None:  # not imported: no tensor is a DTensor (``named`` is not even walked)
+        return
     refused = [(name, why) for name, tensor in named if (why := unreadable(tensor)) is not None]
     if not refused:
         return

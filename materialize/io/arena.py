@@ -15,7 +15,8 @@ a slice of it, given its shape in place (not a view: ``_base`` is ``None``,
 ``storage_offset()`` 0, the storage exactly the tensor's bytes, as
 ``torch.empty`` makes them). No page is touched here: a reader
 thread faults in the span of a run of such tensors with one system call
-(they lie one after another), instead of trapping once per page.
+(they lie one after another), instead of trapping once per page; a chunk is
+advised huge pages where they pay (see :mod:`materialize.io.hostmem`).
 
 Deliberate differences from ``torch.empty`` (docs/semantics.md lists them):
 
@@ -35,6 +36,8 @@ import mmap
 from typing import Optional
 
 import torch
+
+from . import hostmem
 
 CHUNK_BYTES = 32 * 1024 * 1024
 MAX_TENSOR_BYTES = 256 * 1024  # a chunk of 32 MiB then holds 128 or more: what one pins of the rest is bounded
@@ -73,4 +76,6 @@ class HostArena:
         # The mapping stays alive while any tensor carved from it does: torch.frombuffer holds a reference.
         self._chunk = mmap.mmap(-1, CHUNK_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        if hostmem.huge_pages_pay():  # one fault per 2 MiB as the readers fill it, as large tensors are advised
+            self._chunk.madvise(mmap.MADV_HUGEPAGE)
         self._size, self._used = CHUNK_BYTES, 0

@@ -82,13 +82,14 @@ def reports_free_memory_to_host(devices: Path = _BALLOON_DEVICES) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _huge_pages_pay() -> bool:
+def huge_pages_pay() -> bool:
+    """Whether fresh memory is faster to fill as transparent huge pages here (not under a reporting balloon)."""
     return not reports_free_memory_to_host()
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> None:
     """Hint that a fresh CPU tensor's memory should use huge pages, where that is faster."""
-    if _libc is None or tensor.device.type != "cpu" or not _huge_pages_pay():
+    if _libc is None or tensor.device.type != "cpu" or not huge_pages_pay():
         return
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes < MIN_ADVISED_BYTES:

@@ -277,8 +277,9 @@ def post_hooked(modules: list[tuple[str, nn.Module]]) -> list[nn.Module]:
     torch, each after its children, as ``load_state_dict`` calls them."""
     ordered: list[nn.Module] = []
     open_: list[tuple[str, nn.Module]] = []  # hooked ancestors of the module at hand, outermost first
-    for prefix, module in modules:
-        if not module._load_state_dict_post_hooks or not own_hooks(module._load_state_dict_post_hooks):
+    hooked = [(prefix, module) for prefix, module in modules if module._load_state_dict_post_hooks]  # few have any
+    for prefix, module in hooked:
+        if not own_hooks(module._load_state_dict_post_hooks):
             continue
         while open_ and not _within(prefix, open_[-1][0]):
             ordered.append(open_.pop()[1])

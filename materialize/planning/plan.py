@@ -595,8 +595,10 @@ def make_plan(
                 key_map=rename.describe() if isinstance(rename, KeyMap) else "",
                 renamed_by_model=replayed.renamed,
                 built_on_meta=any(tensor.is_meta for tensor, named in groups if named[0][1].is_parameter))
-    plan.rnn_modules = list({id(module): module for _, module in modules if isinstance(module, nn.RNNBase)}.values())
-    refuse_unreadable_placements([(named[0][0], tensor) for tensor, named in groups], ckpt.path)  # all, not the first
+    classes = {type(module) for _, module in modules}  # each asked once: a model of experts has many modules, few classes
+    plan.rnn_modules = list({id(module): module for _, module in modules if isinstance(module, nn.RNNBase)}.values()
+                            ) if any(issubclass(cls, nn.RNNBase) for cls in classes) else []
+    refuse_unreadable_placements(((named[0][0], tensor) for tensor, named in groups), ckpt.path)  # all, not the first
     reinitialized_shapes: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
     for tensor, named in groups:
         if len(named) == 1:
@@ -616,7 +618,7 @@ def make_plan(
             entry.split_from_tie = index > 0
             plan.entries.append(entry)
 
-    extra_state_owners = _extra_state_owners(modules)
+    extra_state_owners = _extra_state_owners(modules, classes)
     saved_tensors = {name: to_ckpt.pop(name) for name in extra_state_owners if name in to_ckpt}
     strays = [(m, piece.info) for m, source in to_ckpt.items() if m not in model_names for piece in pieces_of(source)]
     vacant = frozenset(vacant_slots)
@@ -656,9 +658,11 @@ def make_plan(
     return plan
 
 
-def _extra_state_owners(modules: list[tuple[str, nn.Module]]) -> dict[str, nn.Module]:
+def _extra_state_owners(modules: list[tuple[str, nn.Module]], classes: set[type]) -> dict[str, nn.Module]:
     """``<module>._extra_state`` -> the module, for each module that keeps state beside its tensors
-    (overrides ``get_extra_state``, as torch's ``state_dict`` asks)."""
+    (overrides ``get_extra_state``, as torch's ``state_dict`` asks); ``classes``: the modules' classes."""
+    if all(cls.get_extra_state is nn.Module.get_extra_state for cls in classes):
+        return {}
     return {f"{prefix}.{EXTRA_STATE}" if prefix else EXTRA_STATE: module
             for prefix, module in modules
             if type(module).get_extra_state is not nn.Module.get_extra_state}

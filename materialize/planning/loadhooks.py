@@ -340,6 +340,9 @@ def own_hooks(hooks: dict[Any, Any]) -> dict[Any, Any]:
     return {key: hook for key, hook in hooks.items() if not _torch_internal(_origin(hook))}
 
 
+_FUNCTION = type(own_hooks)
+
+
 def _own_override(module: nn.Module) -> bool:
     return _class_code(type(module))[0]
 
@@ -403,12 +406,16 @@ def _overrides_load_state_dict(module: nn.Module) -> bool:
     return _class_code(type(module))[1]
 
 
+@functools.lru_cache(maxsize=1024)
 def _torch_internal(origin: str) -> bool:
+    # Asked per hook, of a few modules' names: FSDP2 hooks every module that holds a parameter.
     return (origin == "torch" or origin.startswith("torch.")) and not origin.startswith("torch.nn.utils.")
 
 
 def _origin(hook: Any) -> str:
     """The module a hook's code comes from (through torch's wrapper, partials and bound methods)."""
+    if type(hook) is _FUNCTION and "hook" not in hook.__dict__:  # the usual hook (FSDP2's, one per module holding
+        return hook.__module__ or "builtins"                        # a parameter): nothing to unwrap
     fn = getattr(hook, "hook", hook)
     while isinstance(fn, functools.partial):
         fn = fn.func

@@ -501,7 +501,7 @@ def _fresh_parameter(entry: Entry, undo: list, arena: HostArena) -> Optional[Job
     """:func:`_materialize_entry` for the usual tensor of a model built on meta, in one step: an ``nn.Parameter``
     to load, no shard, contiguous, no shared memory asked (a load of a hundred thousand small experts spends
     its time in per-tensor steps). ``None`` for any other entry, which takes the general way; the outcome is
-    the same either way (``tests/test_load_semantics.py`` compares them)."""
+    the same either way (``tests/test_arena.py`` compares them over the differential zoo)."""
     original = entry.original
     if type(original) is not nn.Parameter or entry.action != "load" or entry.shard is not None or not original.is_meta:
         return None

@@ -16,6 +16,7 @@ from torch import nn
 
 import materialize as mz
 import materialize.io.arena as arena_module
+import materialize.io.engine as engine
 import materialize.loading as loading
 from materialize.io.arena import MAX_TENSOR_BYTES, HostArena
 
@@ -207,3 +208,43 @@ def test_chunks_are_advised_huge_pages_where_they_pay(pay: bool, monkeypatch: py
     tensor = HostArena().empty((16,), torch.float32, 16, 64)
     flags = _vma_flags(tensor.data_ptr())
     assert ("hg" in flags["VmFlags"].split()) == pay
+
+
+class Rows(nn.Module):
+    def __init__(self, count: int = 60) -> None:
+        super().__init__()
+        self.rows = nn.ParameterList(nn.Parameter(torch.zeros(16, 16)) for _ in range(count))
+
+
+def test_a_file_cut_short_under_merged_reads_names_its_tensor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors next to each other in the file and in the arena are read as one view; a file that ends inside one
+    of them still names that one, not the first of the view."""
+    state = {f"rows.{i}": torch.full((16, 16), float(i)) for i in range(60)}
+    path = tmp_path / "rows.safetensors"
+    sft.save_file(state, path)
+    merges = []
+    parts_of = engine._direct_parts
+    monkeypatch.setattr(engine, "_direct_parts", lambda run, merge: merges.append(parts_of(run, merge)[2]) or
+                        parts_of(run, merge))
+    with mz.open_checkpoint(path) as ckpt:
+        victim = ckpt["rows.37"]
+        with open(path, "r+b") as handle:  # rewritten while loading: cut inside rows.37
+            handle.truncate(victim.offset + victim.nbytes // 2)
+        with mz.meta_init():
+            model = Rows()
+        with pytest.raises(mz.CheckpointError) as caught:
+            mz.load(model, ckpt)
+    assert merges[0] is True  # the first read was of merged views
+    assert caught.value.tensor == "rows.37" and "file ends" in str(caught.value)
+
+
+def test_merged_reads_fill_every_tensor(tmp_path: Path) -> None:
+    state = {f"rows.{i}": torch.full((16, 16), float(i)) for i in range(60)}
+    path = tmp_path / "rows.safetensors"
+    sft.save_file(state, path)
+    with mz.meta_init():
+        model = Rows()
+    mz.load(model, path)
+    assert all(torch.equal(model.rows[i], state[f"rows.{i}"]) for i in range(60))
+    report = mz.load(Rows(), path, check=True)  # counted per tensor: one view each, and every byte accounted
+    assert len(report.loaded) == 60

@@ -35,7 +35,7 @@ from ..checkpoint import TensorInfo
 from ..checkpoint.base import contiguous_strides, make_info
 from ..checkpoint.pieces import Job, Stacked, piece_destination
 from ..dtypes import RangeCheck, check_cast_range
-from ..errors import AllocationError, CastOverflowError
+from ..errors import AllocationError, CastOverflowError, CheckpointError
 from ..options import ProgressFn
 from .fileio import MAX_IOVECS, FileSet, Part, byte_view, memory_at
 from .hostmem import prefault
@@ -178,40 +178,68 @@ def pieces_of_stacks(jobs: Iterable[Job]) -> Iterator[Job]:
 
 
 def _run_direct(jobs: list[Job], files: FileSet, tracker: _Progress, threads: int) -> None:
+    # Tensors next to each other both in the file and in memory (carved in the files' order from a load's arena,
+    # materialize.io.arena) are read as one view: a view, and a step of the read's loop, per tensor is what a
+    # load of a hundred thousand small ones spent here. Not where bytes are counted per tensor (check mode).
+    merge = not files.counts_by_tensor
+
     def read_run(run: list[Span]) -> None:
         # One pass over the run (a reader thread's Python work per small tensor is what a load of many waits
-        # on): each destination's address once, its view, the bytes passed over between pieces. Small pieces
-        # are faulted in together only where they fill the span between them (carved one after another from
-        # a load's arena, materialize.io.arena): elsewhere their neighbours in the heap may be free memory (a
-        # skeleton built under meta_init freed a CPU tensor for each), and one call over such a span made a
-        # 100,000-tensor load hold 15% more memory for no time gained.
-        parts: list[Part] = []
-        end = None
-        total = small = 0
-        low, high = -1, 0
-        for job, start, stop in run:
-            address = job.dest.data_ptr() + start
-            nbytes = stop - start
-            if nbytes >= PREFAULT_MIN_BYTES:
-                prefault(address, nbytes)
-            else:
-                small += nbytes
-                low = address if low < 0 or address < low else low
-                high = address + nbytes if address + nbytes > high else high
-            total += nbytes
-            info = job.info
-            at = info.offset + start
-            if end is not None and at > end:
-                parts.append((at - end, info.name))  # a short file here is this tensor's to report
-            parts.append((memory_at(address, nbytes), info.name))
-            end = info.offset + stop
-        if small and high - low <= small + small // 8 + len(run) * SLOT_ALIGNMENT:
-            prefault(low, high - low)
+        # on): each destination's address once, the bytes passed over between pieces. Small pieces are
+        # faulted in together only where they fill the span between them (an arena's): elsewhere their
+        # neighbours in the heap may be free memory (a skeleton built under meta_init freed a CPU tensor for
+        # each), and one call over such a span made a 100,000-tensor load hold 15% more memory for no time gained.
+        parts, total, merged = _direct_parts(run, merge)
         first, start, _ = run[0]
-        files.read_run(first.info.path, first.info.offset + start, parts)
+        try:
+            files.read_run(first.info.path, first.info.offset + start, parts)
+        except CheckpointError:
+            if not merged or is_remote(first.info.path):  # a remote run's error names its first tensor either way
+                raise
+            # A short or failing file: read again a view per tensor, for the error to name the tensor it is in.
+            files.read_run(first.info.path, first.info.offset + start, _direct_parts(run, False)[0])
+            raise
         tracker.add(total)
 
     _run_in_tasks(read_run, _pieces(jobs, DIRECT_CHUNK_BYTES), threads, run_bytes=TASK_BYTES)
+
+
+def _direct_parts(run: list[Span], merge: bool) -> tuple[list[Part], int, bool]:
+    """The views (and bytes passed over) a run is read into, its bytes, and whether any view holds several
+    tensors (``merge``: where they lie next to each other in the file and in memory); faults the small pieces in."""
+    parts: list[Part] = []
+    end = None
+    total = small = 0
+    low, high = -1, 0
+    merged = False
+    held_address = held_nbytes = 0  # the view being gathered
+    held_name = ""
+    for job, start, stop in run:
+        address = job.dest.data_ptr() + start
+        nbytes = stop - start
+        if nbytes >= PREFAULT_MIN_BYTES:
+            prefault(address, nbytes)
+        else:
+            small += nbytes
+            low = address if low < 0 or address < low else low
+            high = address + nbytes if address + nbytes > high else high
+        total += nbytes
+        info = job.info
+        at = info.offset + start
+        if merge and at == end and address == held_address + held_nbytes:
+            held_nbytes += nbytes
+            merged = True
+        else:
+            if held_nbytes:
+                parts.append((memory_at(held_address, held_nbytes), held_name))
+            if end is not None and at > end:
+                parts.append((at - end, info.name))  # a short file here is this tensor's to report
+            held_address, held_nbytes, held_name = address, nbytes, info.name
+        end = info.offset + stop
+    parts.append((memory_at(held_address, held_nbytes), held_name))
+    if small and high - low <= small + small // 8 + len(run) * SLOT_ALIGNMENT:
+        prefault(low, high - low)
+    return parts, total, merged
 
 
 def _run_cpu_cast(jobs: list[Job], files: FileSet, tracker: _Progress, threads: int, check_range: Optional[RangeCheck]) -> None:

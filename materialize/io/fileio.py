@@ -130,6 +130,8 @@ def _file_ends(path: Path, position: int, end: int, tensor: str) -> CheckpointEr
 class FileSet:
     """Descriptors for the files of one checkpoint, opened once, shared by threads."""
 
+    counts_by_tensor = False  # whether reads are counted per tensor name (a part of read_run must be one tensor)
+
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
@@ -382,6 +384,8 @@ class DirectReads(FileSet):
 
 class CountingFiles(FileSet):
     """A FileSet that counts, per tensor name, the bytes read into destinations (the sanitizer's evidence)."""
+
+    counts_by_tensor = True
 
     def __init__(self, files: FileSet) -> None:
         super().__init__()

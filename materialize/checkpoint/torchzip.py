@@ -1,9 +1,12 @@
 """torch zip checkpoints (``.pt``/``.pth``/``.bin``) read without loading tensors.
 
-``data.pkl`` is unpickled onto ``meta`` (see :mod:`.torchpickle`). Each
-tensor then maps to its storage record in the zip, whose bytes are stored
-uncompressed at a known offset: the same direct path as safetensors, with no
-``torch.load`` of the data.
+``data.pkl`` of a plain state dict is read without torch (see
+:mod:`.plainpickle`); any other is unpickled onto ``meta`` (see
+:mod:`.torchpickle`), which imports torch only then. Each tensor then maps
+to its storage record in the zip, whose bytes are stored uncompressed at a
+known offset: the same direct path as safetensors, with no ``torch.load`` of
+the data. The zip's own checks (records located, duplicates, byte order,
+small records' CRCs, each tensor's bounds) are the same on both paths.
 """
 
 from __future__ import annotations
@@ -17,13 +20,17 @@ import struct
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterator, NamedTuple, Optional
 
-from ..errors import CheckpointError, UnsupportedFormatError
+from ..errors import CheckpointError, UnsupportedFormatError, first_line
 from ..io.fileio import file_size_of, remote_pread
 from ..sources.remotepath import is_remote
 from .base import TensorInfo
-from .torchpickle import Payload, StorageRef, first_line, read_bare_tensor, read_payload, tensor_infos
+from .payload import Payload
+from .plainpickle import plain_infos, plain_payload
+
+if TYPE_CHECKING:
+    from .torchpickle import StorageRef
 
 _LOCAL_HEADER = struct.Struct("<4s4xH16xHH")
 _SMALL_RECORD = 1 << 20
@@ -110,7 +117,8 @@ def _local_headers(spans: list[tuple[int, int]], pread: Callable[[int, int], byt
         start = offset - window_at
         if not (0 <= start and start + length <= len(window)):
             run_end = offset + length
-            for next_offset, next_length in spans[index + 1:index + 1024]:
+            for following in range(index + 1, min(index + 1024, len(spans))):  # not a slice: a copy per record
+                next_offset, next_length = spans[following]
                 if not run_end <= next_offset <= run_end + _HEADER_GAP or next_offset + next_length - offset > _HEADER_RUN:
                     break
                 run_end = next_offset + next_length
@@ -529,9 +537,21 @@ def _read_zip(
             raise UnsupportedFormatError("was saved on a big-endian machine; re-save it on a little-endian one", path=path)
         refs: dict[int, StorageRef] = {}
         data = _read(path, archive, f"{prefix}/data.pkl")
-        if single is None:
+        # A plain state dict is read without torch; the rest imports it (see .plainpickle's note on loads).
+        plain = plain_payload(path, data, state_dict_key) if single is None and not trust_pickle else None
+        if plain is not None:
+            payload = plain
+        elif single is None:
+            from .torchpickle import read_payload
+
             payload = read_payload(path, data, refs, trust_pickle=trust_pickle, state_dict_key=state_dict_key)
         else:
+            from .torchpickle import read_bare_tensor
+
             payload = Payload({single: read_bare_tensor(path, data, refs, what=f"tensor '{single}'")}, None, {})
         _verify_small_records(path, archive, prefix, {byteorder, f"{prefix}/data.pkl"})
+    if plain is not None:
+        return payload._replace(tensors=plain_infos(path, payload.tensors, records, file_size))
+    from .torchpickle import tensor_infos
+
     return payload._replace(tensors=tensor_infos(path, payload.tensors, refs, records, file_size))

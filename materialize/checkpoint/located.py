@@ -15,23 +15,27 @@ from typing import Optional
 from ..errors import CheckpointError
 from .base import TensorInfo
 
-# (name, storage key, the storage's bytes, dtype name, element size, storage offset, shape, stride, element
-# count, whether contiguous, the elements its view spans from the offset), a layout plain_layout accepted.
-Located = tuple[str, str, int, str, int, int, tuple, tuple, int, bool, int]
+# A tensor's layout: (its storage's bytes, dtype name, element size, storage offset, shape, stride, element count,
+# whether contiguous, the elements its view spans from the offset), as plain_layout accepted it.
+Layout = tuple[int, str, int, int, tuple, tuple, int, bool, int]
+# A named tensor: (name, (storage key, layout, ...)), as .plainpickle's records are, one item of their dict.
+Located = tuple[str, tuple]
 
 _new = object.__new__
 
 
 def located_infos(path: Path, tensors: Iterable[Located], records: dict[str, tuple[int, int]],
                   file_size: int) -> dict[str, TensorInfo]:
-    """The :class:`TensorInfo` of each tensor (see :data:`Located`), by name, in order; refused, naming the
+    """The :class:`TensorInfo` of each named tensor (see :data:`Located`), by name, in order; refused, naming the
     first tensor that fails, where the zip lacks its storage record ``data/<key>``, the record is short or runs
     past the file's end, or the view lies outside it.
 
     ``records``: storage key -> (absolute offset, size) of the zip's records.
     """
     infos: dict[str, TensorInfo] = {}
-    for name, key, nbytes, dtype_name, itemsize, offset, shape, stride, numel, contiguous, extent in tensors:
+    for name, record in tensors:
+        key = record[0]
+        nbytes, dtype_name, itemsize, offset, shape, stride, numel, contiguous, extent = record[1]
         located = records.get(key)
         start = offset * itemsize
         if located is None or located[1] < nbytes or located[0] + nbytes > file_size \

@@ -27,7 +27,7 @@ from torch import _weights_only_unpickler, nn
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError, first_line, summarize_names
 from .base import TensorInfo, make_info, shape_fits_int64
 from .located import located_infos
-from .payload import STATE_DICT_KEYS, TRAINING_STATE_KEYS, Kinds, Payload, find_payload as payload_of
+from .payload import Kinds, Payload, find_payload as payload_of
 from .pickle_budget import check_budget
 from .pickle_scan import hostile_calls, quantized_tensors
 from .plainrecords import PlainStorage, PlainTensor, plain_storage, plain_tensor
@@ -641,5 +641,5 @@ def _record_info(path: Path, name: str, record: PlainTensor, records: dict[str, 
     kinds, lazy bits, negative or oversized layouts: see :mod:`.plainrecords`)."""
     storage, offset, shape, stride, dtype, _, numel, contiguous, extent, _ = record.fields
     key, nbytes = storage.fields[:2]
-    located = (name, key, nbytes, _DTYPE_NAMES[dtype], dtype.itemsize, offset, shape, stride, numel, contiguous, extent)
-    return located_infos(path, [located], records, file_size)[name]
+    layout = (nbytes, _DTYPE_NAMES[dtype], dtype.itemsize, offset, shape, stride, numel, contiguous, extent)
+    return located_infos(path, [(name, (key, layout))], records, file_size)[name]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import materialize as mz
-from materialize.checkpoint import plainpickle, torchzip
+from materialize.checkpoint import pickle_budget, plainpickle, torchzip
 from materialize.checkpoint.layouts import GRAD_DTYPE_NAMES, RECORD_DTYPE_SIZES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -265,7 +265,11 @@ def test_records_fetched_past_the_budget_decline_and_the_budget_refuses_them(tmp
     tensor = torch.zeros([1] * 40)
     path = tmp_path / "fetched.pt"
     torch.save({"weight": tensor, "again": [tensor] * 20_000}, path)
-    assert _declines(path)
+    data = _pickle_of(path)
+    reader = plainpickle._Reader(data)
+    with pytest.raises(plainpickle._Decline):
+        reader.read()
+    assert reader.fetched_weight > pickle_budget.OBJECTS_PER_BYTE * len(data) + pickle_budget.OBJECTS_FLOOR - len(data)
     outcome = _same_either_way(path)
     assert outcome[0] == "refused" and outcome[1] is mz.BudgetError
 

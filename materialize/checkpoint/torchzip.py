@@ -87,7 +87,7 @@ def _record_offsets(
         if refused < len(infos):
             raise CheckpointError(_refusal(infos[refused], data_dir), path=path)
     spans.sort()
-    starts, ends, names = zip(*spans) if spans else ((), (), ())
+    starts, ends, _ = zip(*spans) if spans else ((), (), ())
     if any(map(operator.gt, ends, starts[1:] + (archive.start_dir,))):
         for (_, end, name), (next_start, _, next_name) in zip(spans, spans[1:] + [(archive.start_dir, 0, "central directory")]):
             if end > next_start:
@@ -145,7 +145,7 @@ def _local_headers(spans: list[tuple[int, int]], pread: Callable[[int, int], byt
     if not spans:
         return
     offsets, lengths = zip(*spans)
-    # Whether each span may share the read of the one before: where none does, each is read alone at once.
+    # Whether the span after each may share its read: where it may not, each is read alone, as asked for.
     joins = [0 <= gap <= _HEADER_GAP for gap in map(operator.sub, offsets[1:], map(operator.add, offsets, lengths))]
     joins.append(False)
     count = len(spans)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import materialize as mz
-from materialize.checkpoint import pickle_budget, plainrecords, torchpickle
+from materialize.checkpoint import pickle_budget, plainrecords, torchpickle, torchzip
 from materialize.checkpoint.plainrecords import PlainTensor, plain_layout
 
 
@@ -54,7 +54,9 @@ def _saved_objects() -> dict[str, object]:
 
 
 def _infos(path: Path, monkeypatch, *, records: bool) -> dict:
+    """The reader onto meta's infos (the torch-free reader of plain pickles stood aside), with records or without."""
     with monkeypatch.context() as patched:
+        patched.setattr(torchzip, "plain_payload", lambda *args: None)
         if not records:
             patched.setattr(torchpickle, "plain_tensor", lambda *args: None)
         with mz.open_checkpoint(path) as ckpt:
@@ -78,6 +80,9 @@ def test_records_give_the_infos_meta_tensors_give(tmp_path, monkeypatch, case, p
     assert list(with_records[0]) == list(without[0])  # the same order too
     assert with_records[2] == without[2]
     assert repr(with_records[1]) == repr(without[1])  # any tensor in an extra state is torch's, as before
+    with mz.open_checkpoint(path) as ckpt:  # the torch-free reader, where it reads the file, alike
+        assert (dict(ckpt.tensors), ckpt.state_dict_key) == (with_records[0], with_records[2])
+        assert repr(dict(ckpt.extra_states)) == repr(with_records[1])
 
 
 def test_the_infos_of_records_are_torch_loads_layouts(tmp_path):
@@ -177,8 +182,9 @@ def test_a_build_on_a_tensor_reads_as_without_records(tmp_path, monkeypatch, sta
     outcomes = []
     for records in (True, False):
         with monkeypatch.context() as patched:
-            if not records:
+            if not records:  # meta tensors alone: neither records nor the torch-free reader
                 patched.setattr(torchpickle, "plain_tensor", lambda *args: None)
+                patched.setattr(torchzip, "plain_payload", lambda *args: None)
             try:
                 with mz.open_checkpoint(path) as ckpt:
                     outcomes.append(("read", dict(ckpt.tensors)))
@@ -289,8 +295,9 @@ def test_a_bad_storage_record_is_refused_as_without_records(tmp_path, monkeypatc
     errors = []
     for records in (True, False):
         with monkeypatch.context() as patched:
-            if not records:
+            if not records:  # meta tensors alone: neither records nor the torch-free reader
                 patched.setattr(torchpickle, "plain_tensor", lambda *args: None)
+                patched.setattr(torchzip, "plain_payload", lambda *args: None)
             with pytest.raises(mz.MaterializeError) as caught:
                 mz.open_checkpoint(path)
             errors.append(str(caught.value))

@@ -25,7 +25,7 @@ from ..sources import RemoteOptions, as_source
 from ..sources.remotepath import RemotePath, is_remote
 
 if TYPE_CHECKING:
-    from .torchpickle import Payload
+    from .payload import Payload
 
 __all__ = ["Checkpoint", "CheckpointLike", "TensorInfo", "open_checkpoint", "opened"]
 
@@ -149,15 +149,16 @@ def _open_index(index_path: Path, *, trust_pickle: bool, state_dict_key: Optiona
 
 
 def _read_torch(path: Path, *, legacy: bool, trust_pickle: bool, state_dict_key: Optional[str]) -> "Payload":
-    # imports torch, which safetensors headers do not need
-    from .torchlegacy import read_torch_legacy
-    from .torchzip import read_torch_zip
-
     if legacy and is_remote(path):
         raise UnsupportedFormatError("is a legacy (before torch 1.6) torch file, which is read from local disk only: "
                                      "download it, or save it again with torch.save", path=path)
-    return (read_torch_legacy if legacy else read_torch_zip)(path, trust_pickle=trust_pickle,
-                                                             state_dict_key=state_dict_key)
+    if legacy:
+        from .torchlegacy import read_torch_legacy  # imports torch, which safetensors headers do not need
+
+        return read_torch_legacy(path, trust_pickle=trust_pickle, state_dict_key=state_dict_key)
+    from .torchzip import read_torch_zip  # imports torch only for a pickle that is not a plain state dict
+
+    return read_torch_zip(path, trust_pickle=trust_pickle, state_dict_key=state_dict_key)
 
 
 def _open_dcp(folder: Path, state_dict_key: Optional[str]) -> Checkpoint:

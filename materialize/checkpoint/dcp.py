@@ -40,7 +40,8 @@ from .pickle_budget import check_budget
 from .confine import allowed_roots, confine, leaves_folder
 from .sealed import Sealed, sealed_call
 from .modelstate import copies_of, not_there, several_copies
-from .torchpickle import STATE_DICT_KEYS, TRAINING_STATE_KEYS, brief as _brief, first_line
+from .payload import STATE_DICT_KEYS, TRAINING_STATE_KEYS
+from .torchpickle import brief as _brief, first_line
 from .torchzip import read_embedded_tensor
 
 

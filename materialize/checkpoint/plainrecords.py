@@ -24,17 +24,11 @@ from typing import Any, Optional
 
 import torch
 
+from .layouts import RECORD_DTYPE_SIZES, plain_layout
 from .sealed import Unchangeable
 
-_LIMIT = 1 << 62  # below every bound of torch's layout arithmetic (int64 sizes, strides, element and byte counts)
-
-# The dtypes a record may have: torch makes each on meta without a warning, none quantized.
-_RECORD_DTYPES = frozenset(
-    getattr(torch, name) for name in (
-        "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
-        "complex64", "complex128", "uint16", "uint32", "uint64",
-        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-    ) if hasattr(torch, name))
+# The dtypes a record may have (see .layouts), as this torch spells them.
+_RECORD_DTYPES = frozenset(getattr(torch, name) for name in RECORD_DTYPE_SIZES if hasattr(torch, name))
 _GRAD_DTYPES = frozenset(dtype for dtype in _RECORD_DTYPES if dtype.is_floating_point or dtype.is_complex)
 _set = object.__setattr__
 
@@ -125,38 +119,6 @@ def _record(fields: tuple) -> PlainTensor:
     record = object.__new__(PlainTensor)
     _set(record, "fields", fields)
     return record
-
-
-def plain_layout(offset: Any, size: Any, stride: Any, itemsize: int) -> Optional[tuple[int, bool, int]]:
-    """(element count, whether torch calls it contiguous, the elements its view spans from ``offset``) for a
-    layout torch's ``set_`` certainly makes as given (see the module's note); None for any other."""
-    if type(offset) is not int or type(size) is not tuple or type(stride) is not tuple or len(size) != len(stride) \
-            or not 0 <= offset < _LIMIT:
-        return None
-    numel = extent_bound = 1  # the product of max(size, 1): bounds numel and every partial product torch forms
-    reach = 0  # sum((size - 1) * stride) over non-empty dimensions
-    contiguous = True
-    expected = 1
-    for dim in range(len(size) - 1, -1, -1):
-        length, step = size[dim], stride[dim]
-        if type(length) is not int or type(step) is not int or not (0 <= length < _LIMIT and 0 <= step < _LIMIT):
-            return None
-        numel *= length
-        if length > 1:
-            extent_bound *= length
-            reach += (length - 1) * step
-            if extent_bound >= _LIMIT or reach >= _LIMIT:
-                return None
-        if length != 1:  # torch's own test (compute_contiguous): size-1 dimensions may have any stride
-            if step == expected:
-                expected *= length
-            else:
-                contiguous = False
-    if (offset + reach + 1) * itemsize >= _LIMIT:
-        return None
-    if numel == 0:
-        return 0, True, 0
-    return numel, contiguous, reach + 1
 
 
 def plain_tensor(storage: PlainStorage, offset: int, size: tuple, stride: tuple, dtype: Any,

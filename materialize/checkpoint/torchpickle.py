@@ -19,14 +19,15 @@ import re
 import reprlib
 import threading
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import _weights_only_unpickler, nn
 
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError, first_line, summarize_names
-from .base import TensorInfo, is_extra_state, make_info, shape_fits_int64
-from .modelstate import Shapes, copies_of, not_there, several_copies
+from .base import TensorInfo, make_info, shape_fits_int64
+from .located import located_infos
+from .payload import Kinds, Payload, find_payload as payload_of
 from .pickle_budget import check_budget
 from .pickle_scan import hostile_calls, quantized_tensors
 from .plainrecords import PlainStorage, PlainTensor, plain_storage, plain_tensor
@@ -34,26 +35,6 @@ from .sealed import Unchangeable, sealed_call
 from .standins import (
     INERT_GLOBALS, CalledStandIn, StandIn, is_module_state, is_numpy_array, module_state, stand_in_class,
 )
-
-# model_state_dict: PyTorch's own tutorial on saving a general checkpoint (Whisper's files too).
-STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model", "model_state", "module")
-# What training checkpoints keep beside the model (PyTorch Lightning, torchtitan, DeepSpeed, plain
-# scripts): optimizer moments and scheduler state are tensors but not weights.
-TRAINING_STATE_KEYS = ("optimizer", "optimizers", "optim", "optimizer_states", "optimizer_state_dict", "optim_state_dict",
-                       "lr_scheduler", "lr_schedulers", "scheduler", "scheduler_state_dict", "lr_scheduler_state_dict",
-                       "dataloader", "train_state", "callbacks", "loops", "scaler", "scaler_state_dict", "rng_state")
-
-
-class Payload(NamedTuple):
-    """What a torch file holds for a load: its model state's tensors, its module if it is one, the extra states of
-    its modules that are not tensors, and the entry of the saved dict they were taken from (``None``: the saved
-    object itself). The readers hand it on with each tensor located (a :class:`TensorInfo`)."""
-
-    tensors: dict[str, Any]
-    module: Optional[nn.Module]
-    extra_states: dict[str, Any]
-    key: Optional[str] = None
-
 
 _BRIEF = reprlib.Repr()
 _BRIEF.maxlevel, _BRIEF.maxstring, _BRIEF.maxother = 3, 60, 60
@@ -553,135 +534,27 @@ def read_bare_tensor(path: Path, data: bytes, refs: dict[int, StorageRef], *, wh
     return unpickled
 
 
-def find_payload(obj: Any, *, state_dict_key: Optional[str] = None) -> Payload:
-    """The model state (state dict or module) inside what ``torch.save`` was given.
-
-    A module pickled whole but read without ``trust_pickle`` is made of
-    stand-ins: its state-dict entries are taken from them, no module is built.
-    The model state is the entry ``state_dict_key`` names, where one is
-    named; else the value under ``state_dict``, ``model`` or ``module`` where
-    one holds tensors, unless another entry holds another copy of that
-    model's state (an EMA: refused, see :mod:`.modelstate`); else the whole
-    object but the training state beside it (:data:`TRAINING_STATE_KEYS`).
-    Dicts nested in it are flattened with dotted names, as ``state_dict()`` names a
-    submodule's tensors: ``{"encoder": enc.state_dict(), "decoder": ...}``
-    reads as ``encoder.weight``, ``decoder.weight``, ...
-
-    A module's extra state (``get_extra_state``, saved as ``<module>._extra_state``)
-    that is not a tensor comes third, by name: a tensor one is a tensor like any.
-    """
-    if state_dict_key is not None:
-        return _named_entry(obj, state_dict_key)
-    if isinstance(obj, nn.Module):
-        return Payload(_module_tensors(obj), obj, {})
-    if is_module_state(obj):
-        return Payload(dict(module_state(obj)), None, {})
-    if isinstance(obj, dict):
-        for key in STATE_DICT_KEYS:
-            found = _entry_state(dict.get(obj, key))  # not obj.get: a file can set an OrderedDict's attributes (BUILD)
-            if found is not None:
-                entries = {key: _shapes(found.tensors), **_other_entries(obj, key)}
-                copies = copies_of(key, entries)
-                if len(copies) > 1:
-                    raise several_copies(copies, entries)
-                return found._replace(key=key)
-        found_tensors, extra_states = _tensor_entries(obj, leave_out=TRAINING_STATE_KEYS)
-        return Payload(found_tensors, None, extra_states)
-    return Payload({}, None, {})
-
-
-def _entry_state(value: Any) -> Optional[Payload]:
-    """The model state an entry of the saved dict holds: a module, a pickled module's stand-in, or a (nested)
-    state dict holding tensors; None for anything else."""
-    if isinstance(value, nn.Module):
-        return Payload(_module_tensors(value), value, {})
-    if is_module_state(value):
-        return Payload(dict(module_state(value)), None, {})
-    if isinstance(value, dict):
-        found, extra_states = _tensor_entries(value)
-        return Payload(found, None, extra_states) if found else None
-    return None
-
-
-def _named_entry(obj: Any, key: str) -> Payload:
-    """The model state under ``key``, which the caller named; refused where it holds none."""
-    if not isinstance(obj, dict):
-        raise not_there(key, {})
-    value = dict.get(obj, key) if isinstance(key, str) else None
-    found = _entry_state(value)
-    if found is None or not found.tensors:
-        raise not_there(key, _other_entries(obj, None))
-    return found._replace(key=key)
-
-
-def _other_entries(obj: dict, chosen: Optional[str]) -> dict[str, Shapes]:
-    """The shapes of the tensors of each entry (named by a string) but ``chosen`` and the training state, in the
-    file's order, for those that hold any: what could be another copy of the model's state."""
-    entries: dict[str, Shapes] = {}
-    for key, value in dict.items(obj):
-        if not isinstance(key, str) or key == chosen or key in TRAINING_STATE_KEYS:
-            continue
-        try:
-            found = _entry_state(value)
-        except CheckpointError:  # numpy arrays, a name given twice: nothing a load could take anyway
-            continue
-        if found is not None and found.tensors:
-            entries[key] = _shapes(found.tensors)
-    return entries
-
-
-def _shapes(tensors: dict[str, torch.Tensor]) -> Shapes:
-    return {name: tuple(tensor.shape) for name, tensor in tensors.items()}
-
-
-def _tensor_entries(mapping: dict, leave_out: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The tensors of a (nested) state dict by dotted name, and its modules' extra states that are not tensors."""
-    entries: dict[str, torch.Tensor] = {}
-    extra_states: dict[str, Any] = {}
-    arrays: list[str] = []
-    _gather(mapping, "", entries, arrays, leave_out, set(), extra_states)
-    if arrays:
-        raise CheckpointError(
-            f"holds numpy arrays where tensors are expected ({summarize_names(arrays)}); this loader reads tensors "
-            "only: re-save them as tensors (torch.from_numpy), or load the file with torch.load if you trust it")
-    return entries, extra_states
-
-
-def _gather(mapping: dict, prefix: str, entries: dict[str, torch.Tensor], arrays: list[str],
-            leave_out: tuple[str, ...], seen: set[int], extra_states: dict[str, Any]) -> None:
-    if id(mapping) in seen:  # a pickle can make a dict that holds itself
-        return
-    seen.add(id(mapping))
-    for key, value in dict.items(mapping):
-        name = prefix + str(key)
-        if isinstance(value, (torch.Tensor, PlainTensor)):
-            pairs = [(name, value)]
-        elif is_numpy_array(value):
-            arrays.append(name)
-            continue
-        elif key in leave_out:
-            continue
-        elif is_extra_state(name):
-            extra_states[name] = value
-            continue
-        elif is_module_state(value):
-            pairs = list(module_state(value, name + "."))
-        elif isinstance(value, dict):
-            _gather(value, name + ".", entries, arrays, (), seen, extra_states)
-            continue
-        else:
-            continue
-        for full, tensor in pairs:
-            if full in entries:
-                raise CheckpointError("is named twice, once by a nested dict's keys: which one is meant is unclear",
-                                      tensor=full)
-            entries[full] = tensor
-
-
-def _module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    named = dict(module.named_parameters(remove_duplicate=False))
-    named.update(module.named_buffers(remove_duplicate=False))
+def _module_tensors(value: Any) -> Optional[dict[str, torch.Tensor]]:
+    if not isinstance(value, nn.Module):
+        return None
+    named = dict(value.named_parameters(remove_duplicate=False))
+    named.update(value.named_buffers(remove_duplicate=False))
     return {name: tensor for name, tensor in named.items() if tensor is not None}
+
+
+def _module_state(value: Any, prefix: str) -> Optional[Iterable[tuple[str, torch.Tensor]]]:
+    return module_state(value, prefix) if is_module_state(value) else None
+
+
+# What this module's unpickling makes: meta tensors, records, modules (trusted) and stand-ins.
+TORCH_KINDS = Kinds(is_tensor=lambda value: isinstance(value, (torch.Tensor, PlainTensor)),
+                    module_tensors=_module_tensors, module_state=_module_state, is_numpy_array=is_numpy_array)
+
+
+def find_payload(obj: Any, *, state_dict_key: Optional[str] = None) -> Payload:
+    """The model state inside what ``torch.save`` was given, as :func:`.payload.find_payload` finds it in what
+    this module unpickles."""
+    return payload_of(obj, TORCH_KINDS, state_dict_key=state_dict_key)
 
 
 _DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in vars(torch).values() if isinstance(dtype, torch.dtype)}
@@ -699,7 +572,7 @@ def tensor_info(
         return CheckpointError(reason, path=path, tensor=name)
 
     if type(tensor) is PlainTensor:
-        return _record_info(path, name, tensor, records, file_size, fail)
+        return _record_info(path, name, tensor, records, file_size)
     if tensor.layout != torch.strided or tensor.is_quantized:
         raise fail(f"has layout {tensor.layout}; only dense tensors are supported")
     if tensor.is_conj() or tensor.is_neg():  # torch.load resolves the bit on use; the bytes alone are not the values
@@ -751,59 +624,22 @@ def tensor_info(
 
 def tensor_infos(path: Path, tensors: dict[str, Any], refs: dict[int, StorageRef], records: dict[str, tuple[int, int]],
                  file_size: int) -> dict[str, TensorInfo]:
-    """:func:`tensor_info` of each named tensor, in order: records (see :mod:`.plainrecords`) in this one loop,
-    without a call each, where they pass its checks (else its error); meta tensors by :func:`tensor_info`."""
+    """:func:`tensor_info` of each named tensor, in order: records (see :mod:`.plainrecords`) by
+    :func:`.located.located_infos`, meta tensors by :func:`tensor_info`."""
     infos: dict[str, TensorInfo] = {}
-    new = object.__new__
     for name, tensor in tensors.items():
-        if type(tensor) is not PlainTensor:
+        if type(tensor) is PlainTensor:
+            infos[name] = _record_info(path, name, tensor, records, file_size)
+        else:
             infos[name] = tensor_info(path, name, tensor, refs, records, file_size)
-            continue
-        storage, offset, shape, stride, dtype, _, numel, contiguous, extent, _ = tensor.fields
-        key, nbytes = storage.fields[:2]
-        located = records.get(key)
-        itemsize = dtype.itemsize
-        start = offset * itemsize
-        if located is None or located[1] < nbytes or located[0] + nbytes > file_size or start + extent * itemsize > nbytes:
-            infos[name] = tensor_info(path, name, tensor, refs, records, file_size)  # raises, saying which
-            continue
-        info = new(TensorInfo)  # as make_info makes it: a dict of fields, the element count cached
-        info.__dict__.update({
-            "name": name, "dtype_name": _DTYPE_NAMES[dtype], "itemsize": itemsize, "shape": shape, "path": path,
-            "offset": located[0] + start, "stride": None if contiguous else stride,
-            "span_nbytes": None if contiguous else extent * itemsize, "storage": located[0], "numel": numel})
-        infos[name] = info
     return infos
 
 
-def _record_info(path: Path, name: str, record: PlainTensor, records: dict[str, tuple[int, int]], file_size: int,
-                 fail: Callable[[str], CheckpointError]) -> TensorInfo:
+def _record_info(path: Path, name: str, record: PlainTensor, records: dict[str, tuple[int, int]],
+                 file_size: int) -> TensorInfo:
     """:func:`tensor_info` of a record: its checks in the same order, less those its domain rules out (layout
     kinds, lazy bits, negative or oversized layouts: see :mod:`.plainrecords`)."""
     storage, offset, shape, stride, dtype, _, numel, contiguous, extent, _ = record.fields
     key, nbytes = storage.fields[:2]
-    located = records.get(key)
-    if located is None:
-        raise fail(f"storage record data/{key} is missing from the zip")
-    record_offset, record_size = located
-    if record_size < nbytes:
-        raise fail(f"storage record data/{key} holds {record_size} bytes, {nbytes} expected")
-    if record_offset + nbytes > file_size:
-        raise fail(f"storage record data/{key} runs past the end of the file (truncated?)")
-    itemsize = dtype.itemsize
-    start = offset * itemsize
-    span = extent * itemsize
-    if start + span > nbytes:
-        raise fail(f"view of bytes [{start}, {start + span}) lies outside its {nbytes}-byte storage")
-    return make_info(
-        name=name,
-        dtype_name=_DTYPE_NAMES[dtype],
-        itemsize=itemsize,
-        shape=shape,
-        path=path,
-        offset=record_offset + start,
-        stride=None if contiguous else stride,
-        span_nbytes=None if contiguous else span,
-        storage=record_offset,
-        numel=numel,
-    )
+    layout = (nbytes, _DTYPE_NAMES[dtype], dtype.itemsize, offset, shape, stride, numel, contiguous, extent)
+    return located_infos(path, [(name, (key, layout))], records, file_size)[name]

@@ -1,9 +1,12 @@
 """torch zip checkpoints (``.pt``/``.pth``/``.bin``) read without loading tensors.
 
-``data.pkl`` is unpickled onto ``meta`` (see :mod:`.torchpickle`). Each
-tensor then maps to its storage record in the zip, whose bytes are stored
-uncompressed at a known offset: the same direct path as safetensors, with no
-``torch.load`` of the data.
+``data.pkl`` of a plain state dict is read without torch (see
+:mod:`.plainpickle`); any other is unpickled onto ``meta`` (see
+:mod:`.torchpickle`), which imports torch only then. Each tensor then maps
+to its storage record in the zip, whose bytes are stored uncompressed at a
+known offset: the same direct path as safetensors, with no ``torch.load`` of
+the data. The zip's own checks (records located, duplicates, byte order,
+small records' CRCs, each tensor's bounds) are the same on both paths.
 """
 
 from __future__ import annotations
@@ -12,18 +15,23 @@ import collections
 import contextlib
 import functools
 import io
+import operator
 import os
 import struct
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterator, NamedTuple, Optional
 
-from ..errors import CheckpointError, UnsupportedFormatError
+from ..errors import CheckpointError, UnsupportedFormatError, first_line
 from ..io.fileio import file_size_of, remote_pread
 from ..sources.remotepath import is_remote
 from .base import TensorInfo
-from .torchpickle import Payload, StorageRef, first_line, read_bare_tensor, read_payload, tensor_infos
+from .payload import Payload
+from .plainpickle import plain_infos, plain_payload
+
+if TYPE_CHECKING:
+    from .torchpickle import StorageRef
 
 _LOCAL_HEADER = struct.Struct("<4s4xH16xHH")
 _SMALL_RECORD = 1 << 20
@@ -56,36 +64,65 @@ def _record_offsets(
         infos = archive.infolist()
         headers = _local_headers([(info.header_offset, _LOCAL_HEADER.size + len(info.raw_name)) for info in infos],
                                  pread, base)
-        for info in infos:
-            name = info.filename
-            raw_name = info.raw_name
-            if info.flag_bits & 0x1:
-                raise CheckpointError(f"zip record {name!r} is encrypted; torch never writes that", path=path)
-            if info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size:
-                raise CheckpointError(f"zip record {name!r} is stored but its two sizes differ (corrupt zip)", path=path)
-            if info.external_attr & _DOS_DIRECTORY:  # torch's reader then returns unread memory for it
-                raise CheckpointError(f"zip record {name!r} is marked as a directory (corrupt zip)", path=path)
-            if info.volume != 0:
-                raise CheckpointError(f"zip record {name!r} claims to be on another disk (corrupt zip)", path=path)
-            if info.compress_type != zipfile.ZIP_STORED:  # a few compressed bytes could inflate to gigabytes
-                what = f"storage record {name[len(data_dir):]!r}" if name.startswith(data_dir) else f"zip record {name!r}"
-                raise CheckpointError(f"{what} is compressed; torch writes every record stored", path=path)
-            header = next(headers)  # read here, once the record passed the checks above, as it always was
-            if len(header) < _LOCAL_HEADER.size:
+        # The central directory's own checks first, for all records at once; the first record they refuse
+        # is refused after the local headers of those before it, as a loop over the records checking each
+        # in turn would refuse it.
+        columns = tuple(zip(*infos)) if infos else ((),) * len(_Entry._fields)
+        refused = _first_refused(infos, columns)
+        unpack_header, header_size, cut = _LOCAL_HEADER.unpack_from, _LOCAL_HEADER.size, len(data_dir)
+        names, _, raw_names, _, methods, _, compressed, sizes, _, _, header_offsets = columns
+        for name, raw_name, method_listed, header_offset, compressed_size, size, header in zip(
+                names[:refused], raw_names, methods, header_offsets, compressed, sizes, headers):
+            # (each header read once its record passed the directory's checks: zip takes the names first)
+            if len(header) < header_size:
                 raise CheckpointError(f"zip local header of record {name!r} is truncated", path=path)
-            signature, method, name_len, extra_len = _LOCAL_HEADER.unpack_from(header)
-            local_name = header[_LOCAL_HEADER.size: _LOCAL_HEADER.size + name_len]
-            if signature != b"PK\x03\x04" or method != info.compress_type or local_name != raw_name:
-                raise CheckpointError(f"zip local header of record {name!r} disagrees with the central directory (corrupt zip)", path=path)
-            data_start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-            spans.append((info.header_offset, data_start + info.compress_size, name))
+            signature, method, name_len, extra_len = unpack_header(header)
+            if signature != b"PK\x03\x04" or method != method_listed or header[header_size:header_size + name_len] != raw_name:
+                raise CheckpointError(f"zip local header of record {name!r} disagrees with the central directory "
+                                      "(corrupt zip)", path=path)
+            data_start = header_offset + header_size + name_len + extra_len
+            spans.append((header_offset, data_start + compressed_size, name))
             if name.startswith(data_dir):
-                offsets[name[len(data_dir):]] = (base + data_start, info.file_size)
+                offsets[name[cut:]] = (base + data_start, size)
+        if refused < len(infos):
+            raise CheckpointError(_refusal(infos[refused], data_dir), path=path)
     spans.sort()
-    for (_, end, name), (next_start, _, next_name) in zip(spans, spans[1:] + [(archive.start_dir, 0, "central directory")]):
-        if end > next_start:
-            raise CheckpointError(f"zip record {name!r} overlaps {next_name!r} (corrupt zip)", path=path)
+    starts, ends, _ = zip(*spans) if spans else ((), (), ())
+    if any(map(operator.gt, ends, starts[1:] + (archive.start_dir,))):
+        for (_, end, name), (next_start, _, next_name) in zip(spans, spans[1:] + [(archive.start_dir, 0, "central directory")]):
+            if end > next_start:
+                raise CheckpointError(f"zip record {name!r} overlaps {next_name!r} (corrupt zip)", path=path)
     return offsets
+
+
+def _first_refused(infos: list["_Entry"], columns: tuple[tuple, ...]) -> int:
+    """The index of the first record the central directory's own checks refuse (:func:`_refusal`); the count
+    of records where none is. Checked on the set of each field's values (``columns``: each field of every
+    entry), unless one is off."""
+    if infos:
+        _, _, _, flags, methods, _, compressed, sizes, volumes, attributes, _ = columns
+        if not any(flag & 0x1 for flag in set(flags)) and set(methods) == {zipfile.ZIP_STORED} \
+                and compressed == sizes and set(volumes) == {0} \
+                and not any(attribute & _DOS_DIRECTORY for attribute in set(attributes)):
+            return len(infos)
+    return next((index for index, info in enumerate(infos) if _refusal(info, "") is not None), len(infos))
+
+
+def _refusal(info: "_Entry", data_dir: str) -> Optional[str]:
+    """Why the central directory's entry of a record refuses it, before its local header is read; None if not."""
+    name = info.filename
+    if info.flag_bits & 0x1:
+        return f"zip record {name!r} is encrypted; torch never writes that"
+    if info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size:
+        return f"zip record {name!r} is stored but its two sizes differ (corrupt zip)"
+    if info.external_attr & _DOS_DIRECTORY:  # torch's reader then returns unread memory for it
+        return f"zip record {name!r} is marked as a directory (corrupt zip)"
+    if info.volume != 0:
+        return f"zip record {name!r} claims to be on another disk (corrupt zip)"
+    if info.compress_type != zipfile.ZIP_STORED:  # a few compressed bytes could inflate to gigabytes
+        what = f"storage record {name[len(data_dir):]!r}" if name.startswith(data_dir) else f"zip record {name!r}"
+        return f"{what} is compressed; torch writes every record stored"
+    return None
 
 
 # Local headers at most _HEADER_GAP bytes apart are read by one positional read of at most _HEADER_RUN bytes
@@ -105,17 +142,36 @@ def _local_headers(spans: list[tuple[int, int]], pread: Callable[[int, int], byt
     of the run: a zip of 100,000 small tensors takes a read per hundred or
     so records, not one each; a run is read only when its first span is asked for.
     """
-    window, window_at = b"", 0
-    for index, (offset, length) in enumerate(spans):
-        start = offset - window_at
-        if not (0 <= start and start + length <= len(window)):
-            run_end = offset + length
-            for next_offset, next_length in spans[index + 1:index + 1024]:
-                if not run_end <= next_offset <= run_end + _HEADER_GAP or next_offset + next_length - offset > _HEADER_RUN:
-                    break
-                run_end = next_offset + next_length
-            window, window_at, start = pread(run_end - offset, base + offset), offset, 0
-        yield window[start:start + length]
+    if not spans:
+        return
+    offsets, lengths = zip(*spans)
+    # Whether the span after each may share its read: where it may not, each is read alone, as asked for.
+    joins = [0 <= gap <= _HEADER_GAP for gap in map(operator.sub, offsets[1:], map(operator.add, offsets, lengths))]
+    joins.append(False)
+    count = len(spans)
+    index = 0
+    while index < count:
+        if not joins[index]:
+            yield pread(lengths[index], base + offsets[index])
+            index += 1
+            continue
+        offset, length = spans[index]
+        run_end = offset + length
+        last = index + 1
+        limit = min(index + 1024, count)
+        while last < limit:
+            next_offset, next_length = spans[last]
+            if not run_end <= next_offset <= run_end + _HEADER_GAP or next_offset + next_length - offset > _HEADER_RUN:
+                break
+            run_end = next_offset + next_length
+            last += 1
+        window = pread(run_end - offset, base + offset)
+        if last == index + 1:
+            yield window  # (what a read of its own returns)
+        else:  # a slice of a read that stopped short at the file's end is what a read of its own returns too
+            for next_offset, next_length in spans[index:last]:
+                yield window[next_offset - offset:next_offset - offset + next_length]
+        index = last
 
 
 def _verify_small_records(path: Path, archive: "_Archive", prefix: str, already_read: set[str]) -> None:
@@ -287,6 +343,9 @@ class _Entry(NamedTuple):
 
 
 _CENTRAL_ENTRY = struct.Struct(zipfile.structCentralDir)
+# The fields of a central directory entry that _read_directory reads, the rest skipped (zipfile.structCentralDir).
+_CENTRAL_FIELDS = struct.Struct("<4s2xBxHH4xIIIHHHH2xII")
+assert _CENTRAL_FIELDS.size == _CENTRAL_ENTRY.size
 _FILE_HEADER = struct.Struct(zipfile.structFileHeader)
 _ZIP64_SIZES = struct.Struct("<Q")
 _UTF8_NAME = 0x800
@@ -376,28 +435,31 @@ def _read_directory(handle: BinaryIO) -> tuple[list[_Entry], int]:
     handle.seek(start_dir)
     directory = handle.read(size)
     entries = []
-    unpack = _CENTRAL_ENTRY.unpack_from
+    unpack = _CENTRAL_FIELDS.unpack_from
     make = tuple.__new__
+    entry_size, available, central, newest = _CENTRAL_ENTRY.size, len(directory), zipfile.stringCentralDir, \
+        zipfile.MAX_EXTRACT_VERSION  # type: ignore[attr-defined]
     total = 0
     while total < size:
-        if total + _CENTRAL_ENTRY.size > len(directory):
+        if total + entry_size > available:
             raise zipfile.BadZipFile("Truncated central directory")
-        (signature, _, _, extract_version, _, flags, method, _, _, crc, compressed, file_size, name_length,
-         extra_length, comment_length, volume, _, external, header_offset) = unpack(directory, total)
-        if signature != zipfile.stringCentralDir:  # type: ignore[attr-defined]
+        (signature, extract_version, flags, method, crc, compressed, file_size, name_length, extra_length,
+         comment_length, volume, external, header_offset) = unpack(directory, total)
+        if signature != central:
             raise zipfile.BadZipFile("Bad magic number for central directory")
-        at = total + _CENTRAL_ENTRY.size
-        raw_name = directory[at:at + name_length]
+        at = total + entry_size
+        name_end = at + name_length
+        raw_name = directory[at:name_end]
         name = raw_name.decode("utf-8" if flags & _UTF8_NAME else "cp437")
-        if extract_version > zipfile.MAX_EXTRACT_VERSION:  # type: ignore[attr-defined]
+        if extract_version > newest:
             raise NotImplementedError("zip file version %.1f" % (extract_version / 10))
-        extra = directory[at + name_length:at + name_length + extra_length]
-        if extra:
-            file_size, compressed, header_offset = _zip64_fields(extra, file_size, compressed, header_offset)
-        cut = name.find("\0")
-        entries.append(make(_Entry, (name if cut < 0 else name[:cut], name, raw_name, flags, method, crc, compressed,
-                                     file_size, volume, external, header_offset + concat)))
-        total += _CENTRAL_ENTRY.size + name_length + extra_length + comment_length
+        if extra_length:
+            extra = directory[name_end:name_end + extra_length]
+            if extra:
+                file_size, compressed, header_offset = _zip64_fields(extra, file_size, compressed, header_offset)
+        entries.append(make(_Entry, (name if "\0" not in name else name[:name.find("\0")], name, raw_name, flags,
+                                     method, crc, compressed, file_size, volume, external, header_offset + concat)))
+        total = name_end + extra_length + comment_length
     return entries, start_dir
 
 
@@ -529,9 +591,21 @@ def _read_zip(
             raise UnsupportedFormatError("was saved on a big-endian machine; re-save it on a little-endian one", path=path)
         refs: dict[int, StorageRef] = {}
         data = _read(path, archive, f"{prefix}/data.pkl")
-        if single is None:
+        # A plain state dict is read without torch; the rest imports it (see .plainpickle's note on loads).
+        plain = plain_payload(path, data, state_dict_key) if single is None and not trust_pickle else None
+        if plain is not None:
+            payload = plain
+        elif single is None:
+            from .torchpickle import read_payload
+
             payload = read_payload(path, data, refs, trust_pickle=trust_pickle, state_dict_key=state_dict_key)
         else:
+            from .torchpickle import read_bare_tensor
+
             payload = Payload({single: read_bare_tensor(path, data, refs, what=f"tensor '{single}'")}, None, {})
         _verify_small_records(path, archive, prefix, {byteorder, f"{prefix}/data.pkl"})
+    if plain is not None:
+        return payload._replace(tensors=plain_infos(path, payload.tensors, records, file_size))
+    from .torchpickle import tensor_infos
+
     return payload._replace(tensors=tensor_infos(path, payload.tensors, refs, records, file_size))

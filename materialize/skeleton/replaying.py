@@ -43,6 +43,8 @@ def replay(program: Program, targets: dict[str, Target], device: torch.device) -
     values are cast as ``copy_`` casts), or a callable taking the values
     (a DTensor's shard copies its box).
     """
+    if not targets:  # a load that found every tensor in the checkpoint: the program's steps are not even walked
+        return
     wanted: dict[int, list[tuple[Target, Ref, str]]] = {}
     for name, target in targets.items():
         ref = program.bindings.get(name)

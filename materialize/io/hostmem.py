@@ -33,16 +33,13 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Protocol, Union
 
 import torch
 
 from ..dtypes import dtype_name
 from ..errors import AllocationError, LowMemoryWarning, first_line
 from ..sizes import format_bytes
-
-if TYPE_CHECKING:
-    from .arena import HostArena
 
 PAGE_BYTES = mmap.PAGESIZE
 HUGE_PAGE_BYTES = 2 * 1024 * 1024
@@ -352,10 +349,18 @@ def ways_out(device: torch.device, placeable: bool = False) -> str:
             "and a narrower dtype needs less")
 
 
+class SmallTensors(Protocol):
+    """Where small CPU tensors come from instead of ``torch.empty`` (:class:`materialize.io.arena.HostArena`)."""
+
+    def carves(self, nbytes: int, dtype: torch.dtype) -> bool: ...
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, numel: int, nbytes: int) -> torch.Tensor: ...
+
+
 def empty_destination(
     shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device,
     name: Optional[str] = None, path: Optional[Path] = None, stride: Optional[tuple[int, ...]] = None,
-    arena: Optional["HostArena"] = None,
+    arena: Optional["SmallTensors"] = None,
 ) -> torch.Tensor:
     """Allocate a tensor that is about to be filled completely; running out of memory names it.
 

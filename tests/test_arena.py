@@ -21,6 +21,7 @@ import materialize.loading as loading
 from materialize.io.arena import MAX_TENSOR_BYTES, HostArena
 
 from test_differential import SCENARIOS, build_way, compare_models, trained_state, write
+from test_engine_paths import THP_MODE, _vma_flag
 
 
 def _storage_facts(model: nn.Module) -> dict[str, tuple]:
@@ -185,29 +186,12 @@ def test_no_memory_for_a_chunk_names_the_tensor(tmp_path: Path, monkeypatch: pyt
     assert all(param.is_meta for param in model.parameters())  # nothing half-made stays in the model
 
 
-def _vma_flags(address: int) -> dict[str, str]:
-    """The /proc/self/smaps fields of the mapping holding ``address``."""
-    fields: dict[str, str] = {}
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            low, high = (int(part, 16) for part in head.split("-"))
-            inside = low <= address < high
-        elif inside and ":" in head:
-            fields[head.rstrip(":")] = line.split(":", 1)[1].strip()
-    return fields
-
-
+@pytest.mark.skipif(not THP_MODE.exists() or "[madvise]" not in THP_MODE.read_text(), reason="needs THP mode madvise")
 @pytest.mark.parametrize("pay", [True, False])
 def test_chunks_are_advised_huge_pages_where_they_pay(pay: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not mode.exists() or "[never]" in mode.read_text():
-        pytest.skip("no transparent huge pages here")
     monkeypatch.setattr(arena_module.hostmem, "huge_pages_pay", lambda: pay)
     tensor = HostArena().empty((16,), torch.float32, 16, 64)
-    flags = _vma_flags(tensor.data_ptr())
-    assert ("hg" in flags["VmFlags"].split()) == pay
+    assert _vma_flag(tensor.data_ptr(), "THPeligible") == ("1" if pay else "0")
 
 
 class Rows(nn.Module):

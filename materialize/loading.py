@@ -512,10 +512,7 @@ def _fresh_parameter(entry: Entry, undo: list, arena: HostArena) -> Optional[Job
     dtype = entry.dtype
     tensor = empty_destination(shape, dtype=dtype, device=entry.device, name=entry.names[0], path=source.path,
                                arena=arena)
-    made = torch.Tensor._make_subclass(nn.Parameter, tensor, original.requires_grad
-                                       and (dtype.is_floating_point or dtype.is_complex))
-    if original.__dict__:
-        made.__dict__.update(original.__dict__)
+    made = parameter_like(original, tensor, original.requires_grad and (dtype.is_floating_point or dtype.is_complex))
     entry.hold(made, undo)
     return Job(tensor, source)
 

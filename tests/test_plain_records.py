@@ -53,12 +53,17 @@ def _saved_objects() -> dict[str, object]:
     }
 
 
+def _reader_onto_meta(patched, *, records: bool) -> None:
+    """The torch-free reader of plain pickles stood aside; without ``records``, meta tensors alone."""
+    patched.setattr(torchzip, "plain_payload", lambda *args: None)
+    if not records:
+        patched.setattr(torchpickle, "plain_tensor", lambda *args: None)
+
+
 def _infos(path: Path, monkeypatch, *, records: bool) -> dict:
     """The reader onto meta's infos (the torch-free reader of plain pickles stood aside), with records or without."""
     with monkeypatch.context() as patched:
-        patched.setattr(torchzip, "plain_payload", lambda *args: None)
-        if not records:
-            patched.setattr(torchpickle, "plain_tensor", lambda *args: None)
+        _reader_onto_meta(patched, records=records)
         with mz.open_checkpoint(path) as ckpt:
             return dict(ckpt.tensors), dict(ckpt.extra_states), ckpt.state_dict_key
 
@@ -183,8 +188,7 @@ def test_a_build_on_a_tensor_reads_as_without_records(tmp_path, monkeypatch, sta
     for records in (True, False):
         with monkeypatch.context() as patched:
             if not records:  # meta tensors alone: neither records nor the torch-free reader
-                patched.setattr(torchpickle, "plain_tensor", lambda *args: None)
-                patched.setattr(torchzip, "plain_payload", lambda *args: None)
+                _reader_onto_meta(patched, records=False)
             try:
                 with mz.open_checkpoint(path) as ckpt:
                     outcomes.append(("read", dict(ckpt.tensors)))
@@ -296,8 +300,7 @@ def test_a_bad_storage_record_is_refused_as_without_records(tmp_path, monkeypatc
     for records in (True, False):
         with monkeypatch.context() as patched:
             if not records:  # meta tensors alone: neither records nor the torch-free reader
-                patched.setattr(torchpickle, "plain_tensor", lambda *args: None)
-                patched.setattr(torchzip, "plain_payload", lambda *args: None)
+                _reader_onto_meta(patched, records=False)
             with pytest.raises(mz.MaterializeError) as caught:
                 mz.open_checkpoint(path)
             errors.append(str(caught.value))

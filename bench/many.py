@@ -26,6 +26,10 @@ of ``--runs``:
   ``set_model_state_dict(broadcast_from_rank0=True)``, sharding on meta timed apart;
 - ``materialize inspect`` of each form, as a CLI subprocess (its wall time, interpreter start-up included,
   beside the start-up of ``python -c "import materialize"`` alone);
+- cold (``--groups cold``): ``inspect`` of the torch zip, and ours and ``torch.load(mmap=True)`` + assign on
+  it, and ours on the one safetensors file, each run with its file dropped from the page cache first
+  (``posix_fadvise(DONTNEED)``): what opening a file of 100,000 records costs when each of its headers is a
+  trip to the disk;
 - scaling (``--scaling-counts``): ours on one safetensors file and on a torch zip of 12,500 to 100,000
   tensors of 256 bytes, each phase per tensor: whether each grows linearly with the count.
 
@@ -114,6 +118,13 @@ GROUPS = {
         "materialize inspect, torch zip": "inspect-torch",
         "start-up alone: python -c 'import materialize'": "startup",
     },
+    # Each run with its file dropped from the page cache first (bench.run.evict): what the disk adds.
+    "cold": {
+        "materialize inspect, torch zip": "inspect-torch",
+        "ours, meta_init model, torch zip": "ours:torch",
+        "torch.load(mmap=True) + load_state_dict(assign=True), torch zip": "torch-mmap:torch",
+        "ours, meta_init model, one safetensors file": "ours:single",
+    },
 }
 GROUP_FORMS = {"cast": "single"}  # a group not named after its form: the form it loads
 GROUP_WORDS = {**FORM_WORDS, "cast": "one safetensors file, bf16 -> fp32",
@@ -130,6 +141,10 @@ def with_baseline(methods: dict[str, str], group: str, name: str) -> dict[str, s
         return {**methods, f"ours, meta_init model, {name}": "ours" + BASELINE}
     if group == "cast":
         return {**methods, f"ours, meta_init model, bf16 -> fp32, {name}": "ours-cast" + BASELINE}
+    if group == "cold":
+        return {key: value for label, method in methods.items()
+                for key, value in ((label, method), (f"{label}, {name}", method + BASELINE))
+                if not value.startswith("torch-mmap") or not value.endswith(BASELINE)}
     if group == "inspect":
         return {key: value for label, method in methods.items() if method != "startup"
                 for key, value in ((label, method), (f"{label}, {name}", method + BASELINE))} | \
@@ -509,6 +524,20 @@ def run_inspect(args: argparse.Namespace, method: str, paths: dict[str, Path]) -
             "lines": listed}
 
 
+def run_cold(args: argparse.Namespace, method: str, paths: dict[str, Path]) -> dict:
+    """A method of the ``cold`` group (``inspect-FORM``, or ``METHOD:FORM`` for a load), its files evicted first."""
+    from bench.run import evict
+
+    name = method.removesuffix(BASELINE)
+    suffix = method[len(name):]
+    if name.startswith("inspect-"):
+        evict(paths[name.removeprefix("inspect-")])
+        return run_inspect(args, method, paths)
+    load, form = name.split(":")
+    evict(paths[form])
+    return run_child(args, load + suffix, form)
+
+
 def profile_child(method: str, form: str, path: Path, expected: dict, out: Path) -> None:
     """``method`` once under cProfile: the heaviest functions by own time and by cumulative time."""
     torch.ones(3, device="meta").cos()
@@ -560,7 +589,7 @@ def markdown(report: dict) -> str:
     groups = [group for group in GROUPS if group in report["results"]]
     for group in groups:
         rows = report["results"][group]
-        if group in ("inspect", "scaling"):
+        if group in ("inspect", "scaling", "cold"):
             continue
         limit = next((row for label, row in rows.items() if label.startswith("limit")), None)
         peer = next((row for label, row in rows.items() if label.startswith("accelerate")), None)
@@ -581,7 +610,7 @@ def markdown(report: dict) -> str:
                          + (f" {row['shard_s']:.2f} |" if group == "fsdp2" else "")
                          + f" {row.get('rss_growth', 0) / 1e9:.2f} | {'yes' if row['verified'] else 'NO'} |")
         lines.append("")
-    phased = [(group, label, row) for group in groups if group not in ("inspect", "scaling")
+    phased = [(group, label, row) for group in groups if group not in ("inspect", "scaling", "cold")
               for label, row in report["results"][group].items() if "phases" in row]
     if phased:
         lines += ["Phases (median seconds; us a tensor in brackets). Ours: open (headers, index, pickle scan), plan, "
@@ -611,6 +640,16 @@ def markdown(report: dict) -> str:
         for label, row in report["results"]["inspect"].items():
             lines.append(f"| {label} | {row['load_s']:.3f} | {min(row['runs']):.3f}-{max(row['runs']):.3f} | "
                          f"{int(row.get('lines', 0))} | {'yes' if row['verified'] else 'NO'} |")
+        lines.append("")
+    if "cold" in report["results"]:
+        lines += ["**Cold**: each run with its file dropped from the page cache first (wall seconds; inspect as a CLI "
+                  "subprocess, start-up included; a load's open and read phases beside it)", "",
+                  "| method | s | min-max s | open s | read s | verified |", "| --- | ---: | ---: | ---: | ---: | --- |"]
+        for label, row in report["results"]["cold"].items():
+            phases = row.get("phases", {})
+            cells = " | ".join(f"{phases[name]:.3f}" if name in phases else "-" for name in ("open", "read"))
+            lines.append(f"| {label} | {row['load_s']:.3f} | {min(row['runs']):.3f}-{max(row['runs']):.3f} | {cells} | "
+                         f"{'yes' if row['verified'] else 'NO'} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -686,9 +725,13 @@ def main(argv: Optional[list[str]] = None) -> None:
             run = lambda method: run_fsdp(args, method, scratch)  # noqa: E731
         elif group == "inspect":
             run = lambda method: run_inspect(args, method, paths)  # noqa: E731
+        elif group == "cold":
+            run = lambda method: run_cold(args, method, paths)  # noqa: E731
         else:
             run = lambda method, form=GROUP_FORMS.get(group, group): run_child(args, method, form)  # noqa: E731
         measured = take_turns(methods, run, args.runs, warm_up=not args.no_warm_up)
+        if group == "cold":  # the groups after it read warm files
+            recache({form: paths[form] for form in FORMS})
         report["results"][group] = {label: summarize(rows) for label, rows in measured.items()}
         report["results"] = {g: report["results"][g] for g in GROUPS if g in report["results"]}
         out.mkdir(parents=True, exist_ok=True)  # after each group: a run cut short keeps what it measured

@@ -233,6 +233,72 @@ def test_duplicate_tensor_key_in_header_names_the_tensor(tmp_path):
     assert caught.value.tensor == "twice"
 
 
+class _Twice(Exception):
+    pass
+
+
+def _first_duplicate(raw: bytes) -> "str | None":
+    """The key json meets twice in one object first (inner objects close first), None if none: the oracle."""
+    def pairs_hook(pairs: list) -> dict:
+        seen: set = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _Twice(key)
+            seen.add(key)
+        return dict(pairs)
+
+    try:
+        json.loads(raw, object_pairs_hook=pairs_hook)
+    except _Twice as twice:
+        return twice.args[0]
+    return None
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_a_key_twice_anywhere_in_a_header_is_refused_and_no_other_header_is(tmp_path, seed):
+    # Headers built key by key in every spelling a header may use (escaped keys, colons in names and values,
+    # spaces before colons, objects nested in an entry or in the metadata), a key sometimes written twice at
+    # some level: refused, naming the key, exactly where json meets a key twice.
+    import random
+
+    rng = random.Random(seed)
+
+    def key(text: str) -> str:
+        return json.dumps(text, ensure_ascii=rng.random() < 0.5) if rng.random() < 0.7 else \
+            '"' + "".join(f"\\u{ord(c):04x}" for c in text) + '"'
+
+    def obj(pairs: list[tuple[str, str]]) -> str:
+        if pairs and rng.random() < 0.15:
+            pairs = pairs + [rng.choice(pairs)]  # a key twice
+        rng.shuffle(pairs)
+        colon = rng.choice((":", " :", ": "))
+        return "{" + ", ".join(f"{key(k)}{colon}{v}" for k, v in pairs) + "}"
+
+    count = rng.randrange(1, 6)
+    entries, data = [], b""
+    for index in range(count):
+        fields = [("dtype", '"F32"'), ("shape", "[2]"), ("data_offsets", f"[{8 * index}, {8 * index + 8}]")]
+        if rng.random() < 0.2:
+            fields.append(("extra", obj([("a", "1"), ("b", '"x:y"')])))
+        name = rng.choice(("w", "layer:0.w", "naïve", "e.1")) + f".{index}"
+        entries.append((name, obj(fields)))
+        data += struct.pack("<2f", index, -index)
+    if rng.random() < 0.4:
+        entries.append(("__metadata__", obj([("format", '"pt"'), ("note", '"a: b"')])))
+    raw = obj(entries).encode("utf-8")
+    path = write_raw_safetensors(tmp_path / "model.safetensors", raw, data)
+    duplicate = _first_duplicate(raw)
+
+    if duplicate is None:
+        tensors, _ = mz.load_tensors(path)
+        assert sorted(tensors) == sorted(k for k, _ in entries if k != "__metadata__")
+    else:
+        with pytest.raises(mz.CheckpointError, match="twice") as caught:
+            mz.open_checkpoint(path)
+        assert caught.value.tensor == duplicate
+        assert str(path) in str(caught.value)
+
+
 @pytest.mark.parametrize(
     ("header", "data_size", "bad_tensor", "words"),
     [

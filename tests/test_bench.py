@@ -173,7 +173,7 @@ def test_the_many_tensors_bench_verifies_every_method_of_every_form_and_times_ea
     report = json.loads((out / "bench-many.json").read_text())
     assert report["tensors"] == 300
     groups = report["results"]
-    assert set(groups) == {"single", "sharded", "torch", "cast", "fsdp2", "scaling", "inspect"}
+    assert set(groups) == {"single", "sharded", "torch", "cast", "fsdp2", "scaling", "inspect", "cold"}
     assert [row["tensors"] for row in groups["scaling"].values()] == [60, 60, 60, 60, 120, 120, 120, 120]
     baseline = groups["single"]["ours, meta_init model, same checkout"]  # the library of --baseline, in turns
     assert baseline["verified"] and baseline["library"] == str(ROOT / "materialize")
@@ -192,6 +192,15 @@ def test_the_many_tensors_bench_verifies_every_method_of_every_form_and_times_ea
         assert groups[form]["ours, deferred_init model"]["build_s"] > 0
     assert groups["inspect"]["materialize inspect, torch zip"]["lines"] > 300  # a row a tensor, and a heading
     assert (tmp_path / "data" / "many-300-16x8" / "hf" / "model.safetensors.index.json").is_file()
+    cold = groups["cold"]  # files evicted before each run; the baseline's library beside ours, torch's alone
+    assert list(cold) == ["materialize inspect, torch zip", "materialize inspect, torch zip, same checkout",
+                          "ours, meta_init model, torch zip", "ours, meta_init model, torch zip, same checkout",
+                          "torch.load(mmap=True) + load_state_dict(assign=True), torch zip",
+                          "ours, meta_init model, one safetensors file",
+                          "ours, meta_init model, one safetensors file, same checkout"]
+    assert cold["materialize inspect, torch zip"]["lines"] > 300
+    assert set(cold["ours, meta_init model, torch zip"]["phases"]) == {"open", "plan", "allocate", "read", "report"}
     text = (out / "bench-many.md").read_text()
+    assert "**Cold**" in text and "| ours, meta_init model, one safetensors file |" in text
     assert "| one safetensors file | ours, meta_init model |" in text and "**materialize inspect**" in text
     assert "**one safetensors file, bf16 -> fp32**" in text and "x accelerate |" in text

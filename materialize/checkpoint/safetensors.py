@@ -44,6 +44,33 @@ class _DuplicateKey(Exception):
     pass
 
 
+def _loads_once_each(raw: bytes, text: str) -> object:
+    """The header's JSON, refused (:class:`_DuplicateKey`) where any object lists a key twice.
+
+    A hook that sees every object's pairs costs a call per tensor, so a
+    header is first parsed without it, and kept where its colons prove it
+    holds no duplicate: every key is followed by a colon (UTF-8 writes no
+    other character with its byte), so where the keys parsed, the top level's
+    and its entries', are as many as the colons in the text, no colon stands
+    for a key lost to a duplicate (or for a deeper key, or one inside a
+    string). Anything else (a name with a colon in it, nested objects, a
+    number of many digits, a file that does not parse) is parsed again with
+    the hook, which gives the exact error.
+    """
+    if not _has_long_number(raw):
+        try:
+            header = json.loads(text)
+        except (ValueError, RecursionError):
+            header = None
+        if type(header) is dict and raw.count(b":") == len(header) + sum(
+                [len(entry) for entry in header.values() if type(entry) is dict]):
+            return header
+        long_numbers = {}
+    else:  # the hook costs a call per number, so only headers holding a long run of digits pay it
+        long_numbers = {"parse_int": _bounded_int}
+    return json.loads(text, object_pairs_hook=_reject_duplicates, **long_numbers)
+
+
 # No field of a header needs more digits: offsets are below 2**64 (20 digits), dimensions below 2**63. A longer
 # number is kept as a marker, not converted: json converts digit strings in quadratic time, so a header of thousands
 # of numbers of thousands of digits would take minutes before any entry is checked.
@@ -109,9 +136,7 @@ def _parse_header(path: Path, raw: bytes, *, data_start: int, file_size: int) ->
     except UnicodeDecodeError as exc:
         raise CheckpointError(f"header is not valid UTF-8 (byte {exc.start})", path=path) from None
     try:
-        # The hook costs a call per number, so only headers holding a long run of digits pay it.
-        long_numbers = {"parse_int": _bounded_int} if _has_long_number(raw) else {}
-        header = json.loads(text, object_pairs_hook=_reject_duplicates, **long_numbers)
+        header = _loads_once_each(raw, text)
     except _DuplicateKey as dup:
         raise CheckpointError("header lists the tensor twice", path=path, tensor=str(dup.args[0])) from None
     except json.JSONDecodeError as exc:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterator, NamedTuple,
 
 from ..errors import CheckpointError, UnsupportedFormatError, first_line
 from ..io.fileio import file_size_of, remote_pread
+from ..io.readahead import read_ahead_if_uncached
 from ..sources.remotepath import is_remote
 from .base import TensorInfo
 from .payload import Payload
@@ -62,8 +63,9 @@ def _record_offsets(
         pread = window.pread if window is not None else functools.partial(os.pread, handle.fileno())
         _check_end_record(path, archive, handle)
         infos = archive.infolist()
+        # (a zip inside a bigger file holds one tensor's few records: its headers are not worth asking for ahead)
         headers = _local_headers([(info.header_offset, _LOCAL_HEADER.size + len(info.raw_name)) for info in infos],
-                                 pread, base)
+                                 pread, base, descriptor=handle.fileno() if window is None else None)
         # The central directory's own checks first, for all records at once; the first record they refuse
         # is refused after the local headers of those before it, as a loop over the records checking each
         # in turn would refuse it.
@@ -132,7 +134,8 @@ _HEADER_RUN = 1 << 16
 _HEADER_GAP = 1 << 12
 
 
-def _local_headers(spans: list[tuple[int, int]], pread: Callable[[int, int], bytes], base: int) -> Iterator[bytes]:
+def _local_headers(spans: list[tuple[int, int]], pread: Callable[[int, int], bytes], base: int,
+                   descriptor: Optional[int] = None) -> Iterator[bytes]:
     """The bytes at each ``(offset, length)`` of ``spans`` in turn (each record's local header and name), as
     one positional read each would return them.
 
@@ -141,9 +144,15 @@ def _local_headers(spans: list[tuple[int, int]], pread: Callable[[int, int], byt
     :data:`_HEADER_RUN` bytes of the first, are read by one positional read
     of the run: a zip of 100,000 small tensors takes a read per hundred or
     so records, not one each; a run is read only when its first span is asked for.
+    Where the file open as ``descriptor`` is not in the page cache, the
+    headers are asked of the kernel ahead of their reads
+    (:mod:`materialize.io.readahead`): cold, one read at a time waits for the
+    disk 100,000 times in turn.
     """
     if not spans:
         return
+    ahead = read_ahead_if_uncached(descriptor, spans, base)
+    next_ahead = ahead.next_index if ahead is not None else len(spans) + 1
     offsets, lengths = zip(*spans)
     # Whether the span after each may share its read: where it may not, each is read alone, as asked for.
     joins = [0 <= gap <= _HEADER_GAP for gap in map(operator.sub, offsets[1:], map(operator.add, offsets, lengths))]
@@ -151,6 +160,9 @@ def _local_headers(spans: list[tuple[int, int]], pread: Callable[[int, int], byt
     count = len(spans)
     index = 0
     while index < count:
+        if index >= next_ahead:
+            ahead.reach(index)  # type: ignore[union-attr]
+            next_ahead = ahead.next_index  # type: ignore[union-attr]
         if not joins[index]:
             yield pread(lengths[index], base + offsets[index])
             index += 1

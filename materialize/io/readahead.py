@@ -1,0 +1,84 @@
+"""Many small reads scattered over a file the page cache may not hold: the kernel asked for them ahead.
+
+A torch zip keeps a local header before every record, and opening one
+reads all of them. Where the file is in the page cache that is a few
+microseconds a header; where it is not, each read waits for the disk in
+turn, one request in flight. Asked for ahead by ``posix_fadvise(WILLNEED)``,
+which queues the reads and returns, they are served many at once: opening a
+cold torch zip of 100,000 tensors (2.5 GB) took 6.7 s before, 2.3 s now, and
+``materialize inspect`` of it 8.5 s, now 2.9 s (``make bench-many``'s cold
+group).
+
+Asking costs a system call a read even where every page is cached, so it is
+done only where a sample of the reads finds a page missing (a read with
+``RWF_NOWAIT``, which fails rather than wait for the disk). Nothing is read
+into our memory ahead of its turn: the pages go to the page cache, which may
+drop them again under pressure (then the read simply waits for them).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Optional
+
+#: Fewer separate reads than this are not worth a look at the page cache.
+MIN_READS = 256
+#: How many reads are asked for ahead of the one being made.
+WINDOW = 4096
+_SAMPLES = 16
+
+
+def any_uncached(descriptor: int, spans: Sequence[tuple[int, int]], base: int = 0) -> bool:
+    """Whether the page where any of a few of ``spans`` (``(offset, length)``, at ``base`` + offset) starts is
+    missing from the page cache.
+
+    False where the kernel cannot say (no ``RWF_NOWAIT`` for this file or platform), or where it could not be
+    asked for pages ahead (no ``posix_fadvise``): then nothing is asked ahead.
+    """
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if flag is None or not spans or not hasattr(os, "posix_fadvise"):
+        return False
+    probe = bytearray(1)
+    for offset, _ in spans[::max(1, len(spans) // _SAMPLES)]:
+        try:
+            os.preadv(descriptor, [probe], base + offset, flag)
+        except BlockingIOError:
+            return True
+        except OSError:  # not supported here (some file systems refuse the flag)
+            return False
+    return False
+
+
+class ReadAhead:
+    """Asks the kernel for ``spans`` (``(offset, length)``, at ``base`` + offset, in the order they will be read)
+    :data:`WINDOW` at a time.
+
+    Call :meth:`reach` with the index of each span before reading it.
+    """
+
+    def __init__(self, descriptor: int, spans: Sequence[tuple[int, int]], base: int = 0) -> None:
+        self._descriptor, self._spans, self._base = descriptor, spans, base
+        self._asked = 0
+        self.next_index = 0  # the index at which :meth:`reach` next has something to do
+
+    def reach(self, index: int) -> None:
+        count = len(self._spans)
+        advise, descriptor, willneed, base = os.posix_fadvise, self._descriptor, os.POSIX_FADV_WILLNEED, self._base
+        while index >= self.next_index:
+            start, stop = self._asked, min(self._asked + WINDOW, count)
+            for offset, length in self._spans[start:stop]:
+                advise(descriptor, base + offset, length, willneed)
+            self._asked = stop
+            # Half a window before the asked-for ones run out, ask for the next: the disk never runs dry.
+            self.next_index = stop - WINDOW // 2 if stop < count else count + 1
+
+
+def read_ahead_if_uncached(descriptor: Optional[int], spans: Sequence[tuple[int, int]], base: int = 0) -> Optional[ReadAhead]:
+    """A :class:`ReadAhead` for ``spans`` of the file open as ``descriptor`` (at ``base`` + offset) where there are at least
+    :data:`MIN_READS` of them and a sample finds a page missing; None otherwise (nothing to ask)."""
+    if descriptor is None or len(spans) < MIN_READS:
+        return None
+    if not any_uncached(descriptor, spans, base):
+        return None
+    return ReadAhead(descriptor, spans, base)

@@ -157,6 +157,50 @@ def test_most_of_the_family_is_read_by_the_plain_reader(tmp_path):
     assert read >= len(SEEDS) // 2
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_an_empty_view_anywhere_past_its_storage_reads_as_torch_reads_it(tmp_path, seed):
+    # torch's set_ lets an empty tensor start at any offset (it reads nothing): a slice of a (2, 0) tensor
+    # starts past its storage's 0 bytes. Both readers take it as torch.load does; a view that holds an
+    # element past its storage is still refused.
+    rng = random.Random(seed)
+    state = {}
+    for index in range(6):
+        shape = [rng.choice([0, 1, 2, 3]) for _ in range(rng.randint(1, 3))]
+        shape[rng.randrange(len(shape))] = 0
+        storage = torch.arange(rng.choice([0, 1, 4]), dtype=rng.choice([torch.float32, torch.bfloat16, torch.int8]))
+        offset = rng.choice([0, 1, 3, 10**6])
+        state[f"empty.{index}"] = storage.as_strided(shape, [1] * len(shape), offset)
+    state["full"] = torch.arange(6.0)[2:]
+    path = tmp_path / "empties.pt"
+    torch.save(state, path, pickle_protocol=2)  # (torch's own weights-only reader takes no other protocol)
+    expected = torch.load(path, weights_only=True)
+
+    opened = _same_either_way(path)
+    assert opened[0] == "opened"
+    assert {name: (info.shape, info.dtype) for name, info in opened[2].items()} == \
+        {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in expected.items()}
+    loaded, _ = mz.load_tensors(path, mmap=bool(seed % 2))
+    assert loaded.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert loaded[name].shape == tensor.shape and loaded[name].dtype == tensor.dtype, name
+        assert torch.equal(loaded[name], tensor), name
+
+
+def test_a_view_holding_an_element_past_its_storage_is_refused_by_both_readers(tmp_path):
+    path = tmp_path / "past.pt"
+    torch.save({"w": torch.ones(4)}, path)
+    with zipfile.ZipFile(path) as archive:  # the record of 'w' cut to 8 bytes: its 4 elements no longer fit
+        entries = {info.filename: archive.read(info) for info in archive.infolist()}
+    record = next(name for name in entries if name.endswith("/data/0"))
+    entries[record] = entries[record][:8]
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in entries.items():
+            archive.writestr(name, data)
+
+    outcome = _same_either_way(path)
+    assert outcome[0] == "refused" and "'w'" in outcome[2] and "16 expected" in outcome[2]
+
+
 def _models() -> dict[str, Callable[[], torch.nn.Module]]:
     return {
         "linear": lambda: torch.nn.Linear(4, 3),

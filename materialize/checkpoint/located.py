@@ -40,7 +40,7 @@ def located_infos(path: Path, tensors: Iterable[Located], records: dict[str, tup
         start = offset * itemsize
         # An empty view's offset may lie anywhere past its storage's start, as torch's set_ lets it (it reads nothing).
         if located is None or located[1] < nbytes or located[0] + nbytes > file_size \
-                or start + extent * itemsize > nbytes and numel:
+                or (numel and start + extent * itemsize > nbytes):
             raise _refusal(path, name, key, nbytes, start, extent * itemsize, located, file_size)
         info = _new(TensorInfo)  # as make_info makes it: a dict of fields, the element count cached
         info.__dict__.update({

@@ -152,7 +152,6 @@ def _local_headers(spans: list[tuple[int, int]], pread: Callable[[int, int], byt
     if not spans:
         return
     ahead = read_ahead_if_uncached(descriptor, spans, base)
-    next_ahead = ahead.next_index if ahead is not None else len(spans) + 1
     offsets, lengths = zip(*spans)
     # Whether the span after each may share its read: where it may not, each is read alone, as asked for.
     joins = [0 <= gap <= _HEADER_GAP for gap in map(operator.sub, offsets[1:], map(operator.add, offsets, lengths))]
@@ -160,9 +159,8 @@ def _local_headers(spans: list[tuple[int, int]], pread: Callable[[int, int], byt
     count = len(spans)
     index = 0
     while index < count:
-        if index >= next_ahead:
-            ahead.reach(index)  # type: ignore[union-attr]
-            next_ahead = ahead.next_index  # type: ignore[union-attr]
+        if ahead is not None and index >= ahead.next_index:
+            ahead.reach(index)
         if not joins[index]:
             yield pread(lengths[index], base + offsets[index])
             index += 1

@@ -36,11 +36,10 @@ def any_uncached(descriptor: int, spans: Sequence[tuple[int, int]], base: int = 
     """Whether the page where any of a few of ``spans`` (``(offset, length)``, at ``base`` + offset) starts is
     missing from the page cache.
 
-    False where the kernel cannot say (no ``RWF_NOWAIT`` for this file or platform), or where it could not be
-    asked for pages ahead (no ``posix_fadvise``): then nothing is asked ahead.
+    False where the kernel cannot say (no ``RWF_NOWAIT`` for this file or platform).
     """
     flag = getattr(os, "RWF_NOWAIT", None)
-    if flag is None or _preadv is None or not spans or not hasattr(os, "posix_fadvise"):
+    if flag is None or _preadv is None or not spans:
         return False
     probe = bytearray(1)
     for offset, _ in spans[::max(1, len(spans) // _SAMPLES)]:
@@ -79,8 +78,9 @@ class ReadAhead:
 
 def read_ahead_if_uncached(descriptor: Optional[int], spans: Sequence[tuple[int, int]], base: int = 0) -> Optional[ReadAhead]:
     """A :class:`ReadAhead` for ``spans`` of the file open as ``descriptor`` (at ``base`` + offset) where there are at least
-    :data:`MIN_READS` of them and a sample finds a page missing; None otherwise (nothing to ask)."""
-    if descriptor is None or len(spans) < MIN_READS:
+    :data:`MIN_READS` of them and a sample finds a page missing; None otherwise (nothing to ask, or no
+    ``posix_fadvise`` to ask with)."""
+    if descriptor is None or len(spans) < MIN_READS or not hasattr(os, "posix_fadvise"):
         return None
     if not any_uncached(descriptor, spans, base):
         return None

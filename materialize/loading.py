@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import time
 from collections import Counter
@@ -399,7 +400,7 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
             raise
     names_by_action: dict[str, list[str]] = {"load": [], "init": [], "keep": [], "code": []}
     for entry in the_plan.entries:  # one pass, not one per action
-        names_by_action[entry.action].append(entry.name)
+        names_by_action[entry.action].append(entry.names[0])  # (its name)
     return make_report(
         ckpt, the_plan.device, [held_local(tensor) for _, tensor in registered], reader.bytes_read, started, memory,
         bytes_received=reader.bytes_received,
@@ -492,6 +493,9 @@ def _unique_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
+_make_subclass = torch.Tensor._make_subclass
+
+
 def _file_order(numbered: tuple[int, Entry]) -> tuple[int, int]:
     source = numbered[1].source
     return (id(source.path), source.offset) if source is not None else (0, numbered[0])
@@ -510,9 +514,21 @@ def _fresh_parameter(entry: Entry, undo: list, arena: HostArena) -> Optional[Job
         return None
     source = entry.source
     dtype = entry.dtype
-    tensor = empty_destination(shape, dtype=dtype, device=entry.device, name=entry.names[0], path=source.path,
-                               arena=arena)
-    made = parameter_like(original, tensor, original.requires_grad and (dtype.is_floating_point or dtype.is_complex))
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
+    if entry.device.type == "cpu" and arena.carves(nbytes, dtype):  # the usual one: a small CPU tensor, carved
+        try:
+            tensor = arena.empty(shape, dtype, numel, nbytes)
+        except (MemoryError, OSError):  # mapping a new chunk failed: empty_destination tries again, and words the error
+            tensor = empty_destination(shape, dtype=dtype, device=entry.device, name=entry.names[0],
+                                       path=source.path, arena=arena)
+    else:
+        tensor = empty_destination(shape, dtype=dtype, device=entry.device, name=entry.names[0], path=source.path,
+                                   arena=arena)
+    if original.__dict__ or not original.requires_grad or not (dtype.is_floating_point or dtype.is_complex):
+        made = parameter_like(original, tensor, original.requires_grad and (dtype.is_floating_point or dtype.is_complex))
+    else:  # parameter_like's first branch, less its call
+        made = _make_subclass(nn.Parameter, tensor, True)
     entry.hold(made, undo)
     return Job(tensor, source)
 

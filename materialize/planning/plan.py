@@ -230,9 +230,12 @@ class Plan:
     def bytes_by_device(self) -> dict[str, int]:
         """The bytes the model's tensors take on each device (``"disk"``: left mapped in the file)."""
         by_device: dict[object, int] = {}  # by device object first: its name is made once a device, not a tensor
+        prod = math.prod
         for entry in self.entries:
             key = "disk" if entry.on_disk else entry.device
-            by_device[key] = by_device.get(key, 0) + entry.nbytes
+            # Entry.nbytes, less two property calls where there is no shard
+            nbytes = prod(entry.shape) * entry.dtype.itemsize if entry.shard is None else entry.nbytes
+            by_device[key] = by_device.get(key, 0) + nbytes
         totals: Counter[str] = Counter()
         for key, nbytes in by_device.items():
             totals[str(key)] += nbytes
@@ -362,23 +365,24 @@ def _collect_groups(modules: list[tuple[str, nn.Module]]) -> list[tuple[torch.Te
     """Every unique tensor of the model (its ``modules``, each under each name) with all the names it is registered under."""
     groups: dict[int, tuple[torch.Tensor, list[tuple[str, Owner]]]] = {}
     shared = False
+    owner_of = tuple.__new__  # Owner(...) through its NamedTuple __new__ costs twice as much, a tensor each
     for prefix, module in modules:
         dot = f"{prefix}." if prefix else ""
         for attr, param in module._parameters.items():
             if param is not None:
                 group = groups.get(id(param))  # no tuple and list made for a tensor met before
                 if group is None:
-                    groups[id(param)] = (param, [(dot + attr, Owner(module, attr, True, True))])
+                    groups[id(param)] = (param, [(dot + attr, owner_of(Owner, (module, attr, True, True)))])
                 else:
                     shared = True
-                    group[1].append((dot + attr, Owner(module, attr, True, True)))
+                    group[1].append((dot + attr, owner_of(Owner, (module, attr, True, True))))
         if not module._buffers:
             continue
         non_persistent = module._non_persistent_buffers_set
         for attr, buffer in module._buffers.items():
             if buffer is not None:
                 group = groups.get(id(buffer))
-                owner = Owner(module, attr, False, attr not in non_persistent)
+                owner = owner_of(Owner, (module, attr, False, attr not in non_persistent))
                 if group is None:
                     groups[id(buffer)] = (buffer, [(dot + attr, owner)])
                 else:
@@ -748,19 +752,25 @@ def _entry(
     on_disk = place == "disk"
     # A lazy module's tensor takes its shape from the checkpoint, as load_state_dict gives it one; without
     # a checkpoint tensor it stays uninitialized, for the module to size at its first forward.
-    shape = (info.shape if info is not None else ()) if is_lazy(tensor) else tuple(tensor.shape)
-    entry = Entry(names, owners, tensor, "keep", shape, tensor.dtype,
-                  torch.device("cpu") if on_disk else place, on_disk=on_disk, shard=spec)
-    if info is not None:
-        entry.action, entry.source = "load", info
-        if info.shape != entry.shape:
-            plan.mismatched.append((names[0], entry.shape, info.shape))
+    lazy = is_lazy(tensor)
+    shape = (info.shape if info is not None else ()) if lazy else tuple(tensor.shape)
+    if info is None:
+        entry = Entry(names, owners, tensor, "init" if tensor.device.type == "meta" else "keep", shape, tensor.dtype,
+                      torch.device("cpu") if on_disk else place, on_disk=on_disk, shard=spec)
+        if all(owner.persistent for owner in owners) and not _counter_older_saves_lack(owners):
+            plan.missing.extend(names)  # every name of a tie, as load_state_dict lists them
+    else:
+        info_dtype = info.dtype
+        floating = info_dtype.is_floating_point
+        # Cast where asked (floating tensors only), else the checkpoint's dtype
+        entry = Entry(names, owners, tensor, "load", shape, dtype if dtype is not None and floating else info_dtype,
+                      torch.device("cpu") if on_disk else place, info, on_disk=on_disk, shard=spec)
+        if info.shape != shape:
+            plan.mismatched.append((names[0], shape, info.shape))
         elif spec is not None:
             entry.source = shard_region(info, spec)
-        wants_cast = dtype is not None and info.dtype.is_floating_point
-        entry.dtype = dtype if wants_cast else info.dtype
-        follows_checkpoint = tensor.is_meta or is_lazy(tensor) or (plan.built_on_meta and not owners[0].is_parameter)
-        if dtype is None and info.dtype.is_floating_point and tensor.dtype.is_floating_point and (
+        follows_checkpoint = tensor.is_meta or lazy or (plan.built_on_meta and not owners[0].is_parameter)
+        if dtype is None and floating and tensor.dtype.is_floating_point and (
                 spec is not None or not follows_checkpoint):
             # A DTensor keeps the dtype it was sharded with: FSDP2 recorded it (its fp32 master
             # weights, which a mixed-precision policy casts from), and so did the model's author.
@@ -769,11 +779,6 @@ def _entry(
             # decision, and its parameters take the checkpoint's (batch-norm statistics beside bf16
             # weights would fail the forward pass).
             entry.dtype = tensor.dtype
-    else:
-        if tensor.device.type == "meta":
-            entry.action = "init"
-        if all(owner.persistent for owner in owners) and not _counter_older_saves_lack(owners):
-            plan.missing.extend(names)  # every name of a tie, as load_state_dict lists them
     return entry
 
 

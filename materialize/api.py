@@ -41,7 +41,7 @@ from .loading import (
 from .sources import RemoteOptions
 from .sources.companions import companion_folder
 from .sources.remotepath import RemotePath
-from .io.peak import PeakMemory
+from .io.peak import LOAD_SAMPLE_SECONDS, PeakMemory
 from .planning.plan import InitFn, Plan, TensorsPlan
 from .options import IgnoreUnexpected, PlanOptions, ProgressFn, ReadOptions, unexpected_to_ignore
 from .progress import ProgressLike, counted, report_phase, takes_progress
@@ -248,7 +248,8 @@ def load_tensors(
     maps = mmap and target.type == "cpu"
     started = time.perf_counter()
     announce_opening(progress, checkpoint)
-    with opened(checkpoint, trust_pickle, state_dict_key, remote) as ckpt, PeakMemory([target]) as memory, \
+    with opened(checkpoint, trust_pickle, state_dict_key, remote) as ckpt, \
+            PeakMemory([target], sample_seconds=LOAD_SAMPLE_SECONDS) as memory, \
             reads(local_views(ckpt, maps, "mmap"), read_options, maps=maps) as reader:
         report_phase(progress, f"loading {counted(len(ckpt), 'tensor')}")
         made: dict[str, torch.Tensor] = {}
@@ -289,7 +290,9 @@ def load_tensors(
                 with_whole_load(error, target, plain.copied)
             raise
         tensors = {name: made[name] for name in ckpt}
+        memory.observe()  # everything allocated, nothing read
         reader.read(jobs, progress=progress)
+        memory.observe()  # everything read
         if check:
             problems = audit_plain(jobs, reader.counted)
             if problems:

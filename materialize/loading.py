@@ -35,7 +35,7 @@ from .io.arena import HostArena
 from .io.hostmem import admit_host_copies, empty_destination, with_whole_load
 from .planning.keymap import KeyMapLike
 from .planning.loadhooks import run_post_hooks
-from .io.peak import PeakMemory
+from .io.peak import LOAD_SAMPLE_SECONDS, PeakMemory
 from .checkpoint.base import contiguous_strides
 from .skeleton.meta import buffer_like, fresh_parameter_like, is_lazy, parameter_like, shared_memory_asked
 from .skeleton.modtree import modules_of, one_walk
@@ -349,7 +349,7 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
     devices_written = {the_plan.device, *(entry.device for entry in the_plan.entries)}  # a device map's, a mesh's
     in_place: list[str] = []  # the model's own tensors, once the reads into them have begun
     grad_mode = torch.is_grad_enabled()  # the caller's, in which load_state_dict would run the model's load code
-    with PeakMemory(devices_written) as memory, torch.no_grad():
+    with PeakMemory(devices_written, sample_seconds=LOAD_SAMPLE_SECONDS) as memory, torch.no_grad():
         try:
             compared_in_file = compared_before_allocating(the_plan, mmap)
             arena = HostArena()
@@ -377,7 +377,9 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
                         initializer_of(module, computed_only=True)()  # planning made sure the module has one
             in_place = [entry.name for entry in the_plan.entries
                         if entry.action == "load" and not entry.original.is_meta and entry.held() is entry.original]
+            memory.observe()  # everything allocated, nothing read
             reader.read(jobs + extra_jobs + fed_jobs, progress=read_options.progress)
+            memory.observe()  # everything read
             ties = TieSettling(the_plan, compared_in_file, reader.read, undo, allow_overflow=allow_overflow,
                                allocate=lambda entry: _materialize_entry(entry, undo, None, False, [], check))
             retied, untied = ties.settle()

@@ -54,7 +54,8 @@ class Report:
             storage by them); ``bytes_read`` is then what this rank read from storage for the group. 0 otherwise.
         model_bytes: the memory the tensors hold, each storage counted once.
         seconds: how long the load took.
-        peak_host_bytes: the process's peak anonymous resident memory during the load (``None`` off Linux).
+        peak_host_bytes: the process's peak anonymous resident memory during the load, sampled every 50 ms
+            and at the load's steps, a lower bound (``None`` off Linux).
         host_growth_bytes: how much that peak exceeds the process's memory when the load began.
         peak_device_bytes: the most the load added on any one GPU; ``None`` where no GPU was used.
         peak_device_bytes_by_device: that growth on each GPU the load wrote to.

@@ -6,6 +6,9 @@ so the rules run here; tests/test_cuda.py checks the real counters on a GPU.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
 from materialize.io.peak import PeakMemory
@@ -77,3 +80,27 @@ def test_a_cpu_load_measures_no_device():
         pass
 
     assert memory.peak_device is None and memory.peak_by_device == {}
+
+
+def _rss_anon_from_status() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc")
+def test_anonymous_memory_read_from_statm_is_what_status_calls_rssanon():
+    from materialize.io.peak import anon_rss_bytes
+
+    before, statm, after = _rss_anon_from_status(), anon_rss_bytes(), _rss_anon_from_status()
+
+    assert min(before, after) - 2**20 <= statm <= max(before, after) + 2**20  # (the interpreter's own churn)
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc")
+def test_a_load_step_observed_counts_memory_no_sample_saw():
+    with PeakMemory([torch.device("cpu")], sample_seconds=3600) as memory:  # the thread never samples
+        held = b"\x01" * (64 * 2**20)  # written: resident
+        memory.observe()  # what a load does once everything is allocated, and once everything is read
+        del held
+
+    assert memory.host_growth >= 60 * 2**20

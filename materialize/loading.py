@@ -402,7 +402,7 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
             raise
     names_by_action: dict[str, list[str]] = {"load": [], "init": [], "keep": [], "code": []}
     for entry in the_plan.entries:  # one pass, not one per action
-        names_by_action[entry.action].append(entry.names[0])  # (its name)
+        names_by_action[entry.action].append(entry.names[0])  # entry.name, less its property call
     return make_report(
         ckpt, the_plan.device, [held_local(tensor) for _, tensor in registered], reader.bytes_read, started, memory,
         bytes_received=reader.bytes_received,
@@ -527,10 +527,10 @@ def _fresh_parameter(entry: Entry, undo: list, arena: HostArena) -> Optional[Job
     else:
         tensor = empty_destination(shape, dtype=dtype, device=entry.device, name=entry.names[0], path=source.path,
                                    arena=arena)
-    if original.__dict__ or not original.requires_grad or not (dtype.is_floating_point or dtype.is_complex):
-        made = parameter_like(original, tensor, original.requires_grad and (dtype.is_floating_point or dtype.is_complex))
-    else:  # parameter_like's first branch, less its call
-        made = _make_subclass(nn.Parameter, tensor, True)
+    requires_grad = original.requires_grad and (dtype.is_floating_point or dtype.is_complex)
+    # parameter_like's first branch, less its call, where no attribute is to be carried over
+    made = parameter_like(original, tensor, requires_grad) if original.__dict__ else \
+        _make_subclass(nn.Parameter, tensor, requires_grad)
     entry.hold(made, undo)
     return Job(tensor, source)
 

@@ -7,7 +7,6 @@ swap, or its cgroup's limit); no tensor data is involved.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -37,17 +36,11 @@ def staging_host_bytes(staging_bytes: Optional[int] = None) -> int:
 def expected_peak_host_bytes(plan: Plan, *, mmap: bool = False, staging_bytes: Optional[int] = None) -> int:
     """Host memory the load will add: CPU tensors that are copied, plus staging."""
     copied, to_gpu, casts = 0, False, False
-    prod = math.prod
     for entry in plan.entries:  # one pass: a model of many small tensors has tens of thousands
         kind = entry.device.type
         if kind == "cpu":
-            if (entry.on_disk or mmap) and entry.stays_in_file(mmap):
-                pass
-            elif entry.shard is None:  # Entry.nbytes, less two property calls
-                copied += prod(entry.shape) * entry.dtype.itemsize
-            else:
-                copied += entry.nbytes
-            if not casts:
+            copied += 0 if entry.stays_in_file(mmap) else entry.nbytes
+            if not casts:  # (once one is found, no other is asked)
                 source = entry.source
                 casts = source is not None and source.dtype != entry.dtype
         elif kind == "cuda":

@@ -132,7 +132,8 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.local_shape) * self.dtype.itemsize
+        # local_shape's choice inline: summed over every entry of a plan (its host peak, its bytes by device)
+        return math.prod(self.shape if self.shard is None else self.shard.local_shape) * self.dtype.itemsize
 
     def held(self) -> torch.Tensor:
         """The tensor the modules hold now: an init may have replaced the one allocated."""
@@ -230,12 +231,9 @@ class Plan:
     def bytes_by_device(self) -> dict[str, int]:
         """The bytes the model's tensors take on each device (``"disk"``: left mapped in the file)."""
         by_device: dict[object, int] = {}  # by device object first: its name is made once a device, not a tensor
-        prod = math.prod
         for entry in self.entries:
             key = "disk" if entry.on_disk else entry.device
-            # Entry.nbytes, less two property calls where there is no shard
-            nbytes = prod(entry.shape) * entry.dtype.itemsize if entry.shard is None else entry.nbytes
-            by_device[key] = by_device.get(key, 0) + nbytes
+            by_device[key] = by_device.get(key, 0) + entry.nbytes
         totals: Counter[str] = Counter()
         for key, nbytes in by_device.items():
             totals[str(key)] += nbytes

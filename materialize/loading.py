@@ -354,13 +354,14 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
             compared_in_file = compared_before_allocating(the_plan, mmap)
             arena = HostArena()
             plain = not (check or reader.maps)  # no sanitizer, no file views: a parameter may take the short way
+            host = the_plan.device if the_plan.device.type == "cpu" else None
             jobs = []
             # In the files' order: tensors read by one run then lie one after another in the arena, faulted in
             # together (materialize.io.engine._run_direct)
             for index, entry in sorted(enumerate(the_plan.entries), key=_file_order):
                 if index in compared_in_file:
                     continue
-                job = _fresh_parameter(entry, undo, arena) if plain else None
+                job = _fresh_parameter(entry, undo, arena, host) if plain else None
                 if job is not None:
                     jobs.append(job)
                 else:
@@ -503,11 +504,13 @@ def _file_order(numbered: tuple[int, Entry]) -> tuple[int, int]:
     return (id(source.path), source.offset) if source is not None else (0, numbered[0])
 
 
-def _fresh_parameter(entry: Entry, undo: list, arena: HostArena) -> Optional[Job]:
+def _fresh_parameter(entry: Entry, undo: list, arena: HostArena, host: Optional[torch.device]) -> Optional[Job]:
     """:func:`_materialize_entry` for the usual tensor of a model built on meta, in one step: an ``nn.Parameter``
     to load, no shard, contiguous, no shared memory asked (a load of a hundred thousand small experts spends
-    its time in per-tensor steps). ``None`` for any other entry, which takes the general way; the outcome is
-    the same either way (``tests/test_arena.py`` compares them over the differential zoo)."""
+    its time in per-tensor steps). ``host`` is the plan's device where it is the CPU: an entry placed there
+    holds that very object, and ``is`` costs less than asking a device its type. ``None`` for any other
+    entry, which takes the general way; the outcome is the same either way (``tests/test_arena.py`` compares
+    them over the differential zoo)."""
     original = entry.original
     if type(original) is not nn.Parameter or entry.action != "load" or entry.shard is not None or not original.is_meta:
         return None
@@ -518,21 +521,25 @@ def _fresh_parameter(entry: Entry, undo: list, arena: HostArena) -> Optional[Job
     dtype = entry.dtype
     numel = math.prod(shape)
     nbytes = numel * dtype.itemsize
-    if entry.device.type == "cpu" and arena.carves(nbytes, dtype):  # the usual one: a small CPU tensor, carved
+    device = entry.device
+    tensor = None
+    if device is host or device.type == "cpu":  # the usual one: a small CPU tensor, carved
         try:
-            tensor = arena.empty(shape, dtype, numel, nbytes)
+            tensor = arena.carved(shape, dtype, numel, nbytes)
         except (MemoryError, OSError):  # mapping a new chunk failed: empty_destination tries again, and words the error
-            tensor = empty_destination(shape, dtype=dtype, device=entry.device, name=entry.names[0],
-                                       path=source.path, arena=arena)
-    else:
-        tensor = empty_destination(shape, dtype=dtype, device=entry.device, name=entry.names[0], path=source.path,
+            pass
+    if tensor is None:
+        tensor = empty_destination(shape, dtype=dtype, device=device, name=entry.names[0], path=source.path,
                                    arena=arena)
     requires_grad = original.requires_grad and (dtype.is_floating_point or dtype.is_complex)
     # parameter_like's first branch, less its call, where no attribute is to be carried over
     made = parameter_like(original, tensor, requires_grad) if original.__dict__ else \
         _make_subclass(nn.Parameter, tensor, requires_grad)
     entry.hold(made, undo)
-    return Job(tensor, source)
+    return _new_tuple(Job, (tensor, source))  # Job(tensor, source), less the call of its __new__
+
+
+_new_tuple = tuple.__new__
 
 
 def _materialize_entry(

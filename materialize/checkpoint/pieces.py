@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from .base import TensorInfo, contiguous_strides
 
@@ -16,9 +16,11 @@ if TYPE_CHECKING:
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets and sizes of a block of a tensor
 
 
-@dataclass(frozen=True)
-class Job:
-    """A read: fill ``dest`` (allocated; a box of a larger tensor may be strided) with the tensor ``info`` describes."""
+class Job(NamedTuple):
+    """A read: fill ``dest`` (allocated; a box of a larger tensor may be strided) with the tensor ``info`` describes.
+
+    A tuple, not a dataclass: a load of a hundred thousand small tensors makes one each, and a frozen
+    dataclass's ``__init__`` costs about twice a tuple's."""
 
     dest: torch.Tensor
     info: TensorInfo

@@ -123,7 +123,14 @@ def _dtensor_module() -> Optional[Any]:
     return sys.modules.get("torch.distributed.tensor")
 
 
+# Exactly these types are never a DTensor (a parameter holding a DTensor is a DTensor: nn.Parameter keeps a
+# tensor subclass's type)
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
+
+
 def is_dtensor(tensor: torch.Tensor) -> bool:
+    if type(tensor) in _PLAIN:
+        return False
     module = _dtensor_module()
     return module is not None and isinstance(tensor, module.DTensor)
 
@@ -239,6 +246,8 @@ def shard_spec(tensor: torch.Tensor, name: str, path: Optional[Path] = None,
     tensors of the same mesh, placements, shape and local tensor (a plan's, while its meshes live), each
     found once.
     """
+    if type(tensor) in _PLAIN:  # most tensors of most models: nothing to ask of a DTensor's module
+        return None
     module = _dtensor_module()
     if module is None or not isinstance(tensor, module.DTensor):
         return None

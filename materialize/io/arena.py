@@ -60,6 +60,13 @@ class HostArena:
         """Whether a contiguous CPU tensor of ``nbytes`` bytes and ``dtype`` comes from an arena."""
         return 0 < nbytes <= MAX_TENSOR_BYTES and dtype not in _NOT_CARVED
 
+    def carved(self, shape: tuple[int, ...], dtype: torch.dtype, numel: int, nbytes: int) -> Optional[torch.Tensor]:
+        """:meth:`empty` where :meth:`carves` admits the tensor, else ``None``: both in one call, for a load's
+        loop over a hundred thousand tensors."""
+        if not 0 < nbytes <= MAX_TENSOR_BYTES or dtype in _NOT_CARVED:
+            return None
+        return self.empty(shape, dtype, numel, nbytes)
+
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, numel: int, nbytes: int) -> torch.Tensor:
         """An uninitialized contiguous tensor of ``shape`` (``numel`` elements, ``nbytes`` bytes, as
         :meth:`carves` admits), over memory of its own within a chunk."""

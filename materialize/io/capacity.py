@@ -36,10 +36,13 @@ def staging_host_bytes(staging_bytes: Optional[int] = None) -> int:
 def expected_peak_host_bytes(plan: Plan, *, mmap: bool = False, staging_bytes: Optional[int] = None) -> int:
     """Host memory the load will add: CPU tensors that are copied, plus staging."""
     copied, to_gpu, casts = 0, False, False
+    usual, usual_kind = plan.device, plan.device.type
     for entry in plan.entries:  # one pass: a model of many small tensors has tens of thousands
-        kind = entry.device.type
+        device = entry.device
+        kind = usual_kind if device is usual else device.type  # most hold the plan's own device object
         if kind == "cpu":
-            copied += 0 if entry.stays_in_file(mmap) else entry.nbytes
+            # stays_in_file's first test inline: a load that maps nothing asks no entry
+            copied += 0 if (mmap or entry.on_disk) and entry.stays_in_file(mmap) else entry.nbytes
             if not casts:  # (once one is found, no other is asked)
                 source = entry.source
                 casts = source is not None and source.dtype != entry.dtype

@@ -98,7 +98,7 @@ class Owner(NamedTuple):
     persistent: bool
 
 
-@dataclass
+@dataclass(slots=True)  # slots: a load of a hundred thousand tensors makes (and frees) one each
 class Entry:
     """One unique tensor (a tie group counts once) and what to do with it."""
 
@@ -602,13 +602,19 @@ def make_plan(
                             ) if any(issubclass(cls, nn.RNNBase) for cls in classes) else []
     refuse_unreadable_placements(((named[0][0], tensor) for tensor, named in groups), ckpt.path)  # all, not the first
     reinitialized_shapes: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+    entries = plan.entries
     for tensor, named in groups:
-        if len(named) == 1:
-            units = [((named[0][0],), [named[0][1]], to_ckpt.get(named[0][0]))]
+        if len(named) == 1:  # an untied tensor (nearly all of them): one unit, made without the loop's tuples
+            name, owner = named[0]
+            info = to_ckpt.get(name)
+            if info is None or not ignore_mismatched_sizes:
+                entries.append(_entry(plan, tensor, (name,), [owner], info, ckpt, device, dtype, placement, tolerated))
+                continue
+            units = [((name,), [owner], info)]
         else:
             units = _tie_units(named, to_ckpt)
         if len(units) > 1:
-            plan.tie_checks.append(tuple(len(plan.entries) + i for i in range(len(units))))
+            plan.tie_checks.append(tuple(len(entries) + i for i in range(len(units))))
         for index, (names, owners, info) in enumerate(units):
             reinit = (info is not None and ignore_mismatched_sizes and not is_lazy(tensor)
                       and info.shape != tuple(tensor.shape))
@@ -618,7 +624,7 @@ def make_plan(
                 reinitialized_shapes.append((names[0], tuple(tensor.shape), info.shape))
                 plan.missing[:] = [name for name in plan.missing if name not in names]
             entry.split_from_tie = index > 0
-            plan.entries.append(entry)
+            entries.append(entry)
 
     extra_state_owners = _extra_state_owners(modules, classes)
     saved_tensors = {name: to_ckpt.pop(name) for name in extra_state_owners if name in to_ckpt}
@@ -747,14 +753,15 @@ def _entry(
         raise ShardingError("is a DTensor, placed by its mesh: it cannot be placed by a device_map too",
                             path=ckpt.path, tensor=names[0])
     place = spec.device if spec is not None else placement(names[0]) if placement is not None else device
-    on_disk = place == "disk"
+    on_disk = place is not device and place == "disk"  # (a device compared with a string costs, a tensor each)
     # A lazy module's tensor takes its shape from the checkpoint, as load_state_dict gives it one; without
     # a checkpoint tensor it stays uninitialized, for the module to size at its first forward.
     lazy = is_lazy(tensor)
     shape = (info.shape if info is not None else ()) if lazy else tuple(tensor.shape)
     if info is None:
+        # Entry's fields in order, none by keyword: a keyword costs as much as the rest of the call
         entry = Entry(names, owners, tensor, "init" if tensor.device.type == "meta" else "keep", shape, tensor.dtype,
-                      torch.device("cpu") if on_disk else place, on_disk=on_disk, shard=spec)
+                      torch.device("cpu") if on_disk else place, None, on_disk, spec)
         if all(owner.persistent for owner in owners) and not _counter_older_saves_lack(owners):
             plan.missing.extend(names)  # every name of a tie, as load_state_dict lists them
     else:
@@ -762,7 +769,7 @@ def _entry(
         floating = info_dtype.is_floating_point
         # Cast where asked (floating tensors only), else the checkpoint's dtype
         entry = Entry(names, owners, tensor, "load", shape, dtype if dtype is not None and floating else info_dtype,
-                      torch.device("cpu") if on_disk else place, info, on_disk=on_disk, shard=spec)
+                      torch.device("cpu") if on_disk else place, info, on_disk, spec)
         if info.shape != shape:
             plan.mismatched.append((names[0], shape, info.shape))
         elif spec is not None:

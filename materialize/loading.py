@@ -45,7 +45,7 @@ from .progress import ProgressLike, counted, report_phase, takes_progress
 from .report import Report
 from .sanitizer import audit, is_poisoned, nonfinite, poison
 from .integrations.sharded import held_local, is_dtensor, local_of
-from .planning.ties import TieSettling, compared_before_allocating
+from .planning.ties import TieSettling, Undo, compared_before_allocating
 from .io.transfer import resolve_device
 
 DeviceLike = Union[str, torch.device]
@@ -343,7 +343,7 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
     started = time.perf_counter()
     admit_host_copies(expected_peak_host_bytes(the_plan, mmap=mmap, staging_bytes=staging_bytes), ckpt.path,
                       placeable=True)
-    undo: list[tuple[nn.Module, str, bool, torch.Tensor]] = []
+    undo: Undo = []
     mapped: list[str] = []
 
     devices_written = {the_plan.device, *(entry.device for entry in the_plan.entries)}  # a device map's, a mesh's
@@ -389,9 +389,9 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
                     run_load_code(the_plan, fed_values, ckpt.format)
                 _refuse_unfilled(the_plan)
             compared = {index for check in the_plan.tie_checks for index in check}  # reported by the settling
-            registered = [(entry, entry.held()) for entry in the_plan.entries]
+            held = [entry.held() for entry in the_plan.entries]  # no pair made per tensor: a load frees each it made
             if reader.counted is not None:
-                problems = audit(the_plan, registered, reader.counted, set(mapped))
+                problems = audit(the_plan, zip(the_plan.entries, held), reader.counted, set(mapped))
                 if problems:
                     raise SanitizerError(f"check failed for {len(problems)} tensor(s): " + "; ".join(problems), path=ckpt.path)
             hand_over(the_plan, extra_states)  # last: a module's state is no tensor the undo can put back
@@ -405,7 +405,7 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
     for entry in the_plan.entries:  # one pass, not one per action
         names_by_action[entry.action].append(entry.names[0])  # entry.name, less its property call
     return make_report(
-        ckpt, the_plan.device, [held_local(tensor) for _, tensor in registered], reader.bytes_read, started, memory,
+        ckpt, the_plan.device, [held_local(tensor) for tensor in held], reader.bytes_read, started, memory,
         bytes_received=reader.bytes_received,
         loaded=names_by_action["load"],
         initialized=names_by_action["init"],
@@ -424,7 +424,7 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
         untied=untied,
         mapped=mapped,
         bytes_by_device=the_plan.bytes_by_device,
-        nonfinite=(nonfinite((entry.name, local_of(tensor)) for entry, tensor in registered)
+        nonfinite=(nonfinite((entry.name, local_of(tensor)) for entry, tensor in zip(the_plan.entries, held))
                    if read_options.check_finite else []),
     )
 
@@ -504,7 +504,7 @@ def _file_order(numbered: tuple[int, Entry]) -> tuple[int, int]:
     return (id(source.path), source.offset) if source is not None else (0, numbered[0])
 
 
-def _fresh_parameter(entry: Entry, undo: list, arena: HostArena, host: Optional[torch.device]) -> Optional[Job]:
+def _fresh_parameter(entry: Entry, undo: Undo, arena: HostArena, host: Optional[torch.device]) -> Optional[Job]:
     """:func:`_materialize_entry` for the usual tensor of a model built on meta, in one step: an ``nn.Parameter``
     to load, no shard, contiguous, no shared memory asked (a load of a hundred thousand small experts spends
     its time in per-tensor steps). ``host`` is the plan's device where it is the CPU: an entry placed there
@@ -535,7 +535,9 @@ def _fresh_parameter(entry: Entry, undo: list, arena: HostArena, host: Optional[
     # parameter_like's first branch, less its call, where no attribute is to be carried over
     made = parameter_like(original, tensor, requires_grad) if original.__dict__ else \
         _make_subclass(nn.Parameter, tensor, requires_grad)
-    entry.hold(made, undo)
+    for owner in entry.owners:  # Entry.hold, the entry itself the undo's record for all its owners
+        (owner.module._parameters if owner.is_parameter else owner.module._buffers)[owner.attr] = made
+    undo.append(entry)
     return _new_tuple(Job, (tensor, source))  # Job(tensor, source), less the call of its __new__
 
 
@@ -543,7 +545,7 @@ _new_tuple = tuple.__new__
 
 
 def _materialize_entry(
-    entry: Entry, undo: list, reader: Optional[Reads], mmap: bool, mapped: list[str], check: bool,
+    entry: Entry, undo: Undo, reader: Optional[Reads], mmap: bool, mapped: list[str], check: bool,
     arena: Optional[HostArena] = None,
 ) -> list[Job]:
     """Allocate one tensor (once, whatever its tie group; a small CPU one from ``arena``) and register it
@@ -631,6 +633,11 @@ def _reusable(original: torch.Tensor, entry: Entry) -> bool:
     )
 
 
-def _undo(undo: list[tuple[nn.Module, str, bool, torch.Tensor]]) -> None:
-    for module, attr, is_parameter, previous in reversed(undo):
+def _undo(undo: Undo) -> None:
+    for record in reversed(undo):
+        if type(record) is Entry:  # a fresh parameter's: each of its owners held the entry's original (a meta one)
+            for owner in record.owners:
+                (owner.module._parameters if owner.is_parameter else owner.module._buffers)[owner.attr] = record.original
+            continue
+        module, attr, is_parameter, previous = record
         (module._parameters if is_parameter else module._buffers)[attr] = previous

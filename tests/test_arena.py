@@ -156,6 +156,24 @@ def test_a_chunk_lives_as_long_as_its_last_tensor() -> None:
     assert chunk() is None
 
 
+def test_carved_takes_what_carves_admits_and_nothing_else() -> None:
+    arena = HostArena()
+    for shape, dtype in [((4, 4), torch.float32), ((MAX_TENSOR_BYTES,), torch.uint8), ((3, 5), torch.bfloat16)]:
+        numel = shape[0] * (shape[1] if len(shape) > 1 else 1)
+        nbytes = numel * dtype.itemsize
+        assert HostArena.carves(nbytes, dtype)
+        tensor = arena.carved(shape, dtype, numel, nbytes)
+        assert tensor is not None and tuple(tensor.shape) == shape and tensor.dtype == dtype
+        assert tensor.is_contiguous() and tensor._base is None and tensor.untyped_storage().nbytes() == nbytes
+    refused = [((MAX_TENSOR_BYTES + 1,), torch.uint8, MAX_TENSOR_BYTES + 1), ((0,), torch.float32, 0),
+               ((4,), torch.qint8, 4)]
+    used = arena._used
+    for shape, dtype, nbytes in refused:
+        assert not HostArena.carves(nbytes, dtype)
+        assert arena.carved(shape, dtype, shape[0], nbytes) is None
+    assert arena._used == used  # a refusal takes no room
+
+
 def test_tensors_start_aligned_and_chunks_follow() -> None:
     arena = HostArena()
     made = [arena.empty((3,), torch.uint8, 3, 3) for _ in range(5)]

@@ -58,6 +58,22 @@ def test_a_model_on_meta_gets_back_every_tensor_it_had(checkpoint):
     assert "filled in place" not in message
 
 
+def test_a_tied_model_on_meta_gets_back_its_one_tensor_under_every_name(tmp_path):
+    # A fresh parameter's undo record stands for all the names of its tie group (materialize.loading._undo)
+    state = saved_state(reference_model(tie=True, seed=1))
+    path = write_safetensors(state, tmp_path / "tied.safetensors")
+    model = tiny_skeleton(tie=True)
+    before = snapshot(model)
+    tied = [name for name in before if before[name][0] is model.lm_head.weight]
+    assert len(tied) == 2  # the fixture ties what it should: the test would see nothing otherwise
+
+    truncated_load(model, path, state)
+
+    assert unchanged(model, before) == [] and all(p.is_meta for p in model.parameters())
+    now = snapshot(model)
+    assert now[tied[0]][0] is now[tied[1]][0]
+
+
 def test_a_real_model_whose_tensors_were_all_allocated_anew_is_left_exactly_as_it_was(checkpoint):
     state, path = checkpoint
     model = reference_model(seed=2)

@@ -140,7 +140,7 @@ class Entry:
         owner = self.owners[0]
         return (owner.module._parameters if owner.is_parameter else owner.module._buffers)[owner.attr]
 
-    def hold(self, tensor: torch.Tensor, undo: list[tuple[nn.Module, str, bool, torch.Tensor]]) -> None:
+    def hold(self, tensor: torch.Tensor, undo: list) -> None:
         """Register ``tensor`` under every name of this entry; what each held before goes on ``undo``."""
         for owner in self.owners:
             registry = owner.module._parameters if owner.is_parameter else owner.module._buffers

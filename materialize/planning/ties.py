@@ -26,7 +26,9 @@ from ..errors import ShardingError
 from .plan import Entry, Plan
 from ..integrations.sharded import ShardSpec, local_of, region
 
-Undo = list[tuple[nn.Module, str, bool, torch.Tensor]]
+# What a failed load puts back: (module, attr, is_parameter, tensor held before), or an Entry whose owners all
+# held its original (a fresh parameter's record, one for all its names: see materialize.loading._undo)
+Undo = list[Union[tuple[nn.Module, str, bool, torch.Tensor], Entry]]
 
 
 def compared_before_allocating(the_plan: Plan, mmap: bool) -> set[int]:

@@ -522,10 +522,12 @@ def _fresh_parameter(entry: Entry, undo: Undo, arena: HostArena, host: Optional[
     numel = math.prod(shape)
     nbytes = numel * dtype.itemsize
     device = entry.device
-    tensor = None
+    tensor, slack = None, 0
     if device is host or device.type == "cpu":  # the usual one: a small CPU tensor, carved
+        # Placed after the tensor before it as the file places it, where its bytes are one run of a file
+        in_file = type(source) is TensorInfo and source.stride is None
         try:
-            tensor = arena.carved(shape, dtype, numel, nbytes)
+            tensor, slack = arena.carved(shape, dtype, numel, nbytes, source.path if in_file else None, source.offset)
         except (MemoryError, OSError):  # mapping a new chunk failed: empty_destination tries again, and words the error
             pass
     if tensor is None:
@@ -538,7 +540,7 @@ def _fresh_parameter(entry: Entry, undo: Undo, arena: HostArena, host: Optional[
     for owner in entry.owners:  # Entry.hold, the entry itself the undo's record for all its owners
         (owner.module._parameters if owner.is_parameter else owner.module._buffers)[owner.attr] = made
     undo.append(entry)
-    return _new_tuple(Job, (tensor, source))  # Job(tensor, source), less the call of its __new__
+    return _new_tuple(Job, (tensor, source, slack))  # Job(tensor, source, slack), less the call of its __new__
 
 
 _new_tuple = tuple.__new__

@@ -18,7 +18,7 @@ import materialize as mz
 import materialize.io.arena as arena_module
 import materialize.io.engine as engine
 import materialize.loading as loading
-from materialize.io.arena import MAX_TENSOR_BYTES, HostArena
+from materialize.io.arena import MAX_TENSOR_BYTES, MIRRORED_GAP_BYTES, HostArena
 
 from test_differential import SCENARIOS, build_way, compare_models, trained_state, write
 from test_engine_paths import THP_MODE, _vma_flag
@@ -162,16 +162,41 @@ def test_carved_takes_what_carves_admits_and_nothing_else() -> None:
         numel = shape[0] * (shape[1] if len(shape) > 1 else 1)
         nbytes = numel * dtype.itemsize
         assert HostArena.carves(nbytes, dtype)
-        tensor = arena.carved(shape, dtype, numel, nbytes)
-        assert tensor is not None and tuple(tensor.shape) == shape and tensor.dtype == dtype
+        tensor, slack = arena.carved(shape, dtype, numel, nbytes)
+        assert tensor is not None and slack == 0 and tuple(tensor.shape) == shape and tensor.dtype == dtype
         assert tensor.is_contiguous() and tensor._base is None and tensor.untyped_storage().nbytes() == nbytes
     refused = [((MAX_TENSOR_BYTES + 1,), torch.uint8, MAX_TENSOR_BYTES + 1), ((0,), torch.float32, 0),
                ((4,), torch.qint8, 4)]
     used = arena._used
     for shape, dtype, nbytes in refused:
         assert not HostArena.carves(nbytes, dtype)
-        assert arena.carved(shape, dtype, shape[0], nbytes) is None
+        assert arena.carved(shape, dtype, shape[0], nbytes) == (None, 0)
     assert arena._used == used  # a refusal takes no room
+
+
+def test_carved_mirrors_a_files_small_gaps_and_nothing_else() -> None:
+    """A tensor whose bytes follow the last carved one's in the same file lies as far after it as in the file
+    (its slack: no tensor's bytes), where that keeps it aligned and the gap is a header's, not more."""
+    arena, path, other = HostArena(), Path("a.pt"), Path("b.pt")
+
+    def carve(file: object, offset: int, nbytes: int = 256) -> tuple[int, int]:
+        tensor, slack = arena.carved((nbytes,), torch.uint8, nbytes, nbytes, file, offset)
+        return tensor.data_ptr(), slack
+
+    first, _ = carve(path, 1000)
+    second, slack = carve(path, 1000 + 256 + 64)  # a 64-byte header between, as a torch zip lays records out
+    assert (second - first, slack) == (256 + 64, 64)
+    third, slack = carve(path, 1000 + 2 * 256 + 64 + 96)  # 96 bytes would leave it misaligned: packed as usual
+    assert (third - second, slack) == (256, 0)
+    fourth, slack = carve(path, 1000 + 3 * 256 + 64 + 96 + MIRRORED_GAP_BYTES + 64)  # a gap past a header's
+    assert (fourth - third, slack) == (256, 0)
+    fifth, slack = carve(other, 1000 + 4 * 256 + 64 + 96 + MIRRORED_GAP_BYTES + 128)  # another file
+    assert (fifth - fourth, slack) == (256, 0)
+    between = arena.empty((8,), torch.uint8, 8, 8)  # anything placed in between ends the chain
+    sixth, slack = carve(other, 1000 + 5 * 256 + 64 + 96 + MIRRORED_GAP_BYTES + 128 + 64)
+    assert slack == 0 and sixth - between.data_ptr() == 64
+    seventh, slack = carve(None, 0)  # no file said: never mirrored, and no chain after it
+    assert slack == 0 and carve(None, 256 + 64)[1] == 0
 
 
 def test_tensors_start_aligned_and_chunks_follow() -> None:
@@ -218,12 +243,19 @@ class Rows(nn.Module):
         self.rows = nn.ParameterList(nn.Parameter(torch.zeros(16, 16)) for _ in range(count))
 
 
-def test_a_file_cut_short_under_merged_reads_names_its_tensor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _save_rows(state: dict[str, torch.Tensor], path: Path) -> None:
+    # A torch zip puts a local header between each two tensors: read into the arena's slack, one view for both
+    sft.save_file(state, path) if path.suffix == ".safetensors" else torch.save(state, path)
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_a_file_cut_short_under_merged_reads_names_its_tensor(suffix: str, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Tensors next to each other in the file and in the arena are read as one view; a file that ends inside one
     of them still names that one, not the first of the view."""
     state = {f"rows.{i}": torch.full((16, 16), float(i)) for i in range(60)}
-    path = tmp_path / "rows.safetensors"
-    sft.save_file(state, path)
+    path = tmp_path / f"rows{suffix}"
+    _save_rows(state, path)
     merges = []
     parts_of = engine._direct_parts
     monkeypatch.setattr(engine, "_direct_parts", lambda run, merge: merges.append(parts_of(run, merge)[2]) or
@@ -240,13 +272,22 @@ def test_a_file_cut_short_under_merged_reads_names_its_tensor(tmp_path: Path, mo
     assert caught.value.tensor == "rows.37" and "file ends" in str(caught.value)
 
 
-def test_merged_reads_fill_every_tensor(tmp_path: Path) -> None:
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_merged_reads_fill_every_tensor(suffix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     state = {f"rows.{i}": torch.full((16, 16), float(i)) for i in range(60)}
-    path = tmp_path / "rows.safetensors"
-    sft.save_file(state, path)
+    path = tmp_path / f"rows{suffix}"
+    _save_rows(state, path)
+    views = []
+    parts_of = engine._direct_parts
+    monkeypatch.setattr(engine, "_direct_parts", lambda run, merge: views.append(
+        sum(not isinstance(dest, int) for dest, _ in parts_of(run, merge)[0])) or parts_of(run, merge))
     with mz.meta_init():
         model = Rows()
     mz.load(model, path)
     assert all(torch.equal(model.rows[i], state[f"rows.{i}"]) for i in range(60))
+    assert sum(views) < 60 / 10  # merged: a zip's headers read into the slack between, not a view each
+    # each its own storage of exactly its bytes: the slack between them is no tensor's
+    assert all(row._base is None and row.untyped_storage().nbytes() == 16 * 16 * 4 for row in model.rows)
+    monkeypatch.setattr(engine, "_direct_parts", parts_of)
     report = mz.load(Rows(), path, check=True)  # counted per tensor: one view each, and every byte accounted
     assert len(report.loaded) == 60

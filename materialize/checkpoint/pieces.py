@@ -24,6 +24,9 @@ class Job(NamedTuple):
 
     dest: torch.Tensor
     info: TensorInfo
+    # Bytes just before ``dest`` that are no tensor's (a load's arena left them, mirroring the file's gap
+    # before ``info``'s bytes: see materialize.io.arena.HostArena.carved): a read may fill them with that gap
+    slack: int = 0
 
 
 @dataclass(frozen=True)

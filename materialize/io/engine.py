@@ -226,8 +226,11 @@ def _direct_parts(run: list[Span], merge: bool) -> tuple[list[Part], int, bool]:
         total += nbytes
         info = job.info
         at = info.offset + start
-        if merge and at == end and address == held_address + held_nbytes:
-            held_nbytes += nbytes
+        # Next in the file and in memory; or as far after in both as the job's slack, the bytes before it that
+        # are no tensor's (a torch zip's local header is read into them instead of a sink: one view for both)
+        if merge and end is not None and (at == end or start == 0 and at - end == job.slack > 0) \
+                and address - (held_address + held_nbytes) == at - end:
+            held_nbytes += at - end + nbytes
             merged = True
         else:
             if held_nbytes:

@@ -258,8 +258,8 @@ def test_a_file_cut_short_under_merged_reads_names_its_tensor(suffix: str, tmp_p
     _save_rows(state, path)
     merges = []
     parts_of = engine._direct_parts
-    monkeypatch.setattr(engine, "_direct_parts", lambda run, merge: merges.append(parts_of(run, merge)[2]) or
-                        parts_of(run, merge))
+    monkeypatch.setattr(engine, "_direct_parts", lambda run, *flags: merges.append(parts_of(run, *flags)[2]) or
+                        parts_of(run, *flags))
     with mz.open_checkpoint(path) as ckpt:
         victim = ckpt["rows.37"]
         with open(path, "r+b") as handle:  # rewritten while loading: cut inside rows.37
@@ -279,8 +279,8 @@ def test_merged_reads_fill_every_tensor(suffix: str, tmp_path: Path, monkeypatch
     _save_rows(state, path)
     views = []
     parts_of = engine._direct_parts
-    monkeypatch.setattr(engine, "_direct_parts", lambda run, merge: views.append(
-        sum(not isinstance(dest, int) for dest, _ in parts_of(run, merge)[0])) or parts_of(run, merge))
+    monkeypatch.setattr(engine, "_direct_parts", lambda run, *flags: views.append(
+        sum(not isinstance(dest, int) for dest, _ in parts_of(run, *flags)[0])) or parts_of(run, *flags))
     with mz.meta_init():
         model = Rows()
     mz.load(model, path)
@@ -291,3 +291,24 @@ def test_merged_reads_fill_every_tensor(suffix: str, tmp_path: Path, monkeypatch
     monkeypatch.setattr(engine, "_direct_parts", parts_of)
     report = mz.load(Rows(), path, check=True)  # counted per tensor: one view each, and every byte accounted
     assert len(report.loaded) == 60
+
+
+def test_slack_is_read_into_only_where_the_files_hold_the_bytes_between() -> None:
+    """A group's held chunks have only the tensors' bytes: their reads keep a view a tensor, the gap passed over."""
+    from materialize.checkpoint.base import make_info
+    from materialize.checkpoint.pieces import Job
+    from materialize.io.groupread import _HeldFiles
+
+    arena, path = HostArena(), Path("rows.pt")
+    first, _ = arena.carved((64,), torch.uint8, 64, 64, path, 1000)
+    second, slack = arena.carved((64,), torch.uint8, 64, 64, path, 1192)
+    assert slack == 128 and second.data_ptr() - first.data_ptr() == 192
+    run = [(Job(first, make_info("a", "uint8", 1, (64,), path, 1000)), 0, 64),
+           (Job(second, make_info("b", "uint8", 1, (64,), path, 1192), slack), 0, 64)]
+    across, _, merged = engine._direct_parts(run, True, True)
+    assert merged and len(across) == 1 and len(across[0][0]) == 256  # both tensors and the header between
+    apart, _, merged = engine._direct_parts(run, True, False)
+    assert not merged and [(type(dest) is int, dest if type(dest) is int else len(dest)) for dest, _ in apart] == \
+        [(False, 64), (True, 128), (False, 64)]
+    assert _HeldFiles.reads_between is False  # the group's files say so
+

@@ -182,6 +182,7 @@ def _run_direct(jobs: list[Job], files: FileSet, tracker: _Progress, threads: in
     # materialize.io.arena) are read as one view: a view, and a step of the read's loop, per tensor is what a
     # load of a hundred thousand small ones spent here. Not where bytes are counted per tensor (check mode).
     merge = not files.counts_by_tensor
+    across_slack = merge and files.reads_between
 
     def read_run(run: list[Span]) -> None:
         # One pass over the run (a reader thread's Python work per small tensor is what a load of many waits
@@ -189,7 +190,7 @@ def _run_direct(jobs: list[Job], files: FileSet, tracker: _Progress, threads: in
         # faulted in together only where they fill the span between them (an arena's): elsewhere their
         # neighbours in the heap may be free memory (a skeleton built under meta_init freed a CPU tensor for
         # each), and one call over such a span made a 100,000-tensor load hold 15% more memory for no time gained.
-        parts, total, merged = _direct_parts(run, merge)
+        parts, total, merged = _direct_parts(run, merge, across_slack)
         first, start, _ = run[0]
         try:
             files.read_run(first.info.path, first.info.offset + start, parts)
@@ -204,9 +205,10 @@ def _run_direct(jobs: list[Job], files: FileSet, tracker: _Progress, threads: in
     _run_in_tasks(read_run, _pieces(jobs, DIRECT_CHUNK_BYTES), threads, run_bytes=TASK_BYTES)
 
 
-def _direct_parts(run: list[Span], merge: bool) -> tuple[list[Part], int, bool]:
+def _direct_parts(run: list[Span], merge: bool, across_slack: bool = False) -> tuple[list[Part], int, bool]:
     """The views (and bytes passed over) a run is read into, its bytes, and whether any view holds several
-    tensors (``merge``: where they lie next to each other in the file and in memory); faults the small pieces in."""
+    tensors (``merge``: where they lie next to each other in the file and in memory; ``across_slack``: or as
+    far apart in both as a job's slack, the bytes before it that are no tensor's); faults the small pieces in."""
     parts: list[Part] = []
     end = None
     total = small = 0
@@ -228,7 +230,7 @@ def _direct_parts(run: list[Span], merge: bool) -> tuple[list[Part], int, bool]:
         at = info.offset + start
         # Next in the file and in memory; or as far after in both as the job's slack, the bytes before it that
         # are no tensor's (a torch zip's local header is read into them instead of a sink: one view for both)
-        if merge and end is not None and (at == end or start == 0 and at - end == job.slack > 0) \
+        if merge and end is not None and (at == end or across_slack and start == 0 and at - end == job.slack > 0) \
                 and address - (held_address + held_nbytes) == at - end:
             held_nbytes += at - end + nbytes
             merged = True

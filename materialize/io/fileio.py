@@ -131,6 +131,9 @@ class FileSet:
     """Descriptors for the files of one checkpoint, opened once, shared by threads."""
 
     counts_by_tensor = False  # whether reads are counted per tensor name (a part of read_run must be one tensor)
+    # Whether read_run's views may take the bytes between two tensors (a torch zip's local header, read into
+    # the slack a load's arena leaves: see materialize.io.arena); a group's held chunks have only the tensors'
+    reads_between = True
 
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}

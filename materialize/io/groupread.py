@@ -168,6 +168,8 @@ class _Held:
 class _HeldFiles(FileSet):
     """The held chunks, read as the engine reads files."""
 
+    reads_between = False  # no rank received the bytes between two tensors
+
     def __init__(self, held: _Held, keys: dict[str, int]) -> None:
         super().__init__()
         self._held = held

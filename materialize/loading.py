@@ -537,9 +537,8 @@ def _fresh_parameter(entry: Entry, undo: Undo, arena: HostArena, host: Optional[
     # parameter_like's first branch, less its call, where no attribute is to be carried over
     made = parameter_like(original, tensor, requires_grad) if original.__dict__ else \
         _make_subclass(nn.Parameter, tensor, requires_grad)
-    for owner in entry.owners:  # Entry.hold, the entry itself the undo's record for all its owners
-        (owner.module._parameters if owner.is_parameter else owner.module._buffers)[owner.attr] = made
-    undo.append(entry)
+    entry.put(made)
+    undo.append(entry)  # Entry.hold's records, one for all its owners
     return _new_tuple(Job, (tensor, source, slack))  # Job(tensor, source, slack), less the call of its __new__
 
 
@@ -638,8 +637,7 @@ def _reusable(original: torch.Tensor, entry: Entry) -> bool:
 def _undo(undo: Undo) -> None:
     for record in reversed(undo):
         if type(record) is Entry:  # a fresh parameter's: each of its owners held the entry's original (a meta one)
-            for owner in record.owners:
-                (owner.module._parameters if owner.is_parameter else owner.module._buffers)[owner.attr] = record.original
+            record.put(record.original)
             continue
         module, attr, is_parameter, previous = record
         (module._parameters if is_parameter else module._buffers)[attr] = previous

@@ -89,10 +89,7 @@ class HostArena:
             if not (0 < gap <= MIRRORED_GAP_BYTES and at % ALIGNMENT == 0 and at + nbytes <= self._size):
                 at, gap = -1, 0
         if at < 0:
-            at = self._used
-            if at + nbytes > self._size:
-                self._new_chunk()
-                at = 0
+            at = self._next_at(nbytes)
         tensor = self._place(at, shape, dtype, numel, nbytes)
         if path is not None:
             self._follows = (path, offset + nbytes, at + nbytes)
@@ -101,11 +98,13 @@ class HostArena:
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, numel: int, nbytes: int) -> torch.Tensor:
         """An uninitialized contiguous tensor of ``shape`` (``numel`` elements, ``nbytes`` bytes, as
         :meth:`carves` admits), over memory of its own within a chunk."""
-        at = self._used
-        if at + nbytes > self._size:
+        return self._place(self._next_at(nbytes), shape, dtype, numel, nbytes)
+
+    def _next_at(self, nbytes: int) -> int:
+        """Where the next ``nbytes`` go, packed after the last: in a new chunk where this one has no room."""
+        if self._used + nbytes > self._size:
             self._new_chunk()
-            at = 0
-        return self._place(at, shape, dtype, numel, nbytes)
+        return self._used
 
     def _place(self, at: int, shape: tuple[int, ...], dtype: torch.dtype, numel: int, nbytes: int) -> torch.Tensor:
         end = at + nbytes

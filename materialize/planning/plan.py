@@ -140,6 +140,12 @@ class Entry:
         owner = self.owners[0]
         return (owner.module._parameters if owner.is_parameter else owner.module._buffers)[owner.attr]
 
+    def put(self, tensor: torch.Tensor) -> None:
+        """Register ``tensor`` under every name of this entry, recording nothing (a fresh parameter's undo
+        record is the entry itself: each name held its ``original``)."""
+        for owner in self.owners:
+            (owner.module._parameters if owner.is_parameter else owner.module._buffers)[owner.attr] = tensor
+
     def hold(self, tensor: torch.Tensor, undo: list) -> None:
         """Register ``tensor`` under every name of this entry; what each held before goes on ``undo``."""
         for owner in self.owners:

@@ -176,3 +176,86 @@ def test_headers_far_apart_are_read_alone():
     spans = [(i * 24_000, 100) for i in range(10)]
     list(torchzip._local_headers(spans, lambda n, at: reads.append(n) or b"x" * n, 0))
     assert reads == [100] * 10
+
+
+# torchzip._located_at_once checks every record's local header at once; where anything disagrees it hands over to
+# _located_in_turn, which names the record at fault. Whatever the damage, the two agree.
+
+def _located_both_ways(path: Path):
+    archive = torchzip._open_archive(path)
+    with archive, open(path, "rb") as handle:
+        infos = archive.infolist()
+        columns = tuple(map(list, zip(*infos)))
+        names, _, raw_names, _, _, _, _, _, _, _, header_offsets = columns
+        lengths = [torchzip._LOCAL_HEADER.size + len(raw) for raw in raw_names]
+        prefix = names[0].split("/")[0]
+        data_dir = f"{prefix}/data/"
+
+        def pread(length: int, offset: int) -> bytes:
+            return os.pread(handle.fileno(), length, offset)
+
+        def headers():
+            return torchzip._local_headers(list(zip(header_offsets, lengths)), pread, 0)
+
+        at_once = torchzip._located_at_once(headers(), columns, lengths, data_dir, 0, archive.start_dir)
+        try:
+            in_turn = torchzip._located_in_turn(path, archive, columns, len(infos), headers(), data_dir, 0)
+        except torchzip.CheckpointError as error:
+            in_turn = error
+    return at_once, in_turn
+
+
+def test_a_genuine_zip_is_located_at_once(tmp_path: Path):
+    path = tmp_path / "genuine.pt"
+    path.write_bytes(_zip_bytes())
+    at_once, in_turn = _located_both_ways(path)
+    assert at_once is not None and at_once == in_turn and len(at_once) >= 2
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_damaged_local_header_is_never_located_at_once(tmp_path: Path, seed: int):
+    data = _zip_bytes()
+    first_entry = data.find(b"PK\x01\x02")
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        headers = [(info.header_offset, 30 + len(info.filename.encode())) for info in archive.infolist()]
+    rng = random.Random(seed)
+    outcomes = set()
+    for trial in range(60):
+        damaged = bytearray(data)
+        # A byte of a local header (its signature, method, name and extra lengths, name), or of the records
+        # between them.
+        offset, length = rng.choice(headers)
+        at = rng.randrange(offset, offset + length) if rng.random() < 0.8 else rng.randrange(0, first_entry)
+        damaged[at] = rng.choice((rng.randrange(256), damaged[at] ^ 0x01, damaged[at] ^ 0x80))
+        path = tmp_path / f"damaged-{trial}.pt"
+        path.write_bytes(bytes(damaged))
+        at_once, in_turn = _located_both_ways(path)
+        # At once only what in turn locates the same; what in turn refuses, never at once.
+        assert at_once is None or at_once == in_turn, (seed, trial, at)
+        outcomes.add("refused" if isinstance(in_turn, Exception) else "same" if at_once is not None else "handed over")
+    assert "refused" in outcomes, outcomes
+
+
+def test_records_listed_out_of_the_files_order_are_located_in_turn_alike(tmp_path: Path):
+    data = _zip_bytes()
+    start = data.find(b"PK\x01\x02")
+    entries, at = [], start
+    while data.startswith(b"PK\x01\x02", at):
+        name_length, extra_length, comment_length = struct.unpack_from("<HHH", data, at + 28)
+        end = at + 46 + name_length + extra_length + comment_length
+        entries.append(data[at:end])
+        at = end
+    path = tmp_path / "reordered.pt"
+    path.write_bytes(data[:start] + b"".join(reversed(entries)) + data[at:])
+
+    at_once, in_turn = _located_both_ways(path)
+
+    assert at_once is None and isinstance(in_turn, dict) and len(in_turn) >= 2
+    with zipfile.ZipFile(path) as archive:
+        assert archive.namelist() == [entry[46:46 + struct.unpack_from("<H", entry, 28)[0]].decode()
+                                      for entry in reversed(entries)]
+    import materialize as mz
+
+    expected = torch.load(path, weights_only=True)
+    loaded, _ = mz.load_tensors(path)
+    assert list(loaded) == list(expected) and all(torch.equal(loaded[name], expected[name]) for name in expected)

@@ -258,6 +258,7 @@ def _verify_small_records(path: Path, archive: "_Archive", prefix: str, already_
 
 _END_RECORD = struct.Struct("<4sHHHHIIH")
 _CENTRAL_ENTRY_SIZE = 46
+_ENTRY_LENGTHS = struct.Struct("<HHH")  # a directory entry's name, extra and comment lengths, 28 bytes in
 _ZIP64_LOCATOR = struct.Struct("<4sIQI")
 _ZIP64_END_RECORD = struct.Struct("<4sQHHIIQQQQ")
 
@@ -293,10 +294,11 @@ def _check_end_record(path: Path, archive: "_Archive", handle: BinaryIO) -> None
     handle.seek(archive.start_dir)
     directory = handle.read(directory_size)
     walked = 0
+    lengths, last_entry_at, is_entry = _ENTRY_LENGTHS.unpack_from, len(directory) - _CENTRAL_ENTRY_SIZE, directory.startswith
     for _ in range(count):  # zipfile reads past a short directory silently; torch's reader does not
-        if directory[walked:walked + 4] != b"PK\x01\x02" or walked + _CENTRAL_ENTRY_SIZE > len(directory):
+        if walked > last_entry_at or not is_entry(b"PK\x01\x02", walked):
             break
-        name_len, extra_len, comment_len = struct.unpack_from("<HHH", directory, walked + 28)
+        name_len, extra_len, comment_len = lengths(directory, walked + 28)
         walked += _CENTRAL_ENTRY_SIZE + name_len + extra_len + comment_len
     if walked != directory_size or len(directory) != directory_size:
         raise CheckpointError("zip central directory entries do not add up to its recorded size (corrupt zip)", path=path)

@@ -21,7 +21,8 @@ def inspect(checkpoint: CheckpointLike, *, trust_pickle: bool = False, state_dic
     ``state_dict_key`` (the entry taken, or ``None``), ``shards`` (each file's path), ``tensor_count``,
     ``nbytes``, ``metadata`` (a safetensors header's, or an index's) and ``tensors``: one dict per tensor
     with its ``name``, ``dtype`` (torch's name, ``"bfloat16"``), ``shape`` (a list), ``nbytes``, ``file``
-    (the name of the file holding it) and ``offset`` (where its bytes start in that file). Every value is
+    (the name of the file holding it) and ``offset`` (where its bytes start in that file; an empty view that torch
+    lets start past its storage is said to start where the storage ends). Every value is
     JSON-ready; names are as the file spells them (the CLI's text form escapes them for a terminal).
     """
     source = checkpoint if isinstance(checkpoint, Checkpoint) else resolve(checkpoint, revision=revision, stream=stream,

@@ -323,3 +323,25 @@ def test_the_records_dtypes_are_made_by_torch_as_records_assume():
         else:
             with pytest.raises(RuntimeError):
                 torch.empty((0,), dtype=dtype, device="meta").requires_grad = True
+
+
+@pytest.mark.parametrize("plain", [True, False])
+@pytest.mark.parametrize("offset", [1 << 32, 1 << 62])  # (the second outside the records' domain: a meta tensor)
+def test_an_empty_view_past_its_storage_is_said_to_start_inside_the_file(tmp_path, monkeypatch, plain, offset):
+    # torch's set_ lets an empty view start anywhere past its storage (it reads nothing); its info says where
+    # its storage ends, an offset inside the file, as every tensor's is (inspect --json shows it).
+    weight = torch.arange(16, dtype=torch.uint8)
+    far = torch.empty(0, dtype=torch.uint8).set_(weight.untyped_storage(), offset, (0,))
+    path = tmp_path / "empty-far.pt"
+    torch.save({"w": weight, "far": far}, path)
+    if not plain:  # the reader onto meta: the same infos
+        monkeypatch.setattr(torchzip, "plain_payload", lambda *args: None)
+    size = path.stat().st_size
+    with mz.open_checkpoint(path) as ckpt:
+        info = ckpt.tensors["far"]
+        assert info.numel == 0 and ckpt.tensors["w"].offset + 16 == info.offset <= size
+    described = {entry["name"]: entry for entry in mz.inspect(path)["tensors"]}
+    assert described["far"]["offset"] == info.offset
+    loaded = torch.load(path, weights_only=True)
+    tensors, _ = mz.load_tensors(path)
+    assert tensors["far"].shape == loaded["far"].shape == (0,) and torch.equal(tensors["w"], loaded["w"])

@@ -42,6 +42,8 @@ def located_infos(path: Path, tensors: Iterable[Located], records: dict[str, tup
         if located is None or located[1] < nbytes or located[0] + nbytes > file_size \
                 or (numel and start + extent * itemsize > nbytes):
             raise _refusal(path, name, key, nbytes, start, extent * itemsize, located, file_size)
+        if not numel and start > nbytes:  # an empty view is said to start where its storage ends, not past the file
+            start = nbytes
         info = _new(TensorInfo)  # as make_info makes it: a dict of fields, the element count cached
         info.__dict__.update({
             "name": name, "dtype_name": dtype_name, "itemsize": itemsize, "shape": shape, "path": path,

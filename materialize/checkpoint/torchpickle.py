@@ -608,6 +608,8 @@ def tensor_info(
         span = (sum((size - 1) * step for size, step in zip(shape, stride)) + 1) * itemsize
     if start + span > ref.nbytes and numel:  # an empty view reads nothing, wherever torch's set_ lets it start
         raise fail(f"view of bytes [{start}, {start + span}) lies outside its {ref.nbytes}-byte storage")
+    if not numel and start > ref.nbytes:  # and is said to start where its storage ends, not past the file
+        start = ref.nbytes
     return make_info(
         name=name,
         dtype_name=_DTYPE_NAMES.get(tensor.dtype) or str(tensor.dtype).removeprefix("torch."),

@@ -51,7 +51,9 @@ def _record_offsets(
     read different bytes from a damaged file. No record's data is read here,
     so a compressed or oversized record is refused before it costs anything;
     the cost is one header read per record (records close together read by
-    one read, see :func:`_local_headers`) and a sort of their spans.
+    one read, see :func:`_local_headers`) and the checks, made over all
+    records at once where they all pass (:func:`_located_at_once`), else one
+    record at a time, with a sort of their spans (:func:`_located_in_turn`).
     Record CRCs are checked by :func:`_verify_small_records`.
     """
     data_dir = f"{prefix}/data/"

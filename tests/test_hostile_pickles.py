@@ -145,3 +145,18 @@ def test_build_on_a_class_given_a_stand_in_or_let_through_as_inert_is_refused(ge
         mz.load_tensors(hostile)
 
     assert [dict(vars(cls)) for cls in classes] == before
+
+
+@pytest.mark.parametrize("opcode", [b"\x8e", b"\x8d", b"\x96"], ids=["BINBYTES8", "BINUNICODE8", "BYTEARRAY8"])
+def test_an_argument_claiming_more_bytes_than_the_pickle_holds_is_refused_before_any_unpickler(
+        genuine, tmp_path, capfd, opcode):
+    # Python's C unpickler allocates the claimed length first; for BYTEARRAY8 CPython 3.11 then prints
+    # "SystemError: deallocated bytearray object has exported buffers" (make fuzz found such a data.pkl).
+    data = pickle.PROTO + b"\x02" + opcode + struct.pack("<Q", 7_598_807_758_542_761_827) + b"x" * 84
+    path = _with_data_pkl(genuine / "genuine.pt", tmp_path / "claims.pt", data)
+
+    with pytest.raises(mz.CheckpointError, match=r"claims\.pt.*data\.pkl is malformed: an argument claims "
+                                                 r"7,598,807,758,542,761,827 bytes, more than the 95-byte pickle"):
+        mz.open_checkpoint(path)
+    assert "SystemError" not in capfd.readouterr().err
+    assert mz.load_tensors(genuine / "genuine.pt")[0].keys() == torch.load(genuine / "genuine.pt").keys()

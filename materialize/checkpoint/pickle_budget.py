@@ -43,7 +43,7 @@ import struct
 from pathlib import Path
 from typing import Optional, Union
 
-from ..errors import BudgetError
+from ..errors import BudgetError, CheckpointError
 
 MAX_DEPTH = 200
 OBJECTS_PER_BYTE = 16
@@ -189,14 +189,28 @@ _CHOSEN = _ChosenAtom()
 Value = Union[_Node, None]
 
 
+class _LongerThanThePickle(Exception):
+    """An argument with an 8-byte length (BINBYTES8, BINUNICODE8, BYTEARRAY8: protocol 4 and later) that claims
+    more bytes than the pickle holds. Python's C unpickler allocates the claimed length before it reads: a
+    MemoryError for a few bytes of file, and for BYTEARRAY8 CPython 3.11 also frees the half-made bytearray
+    with a buffer still exported (it prints ``SystemError: deallocated bytearray object has exported
+    buffers``). Refused before any unpickler sees it."""
+
+
 def check_budget(data: bytes, *, path: Union[str, Path], what: str) -> None:
     """Refuse ``data`` (a pickle) if unpickling it would build past :data:`MAX_DEPTH` or the object count.
 
     Malformed pickles end the scan without a verdict: the unpickler that
-    follows reports them. Raises :class:`BudgetError` naming the file and the limit.
+    follows reports them; but an 8-byte-length argument that claims more than
+    the pickle holds is a :class:`CheckpointError` here (see
+    :class:`_LongerThanThePickle`). Raises :class:`BudgetError` naming the file and the limit.
     """
     limit = OBJECTS_PER_BYTE * len(data) + OBJECTS_FLOOR
-    objects, depth, memo_index, chosen = _scan(data, limit)
+    try:
+        objects, depth, memo_index, chosen = _scan(data, limit)
+    except _LongerThanThePickle as claimed:
+        raise CheckpointError(f"{what} is malformed: an argument claims {claimed.args[0]:,} bytes, more than the "
+                              f"{len(data):,}-byte pickle holds", path=path) from None
     if chosen > MAX_CHOSEN_HASHES:
         raise BudgetError(
             f"{what} has the unpickler hash more than {MAX_CHOSEN_HASHES:,} objects whose hash a file can choose "
@@ -345,6 +359,8 @@ def _scan(data: bytes, limit: int) -> tuple[int, int, int, int]:
             else:
                 pos = data.index(b"\n", data.index(b"\n", start) + 1) + 1
             if pos > end:
+                if layout == _PREFIX8:  # left to the unpickler, it would allocate it (see _LongerThanThePickle)
+                    raise _LongerThanThePickle(pos - start - 8)
                 break
             if effect == _ATOM:
                 stack.append(None)

@@ -197,7 +197,7 @@ def _located_both_ways(path: Path):
         def headers():
             return torchzip._local_headers(list(zip(header_offsets, lengths)), pread, 0)
 
-        at_once = torchzip._located_at_once(headers(), columns, lengths, data_dir, 0, archive.start_dir)
+        at_once = torchzip._located_at_once(list(headers()), columns, lengths, data_dir, 0, archive.start_dir)
         try:
             in_turn = torchzip._located_in_turn(path, archive, columns, len(infos), headers(), data_dir, 0)
         except torchzip.CheckpointError as error:

@@ -71,15 +71,15 @@ def _record_offsets(
         # (a zip inside a bigger file holds one tensor's few records: its headers are not worth asking for ahead)
         headers = _local_headers(list(zip(header_offsets, lengths)), pread, base,
                                  descriptor=handle.fileno() if window is None else None)
-        if refused == len(infos):
+        if refused == len(infos):  # every header is read: once, for both checks
+            headers = list(headers)
             located = _located_at_once(headers, columns, lengths, data_dir, base, archive.start_dir)
             if located is not None:
                 return located
-            headers = _local_headers(list(zip(header_offsets, lengths)), pread, base)
-        return _located_in_turn(path, archive, columns, refused, headers, data_dir, base)
+        return _located_in_turn(path, archive, columns, refused, iter(headers), data_dir, base)
 
 
-def _located_at_once(headers: Iterator[bytes], columns: tuple[list, ...], lengths: list[int], data_dir: str,
+def _located_at_once(headers: list[bytes], columns: tuple[list, ...], lengths: list[int], data_dir: str,
                      base: int, start_dir: int) -> Optional[dict[str, tuple[int, int]]]:
     """What :func:`_located_in_turn` returns where every local header agrees with the directory and the records
     lie in the file in the directory's order, none overlapping another or the directory; None anywhere else
@@ -89,7 +89,6 @@ def _located_at_once(headers: Iterator[bytes], columns: tuple[list, ...], length
     100,000 records in a fraction of what a Python loop over them costs.
     """
     names, _, raw_names, _, methods, _, compressed, sizes, _, _, header_offsets = columns
-    headers = list(headers)
     if not headers:
         return {}
     try:
@@ -207,13 +206,14 @@ def _local_headers(spans: list[tuple[int, int]], pread: Callable[[int, int], byt
     # Whether the span after each may share its read: where it may not, each is read alone, as asked for.
     joins = [0 <= gap <= _HEADER_GAP for gap in map(operator.sub, offsets[1:], map(operator.add, offsets, lengths))]
     joins.append(False)
-    return _joined_headers(spans, pread, base, ahead, joins)
+    return _joined_headers(spans, offsets, lengths, pread, base, ahead, joins)
 
 
-def _joined_headers(spans: list[tuple[int, int]], pread: Callable[[int, int], bytes], base: int,
-                    ahead: Optional[ReadAhead], joins: list[bool]) -> Iterator[bytes]:
-    """:func:`_local_headers`' reads, runs of spans close together read at once and the kernel asked ahead."""
-    offsets, lengths = zip(*spans)
+def _joined_headers(spans: list[tuple[int, int]], offsets: tuple[int, ...], lengths: tuple[int, ...],
+                    pread: Callable[[int, int], bytes], base: int, ahead: Optional[ReadAhead],
+                    joins: list[bool]) -> Iterator[bytes]:
+    """:func:`_local_headers`' reads (``spans``, also as their ``offsets`` and ``lengths``), runs of spans close
+    together read at once and the kernel asked ahead."""
     count = len(spans)
     index = 0
     while index < count:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pickle
+import pickletools
 import struct
 import zipfile
 from pathlib import Path
@@ -147,7 +148,12 @@ def test_build_on_a_class_given_a_stand_in_or_let_through_as_inert_is_refused(ge
     assert [dict(vars(cls)) for cls in classes] == before
 
 
-@pytest.mark.parametrize("opcode", [b"\x8e", b"\x8d", b"\x96"], ids=["BINBYTES8", "BINUNICODE8", "BYTEARRAY8"])
+# Every opcode whose argument carries an 8-byte length, as pickletools lists them (BINBYTES8, BINUNICODE8, BYTEARRAY8).
+_EIGHT_BYTE_LENGTHS = [op for op in pickletools.opcodes if op.arg is not None and op.arg.n == pickletools.TAKEN_FROM_ARGUMENT8U]
+
+
+@pytest.mark.parametrize("opcode", [op.code.encode("latin-1") for op in _EIGHT_BYTE_LENGTHS],
+                         ids=[op.name for op in _EIGHT_BYTE_LENGTHS])
 def test_an_argument_claiming_more_bytes_than_the_pickle_holds_is_refused_before_any_unpickler(
         genuine, tmp_path, capfd, opcode):
     # Python's C unpickler allocates the claimed length first; for BYTEARRAY8 CPython 3.11 then prints

@@ -61,6 +61,11 @@ records, 17 MB); each case's ``seeds``, its known expensive inputs, run
 first, once per run: a child killed on one is replaced by one that starts
 at the next.
 
+An error the interpreter only prints, which no ``except`` sees (raised in a
+finaliser, or printed by C code: ``sys.unraisablehook`` and
+``sys.excepthook`` in the child), is recorded as a failure of the input
+that printed it, its type marked ", printed"; ``--replay`` fails on one too.
+
 Failures that match ``fuzz_targets.KNOWN_BUGS`` (bugs pinned by xfail tests
 in tests/test_fuzz_short.py) are tagged as known. Exit status 1 when anything
 failed; with ``--ignore-known``, only when something new failed.
@@ -207,6 +212,34 @@ def _signature(exc: BaseException) -> tuple[str, str]:
     return type(exc).__name__, " -> ".join(dict.fromkeys(places))
 
 
+class _Printed:
+    """Errors the interpreter prints and goes on from, which no ``except`` sees: one raised in a finaliser
+    (``sys.unraisablehook``), or printed by C code with ``PyErr_Print`` (``sys.excepthook``; CPython 3.11 so
+    reported a bytearray freed while the C unpickler still held a view of it). Each is a finding."""
+
+    def __init__(self) -> None:
+        self.errors: list[BaseException] = []
+
+    def install(self) -> None:
+        sys.unraisablehook = self._unraisable
+        sys.excepthook = self._printed
+
+    def _unraisable(self, unraisable: Any) -> None:
+        self.errors.append(unraisable.exc_value if unraisable.exc_value is not None else unraisable.exc_type())
+
+    def _printed(self, kind: type, value: BaseException, tb: Any) -> None:
+        self.errors.append(value)
+
+    def take(self) -> list[BaseException]:
+        errors, self.errors = self.errors, []
+        return errors
+
+
+def _printed_signature(exc: BaseException) -> tuple[str, str]:
+    kind, place = _signature(exc)
+    return f"{kind}, printed", place
+
+
 def find_case(ref: str) -> Any:
     """A case of ``fuzz_targets.CASES`` by name, or ``module:attribute`` (a test's own case, with name, target, inputs)."""
     if ":" in ref:
@@ -303,6 +336,8 @@ def _worker(ref: str, deadline: float, max_examples: Optional[int], seed: Option
     warnings.simplefilter("ignore")  # zipfile's duplicate names, torch's pickle protocol: noise here
     current_path = Path(current)
     best: dict[tuple[str, str], int] = {}  # signature -> size of the input last sent for it
+    printed = _Printed()
+    printed.install()
 
     def more() -> bool:
         return time.monotonic() < deadline and (max_examples is None or shared.examples.value < max_examples)
@@ -314,6 +349,7 @@ def _worker(ref: str, deadline: float, max_examples: Optional[int], seed: Option
         shared.started.value = time.monotonic()
         shared.examples.value += 1
         reports = []
+        printed.take()  # anything printed between inputs is no input's
         try:
             case.target(data)
         except Exception as exc:  # every exception that is not a MaterializeError is a finding
@@ -327,6 +363,13 @@ def _worker(ref: str, deadline: float, max_examples: Optional[int], seed: Option
                 reports.append(("fail", key, data, type(exc).__name__, key[1], text.splitlines()[0][:160] if text else "", known))
         finally:
             shared.started.value = 0.0
+        for exc in printed.take():
+            shared.failures.value += 1
+            key = _printed_signature(exc)
+            if key not in best or len(data) < best[key]:
+                best[key] = len(data)
+                text = str(exc).strip()
+                reports.append(("fail", key, data, key[0], key[1], text.splitlines()[0][:160] if text else "", None))
         grown = _peak_growth(resident)
         if limits.input_memory_mb and grown > limits.memory_bytes_for(len(data)):
             reports.append(("memory", data, grown))
@@ -382,10 +425,18 @@ def _replay_worker(ref: str, path: str, limits: Limits, stack: str, shared: _Sha
     resident = _reset_peak()
     shared.size.value = len(data)
     shared.started.value = time.monotonic()
+    printed = _Printed()
+    printed.install()
     try:
         case.target(data)
     except Exception:
         traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    errors = printed.take()
+    if errors:
+        for exc in errors:
+            print(f"{_printed_signature(exc)[0]}: {exc}", file=sys.stderr)
         sys.stderr.flush()
         os._exit(1)
     shared.grown.value = _peak_growth(resident)

@@ -10,6 +10,7 @@ runs in a child process of its own, as every fuzz target does.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
@@ -46,6 +47,15 @@ def probe(data: bytes) -> None:
     if data == b"hog":  # 256 MiB, every page touched, then freed: no failure, only a peak
         hog = bytearray(HOG)
         hog[::4096] = b"x" * len(range(0, HOG, 4096))
+    if data == b"finalizer":  # raised where no caller can catch it: the interpreter prints it and goes on
+        _RaisesWhenFreed()
+    if data == b"print":  # printed by C code (PyErr_Print), as CPython's C unpickler once reported a freed buffer
+        ctypes.pythonapi.PyRun_SimpleString(b"raise SystemError('printed, never raised')")
+
+
+class _RaisesWhenFreed:
+    def __del__(self) -> None:
+        raise ValueError("raised in a finaliser")
 
 
 MB = 2**20
@@ -91,6 +101,7 @@ HANG = Probe("probe_hang", probe, st.just(b"hang"))
 DIE = Probe("probe_die", probe, st.just(b"die"))
 ALLOC = Probe("probe_alloc", probe, st.just(b"alloc"))
 HOG_ONCE = Probe("probe_hog", probe, st.sampled_from([b"fine", b"hog"]))
+PRINTED = Probe("probe_printed", probe, st.sampled_from([b"fine", b"finalizer", b"print"]))
 SLEEP_LINEAR = Probe("probe_sleeplinear", sleeps_linearly, _SIZES)
 SLEEP_SQUARE = Probe("probe_sleepsquare", sleeps_quadratically, _SIZES)
 TOUCH_LINEAR = Probe("probe_touchlinear", touches_linearly, _SIZES)
@@ -98,7 +109,7 @@ TOUCH_SQUARE = Probe("probe_touchsquare", touches_quadratically, _SIZES)
 SEEDED = Probe("probe_seeded", seeded, st.just(b"drawn"),
                seeds=(lambda: b"seed-0", lambda: b"seed-hang", lambda: b"seed-2"))
 PROBES = {probe.name: f"{__name__}:{attr}"
-          for probe, attr in ((HANG, "HANG"), (DIE, "DIE"), (ALLOC, "ALLOC"), (HOG_ONCE, "HOG_ONCE"),
+          for probe, attr in ((HANG, "HANG"), (DIE, "DIE"), (ALLOC, "ALLOC"), (HOG_ONCE, "HOG_ONCE"), (PRINTED, "PRINTED"),
                               (SLEEP_LINEAR, "SLEEP_LINEAR"), (SLEEP_SQUARE, "SLEEP_SQUARE"),
                               (TOUCH_LINEAR, "TOUCH_LINEAR"), (TOUCH_SQUARE, "TOUCH_SQUARE"), (SEEDED, "SEEDED"))}
 
@@ -143,6 +154,32 @@ def test_an_input_whose_peak_memory_goes_past_the_per_input_budget_is_kept_and_t
     kept = outcome.memory[0]
     assert kept.path.name.startswith("probe_hog-memory-") and kept.path.read_bytes() == b"hog"
     assert "rose 256 MiB" in kept.detail or "rose 257 MiB" in kept.detail
+
+
+def test_errors_the_interpreter_only_prints_are_failures_of_the_input_that_printed_them(tmp_path):
+    outcome = fuzz_run.fuzz_case(PROBES["probe_printed"], 120, limits=LIMITS, directory=tmp_path, max_examples=30,
+                                 seed=0)
+
+    assert outcome.examples == 30 and outcome.children == 1 and not outcome.errors
+    by_type = {finding.type_name: finding for finding in outcome.distinct.values()}
+    assert set(by_type) == {"ValueError, printed", "SystemError, printed"}
+    assert by_type["ValueError, printed"].data == b"finalizer" and "finaliser" in by_type["ValueError, printed"].message
+    assert by_type["SystemError, printed"].data == b"print"
+    assert by_type["SystemError, printed"].message == "printed, never raised"
+    assert 2 <= outcome.failures < 30  # each such input, never the fine ones
+
+
+def test_replay_fails_an_input_that_prints_an_error(tmp_path, capsys):
+    saved = tmp_path / "probe_printed-0.bin"
+    saved.write_bytes(b"finalizer")
+    fine = tmp_path / "probe_printed-1.bin"
+    fine.write_bytes(b"fine")
+
+    status = fuzz_run.replay([str(saved), str(fine)], limits=LIMITS, cases=PROBES)
+
+    out = capsys.readouterr().out
+    assert status == 1
+    assert f"{saved}: FAILS" in out and f"{fine}: passes" in out
 
 
 def test_replay_runs_each_saved_input_under_the_same_limits(tmp_path, capsys):

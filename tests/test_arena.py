@@ -1,5 +1,5 @@
 """Small CPU tensors carved from a load's arena (materialize.io.arena), and the short way a plain parameter
-takes through a load (loading._fresh_parameter): each tensor is still a tensor of its own, as torch.empty
+takes through a load (loading._allocated): each tensor is still a tensor of its own, as torch.empty
 makes it, and the model is the one the general way makes."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def test_short_way_makes_the_general_ways_model(name: str, fmt: str, tmp_path: P
     path = write(trained_state(scenario.build, scenario.mutate, scenario.edit_file), tmp_path / f"model.{fmt}", fmt)
     short = build_way(scenario.build, "meta_init")
     short_error = _load_error(short, path)
-    monkeypatch.setattr(loading, "_fresh_parameter", lambda *args, **kwargs: None)
+    monkeypatch.setattr(loading, "_allocated", _general_way_only)
     general = build_way(scenario.build, "meta_init")
     general_error = _load_error(general, path)
     assert short_error == general_error
@@ -56,13 +56,23 @@ def test_short_way_makes_the_general_ways_model(name: str, fmt: str, tmp_path: P
 
 def test_the_zoo_takes_the_short_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The comparison above is of something: plain parameters of the zoo do take the short way."""
-    took = []
-    fresh = loading._fresh_parameter
-    monkeypatch.setattr(loading, "_fresh_parameter", lambda *a, **k: took.append(fresh(*a, **k)) or took[-1])
+    offered, general = [], []
+    allocated = loading._allocated
+
+    def counted(entries, undo, arena, host, general_way):
+        offered.extend(entries)
+        return allocated(entries, undo, arena, host, lambda entry: general.append(entry) or general_way(entry))
+
+    monkeypatch.setattr(loading, "_allocated", counted)
     scenario = SCENARIOS["moduledict_modulelist_sequential"]
     path = write(trained_state(scenario.build), tmp_path / "model.safetensors", "safetensors")
     mz.load(build_way(scenario.build, "meta_init"), path)
-    assert took and all(job is not None for job in took)
+    assert offered and not general
+
+
+def _general_way_only(entries, undo, arena, host, general):
+    """loading._allocated with the short way switched off: every entry the general way."""
+    return [job for entry in entries for job in general(entry)]
 
 
 def _load_error(model: nn.Module, path: Path):

@@ -93,6 +93,12 @@ class _RangeHandler(BaseHTTPRequestHandler):
             return
         raw_path, _, query = self.path.partition("?")
         location = owner._redirect_for(raw_path, query)
+        if location is None and owner.folder_redirects and owner._is_folder(raw_path):
+            if raw_path.endswith("/"):
+                self._plain(403, "no listing of a folder\n", send_body)
+            else:
+                self._plain(301, "", send_body, {"Location": raw_path + "/" + (f"?{query}" if query else "")})
+            return
         if location is not None:
             self._redirect(location, raw_path, send_body)
             return
@@ -166,8 +172,11 @@ class RangeServer:
     """
 
     def __init__(self, root: Path, *, token: Optional[str] = None, redirects: Optional[Mapping[str, str]] = None,
-                 tls: Optional["ssl.SSLContext"] = None) -> None:
+                 tls: Optional["ssl.SSLContext"] = None, folder_redirects: bool = False) -> None:
         self.root = Path(root).resolve()
+        # As nginx answers a folder without a listing: its path without the "/" redirected to the path with it,
+        # and that refused (403). Otherwise both are 404, as a server that has no folders to speak of answers.
+        self.folder_redirects = folder_redirects
         self.tls = tls  # a server context: answers over HTTPS (the handshake on accept)
         self.token = token
         # Longest prefix first, so that a specific rule wins over a general one whatever the map's order.
@@ -214,6 +223,10 @@ class RangeServer:
             if raw_path.startswith(prefix):
                 return target + raw_path[len(prefix):] + (f"?{query}" if query else "")
         return None
+
+    def _is_folder(self, raw_path: str) -> bool:
+        candidate = (self.root / unquote(raw_path).lstrip("/")).resolve()
+        return (candidate == self.root or self.root in candidate.parents) and candidate.is_dir()
 
     def _open(self, raw_path: str) -> Optional[BinaryIO]:
         """The regular file at a URL path under ``root``, opened; ``None`` for a folder, a missing file, or a

@@ -227,6 +227,27 @@ def test_mmap_of_a_url_is_refused_before_anything_is_read(served):
     assert run.returncode == 2 and "leave --mmap out" in run.stderr
 
 
+@pytest.mark.parametrize("server_says", ["redirect", "404"])
+def test_a_folder_url_written_without_its_slash_is_that_folder(tmp_path, server_says):
+    """nginx redirects a folder's path to the path and a "/", and then refuses to list it (403); a server that
+    redirects nothing answers 404 for it, and the folder is found by its files."""
+    root = tmp_path / "www"
+    state = _state()
+    local = write_sharded(state, root / "m").parent
+    want, _ = mz.load_tensors(local)
+    with RangeServer(root, folder_redirects=server_says == "redirect") as server:
+        got, report = mz.load_tensors(f"{server.url}/m")
+        _same_tensors(got, want)
+        assert report.checkpoint.startswith(f"{server.url}/m/")
+        shown = subprocess.run([CLI, "inspect", f"{server.url}/m", "--json"], capture_output=True, text=True)
+        assert shown.returncode == 0, shown.stderr
+        assert sorted(t["name"] for t in json.loads(shown.stdout)["tensors"]) == sorted(state)
+        if server_says == "redirect":
+            assert any(r.path == "/m" and r.method == "HEAD" for r in server.requests)
+        with pytest.raises(mz.CheckpointNotFoundError, match="no such object"):  # no folder there either
+            mz.load_tensors(f"{server.url}/absent")
+
+
 def test_a_missing_object_and_an_unknown_scheme_are_one_line_errors(served):
     root, server = served
     with pytest.raises(mz.CheckpointNotFoundError, match="no such object"):

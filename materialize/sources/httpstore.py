@@ -4,7 +4,10 @@ An HTTP server has no listing to ask, so a folder URL (one ending in ``/``)
 is read through the names a checkpoint folder uses: its files are found by
 asking for each of :data:`FOLDER_NAMES` (a HEAD each, in parallel), and an
 index or a DCP ``.metadata`` names the rest. A folder of other names is
-opened by naming its file.
+opened by naming its file. A folder's URL written without its ``/`` is that
+folder where the server redirects it there (nginx and Python's
+``http.server`` do), or where it names no file but files of
+:data:`FOLDER_NAMES` lie below it.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class HttpStore:
         if self.files is not None:
             self._stats.update(self.files)
         self.companions = companions
+        self.folders: set[str] = set()  # keys the server redirected to their folder (the key and a "/")
 
     def url(self, key: str) -> str:
         return self.exact.get(key) or self.base + quote(key, safe="/~")
@@ -68,6 +72,9 @@ class HttpStore:
     def _head(self, key: str) -> Optional[ObjectInfo]:
         url = self.url(key)
         answer = self.transport.head(url, self.headers)
+        if answer.url == url + "/":  # the server's word for a folder, whatever that folder's own answer is
+            self.folders.add(key)
+            return None
         if answer.status in HEAD_REFUSED:
             # a URL signed for GET only (S3's presigned links sign the method), or a server without HEAD:
             # the first byte's answer says the size as well (Content-Range: bytes 0-0/SIZE)
@@ -134,6 +141,11 @@ def open_http(url: str, options: RemoteOptions, headers: Optional[Mapping[str, s
     store = HttpStore(base, Transport(options), {**options.headers, **(headers or {})})
     if not name:
         return RemotePath(store, "", folder=True)
+    key = unquote(name)
     if parts.query:  # a signed URL (S3 presigned, Azure SAS): this one file, its query kept; it names no others
-        store.exact[unquote(name)] = url.split("#", 1)[0]
-    return RemotePath(store, unquote(name), folder=False)
+        store.exact[key] = url.split("#", 1)[0]
+        return RemotePath(store, key, folder=False)
+    # Asked now, and kept for the reads: a folder's URL written without its "/" is that folder
+    if store.stat(key) is None and (key in store.folders or (store.listing(key) or ([], []))[0]):
+        return RemotePath(store, key, folder=True)
+    return RemotePath(store, key, folder=False)

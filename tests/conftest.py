@@ -16,6 +16,13 @@ from safetensors.torch import save_file
 
 from bench.models.transformer import DecoderLM
 
+# The stand-in servers listen on 127.0.0.1, and streaming goes through the proxy the environment names: a
+# proxy of the machine running the tests (set for its package downloads) must not carry them off. The proxy
+# tests set their own.
+for _variable in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
+    os.environ.pop(_variable, None)
+    os.environ.pop(_variable.upper(), None)
+
 # The demo/bench model by its file: a spec any subprocess resolves, whatever its working directory.
 DECODER_SPEC = f"{Path(__file__).resolve().parent.parent / 'bench' / 'models' / 'transformer.py'}:DecoderLM"
 

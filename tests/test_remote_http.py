@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 import materialize as mz
 from tests.conftest import (DECODER_SPEC, TINY, reference_model, run_ranks, saved_state, write_safetensors, write_sharded,
                             write_torch)
+from tests.forward_proxy import ForwardProxy
 from tests.remote_servers import FaultProxy, RangeServer
 
 CLI = str(Path(sys.executable).parent / "materialize")
@@ -354,3 +355,93 @@ def test_a_server_wanting_a_token_says_how_to_send_one_and_sending_it_works(tmp_
         assert wrong.returncode == 1 and "credentials sent were refused" in wrong.stderr
         got, _ = mz.load_tensors(url, remote=mz.RemoteOptions(headers={"Authorization": "Bearer sekret"}))
     _same_tensors(got, state)
+
+
+_PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
+
+
+@pytest.fixture
+def no_proxy_set(monkeypatch):
+    """The environment's proxy variables, both cases, unset: each test sets its own."""
+    for name in _PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    return monkeypatch
+
+
+def _tls_server(tmp_path: Path, state: dict[str, torch.Tensor]):
+    import ssl
+
+    cert, key = _self_signed(tmp_path)
+    (tmp_path / "www").mkdir()
+    write_safetensors(state, tmp_path / "www" / "model.safetensors")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    return RangeServer(tmp_path / "www", tls=context), cert
+
+
+def test_https_goes_through_the_proxy_https_proxy_names_in_a_tunnel(tmp_path, no_proxy_set):
+    state = {"w": torch.randn(64, 64), "b": torch.randn(64).to(torch.bfloat16)}
+    server, cert = _tls_server(tmp_path, state)
+    with server, ForwardProxy() as proxy:
+        no_proxy_set.setenv("HTTPS_PROXY", proxy.url)
+        got, _ = mz.load_tensors(f"{server.url}/model.safetensors", remote=mz.RemoteOptions(ca_bundle=str(cert)))
+        _same_tensors(got, state, ordered=False)
+        port = server.url.rpartition(":")[2]
+        assert proxy.requests and set(proxy.requests) == {("CONNECT", f"127.0.0.1:{port}")}
+        assert server.requests  # the server answered them, through the tunnel
+
+
+def test_http_goes_through_the_proxy_http_proxy_names_and_no_proxy_leaves_a_host_out(tmp_path, no_proxy_set):
+    state = {"w": torch.randn(64, 64)}
+    write_safetensors(state, tmp_path / "model.safetensors")
+    with RangeServer(tmp_path) as server, ForwardProxy() as proxy:
+        no_proxy_set.setenv("HTTP_PROXY", proxy.url)
+        url = f"{server.url}/model.safetensors"
+        got, _ = mz.load_tensors(url)
+        _same_tensors(got, state)
+        assert {target for _, target in proxy.requests} == {url}  # the whole URL asked of the proxy
+        assert {method for method, _ in proxy.requests} >= {"GET"}
+        asked = len(proxy.requests)
+        no_proxy_set.setenv("NO_PROXY", "localhost,127.0.0.1")
+        got, _ = mz.load_tensors(url)
+        _same_tensors(got, state)
+        assert len(proxy.requests) == asked
+
+
+@pytest.mark.parametrize("scheme", ["https", "http"])
+def test_a_proxy_wanting_credentials_says_where_to_put_them_and_putting_them_there_works(tmp_path, no_proxy_set,
+                                                                                         scheme):
+    state = {"w": torch.randn(32, 32)}
+    if scheme == "https":
+        server, cert = _tls_server(tmp_path, state)
+        options = mz.RemoteOptions(ca_bundle=str(cert))
+    else:
+        write_safetensors(state, tmp_path / "model.safetensors")
+        server, cert, options = RangeServer(tmp_path), None, None
+    variable = f"{scheme.upper()}_PROXY"
+    with server, ForwardProxy(user="me", password="p@ss word") as proxy:
+        url = f"{server.url}/model.safetensors"
+        no_proxy_set.setenv(variable, proxy.url)
+        with pytest.raises(mz.CheckpointAccessError, match=f"proxy {proxy.url} wants credentials.*407.*{variable}=http://USER:PASSWORD@"):
+            mz.load_tensors(url, remote=options)
+        env = {**os.environ, variable: proxy.url, **({"SSL_CERT_FILE": str(cert)} if cert else {})}
+        command = [CLI, "inspect", url]
+        refused = subprocess.run(command, capture_output=True, text=True, env=env)
+        assert refused.returncode == 1 and refused.stderr.count("\n") == 1 and "407" in refused.stderr, refused.stderr
+        with_credentials = proxy.url.replace("http://", "http://me:p%40ss%20word@")
+        followed = subprocess.run(command, capture_output=True, text=True, env={**env, variable: with_credentials})
+        assert followed.returncode == 0, followed.stderr
+        assert "me:" not in followed.stdout + followed.stderr  # the credentials are the proxy's alone
+        no_proxy_set.setenv(variable, with_credentials)
+        got, _ = mz.load_tensors(url, remote=options)
+        _same_tensors(got, state)
+
+
+def test_a_proxy_of_another_kind_is_refused_in_one_line(tmp_path, no_proxy_set):
+    write_safetensors({"w": torch.randn(4)}, tmp_path / "model.safetensors")
+    with RangeServer(tmp_path) as server:
+        no_proxy_set.setenv("HTTP_PROXY", "socks5://127.0.0.1:1080")
+        with pytest.raises(mz.CheckpointAccessError, match="socks5://127.0.0.1:1080 is not an http:// proxy"):
+            mz.load_tensors(f"{server.url}/model.safetensors")
+        assert not server.requests

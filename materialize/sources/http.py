@@ -10,6 +10,13 @@ What the stores need beyond bytes (credentials, signing, listings) comes
 from their own libraries; this module moves bytes, and the small answers
 (a listing page, an object's metadata) of a store whose API is plain HTTP.
 
+Requests go through the proxy the environment names, as curl, requests and
+huggingface_hub send them: ``HTTPS_PROXY`` for ``https://`` (a ``CONNECT``
+tunnel, TLS end to end with the server), ``HTTP_PROXY`` for ``http://`` (the
+whole URL asked of the proxy), none for a host ``NO_PROXY`` lists; credentials
+in the proxy's URL (``http://user:password@proxy:3128``) are sent to it alone.
+An ``https://`` or SOCKS proxy is refused in one line.
+
 Every GET names the byte range it wants and, where the object's tag is
 known, ``If-Match`` it, and its answer must say the same range of an
 object of the same size and tag: an object rewritten during a load is an
@@ -20,6 +27,7 @@ only for the bytes not yet received. Each error names the URL and the range.
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import random
@@ -29,11 +37,12 @@ import ssl
 import struct
 import threading
 import time
+import urllib.request
 from collections.abc import Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Optional
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import SplitResult, unquote, urljoin, urlsplit
 
 from ..errors import CheckpointAccessError, CheckpointError, CheckpointNotFoundError
 from .settings import RemoteOptions
@@ -110,9 +119,21 @@ class Transport:
             pool = self._pools.setdefault((scheme, host, port), _Pool())
             if pool.idle:
                 return pool.idle.pop()
-        if scheme == "https":
-            return http.client.HTTPSConnection(host, port, timeout=self.options.timeout, context=self._context())
-        return http.client.HTTPConnection(host, port, timeout=self.options.timeout)
+        proxy = proxy_for(scheme, host)
+        if proxy is None:
+            if scheme == "https":
+                return http.client.HTTPSConnection(host, port, timeout=self.options.timeout, context=self._context())
+            return http.client.HTTPConnection(host, port, timeout=self.options.timeout)
+        credentials = _proxy_credentials(proxy)
+        proxy_port = proxy.port or 80
+        if scheme == "https":  # a tunnel: the proxy sees where, never what
+            connection = http.client.HTTPSConnection(proxy.hostname, proxy_port, timeout=self.options.timeout,
+                                                     context=self._context())
+            connection.set_tunnel(host, port, headers=credentials)
+            return connection
+        connection = http.client.HTTPConnection(proxy.hostname, proxy_port, timeout=self.options.timeout)
+        connection.absolute_form = credentials  # type: ignore[attr-defined]  # each request asks the whole URL
+        return connection
 
     def _release(self, scheme: str, host: str, port: int, connection: http.client.HTTPConnection) -> None:
         with self._lock:
@@ -144,14 +165,22 @@ class Transport:
         host = parts.hostname or ""
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         connection = self._connection(scheme, host, port)
+        sent = dict(headers)
+        through_proxy = getattr(connection, "absolute_form", None)
+        if through_proxy is not None:
+            target = f"{scheme}://{parts.netloc.rpartition('@')[2]}{target}"
+            sent.update(through_proxy)
         with self._lock:
             self.requests += 1
         try:
-            connection.request(method, target, headers=dict(headers))
+            connection.request(method, target, headers=sent)
             response = connection.getresponse()
         except Exception:
             connection.close()
             raise
+        if response.status == 407:  # the proxy's, whatever was asked: no retry mends it (_refuse_if_lasting)
+            connection.close()
+            raise _ProxyWantsCredentials()
         return response, connection, (scheme, host, port)
 
     def head(self, url: str, headers: Mapping[str, str], *, what: str = "HEAD", name: Optional[str] = None) -> Answer:
@@ -536,11 +565,64 @@ def _json_words(body: bytes) -> str:
     return f" {reason}: {message}" if isinstance(reason, str) and reason else f" {message}"
 
 
+class _ProxyWantsCredentials(OSError):
+    """An ``http://`` request's proxy answered 407 (a tunnel's refusal is http.client's own OSError)."""
+
+
+def proxy_for(scheme: str, host: str) -> Optional[SplitResult]:
+    """The proxy the environment names for ``scheme`` (``HTTPS_PROXY``, ``HTTP_PROXY``; lower case first, as
+    urllib reads them), ``None`` where it names none or ``NO_PROXY`` exempts ``host``; an ``https://`` or
+    SOCKS proxy is refused (a CheckpointAccessError naming it)."""
+    found = urllib.request.getproxies().get(scheme)
+    if not found or urllib.request.proxy_bypass(host):
+        return None
+    proxy = urlsplit(found if "://" in found else f"http://{found}")
+    if proxy.scheme.lower() != "http" or not proxy.hostname:
+        raise CheckpointAccessError(f"the {scheme} proxy {_shown(proxy)} is not an http:// proxy, the one kind "
+                                    "this reader goes through: name an http:// one, or leave the host out by NO_PROXY",
+                                    path=f"{scheme}://{host}")
+    return proxy
+
+
+def _shown(proxy: Optional[SplitResult]) -> str:
+    """A proxy's URL without its credentials."""
+    if proxy is None:
+        return "(none)"
+    return f"{proxy.scheme}://{proxy.netloc.rpartition('@')[2]}"
+
+
+def _proxy_credentials(proxy: SplitResult) -> dict[str, str]:
+    if proxy.username is None:
+        return {}
+    pair = f"{unquote(proxy.username)}:{unquote(proxy.password or '')}".encode()
+    return {"Proxy-Authorization": "Basic " + base64.b64encode(pair).decode("ascii")}
+
+
 def _refuse_if_lasting(exc: BaseException, url: str, *, name: Optional[str] = None) -> None:
     """Failures no retry mends, refused at once: a host name that does not resolve, nothing listening, a
-    certificate this machine does not trust (a private CA: name its bundle). The error names ``name`` (what
-    messages call the object) where given, else ``url``."""
+    certificate this machine does not trust (a private CA: name its bundle), a proxy that refuses the tunnel.
+    The error names ``name`` (what messages call the object) where given, else ``url``."""
     path = name or url
+    parts = urlsplit(url)
+    proxy = proxy_for(parts.scheme.lower(), parts.hostname or "")
+    if isinstance(exc, _ProxyWantsCredentials):
+        raise CheckpointAccessError(f"the proxy {_shown(proxy)} wants credentials (HTTP 407): give them in its URL, "
+                                    "HTTP_PROXY=http://USER:PASSWORD@HOST:PORT", path=path) from None
+    if proxy is not None:
+        tunnel = re.match(r"Tunnel connection failed: (\d+)(.*)", str(exc)) if isinstance(exc, OSError) else None
+        if tunnel is not None and 400 <= int(tunnel.group(1)) < 500:
+            status = f"HTTP {tunnel.group(1)}{tunnel.group(2).rstrip()}"
+            if tunnel.group(1) == "407":
+                raise CheckpointAccessError(f"the proxy {_shown(proxy)} wants credentials for a tunnel to "
+                                            f"{parts.netloc} ({status}): give them in its URL, "
+                                            "HTTPS_PROXY=http://USER:PASSWORD@HOST:PORT", path=path) from None
+            raise CheckpointAccessError(f"the proxy {_shown(proxy)} refused a tunnel to {parts.netloc} ({status})",
+                                        path=path) from None
+        if isinstance(exc, socket.gaierror):
+            raise CheckpointAccessError(f"cannot resolve the proxy's host {proxy.hostname!r}", path=path) from None
+        if isinstance(exc, ConnectionRefusedError):
+            raise CheckpointAccessError(f"connection refused: nothing listens at the proxy {_shown(proxy)}",
+                                        path=path) from None
     if isinstance(exc, ssl.SSLCertVerificationError):
         raise CheckpointAccessError(f"its TLS certificate is not trusted ({exc.verify_message}): for a private CA "
                                     "give its bundle (RemoteOptions(ca_bundle=...); AWS_CA_BUNDLE for s3://)",

@@ -53,7 +53,8 @@ from .checkpoint.pieces import Job
 from .io.executor import Reads, reads
 from .options import ProgressFn, ReadOptions
 from .progress import ProgressLike, counted, report_phase, takes_progress
-from .io.destination import INDEX_NAME, check_destination, check_room, place, remove, shard_names, staging
+from .io.destination import (INDEX_NAME, check_destination, check_room, left_by_the_killed, place, remove,
+                             shard_names, staging)
 from .errors import ConvertWarning, ExpansionError, MaterializeError, ModelSpecError, OutputError, summarize_names
 from .io.fileio import byte_view
 from .io.gcpause import gc_paused
@@ -90,6 +91,8 @@ class ConvertReport:
         state_dict_key: the entry of the source's saved dict its tensors came from.
         removed: an earlier conversion's shards and index in ``destination`` that this one did not write
             again (``overwrite``), removed so that the folder holds one checkpoint.
+        cleared: what conversions to ``destination`` killed midway had left (their hidden staging, named for
+            this host and their process, which no process has now), removed before this one wrote.
     """
 
     source: str
@@ -101,6 +104,7 @@ class ConvertReport:
     copied: list[str] = field(default_factory=list)
     state_dict_key: Optional[str] = None
     removed: list[str] = field(default_factory=list)
+    cleared: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """Every field, as JSON-ready values."""
@@ -119,6 +123,8 @@ class ConvertReport:
             rows.append(("copied", ", ".join(self.copied)))
         if self.removed:
             rows.append(("removed", ", ".join(self.removed) + " (an earlier conversion's)"))
+        if self.cleared:
+            rows.append(("cleared", ", ".join(Path(p).name for p in self.cleared) + " (left by a conversion killed midway)"))
         # escaped: the source's file names (its companion files') are the source's choice
         return "\n".join(f"{key:<14} {printable(value)}" for key, value in rows)
 
@@ -230,6 +236,9 @@ def convert(
             check_room(destination, outputs)
         temporary: Optional[Path] = None
         report_phase(progress, f"writing {counted(len(items), 'tensor')}")
+        cleared = left_by_the_killed(destination, merging=merging)
+        for leftover in cleared:
+            remove(leftover)
         try:
             temporary = staging(destination, single_file=single_file, merging=merging)
             with reads(ckpt.files, ReadOptions(allow_overflow=allow_overflow)) as reader:
@@ -247,7 +256,7 @@ def convert(
         return ConvertReport(
             source=os.fspath(ckpt.path), destination=str(destination), files=files, tensors=len(items),
             bytes_written=sum(item.nbytes for item in items), seconds=time.perf_counter() - started, copied=copied,
-            state_dict_key=ckpt.state_dict_key, removed=removed,
+            state_dict_key=ckpt.state_dict_key, removed=removed, cleared=[str(path) for path in cleared],
         )
 
 

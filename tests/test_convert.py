@@ -600,3 +600,53 @@ def test_cli_refuses_to_turn_a_file_into_a_folder_or_a_folder_into_a_file(tmp_pa
 
     assert_one_error_line(refused, f"{target}: is {there}, and a destination")
     assert contents(tmp_path) == before
+
+
+@pytest.mark.parametrize("merging", [False, True], ids=["new folder", "merged into"])
+def test_what_a_conversion_killed_midway_left_is_cleared_by_the_next_and_nothing_else_is(tmp_path, merging):
+    """A real conversion, slowed by a proxy in front of its source URL, killed (SIGKILL) once its staging exists:
+    the next conversion to that destination removes it, and keeps another host's and a live process's."""
+    import signal
+    import subprocess
+    import time
+
+    from test_cli import materialize_command
+    from tests.remote_servers import FaultProxy, RangeServer
+
+    torch.manual_seed(0)
+    state = {f"w{i}": torch.randn(256, 256) for i in range(8)}  # 2 MiB: 20 s through the proxy's 100 KB/s
+    (tmp_path / "www").mkdir()
+    write_safetensors(state, tmp_path / "www" / "model.safetensors")
+    out = tmp_path / "out"
+    if merging:
+        mz.convert(write_safetensors({"old": torch.zeros(3)}, tmp_path / "old.safetensors"), out)
+    where, prefix = (out, ".materialize-partial-") if merging else (tmp_path, ".out.partial-")
+    with RangeServer(tmp_path / "www") as server, FaultProxy(server.url, rate=100_000) as slow:
+        killed = subprocess.Popen([materialize_command(), "convert", f"{slow.url}/model.safetensors", str(out),
+                                   *(["--overwrite"] if merging else [])],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 60
+            while not [p for p in where.iterdir() if p.name.startswith(prefix)] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            killed.send_signal(signal.SIGKILL)
+        finally:
+            killed.wait()
+    assert killed.returncode == -signal.SIGKILL
+    (left,) = [p for p in where.iterdir() if p.name.startswith(prefix)]
+    host, pid = left.name[len(prefix):].split("-")[:2]
+    assert pid == str(killed.pid)
+    others = [where / f"{prefix}{host}x-{killed.pid}-kept", where / f"{prefix}{host}-{os.getpid()}-kept"]
+    for other in others:  # another host's; a live process's (this one)
+        other.mkdir()
+        (other / "part").write_bytes(b"x")
+
+    converted = run_cli("convert", tmp_path / "www" / "model.safetensors", out, "--json",
+                        *(["--overwrite"] if merging else []))
+
+    assert converted.returncode == 0, converted.stderr
+    assert json.loads(converted.stdout)["cleared"] == [str(left)]
+    assert not left.exists() and all((other / "part").exists() for other in others)
+    assert sorted(p.name for p in where.iterdir() if p.name.startswith(prefix)) == sorted(o.name for o in others)
+    got = load_file(out / "model.safetensors")
+    assert got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in state)

@@ -30,6 +30,10 @@ the folder during the moves may see some new files beside old ones (new
 shards named as the old ones beside the old index). Each file, though, is
 always there whole, old or new: a replaced file is never missing, not even
 for an instant, where the file system has hard links.
+
+A process killed while writing cannot remove its staging: each is named for
+its host and process id, and the next conversion to that destination on the
+same host removes those no process has now (:func:`left_by_the_killed`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -104,15 +109,58 @@ def what_is_there(path: Path) -> str:
     return f"a symlink to {kind}" if path.is_symlink() else kind
 
 
+# This process, as a staging name says it: a conversion killed before it could remove its staging left it
+# under this mark, and a later one on this host removes it once no process has that id (see left_by_the_killed)
+_HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname()) or "host"
+_MARK = re.compile(r"(?P<host>[A-Za-z0-9_]+)-(?P<pid>\d+)(?:-|$)")
+MERGE_STAGING = ".materialize-partial-"
+
+
+def _mark() -> str:
+    return f"{_HOST}-{os.getpid()}"
+
+
 def staging(destination: Path, *, single_file: bool, merging: bool) -> Path:
     """Where the files are written before :func:`place`: beside a new destination or a replaced file (one
-    rename puts it in place), inside a folder merged into (renames within it, never across file systems)."""
+    rename puts it in place), inside a folder merged into (renames within it, never across file systems).
+    Named for this host and process (:func:`left_by_the_killed`)."""
     if merging:
-        return Path(tempfile.mkdtemp(prefix=".materialize-partial-", dir=destination))
-    staged = destination.parent / f".{destination.name}.partial-{os.getpid()}"
+        return Path(tempfile.mkdtemp(prefix=f"{MERGE_STAGING}{_mark()}-", dir=destination))
+    staged = destination.parent / f".{destination.name}.partial-{_mark()}"
     if not single_file:
         staged.mkdir()  # not mkdtemp: the folder, renamed into place, keeps the mode the user's umask gives
     return staged
+
+
+def left_by_the_killed(destination: Path, *, merging: bool) -> list[Path]:
+    """The stagings of earlier conversions to ``destination`` that were killed before they could remove them
+    (a failed conversion removes its own): named for this host and a process id no process has now. A
+    staging of another host (a shared file system), of a live process (a conversion under way), or named
+    otherwise is never among them."""
+    folder, prefix = (destination, MERGE_STAGING) if merging else (destination.parent, f".{destination.name}.partial-")
+    found = []
+    try:
+        names = _names_in(folder)
+    except OSError:
+        return []
+    for name in names:
+        mark = _MARK.match(name, len(prefix)) if name.startswith(prefix) else None
+        if mark is not None and mark["host"] == _HOST and not _alive(int(mark["pid"])):
+            found.append(folder / name)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process of this id may be running; where that cannot be told, it may (its files are kept)."""
+    if pid <= 0 or pid == os.getpid():  # (0 and negative ids signal process groups)
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # another user's process (PermissionError), or an id past any there is
+        return True
+    return True
 
 
 def place(staged: Path, destination: Path, names: list[str], *, merging: bool) -> list[str]:

@@ -10,12 +10,11 @@ import base64
 import http.client
 import selectors
 import socket
-import threading
 from http.server import BaseHTTPRequestHandler
 from typing import Optional
 from urllib.parse import urlsplit
 
-from tests.local_server import TrackedHTTPServer, serve_in_thread, stop_serving
+from tests.local_server import StandIn, TrackedHTTPServer
 
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authorization", "proxy-connection", "te", "trailer",
                          "transfer-encoding", "upgrade"})
@@ -30,8 +29,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
 
     def _admitted(self) -> bool:
         owner: ForwardProxy = self.server.owner
-        with owner._lock:
-            owner.requests.append((self.command, self.path))
+        owner._record((self.command, self.path))
         if owner.credentials is None or self.headers.get("Proxy-Authorization") == owner.credentials:
             return True
         self.send_response(407)
@@ -112,34 +110,17 @@ def _relay(client: socket.socket, upstream: socket.socket) -> None:
                     return
 
 
-class ForwardProxy:
+class ForwardProxy(StandIn):
     """The proxy, inside a ``with`` block: ``url`` (``http://127.0.0.1:PORT``), ``requests`` (``(method,
     target)`` of each request it was asked, tunnels as ``("CONNECT", "host:port")``)."""
 
+    handler = _ProxyHandler
+
     def __init__(self, *, user: Optional[str] = None, password: str = "") -> None:
+        super().__init__()
         self.credentials = None if user is None else \
             "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
-        self.requests: list[tuple[str, str]] = []
-        self._lock = threading.Lock()
-        self._server: Optional[TrackedHTTPServer] = None
-        self._thread: Optional[threading.Thread] = None
 
     @property
     def url(self) -> str:
-        if self._server is None:
-            raise RuntimeError("the proxy runs only inside its with block")
-        return f"http://127.0.0.1:{self._server.server_port}"
-
-    def __enter__(self) -> "ForwardProxy":
-        self._server = TrackedHTTPServer(_ProxyHandler, self, "ForwardProxy")
-        self._thread = serve_in_thread(self._server)
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        server, thread = self._server, self._thread
-        if server is None or thread is None:
-            return
-        self._server = self._thread = None
-        left = stop_serving(server, thread)
-        if left and exc_info[0] is None:
-            raise RuntimeError(f"ForwardProxy threads still alive after closing: {left}")
+        return f"http://127.0.0.1:{self.port}"

@@ -111,23 +111,24 @@ def single_range(header: Optional[str], size: int) -> Optional[tuple[int, int]]:
     return start, min(end, size - 1)
 
 
-class CloudStandIn:
-    """A cloud store's stand-in over the folders under ``root`` (each a bucket or a container, each file below an
-    object), on 127.0.0.1 inside a ``with`` block: the requests it answered (``requests``, :meth:`seen`), the
-    tokens its token endpoint handed out (``issued``, ``tokens_issued``). A subclass names its handler class and
-    sets ``root``, ``issued`` and ``requests`` in its ``__init__`` (after calling this one's)."""
+class StandIn:
+    """A stand-in server on 127.0.0.1 inside a ``with`` block, its ``handler`` class answering (a handler finds
+    the stand-in as ``self.server.owner``); ``requests``, what it was asked (:meth:`_record`). A subclass names its
+    handler class."""
 
-    handler: type[BaseHTTPRequestHandler]  # set by the subclass's module once its handler class exists
+    handler: type[BaseHTTPRequestHandler]  # set by the subclass (or its module, once the handler class exists)
 
     def __init__(self) -> None:
-        self.tokens_issued = 0
+        self.requests: list[Any] = []
         self._lock = threading.Lock()
         self._server: Optional[TrackedHTTPServer] = None
         self._thread: Optional[threading.Thread] = None
 
-    def seen(self, method: Optional[str] = None) -> list[Any]:
-        with self._lock:
-            return [r for r in self.requests if method is None or r.method == method]
+    @property
+    def port(self) -> int:
+        if self._server is None:
+            raise RuntimeError(f"{type(self).__name__} runs only inside its with block")
+        return self._server.server_port
 
     def __enter__(self):
         self._server = TrackedHTTPServer(self.handler, self, type(self).__name__)
@@ -143,11 +144,26 @@ class CloudStandIn:
         if left and exc_info[0] is None:
             raise RuntimeError(f"{type(self).__name__} threads still alive after closing: {left}")
 
-    # --- what the handlers ask ----------------------------------------------------------------------------
-
     def _record(self, seen: Any) -> None:
         with self._lock:
             self.requests.append(seen)
+
+
+class CloudStandIn(StandIn):
+    """A cloud store's stand-in over the folders under ``root`` (each a bucket or a container, each file below an
+    object): the requests it answered (``requests``, :meth:`seen`), the tokens its token endpoint handed out
+    (``issued``, ``tokens_issued``). A subclass names its handler class and sets ``root``, ``issued`` and
+    ``requests`` in its ``__init__`` (after calling this one's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens_issued = 0
+
+    def seen(self, method: Optional[str] = None) -> list[Any]:
+        with self._lock:
+            return [r for r in self.requests if method is None or r.method == method]
+
+    # --- what the handlers ask ----------------------------------------------------------------------------
 
     def _issue(self) -> Optional[str]:
         with self._lock:

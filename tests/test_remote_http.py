@@ -445,3 +445,16 @@ def test_a_proxy_of_another_kind_is_refused_in_one_line(tmp_path, no_proxy_set):
         with pytest.raises(mz.CheckpointAccessError, match="socks5://127.0.0.1:1080 is not an http:// proxy"):
             mz.load_tensors(f"{server.url}/model.safetensors")
         assert not server.requests
+
+
+def test_a_proxy_nothing_listens_at_is_named_not_the_server(tmp_path, no_proxy_set):
+    import socket
+
+    write_safetensors({"w": torch.randn(4)}, tmp_path / "model.safetensors")
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]  # free once closed
+    with RangeServer(tmp_path) as server:
+        no_proxy_set.setenv("HTTP_PROXY", f"http://127.0.0.1:{port}")
+        with pytest.raises(mz.CheckpointAccessError, match=f"nothing listens at the proxy http://127.0.0.1:{port}"):
+            mz.load_tensors(f"{server.url}/model.safetensors")
+        assert not server.requests

@@ -618,20 +618,17 @@ def _refuse_if_lasting(exc: BaseException, url: str, *, name: Optional[str] = No
                                             "HTTPS_PROXY=http://USER:PASSWORD@HOST:PORT", path=path) from None
             raise CheckpointAccessError(f"the proxy {_shown(proxy)} refused a tunnel to {parts.netloc} ({status})",
                                         path=path) from None
-        if isinstance(exc, socket.gaierror):
-            raise CheckpointAccessError(f"cannot resolve the proxy's host {proxy.hostname!r}", path=path) from None
-        if isinstance(exc, ConnectionRefusedError):
-            raise CheckpointAccessError(f"connection refused: nothing listens at the proxy {_shown(proxy)}",
-                                        path=path) from None
     if isinstance(exc, ssl.SSLCertVerificationError):
         raise CheckpointAccessError(f"its TLS certificate is not trusted ({exc.verify_message}): for a private CA "
                                     "give its bundle (RemoteOptions(ca_bundle=...); AWS_CA_BUNDLE for s3://)",
                                     path=path) from None
+    # Through a proxy, the host connected to is the proxy's
     if isinstance(exc, socket.gaierror):
-        raise CheckpointAccessError(f"cannot resolve host {urlsplit(url).hostname!r}", path=path) from None
+        host = f"the proxy's host {proxy.hostname!r}" if proxy is not None else f"host {parts.hostname!r}"
+        raise CheckpointAccessError(f"cannot resolve {host}", path=path) from None
     if isinstance(exc, ConnectionRefusedError):
-        raise CheckpointAccessError(f"connection refused: nothing listens at {urlsplit(url).netloc}",
-                                    path=path) from None
+        where = f"the proxy {_shown(proxy)}" if proxy is not None else parts.netloc
+        raise CheckpointAccessError(f"connection refused: nothing listens at {where}", path=path) from None
 
 
 def _describe(exc: BaseException) -> str:

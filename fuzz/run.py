@@ -235,6 +235,12 @@ class _Printed:
         return errors
 
 
+def _first_line(exc: BaseException) -> str:
+    """What a finding says of its exception: the first line of its message, at most 160 characters."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:160] if text else ""
+
+
 def _printed_signature(exc: BaseException) -> tuple[str, str]:
     kind, place = _signature(exc)
     return f"{kind}, printed", place
@@ -359,8 +365,7 @@ def _worker(ref: str, deadline: float, max_examples: Optional[int], seed: Option
             key = _signature(exc)
             if key not in best or len(data) < best[key]:
                 best[key] = len(data)
-                text = str(exc).strip()
-                reports.append(("fail", key, data, type(exc).__name__, key[1], text.splitlines()[0][:160] if text else "", known))
+                reports.append(("fail", key, data, type(exc).__name__, key[1], _first_line(exc), known))
         finally:
             shared.started.value = 0.0
         for exc in printed.take():
@@ -368,8 +373,7 @@ def _worker(ref: str, deadline: float, max_examples: Optional[int], seed: Option
             key = _printed_signature(exc)
             if key not in best or len(data) < best[key]:
                 best[key] = len(data)
-                text = str(exc).strip()
-                reports.append(("fail", key, data, key[0], key[1], text.splitlines()[0][:160] if text else "", None))
+                reports.append(("fail", key, data, key[0], key[1], _first_line(exc), None))
         grown = _peak_growth(resident)
         if limits.input_memory_mb and grown > limits.memory_bytes_for(len(data)):
             reports.append(("memory", data, grown))

@@ -146,6 +146,6 @@ def open_http(url: str, options: RemoteOptions, headers: Optional[Mapping[str, s
         store.exact[key] = url.split("#", 1)[0]
         return RemotePath(store, key, folder=False)
     # Asked now, and kept for the reads: a folder's URL written without its "/" is that folder
-    if store.stat(key) is None and (key in store.folders or (store.listing(key) or ([], []))[0]):
+    if store.stat(key) is None and (key in store.folders or store.listing(key)[0]):  # (no file list: never None)
         return RemotePath(store, key, folder=True)
     return RemotePath(store, key, folder=False)

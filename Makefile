@@ -13,7 +13,8 @@
 #   make bench-many  a mixture-of-experts checkpoint of 100,000 small tensors (2.5 GB) as one safetensors file,
 #                    sharded safetensors and a torch zip, into a model built on meta and one from deferred_init,
 #                    against safetensors and torch.load + load_state_dict(assign=True), under FSDP2 on 2 ranks,
-#                    and materialize inspect; each load's phases timed apart
+#                    and materialize inspect; each load's phases timed apart; the model's build alone
+#                    (meta_init, accelerate's init_empty_weights, torch.device("meta"), deferred_init)
 #   make bench-remote  the 1.9 GB checkpoint streamed from nginx (http://) and a moto S3 server (s3://) on loopback,
 #                      against the local file and Run:ai's Model Streamer (needs nginx: apt-get install nginx-light)
 #   make zoo    every transformers class of the auto mappings (tiny configs), timm family and torchvision builder

@@ -30,6 +30,10 @@ of ``--runs``:
   it, and ours on the one safetensors file, each run with its file dropped from the page cache first
   (``posix_fadvise(DONTNEED)``): what opening a file of 100,000 records costs when each of its headers is a
   trip to the disk;
+- build (``--groups build``): the model alone, built under ``mz.meta_init``, accelerate's
+  ``init_empty_weights``, torch's ``with torch.device("meta")`` and recorded by ``mz.deferred_init``, in
+  fresh processes taking turns (the load s column is the build here): what a user waits for before a load
+  of a model of many modules begins;
 - scaling (``--scaling-counts``): ours on one safetensors file and on a torch zip of 12,500 to 100,000
   tensors of 256 bytes, each phase per tensor: whether each grows linearly with the count.
 
@@ -111,6 +115,12 @@ GROUPS = {
         "ours: every rank reads its own rows": "fsdp-ours",
         "torch: rank 0 load_file, set_model_state_dict broadcasts": "fsdp-broadcast",
     },
+    "build": {  # the model alone, no load: its load s is its build s
+        "mz.meta_init": "build-meta",
+        "accelerate init_empty_weights": "build-accelerate",
+        "torch: with torch.device('meta')": "build-torch-meta",
+        "mz.deferred_init": "build-deferred",
+    },
     "scaling": {},  # ours at several tensor counts of tiny tensors: see scaling_methods
     "inspect": {
         "materialize inspect, one safetensors file": "inspect-single",
@@ -126,9 +136,10 @@ GROUPS = {
         "ours, meta_init model, one safetensors file": "ours:single",
     },
 }
-GROUP_FORMS = {"cast": "single"}  # a group not named after its form: the form it loads
+GROUP_FORMS = {"cast": "single", "build": "single"}  # a group not named after its form: the form it loads
 GROUP_WORDS = {**FORM_WORDS, "cast": "one safetensors file, bf16 -> fp32",
-               "fsdp2": "FSDP2 over 2 ranks (gloo, CPU), one safetensors file"}
+               "fsdp2": "FSDP2 over 2 ranks (gloo, CPU), one safetensors file",
+               "build": "the model built without memory, no load (load s: the build)"}
 PHASES = ("open", "plan", "allocate", "read", "assign", "report")
 SCALING_COUNTS = "12500,25000,50000,100000"
 SCALING_SHAPE = (16, 8)  # 256-byte experts: the bytes cost nothing, each phase's cost per tensor shows
@@ -141,6 +152,8 @@ def with_baseline(methods: dict[str, str], group: str, name: str) -> dict[str, s
         return {**methods, f"ours, meta_init model, {name}": "ours" + BASELINE}
     if group == "cast":
         return {**methods, f"ours, meta_init model, bf16 -> fp32, {name}": "ours-cast" + BASELINE}
+    if group == "build":
+        return {**methods, f"mz.meta_init, {name}": "build-meta" + BASELINE}
     if group in ("cold", "inspect"):  # each of ours followed by its baseline row; the rest run no library of ours
         interleaved: dict[str, str] = {}
         for label, method in methods.items():
@@ -262,6 +275,9 @@ def _skeleton(args: dict, how: str) -> torch.nn.Module:
 
         with init_empty_weights():
             return MoELM(**args)
+    if how == "torch-meta":
+        with torch.device("meta"):
+            return MoELM(**args)
     import materialize as mz
 
     if how == "deferred":
@@ -297,8 +313,12 @@ def child(method: str, path: Path, expected: dict) -> dict:
     # untimed, by every method alike.
     torch.ones(3, device="meta").cos()
     load = _imported(path)
-    built = time.perf_counter()
+    if method.startswith("build-"):
+        return _built_alone(method.removeprefix("build-"), expected)
     how = next((how for how in ("deferred", "accelerate") if how in method), "meta")
+    if how == "accelerate":
+        import accelerate  # noqa: F401  (an import of seconds: not the build)
+    built = time.perf_counter()
     model = None if method.startswith("limit") else _skeleton(expected["model_args"], how)
     build_s = time.perf_counter() - built
     with open("/proc/self/clear_refs", "w") as clear:
@@ -365,6 +385,22 @@ def child(method: str, path: Path, expected: dict) -> dict:
                               and all(tensors[name].dtype == dtype and crc(tensors[name].to(torch.bfloat16)) == value
                                       for name, value in expected["same"].items()))
     return result
+
+
+def _built_alone(how: str, expected: dict) -> dict:
+    """The model built in this fresh process by ``how`` (see :func:`_skeleton`), timed; no load."""
+    import materialize
+
+    if how == "accelerate":
+        import accelerate  # noqa: F401  (an import of seconds: not the build)
+    before = _rss()
+    started = time.perf_counter()
+    model = _skeleton(expected["model_args"], how)
+    build_s = time.perf_counter() - started
+    tensors = [*model.parameters(), *model.buffers()]
+    return {"load_s": build_s, "build_s": build_s, "phases": {}, "rss_growth": _peak_rss() - before,
+            "library": str(Path(materialize.__file__).resolve().parent),
+            "verified": len(tensors) == expected["tensors"] and all(p.is_meta for p in model.parameters())}
 
 
 def rank_main(method: str, path: Path, expected: dict, store: Path, rank: int, world: int, out: Path) -> None:

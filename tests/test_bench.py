@@ -173,7 +173,10 @@ def test_the_many_tensors_bench_verifies_every_method_of_every_form_and_times_ea
     report = json.loads((out / "bench-many.json").read_text())
     assert report["tensors"] == 300
     groups = report["results"]
-    assert set(groups) == {"single", "sharded", "torch", "cast", "fsdp2", "scaling", "inspect", "cold"}
+    assert set(groups) == {"single", "sharded", "torch", "cast", "fsdp2", "build", "scaling", "inspect", "cold"}
+    assert list(groups["build"]) == ["mz.meta_init", "accelerate init_empty_weights", "torch: with torch.device('meta')",
+                                     "mz.deferred_init", "mz.meta_init, same checkout"]
+    assert all(row["build_s"] == row["load_s"] > 0 for row in groups["build"].values())
     assert [row["tensors"] for row in groups["scaling"].values()] == [60, 60, 60, 60, 120, 120, 120, 120]
     baseline = groups["single"]["ours, meta_init model, same checkout"]  # the library of --baseline, in turns
     assert baseline["verified"] and baseline["library"] == str(ROOT / "materialize")

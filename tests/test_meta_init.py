@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import threading
@@ -107,6 +108,53 @@ def test_context_is_left_even_when_the_body_raises():
         pass
 
     assert nn.Linear(2, 2).weight.device.type == "cpu"
+
+
+def test_the_collector_is_paused_while_building_and_left_as_found():
+    with mz.meta_init():
+        with mz.meta_init():
+            pass
+        paused_after_inner = not gc.isenabled()  # the outermost block holds the pause
+        nn.Linear(2, 2)
+    assert paused_after_inner and gc.isenabled()
+    with pytest.raises(RuntimeError, match="boom"):
+        with mz.meta_init():
+            paused_before_raising = not gc.isenabled()
+            raise RuntimeError("boom")
+    assert paused_before_raising and gc.isenabled()
+    gc.disable()
+    try:
+        with mz.meta_init():
+            pass
+        assert not gc.isenabled()  # the caller's choice stands
+    finally:
+        gc.enable()
+
+
+class _PlainParameters(nn.Module):
+    """Plain parameters set up by a constructor in the ways a load must keep: frozen, tagged, strided."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        frozen = nn.Parameter(torch.empty(4, 3), requires_grad=False)
+        frozen.no_decay = True
+        self.frozen = frozen
+        self.channels_last = nn.Parameter(torch.empty(2, 3, 1, 5).to(memory_format=torch.channels_last))
+        self.register_parameter("absent", None)
+        self.in_half = nn.Parameter(torch.empty(3, dtype=torch.float16))
+
+
+def test_plain_parameters_go_to_meta_as_eager_construction_makes_them():
+    eager = _PlainParameters()
+    with mz.meta_init():
+        model = _PlainParameters()
+
+    assert model.absent is None
+    for name, param in eager.named_parameters():
+        made = getattr(model, name)
+        assert made.is_meta and type(made) is type(param) is nn.Parameter, name
+        assert (made.shape, made.dtype, made.stride(), made.requires_grad, made.__dict__) == \
+            (param.shape, param.dtype, param.stride(), param.requires_grad, param.__dict__), name
 
 
 def _registration_hooks() -> int:

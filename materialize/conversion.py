@@ -53,7 +53,7 @@ from .checkpoint.pieces import Job
 from .io.executor import Reads, reads
 from .options import ProgressFn, ReadOptions
 from .progress import ProgressLike, counted, report_phase, takes_progress
-from .io.destination import (INDEX_NAME, check_destination, check_room, left_by_the_killed, place, remove,
+from .io.destination import (INDEX_NAME, check_destination, check_room, cleared, left_by_the_killed, place, remove,
                              shard_names, staging)
 from .errors import ConvertWarning, ExpansionError, MaterializeError, ModelSpecError, OutputError, summarize_names
 from .io.fileio import byte_view
@@ -92,7 +92,8 @@ class ConvertReport:
         removed: an earlier conversion's shards and index in ``destination`` that this one did not write
             again (``overwrite``), removed so that the folder holds one checkpoint.
         cleared: what conversions to ``destination`` killed midway had left (their hidden staging, named for
-            this host and their process, which no process has now), removed before this one wrote.
+            this host and their process, which no process has now), removed before this one wrote; one that
+            cannot be removed is left, and named in a ``ConvertWarning``.
     """
 
     source: str
@@ -236,9 +237,11 @@ def convert(
             check_room(destination, outputs)
         temporary: Optional[Path] = None
         report_phase(progress, f"writing {counted(len(items), 'tensor')}")
-        cleared = left_by_the_killed(destination, merging=merging)
-        for leftover in cleared:
-            remove(leftover)
+        swept, kept = cleared(left_by_the_killed(destination, merging=merging))
+        for leftover, error in kept:  # housekeeping: the conversion asked for goes on
+            reason = os.strerror(error.errno) if error.errno else str(error)
+            warnings.warn(ConvertWarning(f"{leftover}: a killed conversion's staging cannot be removed ({reason}); "
+                                         "it is left as it is: remove it by hand"), stacklevel=2)
         try:
             temporary = staging(destination, single_file=single_file, merging=merging)
             with reads(ckpt.files, ReadOptions(allow_overflow=allow_overflow)) as reader:
@@ -256,7 +259,7 @@ def convert(
         return ConvertReport(
             source=os.fspath(ckpt.path), destination=str(destination), files=files, tensors=len(items),
             bytes_written=sum(item.nbytes for item in items), seconds=time.perf_counter() - started, copied=copied,
-            state_dict_key=ckpt.state_dict_key, removed=removed, cleared=[str(path) for path in cleared],
+            state_dict_key=ckpt.state_dict_key, removed=removed, cleared=[str(path) for path in swept],
         )
 
 

@@ -227,7 +227,8 @@ class MaterializeWarning(UserWarning):
 
 
 class ConvertWarning(MaterializeWarning):
-    """``convert`` leaves out what safetensors cannot hold (modules' extra state that is not a tensor)."""
+    """``convert`` leaves out what safetensors cannot hold (modules' extra state that is not a tensor), or
+    leaves a killed conversion's staging it could not remove."""
 
 
 class MostlyInitializedWarning(MaterializeWarning):

@@ -650,3 +650,58 @@ def test_what_a_conversion_killed_midway_left_is_cleared_by_the_next_and_nothing
     assert sorted(p.name for p in where.iterdir() if p.name.startswith(prefix)) == sorted(o.name for o in others)
     got = load_file(out / "model.safetensors")
     assert got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("merging", [False, True], ids=["new file", "merged into"])
+def test_a_killed_conversions_staging_that_cannot_be_removed_is_named_and_the_conversion_goes_on(
+        tmp_path, monkeypatch, merging):
+    """The sweep of killed stagings is housekeeping: one it cannot remove (immutable, a mount inside it; here
+    its removal refused) is left, named in a warning, and not reported cleared; once removed by hand, as
+    the warning says, the next conversion has nothing to say."""
+    import errno
+    import shutil
+    import subprocess
+    import sys
+    import warnings
+
+    from materialize.io import destination
+
+    state = {"w": torch.arange(6.0).reshape(2, 3)}
+    src = write_safetensors(state, tmp_path / "m.safetensors")
+    out = tmp_path / ("out" if merging else "out.safetensors")
+    if merging:
+        mz.convert(write_safetensors({"old": torch.zeros(3)}, tmp_path / "old.safetensors"), out)
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout)  # a process id no process has now
+    where, prefix = (out, destination.MERGE_STAGING) if merging else (tmp_path, f".{out.name}.partial-")
+    stuck = where / f"{prefix}{destination._HOST}-{dead}"  # a folder merged into stages a folder, else a file
+    part = stuck / "model.safetensors" if merging else stuck
+    if merging:
+        stuck.mkdir()
+    part.write_bytes(b"x" * 64)
+    removing, unlinking = shutil.rmtree, Path.unlink
+
+    def refused(path, *args, **kwargs):
+        if Path(path) == stuck:
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), str(path))
+        return (removing if merging else unlinking)(path, *args, **kwargs)
+
+    if merging:
+        monkeypatch.setattr(destination.shutil, "rmtree", refused)
+    else:
+        monkeypatch.setattr(Path, "unlink", refused)
+    with pytest.warns(mz.ConvertWarning) as warned:
+        report = mz.convert(src, out, overwrite=merging)
+
+    assert [str(w.message) for w in warned] == [
+        f"{stuck}: a killed conversion's staging cannot be removed (Operation not permitted); it is left as it is: "
+        "remove it by hand"]
+    assert report.cleared == [] and part.read_bytes() == b"x" * 64
+    got = load_file(out / "model.safetensors" if merging else out)
+    assert got.keys() == state.keys() and torch.equal(got["w"], state["w"])
+    monkeypatch.undo()
+    removing(stuck) if merging else stuck.unlink()  # by hand, as the warning says
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = mz.convert(src, out, overwrite=True)
+    assert again.cleared == [] and not stuck.exists()

@@ -201,6 +201,23 @@ def remove(path: Path) -> None:
         path.unlink()
 
 
+def cleared(leftovers: list[Path]) -> tuple[list[Path], list[tuple[Path, OSError]]]:
+    """Those of ``leftovers`` (:func:`left_by_the_killed`) removed whole, and each one that could not be with
+    why: what :func:`remove` leaves quietly on a failure path, a sweep says."""
+    removed, kept = [], []
+    for path in leftovers:
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+        except OSError as error:
+            kept.append((path, error))
+        else:
+            removed.append(path)
+    return removed, kept
+
+
 def _placing_order(name: str) -> int:
     # shards before the files beside them, the index last: an index never names a shard not yet there
     if name == INDEX_NAME:

@@ -104,7 +104,10 @@ class _RangeHandler(BaseHTTPRequestHandler):
             return
         opened = owner._open(raw_path)
         if opened is None:
-            self._plain(404, "no such file\n", send_body)
+            if owner.missing_status == 403:
+                self._plain(403, "AccessDenied\n", send_body)
+            else:
+                self._plain(404, "no such file\n", send_body)
             return
         with opened as file:
             self._file(file, send_body)
@@ -172,8 +175,12 @@ class RangeServer:
     """
 
     def __init__(self, root: Path, *, token: Optional[str] = None, redirects: Optional[Mapping[str, str]] = None,
-                 tls: Optional["ssl.SSLContext"] = None, folder_redirects: bool = False) -> None:
+                 tls: Optional["ssl.SSLContext"] = None, folder_redirects: bool = False,
+                 missing_status: int = 404) -> None:
         self.root = Path(root).resolve()
+        # 403 for what is not there, file or folder alike: S3 (and stores like it) answer so a reader that may
+        # not list the bucket, so that a missing key and a refused one look the same.
+        self.missing_status = missing_status
         # As nginx answers a folder without a listing: its path without the "/" redirected to the path with it,
         # and that refused (403). Otherwise both are 404, as a server that has no folders to speak of answers.
         self.folder_redirects = folder_redirects

@@ -249,6 +249,34 @@ def test_a_folder_url_written_without_its_slash_is_that_folder(tmp_path, server_
             mz.load_tensors(f"{server.url}/absent")
 
 
+@pytest.mark.parametrize("written", ["m/", "m"], ids=["with its slash", "without"])
+@pytest.mark.parametrize("layout", ["sharded", "one file"])
+def test_a_folder_on_a_store_that_refuses_missing_keys_is_read_by_its_files(tmp_path, written, layout):
+    """S3 answers 403, not 404, for a key that is not there to a reader that may not list the bucket (anyone,
+    on a public one): the folder's files that are there are read, the names refused beside them are absent,
+    and a folder with nothing below it is the refusal it was."""
+    root = tmp_path / "www"
+    (root / "m").mkdir(parents=True)
+    state = _state()
+    local = (write_sharded(state, root / "m").parent if layout == "sharded"
+             else write_safetensors(state, root / "m" / "model.safetensors").parent)
+    want, _ = mz.load_tensors(local)
+    with RangeServer(root, missing_status=403) as server:
+        got, report = mz.load_tensors(f"{server.url}/{written}")
+        _same_tensors(got, want)
+        assert report.checkpoint.startswith(f"{server.url}/m/")
+        shown = subprocess.run([CLI, "inspect", f"{server.url}/{written}", "--json"], capture_output=True, text=True)
+        assert shown.returncode == 0, shown.stderr
+        assert sorted(t["name"] for t in json.loads(shown.stdout)["tensors"]) == sorted(state)
+        refused = subprocess.run([CLI, "inspect", f"{server.url}/absent"], capture_output=True, text=True)
+        assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+        assert refused.stderr.startswith(f"Error: {server.url}/absent: access refused (HTTP 403)"), refused.stderr
+        assert "S3 answers so for a name that is not there too" in refused.stderr
+        with pytest.raises(mz.CheckpointAccessError, match="access refused"):  # a file's name: not probed as a folder
+            mz.load_tensors(f"{server.url}/m/absent.safetensors")
+        assert not any(r.path.startswith("/m/absent.safetensors/") for r in server.requests)
+
+
 def test_a_missing_object_and_an_unknown_scheme_are_one_line_errors(served):
     root, server = served
     with pytest.raises(mz.CheckpointNotFoundError, match="no such object"):

@@ -7,7 +7,10 @@ index or a DCP ``.metadata`` names the rest. A folder of other names is
 opened by naming its file. A folder's URL written without its ``/`` is that
 folder where the server redirects it there (nginx and Python's
 ``http.server`` do), or where it names no file but files of
-:data:`FOLDER_NAMES` lie below it.
+:data:`FOLDER_NAMES` lie below it. S3, to a reader that may not list its
+bucket (anyone, on a public one), answers 403 for a key that is not there as
+for one refused: a refused name beside files that are found is taken as
+absent, and a folder's name refused is that folder where its files answer.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ FOLDER_NAMES = (
 )
 
 
+# A name ending so is a file's: a refusal of it is not probed as a folder's
+FILE_SUFFIXES = (".safetensors", ".json", ".bin", ".pt", ".pth", ".ckpt", ".metadata", ".distcp")
 HEAD_REFUSED = frozenset({403, 405, 501})  # a HEAD answered so is asked again as a GET of the first byte
 
 
@@ -82,7 +87,8 @@ class HttpStore:
         if answer.status in (404, 410):
             return None
         if answer.status in (401, 403):
-            raise CheckpointAccessError(f"access refused (HTTP {answer.status}){_token_words(self.headers)}",
+            missing = "; S3 answers so for a name that is not there too" if answer.status == 403 else ""
+            raise CheckpointAccessError(f"access refused (HTTP {answer.status}){_token_words(self.headers)}{missing}",
                                         path=url)
         if answer.status == 206:
             total = answer.headers.get("content-range", "").rpartition("/")[2]
@@ -109,8 +115,20 @@ class HttpStore:
                 return None
             return sorted(n for n in below if "/" not in n), sorted({n.split("/")[0] for n in below if "/" in n})
         with ThreadPoolExecutor(len(FOLDER_NAMES)) as probes:
-            found = list(probes.map(lambda name: self.stat(prefix + name), FOLDER_NAMES))
-        return [name for name, info in zip(FOLDER_NAMES, found) if info is not None], []
+            found = list(probes.map(self._probe, [prefix + name for name in FOLDER_NAMES]))
+        names = [name for name, (info, _) in zip(FOLDER_NAMES, found) if info is not None]
+        refused = [error for _, error in found if error is not None]
+        if refused and not names:
+            raise refused[0]  # nothing answered: the folder is refused (or not there), as its first file says
+        # Beside files that are there, a refusal is a name that is not: S3 answers 403 for a missing key to a
+        # reader that may not list the bucket (an anonymous one of a public bucket)
+        return names, []
+
+    def _probe(self, key: str) -> tuple[Optional[ObjectInfo], Optional[CheckpointAccessError]]:
+        try:
+            return self.stat(key), None
+        except CheckpointAccessError as refused:
+            return None, refused
 
     def read_into(self, key: str, offset: int, views: list[memoryview], *, tensor: Optional[str]) -> None:
         info = self.stat(key)
@@ -146,6 +164,21 @@ def open_http(url: str, options: RemoteOptions, headers: Optional[Mapping[str, s
         store.exact[key] = url.split("#", 1)[0]
         return RemotePath(store, key, folder=False)
     # Asked now, and kept for the reads: a folder's URL written without its "/" is that folder
-    if store.stat(key) is None and (key in store.folders or store.listing(key)[0]):  # (no file list: never None)
+    try:
+        found = store.stat(key)
+    except CheckpointAccessError:
+        # S3 refuses (403) a key that is not there, a folder's name among them, to a reader that may not list
+        if key.endswith(FILE_SUFFIXES) or not _files_below(store, key):
+            raise
+        return RemotePath(store, key, folder=True)
+    if found is None and (key in store.folders or store.listing(key)[0]):  # (no file list: never None)
         return RemotePath(store, key, folder=True)
     return RemotePath(store, key, folder=False)
+
+
+def _files_below(store: HttpStore, key: str) -> bool:
+    """Whether files of :data:`FOLDER_NAMES` answer below ``key`` (a listing refused whole: none)."""
+    try:
+        return bool(store.listing(key)[0])
+    except CheckpointAccessError:
+        return False

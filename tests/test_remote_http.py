@@ -228,6 +228,16 @@ def test_mmap_of_a_url_is_refused_before_anything_is_read(served):
     assert run.returncode == 2 and "leave --mmap out" in run.stderr
 
 
+def _read_as_folder(url: str, folder: str, want: dict[str, torch.Tensor]) -> None:
+    """``url`` loaded by the library and listed by the CLI as the checkpoint of the folder URL ``folder``."""
+    got, report = mz.load_tensors(url)
+    _same_tensors(got, want)
+    assert report.checkpoint.startswith(folder)
+    shown = subprocess.run([CLI, "inspect", url, "--json"], capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    assert sorted(t["name"] for t in json.loads(shown.stdout)["tensors"]) == sorted(want)
+
+
 @pytest.mark.parametrize("server_says", ["redirect", "404"])
 def test_a_folder_url_written_without_its_slash_is_that_folder(tmp_path, server_says):
     """nginx redirects a folder's path to the path and a "/", and then refuses to list it (403); a server that
@@ -237,12 +247,7 @@ def test_a_folder_url_written_without_its_slash_is_that_folder(tmp_path, server_
     local = write_sharded(state, root / "m").parent
     want, _ = mz.load_tensors(local)
     with RangeServer(root, folder_redirects=server_says == "redirect") as server:
-        got, report = mz.load_tensors(f"{server.url}/m")
-        _same_tensors(got, want)
-        assert report.checkpoint.startswith(f"{server.url}/m/")
-        shown = subprocess.run([CLI, "inspect", f"{server.url}/m", "--json"], capture_output=True, text=True)
-        assert shown.returncode == 0, shown.stderr
-        assert sorted(t["name"] for t in json.loads(shown.stdout)["tensors"]) == sorted(state)
+        _read_as_folder(f"{server.url}/m", f"{server.url}/m/", want)
         if server_says == "redirect":
             assert any(r.path == "/m" and r.method == "HEAD" for r in server.requests)
         with pytest.raises(mz.CheckpointNotFoundError, match="no such object"):  # no folder there either
@@ -262,12 +267,7 @@ def test_a_folder_on_a_store_that_refuses_missing_keys_is_read_by_its_files(tmp_
              else write_safetensors(state, root / "m" / "model.safetensors").parent)
     want, _ = mz.load_tensors(local)
     with RangeServer(root, missing_status=403) as server:
-        got, report = mz.load_tensors(f"{server.url}/{written}")
-        _same_tensors(got, want)
-        assert report.checkpoint.startswith(f"{server.url}/m/")
-        shown = subprocess.run([CLI, "inspect", f"{server.url}/{written}", "--json"], capture_output=True, text=True)
-        assert shown.returncode == 0, shown.stderr
-        assert sorted(t["name"] for t in json.loads(shown.stdout)["tensors"]) == sorted(state)
+        _read_as_folder(f"{server.url}/{written}", f"{server.url}/m/", want)
         refused = subprocess.run([CLI, "inspect", f"{server.url}/absent"], capture_output=True, text=True)
         assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
         assert refused.stderr.startswith(f"Error: {server.url}/absent: access refused (HTTP 403)"), refused.stderr

@@ -131,6 +131,21 @@ def test_the_collector_is_paused_while_building_and_left_as_found():
         gc.enable()
 
 
+def test_the_hooks_go_and_the_collector_is_on_again_even_where_leaving_the_block_fails(monkeypatch):
+    from materialize.skeleton import meta
+
+    def fails() -> None:
+        raise RuntimeError("putting buffers on meta failed")
+
+    hooks = _registration_hooks()
+    monkeypatch.setattr(meta, "_put_unfilled_buffers_on_meta", fails)
+    with pytest.raises(RuntimeError, match="putting buffers on meta failed"):
+        with mz.meta_init():
+            nn.Linear(2, 2)
+    assert gc.isenabled() and _registration_hooks() == hooks
+    assert nn.Linear(2, 2).weight.device.type == "cpu"
+
+
 class _PlainParameters(nn.Module):
     """Plain parameters set up by a constructor in the ways a load must keep: frozen, tagged, strided."""
 

@@ -324,12 +324,14 @@ def meta_init(include_buffers: bool = False) -> Iterator[None]:
         with _SkipInPlaceOnMeta():
             yield
     finally:
-        stack.pop()
-        if not stack:
-            _put_unfilled_buffers_on_meta()
-        _HOOKS.release()
-        if pauses_collector:
-            gc.enable()
+        try:
+            stack.pop()
+            if not stack:
+                _put_unfilled_buffers_on_meta()
+        finally:  # whatever that raises, neither the hooks nor a paused collector outlive the block
+            _HOOKS.release()
+            if pauses_collector:
+                gc.enable()
 
 
 def is_meta(tensor: torch.Tensor) -> bool:

@@ -104,10 +104,7 @@ class _RangeHandler(BaseHTTPRequestHandler):
             return
         opened = owner._open(raw_path)
         if opened is None:
-            if owner.missing_status == 403:
-                self._plain(403, "AccessDenied\n", send_body)
-            else:
-                self._plain(404, "no such file\n", send_body)
+            self._plain(owner.missing_status, "no such file\n", send_body)
             return
         with opened as file:
             self._file(file, send_body)

@@ -193,10 +193,11 @@ def place(staged: Path, destination: Path, names: list[str], *, merging: bool) -
     return stale
 
 
-def remove(path: Path) -> None:
-    """A staging file or folder, gone (a failed conversion's)."""
+def remove(path: Path, *, whole: bool = False) -> None:
+    """A staging file or folder, gone (a failed conversion's); a folder's files that cannot be removed are
+    left quietly, unless ``whole`` asks the OSError of the first."""
     if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(path, ignore_errors=not whole)
     elif os.path.lexists(path):
         path.unlink()
 
@@ -207,10 +208,7 @@ def cleared(leftovers: list[Path]) -> tuple[list[Path], list[tuple[Path, OSError
     removed, kept = [], []
     for path in leftovers:
         try:
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink(missing_ok=True)
+            remove(path, whole=True)
         except OSError as error:
             kept.append((path, error))
         else:

@@ -75,7 +75,7 @@ demo: $(STAMP)
 	$(VENV)/bin/materialize $(DEMO_DIR) --model configs/demo.toml
 
 test: $(STAMP)
-	MATERIALIZE_LOCK=$(LOCK) $(PY) -m pytest -q
+	MATERIALIZE_LOCK=$(LOCK) $(PY) -m pytest -q --durations=40
 
 # Resolved in a throwaway venv from the requirement files alone, then frozen: pip itself is the venv's own.
 lock:

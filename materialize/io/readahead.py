@@ -10,46 +10,83 @@ cold torch zip of 100,000 tensors (2.5 GB) took 6.7 s before, 2.3 s now, and
 group).
 
 Asking costs a system call a read even where every page is cached, so it is
-done only where a sample of the reads finds a page missing (a read with
-``RWF_NOWAIT``, which fails rather than wait for the disk). Nothing is read
-into our memory ahead of its turn: the pages go to the page cache, which may
-drop them again under pressure (then the read simply waits for them).
+done only where a sample of the reads finds a page missing: ``mincore`` on
+a mapping of the file, which reads nothing. (A read with ``RWF_NOWAIT``
+was the probe before: it starts the kernel's readahead of the page it is
+refused, and on a fast disk that read could finish inside the call, so a
+cold file answered "cached" now and then.) Nothing is read into our memory
+ahead of its turn: the pages go to the page cache, which may drop them
+again under pressure (then the read simply waits for them).
 """
 
 from __future__ import annotations
 
+import functools
+import mmap
 import os
+import sys
 from collections.abc import Sequence
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    import ctypes
 
 #: Fewer separate reads than this are not worth a look at the page cache.
 MIN_READS = 256
 #: How many reads are asked for ahead of the one being made.
 WINDOW = 4096
 _SAMPLES = 16
-# The probe's own reference: it reads no data, so what stands in for os.preadv to watch a load's reads
-# (tests count them, or cut them short) does not see it.
-_preadv = getattr(os, "preadv", None)
+
+
+@functools.cache
+def _libc() -> Optional[ctypes.CDLL]:
+    """The C library's ``mmap``, ``munmap`` and ``mincore``, typed; None where they are not to be had."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes  # here, not at the top: a zip of few records never pays its import
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols: no library search
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long)
+        libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+        libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 def any_uncached(descriptor: int, spans: Sequence[tuple[int, int]], base: int = 0) -> bool:
     """Whether the page where any of a few of ``spans`` (``(offset, length)``, at ``base`` + offset) starts is
     missing from the page cache.
 
-    False where the kernel cannot say (no ``RWF_NOWAIT`` for this file or platform).
+    Reads nothing, and starts no read. False where the kernel cannot say
+    (no ``mincore`` on this platform, a file that cannot be mapped).
     """
-    flag = getattr(os, "RWF_NOWAIT", None)
-    if flag is None or _preadv is None or not spans:
+    libc = _libc()
+    if libc is None or not spans:
         return False
-    probe = bytearray(1)
-    for offset, _ in spans[::max(1, len(spans) // _SAMPLES)]:
-        try:
-            _preadv(descriptor, [probe], base + offset, flag)
-        except BlockingIOError:
-            return True
-        except OSError:  # not supported here (some file systems refuse the flag)
-            return False
-    return False
+    import ctypes
+
+    size = os.fstat(descriptor).st_size
+    pages = sorted({(base + offset) // mmap.PAGESIZE for offset, _ in spans[::max(1, len(spans) // _SAMPLES)]
+                    if 0 <= base + offset < size})
+    if not pages:
+        return False
+    address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, descriptor, 0)
+    if address is None or address == ctypes.c_void_p(-1).value:  # MAP_FAILED
+        return False
+    try:
+        resident = ctypes.create_string_buffer(1)
+        for page in pages:
+            if libc.mincore(address + page * mmap.PAGESIZE, mmap.PAGESIZE, resident) != 0:
+                return False
+            if not resident.raw[0] & 1:
+                return True
+        return False
+    finally:
+        libc.munmap(address, size)
 
 
 class ReadAhead:

@@ -146,6 +146,24 @@ def test_the_hooks_go_and_the_collector_is_on_again_even_where_leaving_the_block
     assert nn.Linear(2, 2).weight.device.type == "cpu"
 
 
+class _BuffersThatFailToBeRead(dict):
+    def get(self, *args):
+        raise RuntimeError("a buffer that cannot be read")
+
+
+def test_a_failure_putting_buffers_on_meta_leaves_nothing_of_the_block_to_the_next():
+    from materialize.skeleton import meta
+
+    with pytest.raises(RuntimeError, match="a buffer that cannot be read"):
+        with mz.meta_init():
+            model = nn.BatchNorm1d(3)  # its buffers kept real (include_buffers=False), noted for the exit
+            model._buffers = _BuffersThatFailToBeRead(model._buffers)
+    assert meta._built_buffers() == [] and meta._unfilled() == {}  # no reference to the failed block's model
+    with mz.meta_init():
+        again = nn.BatchNorm1d(3)
+    assert again.weight.is_meta and again.running_mean.device.type == "cpu"
+
+
 class _PlainParameters(nn.Module):
     """Plain parameters set up by a constructor in the ways a load must keep: frozen, tagged, strided."""
 

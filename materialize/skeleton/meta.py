@@ -150,13 +150,15 @@ def _put_unfilled_buffers_on_meta() -> None:
     meta, the load initializes it with its module's ``reset_parameters()``
     like any buffer built on meta, before the checkpoint's values are read.
     """
-    unfilled = _unfilled()
-    for module, name in _built_buffers():
-        buffer = module._buffers.get(name)
-        if buffer is not None and id(buffer) in unfilled and unfilled[id(buffer)] is buffer:
-            module._buffers[name] = buffer.to("meta")
-    unfilled.clear()
-    _built_buffers().clear()
+    unfilled, built = _unfilled(), _built_buffers()
+    try:
+        for module, name in built:
+            buffer = module._buffers.get(name)
+            if buffer is not None and id(buffer) in unfilled and unfilled[id(buffer)] is buffer:
+                module._buffers[name] = buffer.to("meta")
+    finally:  # even where a move raises: the thread's next block must not hold (or move) this one's modules
+        unfilled.clear()
+        built.clear()
 
 
 def _install_hooks() -> None:

@@ -6,6 +6,7 @@ so the rules run here; tests/test_cuda.py checks the real counters on a GPU.
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import pytest
@@ -99,8 +100,11 @@ def test_anonymous_memory_read_from_statm_is_what_status_calls_rssanon():
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc")
 def test_a_load_step_observed_counts_memory_no_sample_saw():
     with PeakMemory([torch.device("cpu")], sample_seconds=3600) as memory:  # the thread never samples
-        held = b"\x01" * (64 * 2**20)  # written: resident
+        # A mapping of its own, written: new resident memory whatever this process freed before (a bytes object
+        # of 64 MB may be carved from heap memory an earlier test freed and left resident, and add nothing).
+        held = mmap.mmap(-1, 64 * 2**20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        held.write(b"\x01" * len(held))
         memory.observe()  # what a load does once everything is allocated, and once everything is read
-        del held
+        held.close()
 
     assert memory.host_growth >= 60 * 2**20

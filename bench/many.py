@@ -154,6 +154,8 @@ def with_baseline(methods: dict[str, str], group: str, name: str) -> dict[str, s
         return {**methods, f"ours, meta_init model, bf16 -> fp32, {name}": "ours-cast" + BASELINE}
     if group == "build":
         return {**methods, f"mz.meta_init, {name}": "build-meta" + BASELINE}
+    if group == "fsdp2":
+        return {**methods, f"ours: every rank reads its own rows, {name}": "fsdp-ours" + BASELINE}
     if group in ("cold", "inspect"):  # each of ours followed by its baseline row; the rest run no library of ours
         interleaved: dict[str, str] = {}
         for label, method in methods.items():
@@ -523,9 +525,9 @@ def run_fsdp(args: argparse.Namespace, method: str, scratch: Path) -> dict:
     outs = [scratch / f"rank{rank}.json" for rank in range(FSDP_WORLD)]
     for out in outs:
         out.unlink(missing_ok=True)
+    method, env, cwd = _where(args, method)
     processes = [subprocess.Popen([*_child_command(args), "--rank", f"{method},{rank},{FSDP_WORLD},{store},{out}"],
-                                  cwd=ROOT, env=child_env(args.data), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                  text=True)
+                                  cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                  for rank, out in enumerate(outs)]
     errors = [process.communicate(timeout=3600)[1] for process in processes]
     if not all(out.exists() for out in outs):

@@ -228,6 +228,71 @@ def tp_materialized(checkpoint: str, mesh) -> dict:
     return result
 
 
+def short_way(checkpoint: str, mesh) -> dict:
+    """Each DTensor parameter as the allocation loop's short way makes it (materialize.loading._allocated_shard)
+    and as the general way does (_materialize_entry), FSDP2's rows and tensor parallel's columns alike: the
+    same objects' kinds, layouts, memory and values, a parameter's own attributes and requires_grad kept."""
+    from materialize import loading
+
+    def built(kind: str) -> nn.Module:
+        if kind == "fsdp":
+            model = tiny_skeleton(tie=True)
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        else:
+            with torch.device("meta"):
+                model = MLP()
+            parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        first, second = list(model.parameters())[:2]
+        first.no_decay = True  # a script's mark on its parameter: a load keeps it
+        second.requires_grad_(False)
+        return model
+
+    def facts(model: nn.Module) -> dict:
+        seen = {}
+        for name, param in model.named_parameters():
+            local = param._local_tensor
+            seen[name] = [type(param).__name__, isinstance(param, nn.Parameter), param.requires_grad,
+                          sorted((k, repr(v)) for k, v in vars(param).items() if k != "_local_tensor"),
+                          repr(param._spec), list(local.shape), list(local.stride()), local.storage_offset(),
+                          local.untyped_storage().nbytes(), str(local.dtype), str(local.device),
+                          local.requires_grad, local.grad_fn is None, param.grad_fn is None]
+        return seen
+
+    general_only = lambda entries, undo, arena, host, general: [job for e in entries for job in general(e)]
+    result: dict = {}
+    for kind, path in (("fsdp", checkpoint), ("tp", str(Path(checkpoint).with_name("mlp.safetensors")))):
+        taken: list[int] = []
+        shard_way = loading._allocated_shard
+        loading._allocated_shard = lambda *args: taken.append(1) or shard_way(*args)
+        try:
+            short = built(kind)
+            short_report = mz.load(short, path)
+        finally:
+            loading._allocated_shard = shard_way
+        allocated = loading._allocated
+        loading._allocated = general_only
+        try:
+            general = built(kind)
+            general_report = mz.load(general, path)
+        finally:
+            loading._allocated = allocated
+        short_facts, general_facts = facts(short), facts(general)
+        result[kind] = {
+            "short_way_taken": len(taken), "parameters": len(short_facts),
+            "facts_differ": [name for name in short_facts if short_facts[name] != general_facts.get(name)],
+            "values_equal": all(torch.equal(a._local_tensor, b._local_tensor)
+                                for a, b in zip(short.parameters(), general.parameters())),
+            "own_memory": len({p._local_tensor.untyped_storage().data_ptr() for p in short.parameters()})
+                          == len(short_facts),
+            "reports_equal": (short_report.loaded, short_report.bytes_read, short_report.tied)
+                             == (general_report.loaded, general_report.bytes_read, general_report.tied),
+            "marked": getattr(next(short.parameters()), "no_decay", None) is True,
+        }
+    return result
+
+
 def _torchtitan_reference(mesh, full: dict[str, torch.Tensor]) -> nn.Module:
     """torchtitan's own path: sharded on meta, ``to_empty``, computed buffers made again, ``set_model_state_dict``
     from the full state dict."""
@@ -674,7 +739,8 @@ def main() -> None:
                 "fsdp_own_head": fsdp_own_head, "save_fsdp": save_fsdp, "save_tp": save_tp,
                 "fsdp_wrapped": fsdp_wrapped, "fsdp_replayed": fsdp_replayed,
                 "tp_materialized": tp_materialized, "tp_fsdp": tp_fsdp,
-                "strided_zoo": strided_zoo, "resume_recipe": resume_recipe}[scenario](checkpoint, mesh)
+                "strided_zoo": strided_zoo, "resume_recipe": resume_recipe,
+                "short_way": short_way}[scenario](checkpoint, mesh)
 
     finish_rank(run, out)
 

@@ -181,6 +181,9 @@ def test_the_many_tensors_bench_verifies_every_method_of_every_form_and_times_ea
     baseline = groups["single"]["ours, meta_init model, same checkout"]  # the library of --baseline, in turns
     assert baseline["verified"] and baseline["library"] == str(ROOT / "materialize")
     assert "materialize inspect, torch zip, same checkout" in groups["inspect"]
+    assert list(groups["fsdp2"]) == ["ours: every rank reads its own rows",
+                                     "torch: rank 0 load_file, set_model_state_dict broadcasts",
+                                     "ours: every rank reads its own rows, same checkout"]
     cast = groups["cast"]  # bf16 -> fp32: ours, accelerate's, the floor, and ours on the baseline's library
     assert list(cast) == ["ours, meta_init model, bf16 -> fp32",
                           "accelerate load_checkpoint_and_dispatch, init_empty_weights model, bf16 -> fp32",

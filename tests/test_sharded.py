@@ -125,6 +125,22 @@ def test_fsdp2_model_sharded_on_meta_loads_each_rank_its_rows_and_trains(tmp_pat
     assert sum(rank["bytes_read"] for rank in ranks) == sum(t.numel() * t.element_size() for t in state.values())
 
 
+def test_a_sharded_parameters_short_way_through_the_allocation_makes_the_general_ways_model(tmp_path):
+    from sharded_worker import reference_mlp
+
+    path = write_safetensors(saved_state(reference_model(tie=True)), tmp_path / "model.safetensors")
+    write_safetensors(reference_mlp().state_dict(), tmp_path / "mlp.safetensors")
+
+    ranks = run_ranks("short_way", path, tmp_path / "run")
+
+    for rank in ranks:
+        for kind in ("fsdp", "tp"):
+            seen = rank[kind]
+            assert seen["short_way_taken"] == seen["parameters"]  # every one (a tie counts once)
+            assert seen["facts_differ"] == [] and seen["values_equal"] and seen["own_memory"]
+            assert seen["reports_equal"] and seen["marked"]
+
+
 def test_the_docs_fsdp2_resume_recipe_restores_the_optimizer_state_it_saved(tmp_path):
     folder = tmp_path / "job"
     folder.mkdir()

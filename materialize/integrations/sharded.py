@@ -52,6 +52,7 @@ from ..errors import ShardingError
 from ..checkpoint.pieces import Piece, Stacked
 
 
+_CPU = torch.device("cpu")  # a device made once: asked for each of a sharded model's tensors
 Runs = list[tuple[int, int]]  # indices of one dimension, as (first, count), in the order a local tensor holds them
 
 
@@ -95,7 +96,7 @@ class ShardSpec:
             return self.local_device
         kind = self.mesh.device_type
         if kind == "cpu":
-            return torch.device("cpu")
+            return _CPU
         return torch.device(kind, getattr(torch, kind).current_device())
 
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
@@ -219,7 +220,21 @@ def refuse_unreadable_placements(named: Iterable[tuple[str, torch.Tensor]], path
     """One error naming every DTensor whose placement cannot be read (see :func:`unreadable`)."""
     if _dtensor_module() is None:  # not imported: no tensor is a DTensor (``named`` is not even walked)
         return
-    refused = [(name, why) for name, tensor in named if (why := unreadable(tensor)) is not None]
+    refused = []
+    verdicts: dict[int, tuple[Any, Optional[str]]] = {}  # by the DTensorSpec a tensor holds, which keeps its id
+    for name, tensor in named:
+        if type(tensor) in _PLAIN:
+            continue
+        layout = getattr(tensor, "_spec", None)  # FSDP2 places the tensors of one shape by one
+        known = verdicts.get(id(layout)) if layout is not None else None
+        if known is not None and known[0] is layout:
+            why = known[1]
+        else:
+            why = unreadable(tensor)
+            if layout is not None:
+                verdicts[id(layout)] = (layout, why)
+        if why is not None:
+            refused.append((name, why))
     if not refused:
         return
     by_reason: dict[str, list[str]] = {}
@@ -239,26 +254,47 @@ def _some_names(names: list[str], limit: int = 8) -> str:
 
 
 def shard_spec(tensor: torch.Tensor, name: str, path: Optional[Path] = None,
-               known: Optional[dict[tuple, ShardSpec]] = None) -> Optional[ShardSpec]:
+               known: Optional[dict[tuple, Any]] = None) -> Optional[ShardSpec]:
     """This rank's boxes of ``tensor`` if it is a DTensor, else None; refuses placements no box describes.
 
     ``path`` is the checkpoint being loaded, named in the error. ``known``: the specs found so far for
     tensors of the same mesh, placements, shape and local tensor (a plan's, while its meshes live), each
-    found once.
+    found once: by those (``ShardSpec`` values), and by the DTensorSpec the tensor holds with its local
+    tensor's shape and device (``(DTensorSpec, ShardSpec)`` values).
     """
     if type(tensor) in _PLAIN:  # most tensors of most models: nothing to ask of a DTensor's module
         return None
     module = _dtensor_module()
     if module is None or not isinstance(tensor, module.DTensor):
         return None
-    placements = tuple(tensor.placements)
-    mesh = tensor.device_mesh
     # The local tensor without to_local's autograd call, where DTensor keeps it (its shape and device alone).
     held = getattr(tensor, "_local_tensor", None)
-    key = (id(mesh), placements, tuple(tensor.shape), tuple(tensor.stride()), tuple(held.shape),
-           held.device) if known is not None and isinstance(held, torch.Tensor) else None
-    if key is not None and key in known:
-        return known[key]
+    if known is None or not isinstance(held, torch.Tensor):
+        return _found_spec(tensor, name, path, None, None)
+    # The DTensorSpec the tensor is placed by (its mesh, placements, shape and strides): FSDP2 makes one for
+    # the tensors of a shape, so it is one key for them, taken without asking each its placements (whose hash
+    # is a Python call a placement). Kept in the value, so that its id is never another's while known.
+    layout = getattr(tensor, "_spec", None)
+    quick = ("layout", id(layout), held.shape, held.device) if layout is not None else None
+    if quick is not None:
+        found = known.get(quick)
+        if found is not None and found[0] is layout:
+            return found[1]
+    placements = tuple(tensor.placements)
+    key = (id(tensor.device_mesh), placements, tuple(tensor.shape), tuple(tensor.stride()), tuple(held.shape),
+           held.device)
+    spec = known.get(key)
+    if spec is None:
+        spec = known[key] = _found_spec(tensor, name, path, placements, tensor.device_mesh)
+    if quick is not None:
+        known[quick] = (layout, spec)
+    return spec
+
+
+def _found_spec(tensor: torch.Tensor, name: str, path: Optional[Path], placements: Optional[tuple[Any, ...]],
+                mesh: Any) -> ShardSpec:
+    if placements is None:
+        placements, mesh = tuple(tensor.placements), tensor.device_mesh
     refused = unreadable(tensor)
     if refused is not None:
         raise ShardingError(f"is a DTensor placed {refused} on its mesh; {UNREADABLE_REMEDY}", path=path, tensor=name)
@@ -272,11 +308,8 @@ def shard_spec(tensor: torch.Tensor, name: str, path: Optional[Path] = None,
             f"is a DTensor placed {list(placements)} whose local shape is {list(local.shape)} on this rank, where the "
             f"placements give {list(local_shape)}: this torch shards in a way not understood here; "
             f"{UNREADABLE_REMEDY}", path=path, tensor=name)
-    spec = ShardSpec(mesh, placements, boxes_of(runs), local_shape, tuple(tensor.shape), tuple(tensor.stride()),
+    return ShardSpec(mesh, placements, boxes_of(runs), local_shape, tuple(tensor.shape), tuple(tensor.stride()),
                      local_device=local.device)
-    if key is not None:
-        known[key] = spec
-    return spec
 
 
 def local_runs(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...],
@@ -385,14 +418,23 @@ def region(info: TensorInfo, offsets: Sequence[int], sizes: Sequence[int]) -> Te
     if info.view_shape is not None:
         raise ShardingError("is read rearranged from the checkpoint (its layout differs from the model's), "
                             "which cannot be sharded in the same read; load it unsharded", path=info.path, tensor=info.name)
-    strides = info.stride if info.stride is not None else _contiguous_strides_of(info.shape)
-    offset = info.offset + sum(o * s for o, s in zip(offsets, strides)) * info.itemsize
+    start, stride, span = _box_layout(tuple(info.shape), info.stride, info.itemsize, offsets, sizes)
+    return _with(info, sizes, info.offset + start, stride, span)
+
+
+@functools.lru_cache(maxsize=4096)
+def _box_layout(shape: tuple[int, ...], stride: Optional[tuple[int, ...]], itemsize: int, offsets: tuple[int, ...],
+                sizes: tuple[int, ...]) -> tuple[int, Optional[tuple[int, ...]], Optional[int]]:
+    """Where the box ``[offsets, offsets + sizes)`` of a tensor of ``shape`` and ``stride`` (None: contiguous)
+    starts, in bytes after the tensor's start; and its strides and span where it is no one run (else None,
+    None). Asked once a layout: the experts of a sharded model have a few."""
+    strides = stride if stride is not None else _contiguous_strides_of(shape)
+    start = sum(o * s for o, s in zip(offsets, strides)) * itemsize
     whole_box = all(stride == expected for size, stride, expected in zip(sizes, strides, _contiguous_strides_of(sizes))
                     if size > 1)
     if math.prod(sizes) == 0 or whole_box:
-        return _with(info, sizes, offset, None, None)
-    span = (sum((size - 1) * stride for size, stride in zip(sizes, strides)) + 1) * info.itemsize
-    return _with(info, sizes, offset, tuple(strides), span)
+        return start, None, None
+    return start, tuple(strides), (sum((size - 1) * stride for size, stride in zip(sizes, strides)) + 1) * itemsize
 
 
 @functools.lru_cache(maxsize=4096)

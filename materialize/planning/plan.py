@@ -17,7 +17,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, Optional, Union
+from typing import Any, Literal, NamedTuple, Optional, Union
 
 import torch
 from torch import nn
@@ -195,7 +195,7 @@ class Plan:
         fed_to_load_code: the checkpoint entries that code reads that are no tensor of the model.
         mmap: planned for a load with ``mmap=True``: what can stay mapped from the files is not read.
         shard_specs: the DTensor layouts met while planning, each found once (mesh, placements, shapes ->
-            this rank's boxes); not in :meth:`to_dict`.
+            this rank's boxes; see :func:`~materialize.integrations.sharded.shard_spec`); not in :meth:`to_dict`.
         rnn_modules: the model's RNNs, whose list of weights (``_flat_weights``) a load refreshes once it
             replaced them; not in :meth:`to_dict`.
     """
@@ -221,7 +221,7 @@ class Plan:
     load_code_runs: list[LoadCodeRun] = field(default_factory=list)
     fed_to_load_code: list[str] = field(default_factory=list)
     mmap: bool = False
-    shard_specs: dict[tuple, ShardSpec] = field(default_factory=dict, repr=False, compare=False)
+    shard_specs: dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)
     rnn_modules: list[nn.Module] = field(default_factory=list, repr=False, compare=False)
 
     def of(self, action: Action) -> list[Entry]:

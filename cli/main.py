@@ -311,7 +311,8 @@ def _inspect_lines(ckpt: mz.Checkpoint) -> Iterator[str]:
     # has a few (inspect is to answer within a second).
     columns: dict[tuple, str] = {}
     for shown, info in zip(names, infos):
-        kind = (info.dtype_name, info.shape, info.nbytes, info.path if many_files else None)
+        # a file by its object's id (a shard's tensors share it, and infos holds them): a Path hashes in Python
+        kind = (info.dtype_name, info.shape, info.nbytes, id(info.path) if many_files else None)
         rest = columns.get(kind)
         if rest is None:
             shape = "x".join(map(str, info.shape)) or "scalar"

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import materialize as mz
+from materialize.errors import summarize_names
 
 from conftest import write_torch
 from test_cli import materialize_command
@@ -598,6 +600,58 @@ def test_a_folder_without_a_checkpoint_is_described_without_reading_files_linked
     message = str(caught.value)
     assert "model.gguf: a GGUF file" in message  # read: it is the folder's own
     assert "weights.gguf" in message and "weights.gguf: a GGUF" not in message
+
+
+def _index_rule(weight_map: dict[str, str], held: dict[str, set[str]]) -> Optional[str]:
+    """What a sharded checkpoint's index and its shards must agree on (names listed as errors list them), said one shard at a time in the index's
+    order of them: the names it maps to a shard that the shard lacks, else the first the shard holds that the
+    index maps elsewhere or not at all; None where they agree."""
+    for shard in dict.fromkeys(weight_map.values()):
+        expected = {name for name, owner in weight_map.items() if owner == shard}
+        absent = sorted(expected - held[shard])
+        if absent:
+            return f"index maps {summarize_names(absent)} to {shard}, which does not hold it"
+        for name in sorted(held[shard] - expected):
+            owner = weight_map.get(name)
+            return f"shard {shard} holds tensor '{name}' but " + (
+                f"the index maps it to {owner}" if owner else "the index does not name it")
+    return None
+
+
+def test_every_way_shards_can_disagree_with_their_index_is_refused_as_the_rule_says(tmp_path):
+    """Generated: each of two names held by no shard, either or both, and mapped by the index to either shard
+    or left out (128 checkpoints whose index names anything): the open succeeds exactly where shards and
+    index agree, and otherwise names the fault the rule finds first."""
+    import itertools
+
+    names, shards = ("a", "b"), ("s1.safetensors", "s2.safetensors")
+    holdings = [set(), {shards[0]}, {shards[1]}, set(shards)]
+    owners = [None, *shards]
+    checked = refused = 0
+    for case, (held_by, mapped) in enumerate(itertools.product(itertools.product(holdings, repeat=2),
+                                                                itertools.product(owners, repeat=2))):
+        weight_map = {name: owner for name, owner in zip(names, mapped) if owner is not None}
+        if not weight_map:
+            continue
+        folder = tmp_path / str(case)
+        held = {shard: {name for name, where in zip(names, held_by) if shard in where} for shard in shards}
+        folder.mkdir()
+        for shard in shards:
+            save_file({name: torch.full((2,), float(index)) for index, name in enumerate(names) if name in held[shard]},
+                      str(folder / shard))
+        index = write_index(folder, weight_map)
+        expected = _index_rule(weight_map, held)
+        if expected is None:
+            with mz.open_checkpoint(index) as ckpt:
+                assert sorted(ckpt.keys()) == sorted(weight_map) and list(ckpt.keys()) == list(weight_map)
+                assert all(ckpt[name].path.name == owner for name, owner in weight_map.items())
+        else:
+            with pytest.raises(mz.CheckpointError) as caught:
+                mz.open_checkpoint(index)
+            assert expected in str(caught.value), (weight_map, held)
+            refused += 1
+        checked += 1
+    assert checked == 128 and 0 < refused < checked
 
 
 def test_shard_index_that_is_not_json_names_the_index(tmp_path):

@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import materialize as mz
 from bench.models.parallel import torchtitan_2d
 from bench.models.transformer import DecoderLM
-from conftest import TINY, reference_model, tiny_skeleton
+from conftest import TINY, general_way_only, reference_model, tiny_skeleton
 
 
 class MLP(nn.Module):
@@ -260,7 +260,6 @@ def short_way(checkpoint: str, mesh) -> dict:
                           local.requires_grad, local.grad_fn is None, param.grad_fn is None]
         return seen
 
-    general_only = lambda entries, undo, arena, host, general: [job for e in entries for job in general(e)]
     result: dict = {}
     for kind, path in (("fsdp", checkpoint), ("tp", str(Path(checkpoint).with_name("mlp.safetensors")))):
         taken: list[int] = []
@@ -272,7 +271,7 @@ def short_way(checkpoint: str, mesh) -> dict:
         finally:
             loading._allocated_shard = shard_way
         allocated = loading._allocated
-        loading._allocated = general_only
+        loading._allocated = general_way_only
         try:
             general = built(kind)
             general_report = mz.load(general, path)

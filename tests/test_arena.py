@@ -20,6 +20,7 @@ import materialize.io.engine as engine
 import materialize.loading as loading
 from materialize.io.arena import MAX_TENSOR_BYTES, MIRRORED_GAP_BYTES, HostArena
 
+from conftest import general_way_only
 from test_differential import SCENARIOS, build_way, compare_models, trained_state, write
 from test_engine_paths import THP_MODE, _vma_flag
 
@@ -45,7 +46,7 @@ def test_short_way_makes_the_general_ways_model(name: str, fmt: str, tmp_path: P
     path = write(trained_state(scenario.build, scenario.mutate, scenario.edit_file), tmp_path / f"model.{fmt}", fmt)
     short = build_way(scenario.build, "meta_init")
     short_error = _load_error(short, path)
-    monkeypatch.setattr(loading, "_allocated", _general_way_only)
+    monkeypatch.setattr(loading, "_allocated", general_way_only)
     general = build_way(scenario.build, "meta_init")
     general_error = _load_error(general, path)
     assert short_error == general_error
@@ -68,11 +69,6 @@ def test_the_zoo_takes_the_short_way(tmp_path: Path, monkeypatch: pytest.MonkeyP
     path = write(trained_state(scenario.build), tmp_path / "model.safetensors", "safetensors")
     mz.load(build_way(scenario.build, "meta_init"), path)
     assert offered and not general
-
-
-def _general_way_only(entries, undo, arena, host, general):
-    """loading._allocated with the short way switched off: every entry the general way."""
-    return [job for entry in entries for job in general(entry)]
 
 
 def _load_error(model: nn.Module, path: Path):

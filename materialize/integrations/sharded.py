@@ -270,7 +270,7 @@ def shard_spec(tensor: torch.Tensor, name: str, path: Optional[Path] = None,
     # The local tensor without to_local's autograd call, where DTensor keeps it (its shape and device alone).
     held = getattr(tensor, "_local_tensor", None)
     if known is None or not isinstance(held, torch.Tensor):
-        return _found_spec(tensor, name, path, None, None)
+        return _found_spec(tensor, name, path, tuple(tensor.placements), tensor.device_mesh)
     # The DTensorSpec the tensor is placed by (its mesh, placements, shape and strides): FSDP2 makes one for
     # the tensors of a shape, so it is one key for them, taken without asking each its placements (whose hash
     # is a Python call a placement). Kept in the value, so that its id is never another's while known.
@@ -280,21 +280,18 @@ def shard_spec(tensor: torch.Tensor, name: str, path: Optional[Path] = None,
         found = known.get(quick)
         if found is not None and found[0] is layout:
             return found[1]
-    placements = tuple(tensor.placements)
-    key = (id(tensor.device_mesh), placements, tuple(tensor.shape), tuple(tensor.stride()), tuple(held.shape),
-           held.device)
+    placements, mesh = tuple(tensor.placements), tensor.device_mesh
+    key = (id(mesh), placements, tuple(tensor.shape), tuple(tensor.stride()), tuple(held.shape), held.device)
     spec = known.get(key)
     if spec is None:
-        spec = known[key] = _found_spec(tensor, name, path, placements, tensor.device_mesh)
+        spec = known[key] = _found_spec(tensor, name, path, placements, mesh)
     if quick is not None:
         known[quick] = (layout, spec)
     return spec
 
 
-def _found_spec(tensor: torch.Tensor, name: str, path: Optional[Path], placements: Optional[tuple[Any, ...]],
+def _found_spec(tensor: torch.Tensor, name: str, path: Optional[Path], placements: tuple[Any, ...],
                 mesh: Any) -> ShardSpec:
-    if placements is None:
-        placements, mesh = tuple(tensor.placements), tensor.device_mesh
     refused = unreadable(tensor)
     if refused is not None:
         raise ShardingError(f"is a DTensor placed {refused} on its mesh; {UNREADABLE_REMEDY}", path=path, tensor=name)

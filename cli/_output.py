@@ -45,11 +45,12 @@ def never_fail_to_encode() -> None:
             stream.reconfigure(errors="backslashreplace")
 
 
-def echo_lines(lines: Iterable[str]) -> None:
-    """Write ``lines`` on stdout, each escaped, a batch at a time: never the whole text at once."""
+def echo_lines(lines: Iterable[str], *, escaped: bool = False) -> None:
+    """Write ``lines`` on stdout, each escaped, a batch at a time: never the whole text at once. ``escaped``:
+    the lines were made of escaped parts already (``inspect``'s hundred thousand rows are not escaped twice)."""
     batch: list[str] = []
     for line in lines:
-        batch.append(printable(line))
+        batch.append(line if escaped else printable(line))
         if len(batch) >= _LINES_PER_WRITE:
             click.echo("\n".join(batch))
             batch.clear()

@@ -90,13 +90,14 @@ def _progress(as_json: bool) -> Iterator[Optional[Progress]]:
 
 
 def _emit(as_json: bool, payload: Callable[[], dict], lines: Callable[[], Iterable[str]],
-          about: Optional[str] = None) -> None:
+          about: Optional[str] = None, *, escaped: bool = False) -> None:
     """The command's output: only the form asked for is built (a text form can be far larger than the JSON);
-    ``about``, the file a value too deep to write as JSON is refused for."""
+    ``about``, the file a value too deep to write as JSON is refused for; ``escaped``, the lines are made of
+    escaped parts (see :func:`~materialize_cli._output.echo_lines`)."""
     if as_json:
         click.echo(json_text(payload(), about=about))
     else:
-        echo_lines(lines())
+        echo_lines(lines(), escaped=escaped)
 
 
 # readable=False: the library opens the file and reports the real error, with exit 1
@@ -284,7 +285,7 @@ def inspect_command(checkpoint: str, trust_pickle: bool, state_dict_key: Optiona
         # a hub id as a load finds it; a path as it is; a URL as its remote object
         source = resolve_source(checkpoint, revision=revision, stream=stream, remote=remote)
         with mz.open_checkpoint(source, trust_pickle=trust_pickle, state_dict_key=state_dict_key) as ckpt:
-            _emit(as_json, lambda: mz.inspect(ckpt), lambda: _inspect_lines(ckpt), str(ckpt.path))
+            _emit(as_json, lambda: mz.inspect(ckpt), lambda: _inspect_lines(ckpt), str(ckpt.path), escaped=True)
 
     _run(debug, action, inspecting=True)
 
@@ -296,13 +297,15 @@ NAME_COLUMN = 64
 
 
 def _inspect_lines(ckpt: mz.Checkpoint) -> Iterator[str]:
-    """``inspect``'s rows, one a tensor, names escaped (see materialize.text.printable): what it prints is
-    bounded by the names' own length (4 characters per byte of the file at most) plus a row's columns."""
-    yield f"{ckpt.path}  ({ckpt.format}, {len(ckpt)} tensors, {format_bytes(ckpt.nbytes)}, {len(ckpt.shards)} file(s))"
+    """``inspect``'s lines, one a tensor after the first, every text from the file escaped (see
+    materialize.text.printable), so that they are printed as they are: what it prints is bounded by the names'
+    own length (4 characters per byte of the file at most) plus a row's columns."""
+    yield printable(f"{ckpt.path}  ({ckpt.format}, {len(ckpt)} tensors, {format_bytes(ckpt.nbytes)}, "
+                    f"{len(ckpt.shards)} file(s))")
     if ckpt.state_dict_key is not None:
-        yield f"state dict: entry {ckpt.state_dict_key!r} of the saved dict"
+        yield printable(f"state dict: entry {ckpt.state_dict_key!r} of the saved dict")
     if ckpt.module is not None:
-        yield f"pickled module: {type(ckpt.module).__module__}.{type(ckpt.module).__qualname__}"
+        yield printable(f"pickled module: {type(ckpt.module).__module__}.{type(ckpt.module).__qualname__}")
     infos = list(ckpt.values())
     names = [printable(info.name) for info in infos]  # each escaped once, for the width and for its row
     width = max((len(shown) for shown in names if len(shown) <= NAME_COLUMN), default=4)

@@ -25,8 +25,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Callable, Optional, Protocol, TextIO, TypeVar, Union, runtime_checkable
 
-from tqdm import tqdm
-
 from .text import printable
 
 ProgressFn = Callable[[int, int], None]
@@ -49,13 +47,25 @@ class Phased(Protocol):
     def phase(self, text: str) -> None: ...
 
 
-class _Bar(tqdm):
-    monitor_interval = 0  # tqdm's monitor thread would outlive the call; the load's own calls drive each redraw
+_bar_class: Optional[type] = None  # tqdm's bar, as drawn here: made at the first bar (tqdm's import costs every
+# command of the CLI a hundredth of a second, most of which draw none)
+_bar_class_made = threading.Lock()
 
 
-# tqdm's default lock holds a multiprocessing lock too: a semaphore (and, where processes are spawned, a resource
-# tracker process) for a bar that threads of one process draw.
-_Bar.set_lock(threading.RLock())
+def _bar_type() -> type:
+    global _bar_class
+    with _bar_class_made:
+        if _bar_class is None:
+            from tqdm import tqdm
+
+            class _Bar(tqdm):
+                monitor_interval = 0  # tqdm's monitor thread would outlive the call; the load's calls drive redraws
+
+            # tqdm's default lock holds a multiprocessing lock too: a semaphore (and, where processes are spawned, a
+            # resource tracker process) for a bar that threads of one process draw.
+            _Bar.set_lock(threading.RLock())
+            _bar_class = _Bar
+        return _bar_class
 
 
 class Progress:
@@ -74,7 +84,7 @@ class Progress:
     def __init__(self, stream: Optional[TextIO] = None, *, leave: bool = True) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.leave = leave
-        self._bar: Optional[_Bar] = None
+        self._bar: Optional[Any] = None  # a tqdm bar
         self._total = 0  # bytes of the read under way; 0 while steps are shown
         self._lock = threading.Lock()
 
@@ -121,9 +131,9 @@ class Progress:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _new(self, text: str) -> _Bar:
+    def _new(self, text: str) -> Any:
         """A bar showing ``text``, drawn now (tqdm draws at construction)."""
-        return _Bar(desc=text, file=self.stream, leave=self.leave, unit="B", unit_scale=True, dynamic_ncols=True,
+        return _bar_type()(desc=text, file=self.stream, leave=self.leave, unit="B", unit_scale=True, dynamic_ncols=True,
                     smoothing=SMOOTHING, bar_format=PHASE_FORMAT)
 
 
@@ -143,7 +153,11 @@ def report_phase(progress: object, text: str) -> None:
 def above_the_bar(stream: Optional[TextIO] = None) -> Iterator[None]:
     """Write on ``stream`` (stderr) while a bar may be drawn there: the bar is cleared first and drawn again
     after, so the text starts on a line of its own and the bar stays whole."""
-    with _Bar.external_write_mode(file=stream if stream is not None else sys.stderr):
+    bar = _bar_class
+    if bar is None:  # no bar was ever drawn: none to clear
+        yield
+        return
+    with bar.external_write_mode(file=stream if stream is not None else sys.stderr):
         yield
 
 

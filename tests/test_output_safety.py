@@ -103,6 +103,36 @@ def test_inspect_escapes_every_name_and_keeps_one_row_a_tensor(tmp_path: Path, k
         assert sum(row.startswith(escaped + " ") for row in rows) == 1, escaped
 
 
+def test_inspect_escapes_the_folder_shard_file_names_and_entry_it_shows(tmp_path: Path) -> None:
+    """Beside tensor names, ``inspect`` shows the checkpoint's path (its first line), each shard's file name (a
+    column of every row) and a training checkpoint's entry: each escaped, as the rows are printed as made."""
+    folder = tmp_path / "run\x1b]0;pwned\x07\nforged"
+    folder.mkdir()
+    shards = {"a\x1b[2J-00001-of-00002.safetensors": {"first": torch.zeros(2)},
+              "b\u202e-00002-of-00002.safetensors": {"second": torch.ones(3)}}
+    for file_name, tensors in shards.items():
+        save_file(tensors, str(folder / file_name))
+    index = {"metadata": {}, "weight_map": {name: file_name for file_name, tensors in shards.items() for name in tensors}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    result = run_cli("inspect", folder)
+    out, _ = assert_clean(result)
+    assert result.returncode == 0, result.stderr
+    first, *rows = out.splitlines()
+    assert first.startswith(str(tmp_path / "run\\x1b]0;pwned\\x07\\nforged")), first
+    assert len(rows) == 2
+    assert rows[0].startswith("first ") and rows[0].endswith("a\\x1b[2J-00001-of-00002.safetensors"), rows[0]
+    assert rows[1].startswith("second ") and rows[1].endswith("b\\u202e-00002-of-00002.safetensors"), rows[1]
+
+    entry = "ema\x1b[2J\u202e"
+    path = tmp_path / "training.pt"
+    torch.save({entry: {"w": torch.zeros(2)}, "step": 3}, path)
+    result = run_cli("inspect", path, "--state-dict-key", entry)
+    out, _ = assert_clean(result)
+    assert result.returncode == 0, result.stderr
+    assert "state dict: entry 'ema\\x1b[2J\\u202e' of the saved dict" in out.splitlines(), out
+
+
 def test_inspect_json_gives_the_names_exactly(tmp_path: Path) -> None:
     path = tmp_path / "hostile.safetensors"
     save_file(hostile_tensors(), str(path))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -191,6 +191,20 @@ class Checkpoint(Mapping[str, TensorInfo]):
 
     def __len__(self) -> int:
         return len(self.tensors)
+
+    # The dict's own views: the Mapping mixins' would call __getitem__ in Python once a tensor (inspect and
+    # planning walk a hundred thousand)
+    def keys(self) -> KeysView[str]:
+        """The tensors' names, in the checkpoint's order."""
+        return self.tensors.keys()
+
+    def values(self) -> ValuesView[TensorInfo]:
+        """Each tensor's :class:`TensorInfo`, in the checkpoint's order."""
+        return self.tensors.values()
+
+    def items(self) -> ItemsView[str, TensorInfo]:
+        """``(name, TensorInfo)`` pairs, in the checkpoint's order."""
+        return self.tensors.items()
 
     @property
     def nbytes(self) -> int:

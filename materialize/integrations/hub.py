@@ -34,8 +34,6 @@ from typing import Optional, Union
 
 from ..errors import CheckpointAccessError, CheckpointError, CheckpointNotFoundError
 from ..sources import RemoteOptions, as_source, is_url
-from ..sources.http import Transport
-from ..sources.httpstore import HttpStore
 from ..sources.remotepath import ObjectInfo, RemotePath
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
@@ -117,6 +115,10 @@ def streamed(repo_id: str, revision: Optional[str], options: RemoteOptions) -> R
     ``HF_ENDPOINT`` and the cache settings apply as they do there."""
     from huggingface_hub import HfApi, constants
     from huggingface_hub.utils import build_hf_headers
+
+    # (imported here: http.client and ssl would cost every command of the CLI a thirtieth of a second)
+    from ..sources.http import Transport
+    from ..sources.httpstore import HttpStore
 
     snapshot = _download(repo_id, revision, CONFIG_PATTERNS)
     commit = snapshot.name  # a snapshot folder is named by its commit

@@ -133,8 +133,9 @@ class Progress:
 
     def _new(self, text: str) -> Any:
         """A bar showing ``text``, drawn now (tqdm draws at construction)."""
-        return _bar_type()(desc=text, file=self.stream, leave=self.leave, unit="B", unit_scale=True, dynamic_ncols=True,
-                    smoothing=SMOOTHING, bar_format=PHASE_FORMAT)
+        bar = _bar_type()
+        return bar(desc=text, file=self.stream, leave=self.leave, unit="B", unit_scale=True, dynamic_ncols=True,
+                   smoothing=SMOOTHING, bar_format=PHASE_FORMAT)
 
 
 def counted(count: int, noun: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -307,15 +308,18 @@ def _inspect_lines(ckpt: mz.Checkpoint) -> Iterator[str]:
     if ckpt.module is not None:
         yield printable(f"pickled module: {type(ckpt.module).__module__}.{type(ckpt.module).__qualname__}")
     infos = list(ckpt.values())
-    names = [printable(info.name) for info in infos]  # each escaped once, for the width and for its row
+    names = list(map(operator.attrgetter("name"), infos))
+    if not "".join(names).isprintable():  # (names all printable, the common case, are asked once, not one by one)
+        names = list(map(printable, names))  # each escaped once, for the width and for its row
     width = max((len(shown) for shown in names if len(shown) <= NAME_COLUMN), default=4)
     many_files = len(ckpt.shards) > 1
     # The columns after the name, made once for each kind of tensor: a checkpoint of a hundred thousand experts
     # has a few (inspect is to answer within a second).
     columns: dict[tuple, str] = {}
     for shown, info in zip(names, infos):
-        # a file by its object's id (a shard's tensors share it, and infos holds them): a Path hashes in Python
-        kind = (info.dtype_name, info.shape, info.nbytes, id(info.path) if many_files else None)
+        # (its dtype and shape make its size); a file by its object's id (a shard's tensors share it, and infos
+        # holds them): a Path hashes in Python
+        kind = (info.dtype_name, info.shape, id(info.path) if many_files else None)
         rest = columns.get(kind)
         if rest is None:
             shape = "x".join(map(str, info.shape)) or "scalar"

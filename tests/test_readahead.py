@@ -21,7 +21,7 @@ def evict(path: Path) -> bool:
     try:
         os.fsync(descriptor)  # dirty pages are not dropped
         os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
-        return readahead.any_uncached(descriptor, [(0, 1)])
+        return readahead.any_uncached(descriptor, [0])
     finally:
         os.close(descriptor)
 
@@ -59,10 +59,10 @@ def test_a_cold_zip_has_its_headers_asked_for_ahead_and_reads_the_same(zip_of_ma
     # so no read of it is still in flight: the kernel does not drop a page that is being read.
     real = torchzip.read_ahead_if_uncached
 
-    def cold_at_the_headers(descriptor, spans, base=0):
+    def cold_at_the_headers(descriptor, offsets, lengths, base=0):
         os.pread(descriptor, os.fstat(descriptor).st_size, 0)
         os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
-        return real(descriptor, spans, base)
+        return real(descriptor, offsets, lengths, base)
 
     monkeypatch.setattr(torchzip, "read_ahead_if_uncached", cold_at_the_headers)
     asked = advised(monkeypatch)
@@ -109,7 +109,8 @@ def test_each_span_is_asked_for_once_in_order_and_ahead_of_its_read(tmp_path, mo
     spans = [(rng.randrange(1 << 15), rng.randrange(1, 200)) for _ in range(count)]
     asked = advised(monkeypatch)
     with open(path, "rb") as handle:
-        ahead = readahead.ReadAhead(handle.fileno(), spans, base)
+        ahead = readahead.ReadAhead(handle.fileno(), [offset for offset, _ in spans], [length for _, length in spans],
+                                    base)
         index = 0
         while index < count:
             ahead.reach(index)
@@ -129,20 +130,22 @@ def test_looking_at_the_page_cache_reads_nothing_in(tmp_path):
         pytest.skip("this file system keeps the file's pages in memory")
     with open(path, "rb") as handle:
         for _ in range(200):
-            assert readahead.any_uncached(handle.fileno(), [(0, 64)])
+            assert readahead.any_uncached(handle.fileno(), [0])
         os.pread(handle.fileno(), 64, 0)
-        assert not readahead.any_uncached(handle.fileno(), [(0, 64)])
-        assert readahead.any_uncached(handle.fileno(), [(0, 64), ((4 << 20) - 64, 64)])  # the last page still out
+        assert not readahead.any_uncached(handle.fileno(), [0])
+        assert readahead.any_uncached(handle.fileno(), [0, (4 << 20) - 64])  # the last page still out
 
 
 def test_no_page_missing_in_a_sample_of_a_cached_file(tmp_path):
     path = tmp_path / "bytes"
     path.write_bytes(bytes(1 << 20))
     with open(path, "rb") as handle:
-        assert readahead.read_ahead_if_uncached(handle.fileno(), [(at, 64) for at in range(0, 1 << 20, 1024)]) is None
+        offsets = list(range(0, 1 << 20, 1024))
+        assert readahead.read_ahead_if_uncached(handle.fileno(), offsets, [64] * len(offsets)) is None
         if not evict(path):
             pytest.skip("this file system keeps the file's pages in memory")
-        ahead = readahead.read_ahead_if_uncached(handle.fileno(), [(at, 64) for at in range(0, 1 << 20, 1024)])
+        ahead = readahead.read_ahead_if_uncached(handle.fileno(), offsets, [64] * len(offsets))
         assert isinstance(ahead, readahead.ReadAhead)
         # A handful of spans is never worth the look, cold or not.
-        assert readahead.read_ahead_if_uncached(handle.fileno(), [(0, 64)] * (readahead.MIN_READS - 1)) is None
+        few = readahead.MIN_READS - 1
+        assert readahead.read_ahead_if_uncached(handle.fileno(), [0] * few, [64] * few) is None

@@ -33,7 +33,8 @@ def test_headers_read_in_runs_are_those_read_one_by_one(tmp_path: Path, seed: in
             return os.pread(handle.fileno(), length, offset)
 
         base = rng.choice((0, 7))
-        got = list(torchzip._local_headers([(offset - base, length) for offset, length in spans], pread, base))
+        got = list(torchzip._local_headers([offset - base for offset, _ in spans], [length for _, length in spans],
+                                           pread, base))
         assert got == [os.pread(handle.fileno(), length, offset) for offset, length in spans]
     assert all(length <= max(torchzip._HEADER_RUN, 120) for _, length in reads)
     assert len(reads) <= len(spans)
@@ -41,7 +42,7 @@ def test_headers_read_in_runs_are_those_read_one_by_one(tmp_path: Path, seed: in
 
 def test_a_run_is_read_when_its_first_header_is_asked_for():
     reads = []
-    headers = torchzip._local_headers([(0, 30), (40, 30), (1 << 20, 30)], lambda n, at: reads.append(at) or b"x" * n, 0)
+    headers = torchzip._local_headers([0, 40, 1 << 20], [30, 30, 30], lambda n, at: reads.append(at) or b"x" * n, 0)
     assert reads == []
     next(headers)
     assert reads == [0]
@@ -170,11 +171,73 @@ def test_a_zip64_entry_reads_as_zipfile_reads_it(fields):
     assert ours[0] == ("read" if fields == 3 else "error")
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_a_directory_read_at_once_reads_as_zipfile_reads_it(seed):
+    # The directory is cut into its entries at their signature and read a field at a time where each piece is one
+    # entry; a signature anywhere else (a name, an extra field, a comment, or across two of them: every other
+    # seed puts one in one of these) makes it read an entry at a time. Either way, what zipfile reads.
+    rng = random.Random(seed)
+    buffer = io.BytesIO()
+    count = rng.randrange(1, 30)
+    hostile_entry, where = rng.randrange(count), rng.choice(("name", "extra", "comment", "name and extra"))
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for index in range(count):
+            # ASCII names (cp437), others UTF-8 (flagged): both in one directory
+            name, extra, comment = rng.choice(("w", "layers.0/w", "ü", "é/x")) + str(index), b"", b""
+            if rng.random() < 0.3:
+                extra = struct.pack("<HH", 0xCAFE, 9) + rng.randbytes(9).replace(b"PK", b"pk")
+            if rng.random() < 0.2:
+                comment = b"a comment"
+            if seed % 2 and index == hostile_entry:
+                if where == "name":
+                    name += "PK\x01\x02"
+                elif where == "extra":
+                    extra = struct.pack("<HH", 0xCAFE, 4) + b"PK\x01\x02"
+                elif where == "comment":
+                    comment = b"PK\x01\x02"
+                else:  # the name's end and the extra field's start
+                    name, extra = name + "PK", struct.pack("<HH", 0x0201, 0)
+            info = zipfile.ZipInfo(name)
+            info.extra, info.comment = extra, comment
+            archive.writestr(info, rng.randbytes(rng.randrange(40)))
+    data = buffer.getvalue()
+    ours = _our_view(data)
+    assert ours[0] == "read" and ours == _zipfile_view(data)
+    with torchzip._Archive(io.BytesIO(data), lambda length, offset: _pread(data, length, offset), False) as archive:
+        assert (archive.tiled_size is None) == bool(seed % 2)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_entry_fields_read_through_views_are_those_unpacked(seed, monkeypatch):
+    # _entry_fields reads each field through a strided view of the pieces laid end to end; where the machine is
+    # big-endian it unpacks each piece. Both give what unpacking gives, and both refuse a piece too short.
+    rng = random.Random(seed)
+    pieces = [rng.randbytes(rng.choice((42, 42, 43, 60, 300))) for _ in range(rng.randrange(1, 50))]
+    unpacked = [list(field) for field in zip(*map(torchzip._ENTRY_AFTER_SIGNATURE.unpack_from, pieces))]
+    assert torchzip._entry_fields(pieces) == unpacked
+    short = pieces[:rng.randrange(len(pieces))] + [rng.randbytes(rng.randrange(42))] + pieces
+    assert torchzip._entry_fields(short) is None
+    monkeypatch.setattr(torchzip, "sys", type("BigEndian", (), {"byteorder": "big"}))
+    assert torchzip._entry_fields(pieces) == unpacked
+    assert torchzip._entry_fields(short) is None
+
+
+def test_a_big_checkpoints_directory_is_read_at_once(tmp_path: Path):
+    # Records past 4 GB carry their offsets in ZIP64 extra fields: read at once all the same.
+    data = _zip_bytes()
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        first = archive.infolist()[0]
+        values = (first.file_size, first.compress_size, first.header_offset)
+    zip64 = _with_zip64_entry(data, values, struct.pack("<3Q", *values))
+    with torchzip._Archive(io.BytesIO(zip64), lambda length, offset: _pread(zip64, length, offset), False) as archive:
+        assert archive.tiled_size is not None
+    assert _our_view(zip64) == _zipfile_view(zip64)
+
+
 def test_headers_far_apart_are_read_alone():
     # Big records between them: each header its own small read, not the records' data with it.
     reads = []
-    spans = [(i * 24_000, 100) for i in range(10)]
-    list(torchzip._local_headers(spans, lambda n, at: reads.append(n) or b"x" * n, 0))
+    list(torchzip._local_headers([i * 24_000 for i in range(10)], [100] * 10, lambda n, at: reads.append(n) or b"x" * n, 0))
     assert reads == [100] * 10
 
 
@@ -195,7 +258,7 @@ def _located_both_ways(path: Path):
             return os.pread(handle.fileno(), length, offset)
 
         def headers():
-            return torchzip._local_headers(list(zip(header_offsets, lengths)), pread, 0)
+            return torchzip._local_headers(header_offsets, lengths, pread, 0)
 
         at_once = torchzip._located_at_once(list(headers()), columns, lengths, data_dir, 0, archive.start_dir)
         try:

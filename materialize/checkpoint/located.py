@@ -33,24 +33,43 @@ def located_infos(path: Path, tensors: Iterable[Located], records: dict[str, tup
     ``records``: storage key -> (absolute offset, size) of the zip's records.
     """
     infos: dict[str, TensorInfo] = {}
+    # What each layout makes of its tensors, worked out once a layout (tensors alike share one object): the
+    # storage's bytes, where the view starts in it, whether the view lies within it, and the info's fields but
+    # the tensor's own (its name and where its record lies), which each tensor's info copies.
+    by_layout: dict[int, tuple[int, int, bool, dict]] = {}
+    set_fields = object.__setattr__
     for name, record in tensors:
-        key = record[0]
-        nbytes, dtype_name, itemsize, offset, shape, stride, numel, contiguous, extent = record[1]
+        key, layout = record[0], record[1]
+        made = by_layout.get(id(layout))  # (each layout is held by its tensors, so its id is its own throughout)
+        if made is None:
+            made = by_layout[id(layout)] = _layout_fields(layout, path)
+        nbytes, start, within, fields = made
         located = records.get(key)
-        start = offset * itemsize
-        # An empty view's offset may lie anywhere past its storage's start, as torch's set_ lets it (it reads nothing).
-        if located is None or located[1] < nbytes or located[0] + nbytes > file_size \
-                or (numel and start + extent * itemsize > nbytes):
-            raise _refusal(path, name, key, nbytes, start, extent * itemsize, located, file_size)
-        if not numel and start > nbytes:  # an empty view is said to start where its storage ends, not past the file
-            start = nbytes
+        if located is None or located[1] < nbytes or located[0] + nbytes > file_size or not within:
+            raise _refusal(path, name, key, nbytes, layout[3] * layout[2], layout[8] * layout[2], located, file_size)
+        fields = fields.copy()
+        fields["name"], fields["offset"], fields["storage"] = name, located[0] + start, located[0]
         info = _new(TensorInfo)  # as make_info makes it: a dict of fields, the element count cached
-        info.__dict__.update({
-            "name": name, "dtype_name": dtype_name, "itemsize": itemsize, "shape": shape, "path": path,
-            "offset": located[0] + start, "stride": None if contiguous else stride,
-            "span_nbytes": None if contiguous else extent * itemsize, "storage": located[0], "numel": numel})
+        set_fields(info, "__dict__", fields)  # (past the frozen dataclass's __setattr__, as object's sets it)
         infos[name] = info
     return infos
+
+
+def _layout_fields(layout: Layout, path: Path) -> tuple[int, int, bool, dict]:
+    """For :func:`located_infos`: a layout's storage bytes, where its view starts in the storage, whether the view
+    lies within it, and the fields of a :class:`TensorInfo` of it (``name``, ``offset`` and ``storage`` left to
+    each tensor)."""
+    nbytes, dtype_name, itemsize, offset, shape, stride, numel, contiguous, extent = layout
+    start = offset * itemsize
+    # An empty view's offset may lie anywhere past its storage's start, as torch's set_ lets it (it reads nothing);
+    # it is said to start where its storage ends, not past the file.
+    within = not numel or start + extent * itemsize <= nbytes
+    if not numel and start > nbytes:
+        start = nbytes
+    return nbytes, start, within, {
+        "name": None, "dtype_name": dtype_name, "itemsize": itemsize, "shape": shape, "path": path, "offset": None,
+        "stride": None if contiguous else stride, "span_nbytes": None if contiguous else extent * itemsize,
+        "storage": None, "numel": numel}
 
 
 def _refusal(path: Path, name: str, key: str, nbytes: int, start: int, span: int,

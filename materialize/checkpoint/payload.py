@@ -163,6 +163,16 @@ def _gather(mapping: dict, prefix: str, entries: dict[str, Any], arrays: list[st
         return
     seen.add(id(mapping))
     is_tensor = kinds.is_tensor
+    if all(map(is_tensor, dict.values(mapping))):  # a state dict's level of tensors alone, taken at once
+        if not entries and not prefix and set(map(type, dict.keys(mapping))) <= {str}:
+            entries.update(mapping if type(mapping) is dict else dict.items(mapping))  # its names as they are
+            return
+        names = map(str, dict.keys(mapping))
+        taken = dict(zip(map(prefix.__add__, names) if prefix else names, dict.values(mapping)))
+        # (taken where no name is met twice: where one is, the loop below says which)
+        if len(taken) == len(mapping) and entries.keys().isdisjoint(taken):
+            entries.update(taken)
+            return
     for key, value in dict.items(mapping):
         name = prefix + str(key)
         if is_tensor(value):

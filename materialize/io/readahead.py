@@ -57,20 +57,20 @@ def _libc() -> Optional[ctypes.CDLL]:
     return libc
 
 
-def any_uncached(descriptor: int, spans: Sequence[tuple[int, int]], base: int = 0) -> bool:
-    """Whether the page where any of a few of ``spans`` (``(offset, length)``, at ``base`` + offset) starts is
+def any_uncached(descriptor: int, offsets: Sequence[int], base: int = 0) -> bool:
+    """Whether the page where any of a few of the reads at ``offsets`` (each at ``base`` + offset) starts is
     missing from the page cache.
 
     Reads nothing, and starts no read. False where the kernel cannot say
     (no ``mincore`` on this platform, a file that cannot be mapped).
     """
     libc = _libc()
-    if libc is None or not spans:
+    if libc is None or not offsets:
         return False
     import ctypes
 
     size = os.fstat(descriptor).st_size
-    pages = sorted({(base + offset) // mmap.PAGESIZE for offset, _ in spans[::max(1, len(spans) // _SAMPLES)]
+    pages = sorted({(base + offset) // mmap.PAGESIZE for offset in offsets[::max(1, len(offsets) // _SAMPLES)]
                     if 0 <= base + offset < size})
     if not pages:
         return False
@@ -90,35 +90,36 @@ def any_uncached(descriptor: int, spans: Sequence[tuple[int, int]], base: int = 
 
 
 class ReadAhead:
-    """Asks the kernel for ``spans`` (``(offset, length)``, at ``base`` + offset, in the order they will be read)
-    :data:`WINDOW` at a time.
+    """Asks the kernel for the reads of ``lengths`` at ``offsets`` (each at ``base`` + offset, in the order they will
+    be made) :data:`WINDOW` at a time.
 
-    Call :meth:`reach` with the index of each span before reading it.
+    Call :meth:`reach` with the index of each read before making it.
     """
 
-    def __init__(self, descriptor: int, spans: Sequence[tuple[int, int]], base: int = 0) -> None:
-        self._descriptor, self._spans, self._base = descriptor, spans, base
+    def __init__(self, descriptor: int, offsets: Sequence[int], lengths: Sequence[int], base: int = 0) -> None:
+        self._descriptor, self._offsets, self._lengths, self._base = descriptor, offsets, lengths, base
         self._asked = 0
         self.next_index = 0  # the index at which :meth:`reach` next has something to do
 
     def reach(self, index: int) -> None:
-        count = len(self._spans)
+        count = len(self._offsets)
         advise, descriptor, willneed, base = os.posix_fadvise, self._descriptor, os.POSIX_FADV_WILLNEED, self._base
         while index >= self.next_index:
             start, stop = self._asked, min(self._asked + WINDOW, count)
-            for offset, length in self._spans[start:stop]:
+            for offset, length in zip(self._offsets[start:stop], self._lengths[start:stop]):
                 advise(descriptor, base + offset, length, willneed)
             self._asked = stop
             # Half a window before the asked-for ones run out, ask for the next: the disk never runs dry.
             self.next_index = stop - WINDOW // 2 if stop < count else count + 1
 
 
-def read_ahead_if_uncached(descriptor: Optional[int], spans: Sequence[tuple[int, int]], base: int = 0) -> Optional[ReadAhead]:
-    """A :class:`ReadAhead` for ``spans`` of the file open as ``descriptor`` (at ``base`` + offset) where there are at least
-    :data:`MIN_READS` of them and a sample finds a page missing; None otherwise (nothing to ask, or no
-    ``posix_fadvise`` to ask with)."""
-    if descriptor is None or len(spans) < MIN_READS or not hasattr(os, "posix_fadvise"):
+def read_ahead_if_uncached(descriptor: Optional[int], offsets: Sequence[int], lengths: Sequence[int],
+                           base: int = 0) -> Optional[ReadAhead]:
+    """A :class:`ReadAhead` for the reads of ``lengths`` at ``offsets`` of the file open as ``descriptor`` (at ``base``
+    + offset) where there are at least :data:`MIN_READS` of them and a sample finds a page missing; None otherwise
+    (nothing to ask, or no ``posix_fadvise`` to ask with)."""
+    if descriptor is None or len(offsets) < MIN_READS or not hasattr(os, "posix_fadvise"):
         return None
-    if not any_uncached(descriptor, spans, base):
+    if not any_uncached(descriptor, offsets, base):
         return None
-    return ReadAhead(descriptor, spans, base)
+    return ReadAhead(descriptor, offsets, lengths, base)

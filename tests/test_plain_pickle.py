@@ -303,6 +303,43 @@ def test_a_damaged_pickle_reads_alike_or_the_plain_reader_declines(tmp_path, sou
     _same_either_way(path)
 
 
+@pytest.fixture(scope="module")
+def many_entries(tmp_path_factory) -> tuple[Path, int]:
+    """A state dict of 1,050 entries (past the memo's first 256, across the pickler's batches of 1,000), of a few
+    shapes, parameters, a tie and a view: most of its pickle is read by the runs' fast path; and where that
+    path starts."""
+    path = tmp_path_factory.mktemp("many") / "many.pt"
+    state = collections.OrderedDict()
+    for index in range(1050):
+        tensor = torch.zeros(index % 3 + 1, 4)
+        state[f"layers.{index // 3}.w{index % 3}"] = torch.nn.Parameter(tensor) if index % 7 == 0 else tensor
+    state["tied"] = state["layers.5.w1"]
+    state["view"] = state["layers.9.w2"][1:]
+    torch.save(state, path)
+    data = _pickle_of(path)
+    return path, data.index(b"layers.90.w0")  # far past the memo's first 256 entries
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_a_damaged_run_of_entries_reads_alike_or_the_plain_reader_declines(tmp_path, many_entries, seed, monkeypatch):
+    # The damaged-pickle family above holds too few entries for the runs' fast path (_Reader._entries): here each
+    # damage lands in its runs, past the memo's first 256 entries, and the reader must still decline or agree.
+    source, runs_start = many_entries
+    rng = random.Random(seed)
+    data = _pickle_of(source)
+    at = rng.randrange(runs_start, len(data) - 40)
+    damaged = _mutated(data[at:], rng)
+    path = _with_pickle(source, tmp_path / "damaged.pt", data[:at] + damaged)
+    taken = []
+    real = plainpickle._Reader._entries
+    monkeypatch.setattr(plainpickle._Reader, "_entries",
+                        lambda self, pos: taken.append(len(self.memo)) or real(self, pos))
+    plainpickle.plain_payload(path, data[:at] + damaged, None)  # never raises: declines
+    assert taken  # the fast path read it (or what of it came before the damage)
+    monkeypatch.setattr(plainpickle._Reader, "_entries", real)
+    _same_either_way(path)
+
+
 def test_records_fetched_past_the_budget_decline_and_the_budget_refuses_them(tmp_path):
     """A record fetched again and again walks past the objects a pickle's bytes allow: the plain reader counts
     each fetch at more than the budget counts it, and leaves the refusal to the reader onto meta."""

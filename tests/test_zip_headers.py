@@ -210,7 +210,8 @@ def test_a_directory_read_at_once_reads_as_zipfile_reads_it(seed):
 @pytest.mark.parametrize("seed", range(6))
 def test_entry_fields_read_through_views_are_those_unpacked(seed, monkeypatch):
     # _entry_fields reads each field through a strided view of the pieces laid end to end; where the machine is
-    # big-endian it unpacks each piece. Both give what unpacking gives, and both refuse a piece too short.
+    # big-endian, or its C short and int are not 2 and 4 bytes, it unpacks each piece. Both give what unpacking
+    # gives, and both refuse a piece too short.
     rng = random.Random(seed)
     pieces = [rng.randbytes(rng.choice((42, 42, 43, 60, 300))) for _ in range(rng.randrange(1, 50))]
     unpacked = [list(field) for field in zip(*map(torchzip._ENTRY_AFTER_SIGNATURE.unpack_from, pieces))]
@@ -218,6 +219,10 @@ def test_entry_fields_read_through_views_are_those_unpacked(seed, monkeypatch):
     short = pieces[:rng.randrange(len(pieces))] + [rng.randbytes(rng.randrange(42))] + pieces
     assert torchzip._entry_fields(short) is None
     monkeypatch.setattr(torchzip, "sys", type("BigEndian", (), {"byteorder": "big"}))
+    assert torchzip._entry_fields(pieces) == unpacked
+    assert torchzip._entry_fields(short) is None
+    monkeypatch.undo()
+    monkeypatch.setattr(torchzip, "_NATIVE_WIDTHS", (4, 8))  # a C of wider short and int
     assert torchzip._entry_fields(pieces) == unpacked
     assert torchzip._entry_fields(short) is None
 
@@ -237,7 +242,8 @@ def test_a_big_checkpoints_directory_is_read_at_once(tmp_path: Path):
 def test_headers_far_apart_are_read_alone():
     # Big records between them: each header its own small read, not the records' data with it.
     reads = []
-    list(torchzip._local_headers([i * 24_000 for i in range(10)], [100] * 10, lambda n, at: reads.append(n) or b"x" * n, 0))
+    offsets, lengths = [i * 24_000 for i in range(10)], [100] * 10
+    list(torchzip._local_headers(offsets, lengths, lambda n, at: reads.append(n) or b"x" * n, 0))
     assert reads == [100] * 10
 
 

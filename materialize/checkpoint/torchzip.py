@@ -431,11 +431,16 @@ class _Archive:
     def namelist(self) -> list[str]:
         return list(self.columns[0])
 
-    def _entry(self, name: str) -> Optional[_Entry]:
-        """The last entry of ``name``, as zipfile keeps it."""
+    def by_name(self) -> dict[str, int]:
+        """Each record's name -> the index of its last entry (zipfile keeps the last of a name), made when first
+        asked for."""
         if self._by_name is None:
             self._by_name = dict(zip(self.columns[0], range(len(self.columns[0]))))
-        index = self._by_name.get(name)
+        return self._by_name
+
+    def _entry(self, name: str) -> Optional[_Entry]:
+        """The last entry of ``name``, as zipfile keeps it."""
+        index = self.by_name().get(name)
         return None if index is None else _Entry._make(column[index] for column in self.columns)
 
     def read(self, name: str) -> bytes:
@@ -485,8 +490,8 @@ class _Archive:
 
 def _read_directory(handle: BinaryIO) -> tuple[tuple[list, ...], int, Optional[int]]:
     """The entries of a zip's central directory, a field at a time (see :class:`_Archive`), where it starts, and
-    its size where its entries were found to fill it exactly (None where not looked at); read as zipfile's ``_RealGetContents`` reads them: its
-    checks, its order, its errors."""
+    its size where its entries were found to fill it exactly (None where not looked at); read as zipfile's
+    ``_RealGetContents`` reads them: its checks, its order, its errors."""
     try:
         end = zipfile._EndRecData(handle)  # type: ignore[attr-defined]
     except OSError:
@@ -512,6 +517,7 @@ def _read_directory(handle: BinaryIO) -> tuple[tuple[list, ...], int, Optional[i
 # A directory entry after its signature: the fields _directory_at_once reads (see _CENTRAL_FIELDS), 42 bytes.
 _ENTRY_AFTER_SIGNATURE = struct.Struct("<2xBxHH4xIIIHHHH2xII")
 _NAME_ENCODINGS = ("cp437", "utf-8")  # by whether an entry's flags set the UTF-8 bit
+_NATIVE_WIDTHS = (struct.calcsize("H"), struct.calcsize("I"))  # what memoryview.cast("H"), cast("I") read
 
 
 def _directory_at_once(directory: bytes, size: int, concat: int) -> Optional[tuple[list, ...]]:
@@ -573,11 +579,11 @@ def _entry_fields(pieces: list[bytes]) -> Optional[list[list[int]]]:
     The pieces' fixed parts are laid end to end, each padded to 44 bytes, and each field read as a strided view
     of them (``memoryview.cast``): a list of integers a field, with no tuple made an entry (half the time of
     unpacking each piece and transposing, and a third of the memory); two views of 4-byte words, one of them 2
-    bytes in, hold the fields at either alignment. The views read the machine's byte order: on a big-endian
-    one, each piece is unpacked.
+    bytes in, hold the fields at either alignment. The views read the machine's byte order and C's widths: on a
+    big-endian machine, or one whose ``short`` and ``int`` are not 2 and 4 bytes, each piece is unpacked.
     """
     fixed = _ENTRY_AFTER_SIGNATURE.size
-    if sys.byteorder != "little":
+    if sys.byteorder != "little" or _NATIVE_WIDTHS != (2, 4):
         try:
             return list(map(list, zip(*map(_ENTRY_AFTER_SIGNATURE.unpack_from, pieces))))
         except struct.error:
@@ -744,7 +750,7 @@ def _read_zip(
     with _open_archive(path, window) as archive:
         names = archive.columns[0]
         # Counted once, not per name: a zip of 150,000 records would otherwise take minutes to refuse.
-        present = set(names)
+        present = archive.by_name()  # (the index reads use: one table of the names, not two)
         duplicated = sorted(n for n, k in collections.Counter(names).items() if k > 1) if len(present) != len(names) else []
         if duplicated:  # readers disagree on which copy counts: torch's takes the first, zipfile the last
             raise CheckpointError(f"the zip holds records more than once: {', '.join(duplicated[:5])}", path=path)

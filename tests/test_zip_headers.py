@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import materialize as mz
 from materialize.checkpoint import torchzip
 
 
@@ -239,6 +240,28 @@ def test_a_big_checkpoints_directory_is_read_at_once(tmp_path: Path):
     assert _our_view(zip64) == _zipfile_view(zip64)
 
 
+def test_a_directory_size_that_only_the_zip64_record_the_locator_points_to_gives_is_refused(tmp_path: Path):
+    # zipfile reads the ZIP64 end record just before its locator; torch's reader, and the end-record check, the one
+    # the locator points to. Pointed at a copy (in the archive's comment) whose directory is one entry's length
+    # longer, the two disagree: the directory read at once does not fill that size, so its walk runs, and refuses
+    # (docs/reliability.md: torch.load reads this file, taking the larger size as a bound).
+    data = _zip_bytes()
+    end_at, locator_at, record_at = data.rfind(b"PK\x05\x06"), data.rfind(b"PK\x06\x07"), data.rfind(b"PK\x06\x06")
+    assert data[end_at + 20:end_at + 22] == b"\0\0" and locator_at == end_at - 20  # no comment yet
+    copy = bytearray(data[record_at:locator_at])
+    size, = struct.unpack_from("<Q", copy, 40)
+    struct.pack_into("<Q", copy, 40, size + 46)
+    damaged = bytearray(data + bytes(copy))
+    struct.pack_into("<H", damaged, end_at + 20, len(copy))  # the copy is the comment
+    struct.pack_into("<Q", damaged, locator_at + 8, len(data))  # where the copy starts
+    path = tmp_path / "two-zip64-records.pt"
+    path.write_bytes(bytes(damaged))
+    with zipfile.ZipFile(path) as archive:  # zipfile reads it whole
+        assert archive.testzip() is None
+    with pytest.raises(mz.CheckpointError, match="do not add up to its recorded size"):
+        mz.open_checkpoint(path)
+
+
 def test_headers_far_apart_are_read_alone():
     # Big records between them: each header its own small read, not the records' data with it.
     reads = []
@@ -323,8 +346,6 @@ def test_records_listed_out_of_the_files_order_are_located_in_turn_alike(tmp_pat
     with zipfile.ZipFile(path) as archive:
         assert archive.namelist() == [entry[46:46 + struct.unpack_from("<H", entry, 28)[0]].decode()
                                       for entry in reversed(entries)]
-    import materialize as mz
-
     expected = torch.load(path, weights_only=True)
     loaded, _ = mz.load_tensors(path)
     assert list(loaded) == list(expected) and all(torch.equal(loaded[name], expected[name]) for name in expected)

@@ -46,7 +46,8 @@ def located_infos(path: Path, tensors: Iterable[Located], records: dict[str, tup
         nbytes, start, within, fields = made
         located = records.get(key)
         if located is None or located[1] < nbytes or located[0] + nbytes > file_size or not within:
-            raise _refusal(path, name, key, nbytes, layout[3] * layout[2], layout[8] * layout[2], located, file_size)
+            _, _, itemsize, offset, _, _, _, _, extent = layout
+            raise _refusal(path, name, key, nbytes, offset * itemsize, extent * itemsize, located, file_size)
         fields = fields.copy()
         fields["name"], fields["offset"], fields["storage"] = name, located[0] + start, located[0]
         info = _new(TensorInfo)  # as make_info makes it: a dict of fields, the element count cached

@@ -428,9 +428,6 @@ class _Archive:
             self._entries = list(map(_Entry._make, zip(*self.columns)))
         return self._entries
 
-    def namelist(self) -> list[str]:
-        return list(self.columns[0])
-
     def by_name(self) -> dict[str, int]:
         """Each record's name -> the index of its last entry (zipfile keeps the last of a name), made when first
         asked for."""
@@ -554,8 +551,8 @@ def _directory_at_once(directory: bytes, size: int, concat: int) -> Optional[tup
     except UnicodeDecodeError:
         return None
     filenames = names
-    if any(map(operator.contains, names, itertools.repeat("\0"))):  # zipfile cuts a name at a NUL
-        filenames = [name if "\0" not in name else name[:name.find("\0")] for name in names]
+    if any(map(operator.contains, names, itertools.repeat("\0"))):
+        filenames = list(map(_cut_at_nul, names))
     if any(extra_lengths):
         for index in itertools.compress(range(len(pieces)), extra_lengths):
             extra_length = extra_lengths[index]
@@ -629,10 +626,15 @@ def _directory_in_turn(directory: bytes, size: int, concat: int) -> list[_Entry]
                 raise _TooManyExtraFields(raw_name.decode("utf-8" if flags & _UTF8_NAME else "cp437", "replace"))
             if extra:
                 file_size, compressed, header_offset = _zip64_fields(extra, file_size, compressed, header_offset)
-        entries.append(make(_Entry, (name if "\0" not in name else name[:name.find("\0")], name, raw_name, flags,
-                                     method, crc, compressed, file_size, volume, external, header_offset + concat)))
+        entries.append(make(_Entry, (_cut_at_nul(name), name, raw_name, flags, method, crc, compressed, file_size,
+                                     volume, external, header_offset + concat)))
         total = name_end + extra_length + comment_length
     return entries
+
+
+def _cut_at_nul(name: str) -> str:
+    """A record's name as zipfile gives it: cut at its first NUL."""
+    return name if "\0" not in name else name[:name.find("\0")]
 
 
 def _zip64_fields(extra: bytes, file_size: int, compressed: int, header_offset: int) -> tuple[int, int, int]:

@@ -15,6 +15,11 @@ of ``--runs``:
 - safetensors' ``load_file`` (per shard for the folder) + ``load_state_dict(assign=True)``; for the torch
   zip, ``torch.load(mmap=True, weights_only=True)`` + ``load_state_dict(assign=True)``; both into the
   ``meta_init`` model;
+- the floor (one safetensors file, the torch zip): ``bench/floor.py``, a bare Python loader that trusts the
+  file and checks and reports nothing: ``json.loads`` of the header (``zipfile`` and the C unpickler for the
+  zip), each name's module from one ``named_modules`` dict, ``torch.frombuffer`` + ``view`` + a parameter a
+  tensor, one read of the bytes by every core: what no check removes, the interpreter's and torch's own
+  cost a tensor;
 - the raw read: every byte of the files read into fresh memory by every core, each 16 MB chunk prefaulted
   (``bench.methods.read_everything``), the bar a load's per-tensor cost is counted above;
 - bf16 to fp32 (``--groups cast``), the one safetensors file: ours, ``mz.load(model, file, dtype=torch.float32)``
@@ -92,6 +97,7 @@ GROUPS = {
         "ours, meta_init model": "ours",
         "ours, deferred_init model": "ours-deferred",
         "safetensors load_file + load_state_dict(assign=True)": "safetensors",
+        "floor: a bare Python loader, no checks (bench/floor.py)": "floor",
         "limit: raw read, all cores, chunks prefaulted": "limit",
     },
     "sharded": {
@@ -104,6 +110,7 @@ GROUPS = {
         "ours, meta_init model": "ours",
         "ours, deferred_init model": "ours-deferred",
         "torch.load(mmap=True) + load_state_dict(assign=True)": "torch-mmap",
+        "floor: a bare Python loader, no checks (bench/floor.py)": "floor",
         "limit: raw read, all cores, chunks prefaulted": "limit",
     },
     "cast": {
@@ -358,6 +365,14 @@ def child(method: str, path: Path, expected: dict) -> dict:
         ended = time.perf_counter()
         phases = {"read": read - started, "assign": ended - read}
         del state
+    elif method == "floor":
+        from bench.floor import bare_load
+
+        marks = {"open": started}
+        bare_load(model, path, lambda step: marks.setdefault(step, time.perf_counter()))
+        ended = time.perf_counter()
+        steps = [*marks.items(), ("end", ended)]
+        phases = {step: following - when for (step, when), (_, following) in zip(steps, steps[1:])}
     elif method == "limit":
         from bench.methods import read_everything
 

@@ -196,6 +196,9 @@ def test_the_many_tensors_bench_verifies_every_method_of_every_form_and_times_ea
         ours = groups[form]["ours, meta_init model"]["phases"]
         assert set(ours) == {"open", "plan", "allocate", "read", "report"} and all(s >= 0 for s in ours.values())
         assert groups[form]["ours, deferred_init model"]["build_s"] > 0
+    for form in ("single", "torch"):  # the floor, a bare loader trusting the file, verified as every method is
+        floor = groups[form]["floor: a bare Python loader, no checks (bench/floor.py)"]
+        assert set(floor["phases"]) == {"open", "plan", "allocate", "read"} and floor["verified"]
     assert groups["inspect"]["materialize inspect, torch zip"]["lines"] > 300  # a row a tensor, and a heading
     assert (tmp_path / "data" / "many-300-16x8" / "hf" / "model.safetensors.index.json").is_file()
     cold = groups["cold"]  # files evicted before each run; the baseline's library beside ours, torch's alone

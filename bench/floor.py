@@ -1,0 +1,162 @@
+"""The floor of a Python loader: what any load that makes one tensor and one parameter per checkpoint tensor pays.
+
+``bench.many``'s "floor" rows load the same checkpoint into the same ``meta_init`` model with nothing but the
+steps every such loader takes, and no check of anything: the file is trusted (its header's offsets, its zip's
+records, its pickle), nothing is reported, every tensor is a plain parameter or buffer of its module. What is
+left is the interpreter's and torch's own cost a tensor:
+
+- open: the safetensors header parsed by ``json.loads``; a torch zip's directory by ``zipfile``, its pickle by
+  the C unpickler (its globals and storages stood in for by plain functions), every record's local header
+  read once for where its bytes start;
+- plan: each name's module, by one ``named_modules`` dict;
+- allocate: each tensor ``torch.frombuffer`` over its slice of one private anonymous mapping (its own storage, as
+  ours are), shaped by ``view``, made a parameter by ``Tensor._make_subclass`` and set in its module's dict;
+- read: the bytes read into the mapping by every core, each chunk's pages faulted in first (as the raw
+  read is); a zip's mapping is the file from its first record's bytes to its last's, headers between
+  records read with them.
+
+A load of ours does all that and checks and reports what it did; the floor is what no check removes. It is a
+measurement, not a loader: it trusts the file, which ours never does.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import mmap
+import os
+import pickle
+import struct
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from materialize.io.hostmem import prefault
+
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+                       "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+_STORAGE_DTYPES = {"BFloat16Storage": torch.bfloat16, "HalfStorage": torch.float16, "FloatStorage": torch.float32,
+                   "DoubleStorage": torch.float64, "LongStorage": torch.int64, "IntStorage": torch.int32,
+                   "ByteStorage": torch.uint8, "BoolStorage": torch.bool}
+_CHUNK = 16 * 1024 * 1024
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, then the name's and the extra field's lengths
+
+
+def bare_load(model: torch.nn.Module, path: Path, mark: Callable[[str], None]) -> None:
+    """Load ``path`` (one safetensors file or a torch zip) into ``model`` as the floor does, calling ``mark`` with
+    ``"plan"``, ``"allocate"`` and ``"read"`` as each step begins; the cyclic collector paused throughout, as
+    ours pauses it (``materialize.io.gcpause``)."""
+    gc.disable()
+    try:
+        _bare_load(model, path, mark)
+    finally:
+        gc.enable()
+
+
+def _bare_load(model: torch.nn.Module, path: Path, mark: Callable[[str], None]) -> None:
+    opened = _open_torch_zip(path) if path.suffix == ".pt" else _open_safetensors(path)
+    entries, data_size, spans = opened
+    mark("plan")
+    modules = dict(model.named_modules())
+    targets = [(modules[owner], attribute) for owner, _, attribute in (name.rpartition(".") for name in entries)]
+    mark("allocate")
+    # (private: Python's default, a shared mapping, is shared memory, whose pages fault in at twice the cost)
+    arena = mmap.mmap(-1, max(data_size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    frombuffer, make_subclass, parameter = torch.frombuffer, torch.Tensor._make_subclass, torch.nn.Parameter
+    for (module, attribute), (dtype, shape, at, count) in zip(targets, entries.values()):
+        tensor = frombuffer(arena, dtype=dtype, count=count, offset=at).view(shape) if count else \
+            torch.empty(shape, dtype=dtype)
+        if attribute in module._parameters:
+            module._parameters[attribute] = make_subclass(parameter, tensor, True)
+        else:
+            module._buffers[attribute] = tensor
+    mark("read")
+    _read(path, arena, spans)
+
+
+def _open_safetensors(path: Path) -> tuple[dict[str, tuple], int, list[tuple[int, int, int]]]:
+    """Name -> (dtype, shape, offset in the mapping, element count); the data's size; its one span to read
+    ``(file offset, mapping offset, length)``."""
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    header.pop("__metadata__", None)
+    data_size = os.path.getsize(path) - 8 - length
+    entries = {}
+    for name, entry in header.items():
+        dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+        begin, end = entry["data_offsets"]
+        entries[name] = (dtype, entry["shape"], begin, (end - begin) // dtype.itemsize)
+    return entries, data_size, [(8 + length, 0, data_size)]
+
+
+class _StandIns(pickle.Unpickler):
+    """torch.save's state dict pickle read by the C unpickler, each tensor as ``(key, dtype, offset, shape)``."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name == "_rebuild_tensor_v2":
+            return lambda storage, offset, shape, *_: (storage[0], storage[1], offset, shape)
+        if name == "OrderedDict":
+            return dict
+        if name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, saved_id: tuple) -> tuple:
+        _, dtype, key, _, _ = saved_id
+        return key, dtype
+
+
+def _open_torch_zip(path: Path) -> tuple[dict[str, tuple], int, list[tuple[int, int, int]]]:
+    archive = zipfile.ZipFile(path)
+    pickle_name = next(name for name in archive.namelist() if name.endswith("/data.pkl"))
+    prefix = pickle_name.removesuffix("data.pkl")
+    state = _StandIns(archive.open(pickle_name)).load()
+    records = {info.filename.removeprefix(prefix + "data/"): info for info in archive.infolist()
+               if info.filename.startswith(prefix + "data/")}
+    starts = {}
+    with open(path, "rb") as handle:
+        descriptor = handle.fileno()
+        for key, info in records.items():
+            _, name_length, extra_length = _LOCAL_HEADER.unpack(os.pread(descriptor, 30, info.header_offset))
+            starts[key] = info.header_offset + 30 + name_length + extra_length
+    # The mapping mirrors the file from the first record's bytes to the last's: one read, the headers between
+    # records read with them.
+    first = min(starts.values(), default=0)
+    end = max((starts[key] + info.file_size for key, info in records.items()), default=first)
+    places = {key: start - first for key, start in starts.items()}
+    entries = {}
+    for name, (key, dtype, offset, shape) in state.items():
+        entries[name] = (dtype, shape, places[key] + offset * dtype.itemsize, _numel(shape))
+    return entries, end - first, [(first, 0, end - first)]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def _read(path: Path, arena: mmap.mmap, spans: list[tuple[int, int, int]]) -> None:
+    """The spans read into the mapping by every core, in chunks of at most 16 MB, each faulted in first."""
+    view = memoryview(arena)
+    base = torch.frombuffer(arena, dtype=torch.uint8).data_ptr() if len(arena) else 0
+    pieces = [(source + start, place + start, min(_CHUNK, length - start))
+              for source, place, length in spans for start in range(0, length, _CHUNK)]
+    with open(path, "rb") as handle:
+        descriptor = handle.fileno()
+
+        def read(piece: tuple[int, int, int]) -> None:
+            source, place, length = piece
+            prefault(base + place, length)
+            done = 0
+            while done < length:
+                done += os.preadv(descriptor, [view[place + done:place + length]], source + done)
+
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            list(pool.map(read, pieces))

@@ -543,6 +543,38 @@ def test_load_post_hooks_run_once_the_load_is_done_children_first(tmp_path):
         assert torch.equal(model[index].fused, torch.cat([source[index].q.weight, source[index].k.weight]))
 
 
+class HookedByItsLoadCode(nn.Module):
+    """Its own load code (a pre-hook) registers a post-hook on its child the first time it runs: a post-hook
+    on a module that held no load hook of any kind until some of the model's load code ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.finished: list = []
+        self._register_load_state_dict_pre_hook(self._arm)
+
+    def _arm(self, state_dict, prefix, *rest) -> None:
+        if not self.lin._load_state_dict_post_hooks:
+            self.lin.register_load_state_dict_post_hook(lambda lin, incompatible: self.finished.append(
+                torch.equal(lin.weight, torch.full((2, 2), 3.0))))
+
+
+def test_a_post_hook_registered_by_the_models_own_load_code_runs_as_load_state_dict_runs_it(tmp_path):
+    # Planning asks each module for its post-hooks once, in one pass with the pre-hooks, before any load code
+    # runs; where code ran, it asks again: here the hook it would miss is the one the code registered.
+    path = write_safetensors({"lin.weight": torch.full((2, 2), 3.0), "lin.bias": torch.zeros(2)},
+                             tmp_path / "hooked.safetensors")
+    eager = HookedByItsLoadCode()
+    eager.load_state_dict(safetensors.torch.load_file(path))
+    with mz.meta_init():
+        model = HookedByItsLoadCode()
+
+    mz.load(model, path)
+
+    assert eager.finished == [True]
+    assert model.finished == eager.finished
+
+
 class UpgradesOnLoad(nn.Module):
     """Converts older names in its own load_state_dict, as fairseq's models do: code that loads, never called."""
 

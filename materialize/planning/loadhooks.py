@@ -126,6 +126,7 @@ class Replayed:
     needs_values: list[tuple[str, str, list[str]]] = field(default_factory=list)
     runs: list[LoadCodeRun] = field(default_factory=list)  # code to run again on the real module, with values
     verdicts: list[Verdict] = field(default_factory=list)  # of the overrides that ran on stand-ins
+    ran_code: bool = False  # whether any of the model's load code ran (on stand-ins): it may have changed hooks
 
     def left_alone(self, name: str, kind: str) -> bool:
         """Whether the code judging ``name`` (an override that ran) did not call it ``kind`` ("missing" or
@@ -134,9 +135,17 @@ class Replayed:
         return any(verdict.judges(name) and name not in getattr(verdict, kind) for verdict in self.verdicts)
 
 
+def load_hooked(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Those of ``modules`` with a ``load_state_dict`` pre-hook or post-hook, in their order: one pass reading
+    both registries of each module while it is at hand (on a model of experts, each pass over its modules
+    costs half a microsecond a tensor), for :func:`replay_load_hooks` and :func:`post_hooked`."""
+    return [(prefix, module) for prefix, module in modules
+            if module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks]
+
+
 def replay_load_hooks(
     modules: list[tuple[str, nn.Module]], sources: dict[str, TensorInfo], model_names: set[str], path: object = None,
-    fetch: Optional[Fetch] = None,
+    fetch: Optional[Fetch] = None, hooked: Optional[list[tuple[str, nn.Module]]] = None,
 ) -> Replayed:
     """Run the load code of a model's ``modules`` (each under each of its names, in the order
     ``load_state_dict`` visits them) over ``sources`` (model name -> checkpoint tensor).
@@ -144,10 +153,13 @@ def replay_load_hooks(
     ``model_names`` are the names of the model's tensors; ``path`` names the
     checkpoint in errors. ``fetch`` reads the value of a checkpoint entry
     that code failing on stand-ins asked for (none: such code stays unrun).
+    ``hooked``, if given, is :func:`load_hooked` of ``modules``: the modules'
+    own registries are then not read again.
     """
     unrun: list[str] = []
     adapting: list[tuple[str, nn.Module]] = []
     by_class: dict[type, tuple[bool, bool]] = {}  # the weak cache costs a weak reference a lookup
+    pre_hooked = None if hooked is None else {id(module) for _, module in hooked if module._load_state_dict_pre_hooks}
     for prefix, module in modules:  # one pass, each class asked once: an MoE has more modules than tensors
         cls = type(module)
         known = by_class.get(cls)
@@ -156,7 +168,8 @@ def replay_load_hooks(
         own_load_from, own_load = known
         if own_load:
             unrun.append(f"{prefix or '<root>'} ({cls.__name__} overrides load_state_dict, which a load does not call)")
-        if (own_load_from or module._load_state_dict_pre_hooks) and _has_own_load_code(module):
+        if (own_load_from or (module._load_state_dict_pre_hooks if pre_hooked is None else id(module) in pre_hooked)) \
+                and _has_own_load_code(module):
             adapting.append((prefix, module))
     if not adapting:
         return Replayed(sources, unrun=unrun)
@@ -215,7 +228,7 @@ def replay_load_hooks(
     for prefix, module, read, raised in reads:
         left_unused = [key for key in read if key in renamed and key not in model_names]
         needs_values.append((prefix, f"{describe_code(module)} ({raised})", left_unused))
-    replayed = Replayed(renamed, dropped, moves, unrun, needs_values, runs, verdicts)
+    replayed = Replayed(renamed, dropped, moves, unrun, needs_values, runs, verdicts, ran_code=True)
     for run in runs:
         own = [f"{run.prefix}.{attr}" if run.prefix else attr for attr in _own_tensor_names(run.module)]
         run.fills = [name for name in own if name not in renamed and replayed.left_alone(name, "missing")]

@@ -38,7 +38,8 @@ from ..errors import (
     summarize_names,
 )
 from .keymap import KeyMap, as_key_map, auto_strip_wrapper_prefix
-from .loadhooks import Fetch, LoadCodeRun, Replayed, as_older_weight_norm, post_hooked, replay_load_hooks
+from .loadhooks import (Fetch, LoadCodeRun, Replayed, as_older_weight_norm, load_hooked, post_hooked,
+                        replay_load_hooks)
 from ..skeleton.meta import is_lazy
 from ..skeleton.modtree import named_modules
 from .namehints import mismatch_hint, nearest_names
@@ -596,10 +597,13 @@ def make_plan(
                                    f"(they read like {summarize_names(list(ckpt)[:3])})", path=ckpt.path)
     rename = as_key_map(key_map) if key_map is not None else auto_strip_wrapper_prefix(ckpt, model_names)
     to_ckpt = _through_wrappers(_map_checkpoint_names(ckpt, rename), model_names)
-    replayed = replay_load_hooks(modules, to_ckpt, model_names, ckpt.path, fetch=fetch)
+    hooked = load_hooked(modules)
+    replayed = replay_load_hooks(modules, to_ckpt, model_names, ckpt.path, fetch=fetch, hooked=hooked)
     to_ckpt = as_older_weight_norm(replayed.sources, model_names)
+    # (code that ran may have hooked modules anew: then every module is asked again)
+    after_load = post_hooked(modules if replayed.ran_code else hooked)
 
-    plan = Plan(path=str(ckpt.path), device=device, entries=[], state_dict_key=ckpt.state_dict_key, post_hooked=post_hooked(modules),
+    plan = Plan(path=str(ckpt.path), device=device, entries=[], state_dict_key=ckpt.state_dict_key, post_hooked=after_load,
                 key_map=rename.describe() if isinstance(rename, KeyMap) else "",
                 renamed_by_model=replayed.renamed,
                 built_on_meta=any(tensor.is_meta for tensor, named in groups if named[0][1].is_parameter))

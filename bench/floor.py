@@ -94,6 +94,10 @@ def _open_safetensors(path: Path) -> tuple[dict[str, tuple], int, list[tuple[int
     return entries, data_size, [(8 + length, 0, data_size)]
 
 
+class _StateDict(dict):
+    """An ``OrderedDict`` of the pickle: a dict that takes the ``_metadata`` attribute torch.save's state dicts set."""
+
+
 class _StandIns(pickle.Unpickler):
     """torch.save's state dict pickle read by the C unpickler, each tensor as ``(key, dtype, offset, shape)``."""
 
@@ -101,7 +105,7 @@ class _StandIns(pickle.Unpickler):
         if name == "_rebuild_tensor_v2":
             return lambda storage, offset, shape, *_: (storage[0], storage[1], offset, shape)
         if name == "OrderedDict":
-            return dict
+            return _StateDict
         if name in _STORAGE_DTYPES:
             return _STORAGE_DTYPES[name]
         raise pickle.UnpicklingError(f"{module}.{name}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import mmap
 import os
 import pickle
@@ -34,16 +35,16 @@ from typing import Any, Callable
 
 import torch
 
+from materialize.checkpoint.plainpickle import _STORAGE_CLASSES
+from materialize.checkpoint.safetensors import SAFETENSORS_DTYPES
+from materialize.checkpoint.torchzip import _LOCAL_HEADER
 from materialize.io.hostmem import prefault
 
-_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-                       "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8,
-                       "BOOL": torch.bool}
-_STORAGE_DTYPES = {"BFloat16Storage": torch.bfloat16, "HalfStorage": torch.float16, "FloatStorage": torch.float32,
-                   "DoubleStorage": torch.float64, "LongStorage": torch.int64, "IntStorage": torch.int32,
-                   "ByteStorage": torch.uint8, "BoolStorage": torch.bool}
+# The formats' dtype codes as torch dtypes, from the library's own tables (the floor reads the same files).
+_SAFETENSORS_DTYPES = {code: getattr(torch, name) for code, (name, _) in SAFETENSORS_DTYPES.items()
+                       if hasattr(torch, name)}
+_STORAGE_DTYPES = {storage: getattr(torch, name) for storage, name in _STORAGE_CLASSES.items()}
 _CHUNK = 16 * 1024 * 1024
-_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, then the name's and the extra field's lengths
 
 
 def bare_load(model: torch.nn.Module, path: Path, mark: Callable[[str], None]) -> None:
@@ -126,8 +127,9 @@ def _open_torch_zip(path: Path) -> tuple[dict[str, tuple], int, list[tuple[int, 
     with open(path, "rb") as handle:
         descriptor = handle.fileno()
         for key, info in records.items():
-            _, name_length, extra_length = _LOCAL_HEADER.unpack(os.pread(descriptor, 30, info.header_offset))
-            starts[key] = info.header_offset + 30 + name_length + extra_length
+            header = os.pread(descriptor, _LOCAL_HEADER.size, info.header_offset)
+            _, _, name_length, extra_length = _LOCAL_HEADER.unpack(header)
+            starts[key] = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
     # The mapping mirrors the file from the first record's bytes to the last's: one read, the headers between
     # records read with them.
     first = min(starts.values(), default=0)
@@ -135,15 +137,8 @@ def _open_torch_zip(path: Path) -> tuple[dict[str, tuple], int, list[tuple[int, 
     places = {key: start - first for key, start in starts.items()}
     entries = {}
     for name, (key, dtype, offset, shape) in state.items():
-        entries[name] = (dtype, shape, places[key] + offset * dtype.itemsize, _numel(shape))
+        entries[name] = (dtype, shape, places[key] + offset * dtype.itemsize, math.prod(shape))
     return entries, end - first, [(first, 0, end - first)]
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
 
 
 def _read(path: Path, arena: mmap.mmap, spans: list[tuple[int, int, int]]) -> None:

@@ -153,13 +153,15 @@ def replay_load_hooks(
     ``model_names`` are the names of the model's tensors; ``path`` names the
     checkpoint in errors. ``fetch`` reads the value of a checkpoint entry
     that code failing on stand-ins asked for (none: such code stays unrun).
-    ``hooked``, if given, is :func:`load_hooked` of ``modules``: the modules'
-    own registries are then not read again.
+    ``hooked`` is :func:`load_hooked` of ``modules`` where the caller has it (each module's registries are
+    then read once for both uses).
     """
     unrun: list[str] = []
     adapting: list[tuple[str, nn.Module]] = []
     by_class: dict[type, tuple[bool, bool]] = {}  # the weak cache costs a weak reference a lookup
-    pre_hooked = None if hooked is None else {id(module) for _, module in hooked if module._load_state_dict_pre_hooks}
+    if hooked is None:
+        hooked = load_hooked(modules)
+    pre_hooked = {id(module) for _, module in hooked if module._load_state_dict_pre_hooks}
     for prefix, module in modules:  # one pass, each class asked once: an MoE has more modules than tensors
         cls = type(module)
         known = by_class.get(cls)
@@ -168,8 +170,7 @@ def replay_load_hooks(
         own_load_from, own_load = known
         if own_load:
             unrun.append(f"{prefix or '<root>'} ({cls.__name__} overrides load_state_dict, which a load does not call)")
-        if (own_load_from or (module._load_state_dict_pre_hooks if pre_hooked is None else id(module) in pre_hooked)) \
-                and _has_own_load_code(module):
+        if (own_load_from or id(module) in pre_hooked) and _has_own_load_code(module):
             adapting.append((prefix, module))
     if not adapting:
         return Replayed(sources, unrun=unrun)

@@ -10,7 +10,9 @@ left is the interpreter's and torch's own cost a tensor:
   read once for where its bytes start;
 - plan: each name's module, by one ``named_modules`` dict;
 - allocate: each tensor ``torch.frombuffer`` over its slice of one private anonymous mapping (its own storage, as
-  ours are), shaped by ``view``, made a parameter by ``Tensor._make_subclass`` and set in its module's dict;
+  ours are), shaped in place by ``resize_``, made a parameter by taking the class ``nn.Parameter`` (the cheapest
+  way torch has: ``view`` and ``Tensor._make_subclass`` each make another tensor object, 1 us a tensor each)
+  and set in its module's dict;
 - read: the bytes read into the mapping by every core, each chunk's pages faulted in first (as the raw
   read is); a zip's mapping is the file from its first record's bytes to its last's, headers between
   records read with them.
@@ -67,12 +69,13 @@ def _bare_load(model: torch.nn.Module, path: Path, mark: Callable[[str], None]) 
     mark("allocate")
     # (private: Python's default, a shared mapping, is shared memory, whose pages fault in at twice the cost)
     arena = mmap.mmap(-1, max(data_size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    frombuffer, make_subclass, parameter = torch.frombuffer, torch.Tensor._make_subclass, torch.nn.Parameter
+    frombuffer, parameter = torch.frombuffer, torch.nn.Parameter
     for (module, attribute), (dtype, shape, at, count) in zip(targets, entries.values()):
-        tensor = frombuffer(arena, dtype=dtype, count=count, offset=at).view(shape) if count else \
+        tensor = frombuffer(arena, dtype=dtype, count=count, offset=at).resize_(*shape) if count else \
             torch.empty(shape, dtype=dtype)
         if attribute in module._parameters:
-            module._parameters[attribute] = make_subclass(parameter, tensor, True)
+            tensor.__class__ = parameter
+            module._parameters[attribute] = tensor.requires_grad_()  # (the read writes no tensor: no autograd)
         else:
             module._buffers[attribute] = tensor
     mark("read")

@@ -370,7 +370,8 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
                      if index not in compared_in_file]
             general = functools.partial(_materialize_entry, undo=undo, reader=reader, mmap=mmap, mapped=mapped,
                                         check=check, arena=arena)
-            jobs = _allocated(order, undo, arena, host, general) if plain else \
+            wants_grad: list[nn.Parameter] = []  # the short way's parameters, given requires_grad once read
+            jobs = _allocated(order, undo, arena, host, general, wants_grad) if plain else \
                 [job for entry in order for job in general(entry)]
             extra_jobs, extra_states = extra_state_reads(the_plan)
             fed_jobs, fed_values = load_code_reads(the_plan)
@@ -386,6 +387,8 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
                         if entry.action == "load" and not entry.original.is_meta and entry.held() is entry.original]
             memory.observe()  # everything allocated, nothing read
             reader.read(jobs + extra_jobs + fed_jobs, progress=read_options.progress)
+            for parameter in wants_grad:
+                parameter.requires_grad_()
             memory.observe()  # everything read
             ties = TieSettling(the_plan, compared_in_file, reader.read, undo, allow_overflow=allow_overflow,
                                allocate=lambda entry: _materialize_entry(entry, undo, None, False, [], check))
@@ -502,16 +505,13 @@ def _unique_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
-_make_subclass = torch.Tensor._make_subclass
-
-
 def _file_order(numbered: tuple[int, Entry]) -> tuple[int, int]:
     source = numbered[1].source
     return (id(source.path), source.offset) if source is not None else (0, numbered[0])
 
 
 def _allocated(entries: list[Entry], undo: Undo, arena: HostArena, host: Optional[torch.device],
-               general: Callable[[Entry], list[Job]]) -> list[Job]:
+               general: Callable[[Entry], list[Job]], wants_grad: list[nn.Parameter]) -> list[Job]:
     """The read jobs of ``entries``, each allocated and registered: the usual tensor of a model built on meta
     (an ``nn.Parameter`` to load, no shard, contiguous, no shared memory asked) in one step of this loop, a
     DTensor parameter on meta by :func:`_allocated_shard`, any other by ``general`` (:func:`_materialize_entry`);
@@ -520,9 +520,16 @@ def _allocated(entries: list[Entry], undo: Undo, arena: HostArena, host: Optiona
     experts spends its time in per-tensor steps: the short way is written out in the loop, not called (25,000
     tensors allocated in 0.515 s instead of 0.53, alternating runs of each). ``host`` is the plan's device where it
     is the CPU: an entry placed there holds that very object, and ``is`` costs less than asking a device its
-    type."""
+    type.
+
+    A plain ``nn.Parameter`` of the short way is the tensor just allocated, its class made ``nn.Parameter``
+    (what ``Tensor._make_subclass`` makes is a second tensor object over the same storage: 1 us and some
+    300 bytes more a tensor, and a read job holding the first until the load ends). It is its own read job, so
+    it asks no gradient while it is read (reader threads run with autograd on, and a cast writes through an
+    in-place copy); those that ask one are appended to ``wants_grad``, for the caller to set once the reads are
+    done."""
     jobs: list[Job] = []
-    append, extend, new_job = jobs.append, jobs.extend, tuple.__new__
+    append, extend, new_job, grad_later = jobs.append, jobs.extend, tuple.__new__, wants_grad.append
     parameter, carve = nn.Parameter, arena.carved
     for entry in entries:
         original = entry.original
@@ -557,9 +564,14 @@ def _allocated(entries: list[Entry], undo: Undo, arena: HostArena, host: Optiona
             tensor = empty_destination(shape, dtype=dtype, device=device, name=entry.names[0], path=source.path,
                                        arena=arena)
         requires_grad = original.requires_grad and (dtype.is_floating_point or dtype.is_complex)
-        # parameter_like's first branch, less its call, where no attribute is to be carried over
-        made = parameter_like(original, tensor, requires_grad) if original.__dict__ else \
-            _make_subclass(parameter, tensor, requires_grad)
+        if original.__dict__:  # attributes to carry over: parameter_like's way, a tensor for the job apart
+            made = parameter_like(original, tensor, requires_grad)
+        else:
+            # The fresh tensor becomes the parameter (see above): a class of the same layout, nothing else to set
+            tensor.__class__ = parameter
+            made = tensor
+            if requires_grad:
+                grad_later(made)
         entry.put(made)
         undo.append(entry)  # Entry.hold's records, one for all its owners
         append(new_job(Job, (tensor, source, slack)))  # Job(tensor, source, slack), less the call of its __new__

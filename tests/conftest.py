@@ -77,7 +77,7 @@ def write_sharded(state: dict[str, torch.Tensor], folder: Path, *, kind: str = "
     return index
 
 
-def general_way_only(entries, undo, arena, host, general):
+def general_way_only(entries, undo, arena, host, general, wants_grad):
     """``materialize.loading._allocated`` with its short ways switched off: every entry the general way."""
     return [job for entry in entries for job in general(entry)]
 

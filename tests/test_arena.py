@@ -60,9 +60,10 @@ def test_the_zoo_takes_the_short_way(tmp_path: Path, monkeypatch: pytest.MonkeyP
     offered, general = [], []
     allocated = loading._allocated
 
-    def counted(entries, undo, arena, host, general_way):
+    def counted(entries, undo, arena, host, general_way, wants_grad):
         offered.extend(entries)
-        return allocated(entries, undo, arena, host, lambda entry: general.append(entry) or general_way(entry))
+        return allocated(entries, undo, arena, host, lambda entry: general.append(entry) or general_way(entry),
+                         wants_grad)
 
     monkeypatch.setattr(loading, "_allocated", counted)
     scenario = SCENARIOS["moduledict_modulelist_sequential"]

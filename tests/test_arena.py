@@ -130,6 +130,32 @@ def test_carved_tensors_save_and_share_as_any(tmp_path: Path) -> None:
         model.experts[6].weight.data.resize_(64, 64)
 
 
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+def test_a_cast_on_the_short_way_gives_parameters_that_train_as_eager_ones(fmt: str, tmp_path: Path) -> None:
+    """A short-way parameter is its own read job and asks its gradient only once read (a cast writes it in
+    place from reader threads, where autograd is on): after the load it is the leaf eager construction and
+    load_state_dict make, and a training step runs on it."""
+    state = {name: torch.randn(t.shape).to(torch.bfloat16) for name, t in Experts(40).state_dict().items()}
+    path = tmp_path / f"experts.{fmt}"
+    sft.save_file(state, path) if fmt == "safetensors" else torch.save(state, path)
+    with mz.meta_init():
+        model = Experts(40)
+    model.experts[2].weight.requires_grad_(False)  # a frozen one stays frozen
+    mz.load(model, path, dtype=torch.float32)
+    eager = Experts(40)
+    eager.experts[2].weight.requires_grad_(False)
+    eager.load_state_dict({name: value.float() for name, value in state.items()})
+    for (name, ours), (_, theirs) in zip(model.named_parameters(), eager.named_parameters(), strict=True):
+        assert type(ours) is type(theirs) is nn.Parameter, name
+        assert (ours.dtype, ours.requires_grad, ours.is_leaf, ours.grad_fn, ours._base) == \
+            (theirs.dtype, theirs.requires_grad, True, None, None), name
+        assert torch.equal(ours, theirs), name
+    loss = sum(expert(torch.ones(2, 16)).sum() for expert in model.experts)
+    loss.backward()
+    assert model.experts[2].weight.grad is None
+    assert torch.equal(model.experts[3].weight.grad, torch.full((8, 16), 2.0))
+
+
 def _write_in_child(model: nn.Module, queue) -> None:
     with torch.no_grad():
         model.experts[0].weight.fill_(7.0)

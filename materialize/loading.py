@@ -522,7 +522,7 @@ def _allocated(entries: list[Entry], undo: Undo, arena: HostArena, host: Optiona
     is the CPU: an entry placed there holds that very object, and ``is`` costs less than asking a device its
     type.
 
-    A plain ``nn.Parameter`` of the short way is the tensor just allocated, its class made ``nn.Parameter``
+    A parameter of the short way is the tensor just allocated, its class made ``nn.Parameter``
     (what ``Tensor._make_subclass`` makes is a second tensor object over the same storage: 1 us and some
     300 bytes more a tensor, and a read job holding the first until the load ends). It is its own read job, so
     it asks no gradient while it is read (reader threads run with autograd on, and a cast writes through an
@@ -564,15 +564,14 @@ def _allocated(entries: list[Entry], undo: Undo, arena: HostArena, host: Optiona
             tensor = empty_destination(shape, dtype=dtype, device=device, name=entry.names[0], path=source.path,
                                        arena=arena)
         requires_grad = original.requires_grad and (dtype.is_floating_point or dtype.is_complex)
-        if original.__dict__:  # attributes to carry over: parameter_like's way, a tensor for the job apart
-            made = parameter_like(original, tensor, requires_grad)
-        else:
-            # The fresh tensor becomes the parameter (see above): a class of the same layout, nothing else to set
-            tensor.__class__ = parameter
-            made = tensor
-            if requires_grad:
-                grad_later(made)
-        entry.put(made)
+        # The fresh tensor becomes the parameter (see above): a class of the same layout, with the original's
+        # attributes as parameter_like carries them over
+        tensor.__class__ = parameter
+        if original.__dict__:
+            tensor.__dict__.update(original.__dict__)
+        if requires_grad:
+            grad_later(tensor)
+        entry.put(tensor)
         undo.append(entry)  # Entry.hold's records, one for all its owners
         append(new_job(Job, (tensor, source, slack)))  # Job(tensor, source, slack), less the call of its __new__
     return jobs

@@ -146,6 +146,7 @@ def load_hooked(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Modu
 def replay_load_hooks(
     modules: list[tuple[str, nn.Module]], sources: dict[str, TensorInfo], model_names: set[str], path: object = None,
     fetch: Optional[Fetch] = None, hooked: Optional[list[tuple[str, nn.Module]]] = None,
+    classes: Optional[set[type]] = None,
 ) -> Replayed:
     """Run the load code of a model's ``modules`` (each under each of its names, in the order
     ``load_state_dict`` visits them) over ``sources`` (model name -> checkpoint tensor).
@@ -153,8 +154,9 @@ def replay_load_hooks(
     ``model_names`` are the names of the model's tensors; ``path`` names the
     checkpoint in errors. ``fetch`` reads the value of a checkpoint entry
     that code failing on stand-ins asked for (none: such code stays unrun).
-    ``hooked`` is :func:`load_hooked` of ``modules`` where the caller has it (each module's registries are
-    then read once for both uses).
+    ``hooked`` is :func:`load_hooked` of ``modules`` and ``classes`` the set of their classes, where the
+    caller has them (each module's registries are then read once for every use): where no class has load
+    code of its own, only the hooked modules are asked, not every module again.
     """
     unrun: list[str] = []
     adapting: list[tuple[str, nn.Module]] = []
@@ -162,6 +164,8 @@ def replay_load_hooks(
     if hooked is None:
         hooked = load_hooked(modules)
     pre_hooked = {id(module) for _, module in hooked if module._load_state_dict_pre_hooks}
+    if classes is not None and not any(any(_class_code(cls)) for cls in classes):
+        modules = [(prefix, module) for prefix, module in hooked if id(module) in pre_hooked]  # in the same order
     for prefix, module in modules:  # one pass, each class asked once: an MoE has more modules than tensors
         cls = type(module)
         known = by_class.get(cls)

@@ -15,7 +15,7 @@ import re
 import sys
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Optional, Union
 
@@ -38,7 +38,7 @@ from ..errors import (
     summarize_names,
 )
 from .keymap import KeyMap, as_key_map, auto_strip_wrapper_prefix
-from .loadhooks import (Fetch, LoadCodeRun, Replayed, as_older_weight_norm, load_hooked, post_hooked,
+from .loadhooks import (Fetch, LoadCodeRun, Replayed, as_older_weight_norm, post_hooked,
                         replay_load_hooks)
 from ..skeleton.meta import is_lazy
 from ..skeleton.modtree import named_modules
@@ -104,7 +104,7 @@ class Entry:
     """One unique tensor (a tie group counts once) and what to do with it."""
 
     names: tuple[str, ...]
-    owners: list[Owner]
+    owners: Sequence[Owner]  # a tuple for an untied tensor
     original: torch.Tensor
     action: Action
     shape: tuple[int, ...]
@@ -366,41 +366,76 @@ class TensorsPlan:
         }
 
 
-def _collect_groups(modules: list[tuple[str, nn.Module]]) -> list[tuple[torch.Tensor, list[tuple[str, Owner]]]]:
-    """Every unique tensor of the model (its ``modules``, each under each name) with all the names it is registered under."""
-    groups: dict[int, tuple[torch.Tensor, list[tuple[str, Owner]]]] = {}
+# One unique tensor of the model: itself, its first name and owner, and, for a tensor registered under several
+# names (tied), every (name, owner) pair, else None. One tuple for an untied tensor (nearly all): a load of a
+# hundred thousand makes and frees one each.
+Group = tuple[torch.Tensor, str, Owner, Optional[list[tuple[str, Owner]]]]
+
+
+class _Walked(NamedTuple):
+    """What planning gathers in its one pass over the model's modules."""
+
+    groups: list[Group]
+    hooked: list[tuple[str, nn.Module]]  # :func:`~materialize.planning.loadhooks.load_hooked` of the modules
+    classes: set[type]
+
+
+def _collect_groups(modules: list[tuple[str, nn.Module]]) -> _Walked:
+    """Every unique tensor of the model (its ``modules``, each under each name) with all the names it is
+    registered under; and, read while each module is at hand (a pass over the modules of a model of experts
+    costs half a microsecond a tensor, its objects scattered in memory), the modules with load hooks and the
+    modules' classes."""
+    groups: dict[int, Group] = {}
+    hooked: list[tuple[str, nn.Module]] = []
+    classes: set[type] = set()
+    add_class = classes.add
     shared = False
-    owner_of = tuple.__new__  # Owner(...) through its NamedTuple __new__ costs twice as much, a tensor each
+    make = tuple.__new__  # Owner(...) through its NamedTuple __new__ costs twice as much, a tensor each
     for prefix, module in modules:
+        add_class(type(module))
+        if module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks:
+            hooked.append((prefix, module))
         dot = f"{prefix}." if prefix else ""
         for attr, param in module._parameters.items():
             if param is not None:
-                group = groups.get(id(param))  # no tuple and list made for a tensor met before
+                group = groups.get(id(param))
                 if group is None:
-                    groups[id(param)] = (param, [(dot + attr, owner_of(Owner, (module, attr, True, True)))])
+                    groups[id(param)] = (param, dot + attr, make(Owner, (module, attr, True, True)), None)
                 else:
                     shared = True
-                    group[1].append((dot + attr, owner_of(Owner, (module, attr, True, True))))
+                    groups[id(param)] = _joined(group, dot + attr, make(Owner, (module, attr, True, True)))
         if not module._buffers:
             continue
         non_persistent = module._non_persistent_buffers_set
         for attr, buffer in module._buffers.items():
             if buffer is not None:
                 group = groups.get(id(buffer))
-                owner = owner_of(Owner, (module, attr, False, attr not in non_persistent))
+                owner = make(Owner, (module, attr, False, attr not in non_persistent))
                 if group is None:
-                    groups[id(buffer)] = (buffer, [(dot + attr, owner)])
+                    groups[id(buffer)] = (buffer, dot + attr, owner, None)
                 else:
                     shared = True
-                    group[1].append((dot + attr, owner))
+                    groups[id(buffer)] = _joined(group, dot + attr, owner)
     if shared:  # a module registered in two places is walked twice: each name once, its first owner
-        for _, named in groups.values():
-            if len(named) > 1:
+        for key, group in groups.items():
+            named = group[3]
+            if named is not None:
                 unique: dict[str, Owner] = {}
                 for name, owner in named:
                     unique.setdefault(name, owner)
                 named[:] = list(unique.items())
-    return list(groups.values())
+                if len(named) == 1:  # one name after all: untied
+                    groups[key] = (group[0], group[1], group[2], None)
+    return _Walked(list(groups.values()), hooked, classes)
+
+
+def _joined(group: Group, name: str, owner: Owner) -> Group:
+    """``group`` with one more name: the list of every (name, owner) made at the second."""
+    tensor, first, first_owner, named = group
+    if named is None:
+        return (tensor, first, first_owner, [(first, first_owner), (name, owner)])
+    named.append((name, owner))
+    return group
 
 
 def _map_checkpoint_names(ckpt: Checkpoint, rename: Callable[[str], object]) -> dict[str, TensorInfo]:
@@ -588,8 +623,9 @@ def make_plan(
     ignore_mismatched_sizes = options.ignore_mismatched_sizes
     vacant_slots: list[str] = []
     modules = named_modules(model, remove_duplicate=False, vacant=vacant_slots)
-    groups = _collect_groups(modules)
-    model_names = {name for _, named in groups for name, _ in named}
+    groups, hooked, classes = _collect_groups(modules)
+    model_names = {group[1] for group in groups}
+    model_names.update(name for group in groups if group[3] is not None for name, _ in group[3])
     if isinstance(key_map, KeyMap):
         idle = key_map.unmatched(ckpt)
         if idle:  # a typo, or a prefix the checkpoint does not have: a rename that renames nothing is not silent
@@ -597,8 +633,7 @@ def make_plan(
                                    f"(they read like {summarize_names(list(ckpt)[:3])})", path=ckpt.path)
     rename = as_key_map(key_map) if key_map is not None else auto_strip_wrapper_prefix(ckpt, model_names)
     to_ckpt = _through_wrappers(_map_checkpoint_names(ckpt, rename), model_names)
-    hooked = load_hooked(modules)
-    replayed = replay_load_hooks(modules, to_ckpt, model_names, ckpt.path, fetch=fetch, hooked=hooked)
+    replayed = replay_load_hooks(modules, to_ckpt, model_names, ckpt.path, fetch=fetch, hooked=hooked, classes=classes)
     to_ckpt = as_older_weight_norm(replayed.sources, model_names)
     # (code that ran may have hooked modules anew: then every module is asked again)
     after_load = post_hooked(modules if replayed.ran_code else hooked)
@@ -606,21 +641,19 @@ def make_plan(
     plan = Plan(path=str(ckpt.path), device=device, entries=[], state_dict_key=ckpt.state_dict_key, post_hooked=after_load,
                 key_map=rename.describe() if isinstance(rename, KeyMap) else "",
                 renamed_by_model=replayed.renamed,
-                built_on_meta=any(tensor.is_meta for tensor, named in groups if named[0][1].is_parameter))
-    classes = {type(module) for _, module in modules}  # each asked once: a model of experts has many modules, few classes
+                built_on_meta=any(tensor.is_meta for tensor, _, owner, _ in groups if owner.is_parameter))
     plan.rnn_modules = list({id(module): module for _, module in modules if isinstance(module, nn.RNNBase)}.values()
                             ) if any(issubclass(cls, nn.RNNBase) for cls in classes) else []
-    refuse_unreadable_placements(((named[0][0], tensor) for tensor, named in groups), ckpt.path)  # all, not the first
+    refuse_unreadable_placements(((name, tensor) for tensor, name, _, _ in groups), ckpt.path)  # all, not the first
     reinitialized_shapes: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
     entries = plan.entries
-    for tensor, named in groups:
-        if len(named) == 1:  # an untied tensor (nearly all of them): one unit, made without the loop's tuples
-            name, owner = named[0]
+    for tensor, name, owner, named in groups:
+        if named is None:  # an untied tensor (nearly all of them): one unit, made without the loop's tuples
             info = to_ckpt.get(name)
             if info is None or not ignore_mismatched_sizes:
-                entries.append(_entry(plan, tensor, (name,), [owner], info, ckpt, device, dtype, placement, tolerated))
+                entries.append(_entry(plan, tensor, (name,), (owner,), info, ckpt, device, dtype, placement, tolerated))
                 continue
-            units = [((name,), [owner], info)]
+            units = [((name,), (owner,), info)]
         else:
             units = _tie_units(named, to_ckpt)
         if len(units) > 1:
@@ -750,7 +783,7 @@ def _bytes_key(info: TensorInfo) -> object:
 
 
 def _entry(
-    plan: Plan, tensor: torch.Tensor, names: tuple[str, ...], owners: list[Owner], info: Optional[TensorInfo],
+    plan: Plan, tensor: torch.Tensor, names: tuple[str, ...], owners: Sequence[Owner], info: Optional[TensorInfo],
     ckpt: Checkpoint, device: torch.device, dtype: Optional[torch.dtype],
     placement: Optional[Callable[[str], Union[torch.device, str]]], tolerated: Optional[Tolerated],
 ) -> Entry:
@@ -797,7 +830,7 @@ def _entry(
     return entry
 
 
-def _counter_older_saves_lack(owners: list[Owner]) -> bool:
+def _counter_older_saves_lack(owners: Sequence[Owner]) -> bool:
     """A batch norm's ``num_batches_tracked``: checkpoints saved before torch 0.4.1 lack it (torchvision's
     classic weights among them), and torch's ``load_state_dict`` keeps the module's own count (0) rather
     than call it missing; so does a load here."""

@@ -87,9 +87,14 @@ def _unescaped(text: str) -> str:
 KeyMapLike = Union[KeyMap, Mapping[str, str], Callable[[str], str], None]
 
 
+def unchanged(name: str) -> str:
+    """The rename that renames nothing (planning maps a checkpoint's names at once where it is the rename)."""
+    return name
+
+
 def as_key_map(key_map: KeyMapLike) -> Callable[[str], str]:
     if key_map is None:
-        return lambda name: name
+        return unchanged
     if isinstance(key_map, Mapping):
         return KeyMap.regex(key_map)
     if callable(key_map):
@@ -113,14 +118,14 @@ def auto_strip_wrapper_prefix(checkpoint_names: Iterable[str], model_names: set[
     if wrappers:
         return KeyMap.strip_prefix(wrappers)
     if not names or not model_names or not set(names).isdisjoint(model_names):
-        return lambda name: name
+        return unchanged
     for prefix in _shared_prefixes(names):
         if not any(m.startswith(prefix) for m in model_names) and _nested({n[len(prefix):] for n in names}, model_names):
             return KeyMap.strip_prefix(prefix)
     for prefix in _shared_prefixes(list(model_names)):
         if not any(n.startswith(prefix) for n in names) and _nested({prefix + n for n in names}, model_names):
             return KeyMap.add_prefix(prefix)
-    return lambda name: name
+    return unchanged
 
 
 def _wrapper_chain(names: list[str], model_names: set[str]) -> str:

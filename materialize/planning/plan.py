@@ -37,7 +37,7 @@ from ..errors import (
     ShardingError,
     summarize_names,
 )
-from .keymap import KeyMap, as_key_map, auto_strip_wrapper_prefix
+from .keymap import KeyMap, as_key_map, auto_strip_wrapper_prefix, unchanged
 from .loadhooks import (Fetch, LoadCodeRun, Replayed, as_older_weight_norm, post_hooked,
                         replay_load_hooks)
 from ..skeleton.meta import is_lazy
@@ -440,6 +440,8 @@ def _joined(group: Group, name: str, owner: Owner) -> Group:
 
 def _map_checkpoint_names(ckpt: Checkpoint, rename: Callable[[str], object]) -> dict[str, TensorInfo]:
     """Model name -> its source: one checkpoint tensor, several stacked, or a run of one (see :mod:`materialize.planning.stacking`)."""
+    if rename is unchanged:  # each name its own (most loads): no call and no question a tensor
+        return dict(ckpt.items())
     mapped: dict[str, TensorInfo] = {}
     slots: dict[str, list[tuple[StackSlot, TensorInfo]]] = {}
     for ckpt_name in ckpt:

@@ -744,3 +744,54 @@ def test_load_code_doing_with_values_what_it_did_not_on_names_stops_the_load(tmp
         mz.load(model, path)
 
     assert model.lin.weight.is_meta
+
+
+class OwnLoad(nn.Linear):
+    """A class with load code of its own: the replay then asks every module, not the hooked ones alone."""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        key = prefix + "old_weight"
+        if key in state_dict:
+            state_dict[prefix + "weight"] = state_dict.pop(key)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+@pytest.mark.parametrize("with_code_class", [False, True])
+def test_the_replay_asking_only_hooked_modules_decides_as_asking_every_module(tmp_path, with_code_class):
+    from materialize.checkpoint import open_checkpoint
+    from materialize.planning.loadhooks import load_hooked, replay_load_hooks
+    from materialize.skeleton.modtree import named_modules
+
+    def build() -> nn.Module:
+        model = nn.Module()
+        model.blocks = nn.ModuleList([Renamed(), nn.Linear(4, 4), Renamed()])
+        model.blocks[1].register_load_state_dict_pre_hook(Renamed._old_name)  # a hook from outside, after building
+        model.head = OwnLoad(4, 2) if with_code_class else nn.Linear(4, 2)
+        return model
+
+    state = {"blocks.0.fc.weight": torch.randn(4, 4), "blocks.0.fc.bias": torch.randn(4),
+             "blocks.1.weight": torch.randn(4, 4), "blocks.1.bias": torch.randn(4),
+             "blocks.2.fc.weight": torch.randn(4, 4), "blocks.2.fc.bias": torch.randn(4),
+             "head.old_weight" if with_code_class else "head.weight": torch.randn(2, 4), "head.bias": torch.randn(2)}
+    path = write_safetensors(state, tmp_path / "older.safetensors")
+    with mz.meta_init():
+        model = build()
+    modules = named_modules(model, remove_duplicate=False)
+    model_names = set(model.state_dict())
+    with open_checkpoint(path) as ckpt:
+        sources = dict(ckpt.items())
+        every = replay_load_hooks(modules, dict(sources), model_names, path)
+        hooked_only = replay_load_hooks(modules, dict(sources), model_names, path, hooked=load_hooked(modules),
+                                        classes={type(module) for _, module in modules})
+
+    assert hooked_only.sources == every.sources and hooked_only.renamed == every.renamed
+    assert hooked_only.unrun == every.unrun and hooked_only.dropped == every.dropped
+    assert [run.prefix for run in hooked_only.runs] == [run.prefix for run in every.runs]
+    assert every.renamed == {"blocks.0.fc.weight": "blocks.0.proj.weight", "blocks.0.fc.bias": "blocks.0.proj.bias",
+                             "blocks.2.fc.weight": "blocks.2.proj.weight", "blocks.2.fc.bias": "blocks.2.proj.bias",
+                             **({"head.old_weight": "head.weight"} if with_code_class else {})}
+    reference = build()
+    reference.load_state_dict(state)
+    report = mz.load(model, path)
+    assert report.unexpected == [] and report.missing == []
+    assert_state_equal(model, reference.state_dict())

@@ -164,9 +164,10 @@ def replay_load_hooks(
     if hooked is None:
         hooked = load_hooked(modules)
     pre_hooked = {id(module) for _, module in hooked if module._load_state_dict_pre_hooks}
+    asked = modules
     if classes is not None and not any(any(_class_code(cls)) for cls in classes):
-        modules = [(prefix, module) for prefix, module in hooked if id(module) in pre_hooked]  # in the same order
-    for prefix, module in modules:  # one pass, each class asked once: an MoE has more modules than tensors
+        asked = [(prefix, module) for prefix, module in hooked if id(module) in pre_hooked]  # in the same order
+    for prefix, module in asked:  # one pass, each class asked once: an MoE has more modules than tensors
         cls = type(module)
         known = by_class.get(cls)
         if known is None:

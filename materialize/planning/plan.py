@@ -393,8 +393,8 @@ def _collect_groups(modules: list[tuple[str, nn.Module]]) -> _Walked:
     make = tuple.__new__  # Owner(...) through its NamedTuple __new__ costs twice as much, a tensor each
     for prefix, module in modules:
         add_class(type(module))
-        if module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks:
-            hooked.append((prefix, module))
+        if module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks:  # loadhooks.load_hooked's test,
+            hooked.append((prefix, module))  # inline: a call a module is what this pass saves
         dot = f"{prefix}." if prefix else ""
         for attr, param in module._parameters.items():
             if param is not None:

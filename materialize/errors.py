@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Optional, Sequence
 
-from .text import printable
+from .text import hide_url_secrets, printable, shown_url
 
 
 class MaterializeError(Exception):
@@ -24,7 +24,8 @@ class MaterializeError(Exception):
     :func:`summarize_names`, which escape them too.
 
     Attributes:
-        path: the file (or folder) the error is about, exactly; ``None`` where none.
+        path: the file (or folder) the error is about, exactly (a URL as :func:`~materialize.text.shown_url`
+            shows it); ``None`` where none.
         tensor: the tensor's name, exactly; ``None`` where the error is about no one tensor.
         reason: the message without the file and tensor in front.
     """
@@ -36,9 +37,9 @@ class MaterializeError(Exception):
         path: Optional[os.PathLike | str] = None,
         tensor: Optional[str] = None,
     ) -> None:
-        self.path = os.fspath(path) if path is not None else None
+        self.path = shown_url(os.fspath(path)) if path is not None else None
         self.tensor = tensor
-        self.reason = message
+        self.reason = hide_url_secrets(message)
         super().__init__(self._format())
 
     def _format(self) -> str:

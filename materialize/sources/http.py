@@ -17,6 +17,15 @@ whole URL asked of the proxy), none for a host ``NO_PROXY`` lists; credentials
 in the proxy's URL (``http://user:password@proxy:3128``) are sent to it alone.
 An ``https://`` or SOCKS proxy is refused in one line.
 
+Every request has a deadline: its status line and headers must arrive
+within ``RemoteOptions.timeout`` seconds, and its body must then average
+``RemoteOptions.min_rate`` bytes a second once it has run that long; a
+watchdog thread cuts off a request that falls behind (a server sending one
+byte a second holds no load), and it is retried as a timeout is. Headers the
+caller gives (credentials, cookies, a token of the user's) go to the
+origin (scheme, host, port) they were given for, never to another a
+redirect leads to.
+
 Every GET names the byte range it wants and, where the object's tag is
 known, ``If-Match`` it, and its answer must say the same range of an
 object of the same size and tag: an object rewritten during a load is an
@@ -39,7 +48,9 @@ import threading
 import time
 import urllib.request
 from collections.abc import Mapping
+from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 from urllib.parse import SplitResult, unquote, urljoin, urlsplit
@@ -73,6 +84,91 @@ class Answer:
     body: bytes = b""
 
 
+class _Watch:
+    """One request as the :class:`_Watchdog` follows it: when it began, when its body began, bytes received."""
+
+    __slots__ = ("connection", "started", "body_started", "received", "cut")
+
+    def __init__(self) -> None:
+        self.connection: Optional[http.client.HTTPConnection] = None
+        self.started = time.monotonic()
+        self.body_started: Optional[float] = None
+        self.received = 0
+        self.cut: Optional[str] = None  # why the watchdog cut the request off
+
+    def begin(self, connection: http.client.HTTPConnection) -> None:
+        """A request (or a redirect's next one) is about to be sent on ``connection``: its clock starts."""
+        self.connection, self.started, self.body_started, self.received = connection, time.monotonic(), None, 0
+
+    def why(self, exc: BaseException) -> str:
+        """The failure in words: the watchdog's reason where it cut the request off, else ``exc`` described."""
+        return self.cut or _describe(exc)
+
+
+class _Watchdog:
+    """Cuts off the requests that run out of time (see the module docstring): one thread, while any is watched.
+
+    Cutting shuts the socket down, which wakes a receive blocked in it; the
+    request then fails as a dropped connection does, and names the watch's
+    reason instead.
+    """
+
+    def __init__(self, timeout: float, min_rate: float) -> None:
+        self.timeout, self.min_rate = timeout, min_rate
+        self._tick = min(0.25, timeout / 4)
+        self._watched: set[_Watch] = set()
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+
+    @contextmanager
+    def watching(self) -> Iterator[_Watch]:
+        watch = _Watch()
+        with self._lock:
+            self._watched.add(watch)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="materialize-watchdog", daemon=True)
+                self._thread.start()
+        try:
+            yield watch
+        finally:
+            with self._lock:
+                self._watched.discard(watch)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._watched:
+                    self._thread = None  # the next request starts another
+                    return
+                now = time.monotonic()
+                late = [watch for watch in self._watched if watch.cut is None and self._late(watch, now)]
+            for watch in late:
+                _shut(watch.connection)
+            time.sleep(self._tick)
+
+    def _late(self, watch: _Watch, now: float) -> bool:
+        if watch.body_started is None:
+            if now - watch.started > self.timeout:
+                watch.cut = (f"too slow: no answer's headers within {self.timeout:g} s (the request timeout, "
+                             "--request-timeout)")
+            return watch.cut is not None
+        ran = now - watch.body_started
+        if ran > self.timeout and watch.received < (ran - self.timeout) * self.min_rate:
+            watch.cut = (f"too slow: {watch.received:,} bytes in {ran:.0f} s, under the least rate of "
+                         f"{self.min_rate:,.0f} bytes a second (--min-rate, RemoteOptions.min_rate)")
+        return watch.cut is not None
+
+
+def _shut(connection: Optional[http.client.HTTPConnection]) -> None:
+    sock = getattr(connection, "sock", None)
+    if sock is None:
+        return  # still connecting: the connect timeout bounds it
+    try:
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the plain socket's: a TLS socket's own drops its state
+    except OSError:
+        pass
+
+
 class _Retryable(Exception):
     """A failure worth another attempt; ``received`` bytes of the range had arrived before it."""
 
@@ -103,6 +199,7 @@ class Transport:
         self._ca_bundle = options.ca_bundle or ca_bundle
         self._ssl: Optional[ssl.SSLContext] = None
         self._executor: Optional[ThreadPoolExecutor] = None
+        self._watchdog = _Watchdog(options.timeout, options.min_rate)
         self.requests = 0  # GETs and HEADs sent, retries included (what a test or a bench may count)
         self.retried = 0
 
@@ -156,7 +253,9 @@ class Transport:
 
     # --- one request -------------------------------------------------------------------------------------------
 
-    def _send(self, method: str, url: str, headers: Mapping[str, str]):  # -> (response, connection, where)
+    def _send(self, method: str, url: str, headers: Mapping[str, str], watch: _Watch):
+        """One request sent and its answer's headers received, under ``watch``; -> (response, connection,
+        where)."""
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
         if scheme not in ("http", "https"):
@@ -172,12 +271,14 @@ class Transport:
             sent.update(through_proxy)
         with self._lock:
             self.requests += 1
+        watch.begin(connection)
         try:
             connection.request(method, target, headers=sent)
             response = connection.getresponse()
         except Exception:
             connection.close()
             raise
+        watch.body_started = time.monotonic()
         if response.status == 407:  # the proxy's, whatever was asked: no retry mends it (_refuse_if_lasting)
             connection.close()
             raise _ProxyWantsCredentials()
@@ -217,20 +318,24 @@ class Transport:
         """One attempt at a HEAD or a small GET, redirects followed; a status worth retrying is _Retryable."""
         current, sent = target()
         for _ in range(MAX_REDIRECTS + 1):
-            try:
-                response, connection, where = self._send(method, current, sent)
-            except (OSError, http.client.HTTPException) as exc:
-                _refuse_if_lasting(exc, current, name=name)
-                raise _Retryable(_describe(exc)) from None
-            try:
-                body = response.read(SMALL_BODY_BYTES + 1)
-            except (OSError, http.client.HTTPException) as exc:
-                connection.close()
-                raise _Retryable(_describe(exc)) from None
+            with self._watchdog.watching() as watch:
+                try:
+                    response, connection, where = self._send(method, current, sent, watch)
+                except (OSError, http.client.HTTPException) as exc:
+                    if not watch.cut:
+                        _refuse_if_lasting(exc, current, name=name)
+                    raise _Retryable(watch.why(exc)) from None
+                try:
+                    body = _read_small(response, watch)
+                except (OSError, http.client.HTTPException) as exc:
+                    connection.close()
+                    raise _Retryable(watch.why(exc)) from None
             if len(body) > SMALL_BODY_BYTES:
                 connection.close()
                 raise CheckpointError(f"the answer to a {method} of {current} is over {SMALL_BODY_BYTES:,} bytes",
                                       path=name)
+            if watch.cut:  # the body came whole just as the watchdog shut the socket: the connection is gone
+                connection.close()
             answer = Answer(response.status, _lower(response.getheaders()), current, body)
             self._finish(response, connection, where)
             if answer.status in REDIRECT_STATUS and "location" in answer.headers:
@@ -314,12 +419,20 @@ class Transport:
         if etag:
             headers["If-Match"] = etag
         first = origin
+        with self._watchdog.watching() as watch:
+            self._get_watched(url, headers, first, watch, start, end, views, want, size=size, etag=etag, name=name,
+                              tensor=tensor)
+
+    def _get_watched(self, url: str, headers: dict[str, str], first: str, watch: _Watch, start: int, end: int,
+                     views: list[memoryview], want: int, *, size: int, etag: Optional[str], name: str,
+                     tensor: Optional[str]) -> None:
         for _ in range(MAX_REDIRECTS + 1):
             try:
-                response, connection, where = self._send("GET", url, headers)
+                response, connection, where = self._send("GET", url, headers, watch)
             except (OSError, http.client.HTTPException) as exc:
-                _refuse_if_lasting(exc, url, name=name)
-                raise _Retryable(_describe(exc)) from None
+                if not watch.cut:
+                    _refuse_if_lasting(exc, url, name=name)
+                raise _Retryable(watch.why(exc)) from None
             status = response.status
             if status in REDIRECT_STATUS and response.getheader("Location"):
                 nxt = urljoin(url, response.getheader("Location"))
@@ -336,12 +449,12 @@ class Transport:
                 self._redirects[first] = url  # a hub resolve URL's CDN target: asked once, reused
         try:
             self._check_answer(response, start, end, size=size, etag=etag, name=name, tensor=tensor, first=first)
-            _Body(response, connection, self.options.timeout).receive(views, want)
+            _Body(response, connection, self.options.timeout, watch).receive(views, want)
         except BaseException:
             connection.close()
             raise
-        if status == 200:
-            connection.close()  # the rest of a whole-object answer is not wanted
+        if status == 200 or watch.cut:
+            connection.close()  # the rest of a whole-object answer is not wanted (or the watchdog shut it)
         else:
             self._finish(response, connection, where)
 
@@ -361,6 +474,11 @@ class Transport:
                 if found[3] != "*" and int(found[3]) != size:
                     raise CheckpointError(f"changed during the load: it is now {int(found[3]):,} bytes, was "
                                           f"{size:,} (bytes {start}-{end})", path=name, tensor=tensor)
+                if response.length is not None and response.length != end - start + 1:
+                    # the framing disagrees with the range: whatever follows on the connection cannot be trusted
+                    raise CheckpointError(f"the server's answer for bytes {start}-{end} says Content-Length "
+                                          f"{response.length}, not the range's {end - start + 1}", path=name,
+                                          tensor=tensor)
                 return
             length = response.getheader("Content-Length")
             if start != 0 or (length is not None and int(length) != size):
@@ -413,9 +531,10 @@ class _Body:
     """
 
     def __init__(self, response: http.client.HTTPResponse, connection: http.client.HTTPConnection,
-                 timeout: float) -> None:
+                 timeout: float, watch: _Watch) -> None:
         self.response = response
         self.timeout = timeout
+        self.watch = watch
         sock = connection.sock
         plain = type(sock) is socket.socket and not response.chunked and response.length is not None
         self.sock: Optional[socket.socket] = sock if plain and hasattr(socket, "MSG_WAITALL") else None
@@ -435,19 +554,20 @@ class _Body:
                     try:
                         got = self._once(view[filled:filled + RECEIVE_BYTES])
                     except (OSError, http.client.HTTPException) as exc:
-                        raise _Retryable(f"{_describe(exc)} after {received + filled} of {want} bytes",
+                        raise _Retryable(f"{self.watch.why(exc)} after {received + filled} of {want} bytes",
                                          received + filled) from None
                     if not got:
-                        raise _Retryable(f"the answer ended after {received + filled} of {want} bytes",
-                                         received + filled)
+                        ended = self.watch.cut or "the answer ended"
+                        raise _Retryable(f"{ended} after {received + filled} of {want} bytes", received + filled)
                     filled += got
+                    self.watch.received += got
                 received += filled
         finally:
             if self.sock is not None and self.sock.fileno() >= 0:
                 self.sock.settimeout(self.timeout)
-        if self.sock is not None:
-            self.response.length = 0  # read past it: closed, so its connection takes the next request
-            self.response.read()
+        if self.sock is not None and self.response.length == 0:
+            self.response.read()  # read to its end: closed, so its connection takes the next request
+        # else bytes the framing promised are still due: the answer stays open and its connection is closed
 
     def _once(self, view: memoryview) -> int:
         if self.buffered is None:
@@ -493,11 +613,26 @@ def _after(views: list[memoryview], skip: int) -> list[memoryview]:
     return rest
 
 
+# What a request asks, not who asks it: the only headers a redirect to another origin is sent
+PROTOCOL_HEADERS = frozenset({"range", "if-match", "if-none-match", "if-unmodified-since", "if-modified-since",
+                              "accept", "accept-encoding", "user-agent"})
+
+
+def origin(url: str) -> tuple[str, str, int]:
+    """A URL's origin, as browsers and RFC 6454 define it: scheme, host and port (the scheme's own where none
+    is written)."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    return scheme, (parts.hostname or "").lower(), parts.port or (443 if scheme == "https" else 80)
+
+
 def _headers_for(new_url: str, old_url: str, headers: Mapping[str, str]) -> dict[str, str]:
-    """Headers for a redirect's target: credentials stay with the host they were meant for."""
-    if urlsplit(new_url).netloc.lower() == urlsplit(old_url).netloc.lower():
+    """Headers for a redirect's target: on another origin, only those that say what is asked
+    (:data:`PROTOCOL_HEADERS`); credentials, cookies and every header of the user's stay with the origin they
+    were given for (an https:// one is not sent on to http:// on the same host either)."""
+    if origin(new_url) == origin(old_url):
         return dict(headers)
-    return {key: value for key, value in headers.items() if key.lower() != "authorization"}
+    return {key: value for key, value in headers.items() if key.lower() in PROTOCOL_HEADERS}
 
 
 def _lower(pairs: list[tuple[str, str]]) -> dict[str, str]:
@@ -513,6 +648,19 @@ def _retry_after(headers: Mapping[str, str]) -> Optional[float]:
         return max(0.0, float(headers.get("retry-after", "")))
     except ValueError:
         return None
+
+
+def _read_small(response: http.client.HTTPResponse, watch: _Watch) -> bytes:
+    """A whole small answer (at most :data:`SMALL_BODY_BYTES` and one byte more, for the caller to refuse), read
+    a piece at a time so that the watchdog sees it progress."""
+    pieces: list[bytes] = []
+    while watch.received <= SMALL_BODY_BYTES:
+        piece = response.read(min(RECEIVE_BYTES, SMALL_BODY_BYTES + 1 - watch.received))
+        if not piece:
+            break
+        pieces.append(piece)
+        watch.received += len(piece)
+    return b"".join(pieces)
 
 
 def _drain(response: http.client.HTTPResponse) -> None:
@@ -604,6 +752,7 @@ def _refuse_if_lasting(exc: BaseException, url: str, *, name: Optional[str] = No
     The error names ``name`` (what messages call the object) where given, else ``url``."""
     path = name or url
     parts = urlsplit(url)
+    server = parts.netloc.rpartition("@")[2]  # host and port: the userinfo is a credential, never shown
     proxy = proxy_for(parts.scheme.lower(), parts.hostname or "")
     if isinstance(exc, _ProxyWantsCredentials):
         raise CheckpointAccessError(f"the proxy {_shown(proxy)} wants credentials (HTTP 407): give them in its URL, "
@@ -614,21 +763,33 @@ def _refuse_if_lasting(exc: BaseException, url: str, *, name: Optional[str] = No
             status = f"HTTP {tunnel.group(1)}{tunnel.group(2).rstrip()}"
             if tunnel.group(1) == "407":
                 raise CheckpointAccessError(f"the proxy {_shown(proxy)} wants credentials for a tunnel to "
-                                            f"{parts.netloc} ({status}): give them in its URL, "
+                                            f"{server} ({status}): give them in its URL, "
                                             "HTTPS_PROXY=http://USER:PASSWORD@HOST:PORT", path=path) from None
-            raise CheckpointAccessError(f"the proxy {_shown(proxy)} refused a tunnel to {parts.netloc} ({status})",
+            raise CheckpointAccessError(f"the proxy {_shown(proxy)} refused a tunnel to {server} ({status})",
                                         path=path) from None
     if isinstance(exc, ssl.SSLCertVerificationError):
         raise CheckpointAccessError(f"its TLS certificate is not trusted ({exc.verify_message}): for a private CA "
                                     "give its bundle (RemoteOptions(ca_bundle=...); AWS_CA_BUNDLE for s3://)",
                                     path=path) from None
+    if isinstance(exc, ssl.SSLError) and not isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):
+        # A handshake that fails so fails again: retrying it only delays the line that says why
+        reason = exc.reason or str(exc).splitlines()[0][:200]
+        plain = reason in PLAIN_HTTP_REASONS and proxy is None and parts.scheme.lower() == "https"
+        hint = (f": the server at {server} seems to speak plain HTTP; if so, write "
+                f"http:// for https://") if plain else ""
+        raise CheckpointAccessError(f"TLS handshake failed ({reason}){hint}", path=path) from None
     # Through a proxy, the host connected to is the proxy's
     if isinstance(exc, socket.gaierror):
         host = f"the proxy's host {proxy.hostname!r}" if proxy is not None else f"host {parts.hostname!r}"
         raise CheckpointAccessError(f"cannot resolve {host}", path=path) from None
     if isinstance(exc, ConnectionRefusedError):
-        where = f"the proxy {_shown(proxy)}" if proxy is not None else parts.netloc
+        where = f"the proxy {_shown(proxy)}" if proxy is not None else server
         raise CheckpointAccessError(f"connection refused: nothing listens at {where}", path=path) from None
+
+
+# What OpenSSL says when the other side answers a TLS hello in plain text (1.1's words, then 3.x's)
+PLAIN_HTTP_REASONS = frozenset({"WRONG_VERSION_NUMBER", "HTTP_REQUEST", "UNKNOWN_PROTOCOL", "record layer failure",
+                                "PACKET_LENGTH_TOO_LONG", "RECORD_LAYER_FAILURE"})
 
 
 def _describe(exc: BaseException) -> str:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Optional, Protocol, Union
 
 from ..errors import CheckpointError, CheckpointNotFoundError
+from ..text import shown_url
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,11 @@ HEAD_BYTES = 256 * 1024  # one GET serves a file's sniffing and, for most safete
 class RemotePath:
     """A key in a :class:`Store`, with the part of ``pathlib.Path``'s interface the checkpoint readers use.
 
-    ``str()`` and ``os.fspath()`` give the URL, so messages name it; the
-    URL is no local file, and anything that opens it as one fails to find
-    it. Equal keys of one store are equal paths.
+    ``str()`` and ``os.fspath()`` give the URL as every output shows it
+    (:func:`~materialize.text.shown_url`: no userinfo, a signed query's
+    parameter names only), so messages and reports name it; the store's
+    requests use the whole URL. The URL is no local file, and anything that
+    opens it as one fails to find it. Equal keys of one store are equal paths.
     """
 
     def __init__(self, store: Store, key: str, *, folder: Optional[bool] = None) -> None:
@@ -70,7 +73,7 @@ class RemotePath:
         self._folder = folder  # known from how the path was named or listed; None: ask the store
 
     def __fspath__(self) -> str:
-        url = self.store.url(self.key)
+        url = shown_url(self.store.url(self.key))
         return url + "/" if self._folder and not url.endswith("/") else url
 
     __str__ = __fspath__

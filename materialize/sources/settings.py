@@ -25,13 +25,18 @@ class RemoteOptions:
             connections are open to a host).
         part_bytes: a tensor larger than this is read as parallel ranged GETs of this size.
         timeout: seconds a connection may wait for the server (to connect, or for the next bytes of an answer)
-            before the request is retried; a slow store that keeps sending is never cut off.
+            before the request is retried; also the most an answer's status line and headers may take, all told.
+        min_rate: bytes a second an answer's body must average once it has run ``timeout`` seconds; a request
+            that falls behind is cut off and retried (a server sending a byte a second cannot hold a load).
         retries: attempts after the first, per part, on a reset connection, a timeout, a 5xx or a SlowDown
             answer, with exponential backoff; a part resumes at the byte where its answer stopped.
         anonymous: read S3, Google Cloud Storage and Azure Blob Storage without credentials (a public bucket or
             container); the CLI's ``--no-sign-request``.
         ca_bundle: a PEM file of certificate authorities for HTTPS (else ``AWS_CA_BUNDLE`` for S3, else the
             system's).
+        max_listing_pages: pages one folder's listing may take (S3, Google Cloud Storage, Azure); past it the
+            listing is refused as endless. A continuation token repeated is refused at once.
+        max_listing_names: names one folder's listing may hold, all pages together.
         headers: sent with every request to an ``http(s)://`` source's server (``{"Authorization": "Bearer
             ..."}`` for a private one); never to another host a redirect leads to. Not used for ``s3://``
             (signed), ``gs://`` (google-auth's token), ``az://`` (azure-identity's token, or a SAS token) or the hub
@@ -41,9 +46,12 @@ class RemoteOptions:
     connections: int = 16
     part_bytes: int = 16 * MiB
     timeout: float = 60.0
+    min_rate: float = 16 * 1024
     retries: int = 8
     anonymous: bool = False
     ca_bundle: Optional[str] = None
+    max_listing_pages: int = 10_000
+    max_listing_names: int = 1_000_000
     headers: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -53,6 +61,10 @@ class RemoteOptions:
             raise ValueError(f"part_bytes: expected at least 64 KiB, got {self.part_bytes}")
         if not self.timeout > 0:
             raise ValueError(f"timeout: expected a positive number of seconds, got {self.timeout}")
+        if not self.min_rate > 0:
+            raise ValueError(f"min_rate: expected a positive number of bytes a second, got {self.min_rate}")
+        if self.max_listing_pages < 1 or self.max_listing_names < 1:
+            raise ValueError("max_listing_pages, max_listing_names: expected at least 1")
         if self.retries < 0:
             raise ValueError(f"retries: expected 0 or more, got {self.retries}")
         for name, value in self.headers.items():

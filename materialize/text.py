@@ -31,13 +31,16 @@ _PARAMETER_NAME = re.compile(r"[A-Za-z0-9_.~%-]{1,64}")
 ELIDED = "\u2026"
 # Schemes whose URL names a container before the "@" (az://CONTAINER@ACCOUNT.blob.core.windows.net/key): no secret
 CONTAINER_AT_ACCOUNT_SCHEMES = frozenset({"az", "abfs", "abfss", "wasb", "wasbs"})
+# How a hint writes where credentials go (HTTPS_PROXY=http://USER:PASSWORD@HOST:PORT): a form, not a secret
+PLACEHOLDER_USERINFO = "USER:PASSWORD@"
 
 
 def shown_url(url: str) -> str:
     """``url`` as every output shows it: without its userinfo (``user:password@``) and fragment, its query
     reduced to its parameter names (``?X-Amz-Credential=\u2026&X-Amz-Signature=\u2026``; a part that is not
     ``name=value`` with a plain name shows as ``\u2026``). A text that is not a URL is returned as it is. Azure's
-    ``az://CONTAINER@ACCOUNT...`` keeps its container, which is no credential.
+    ``az://CONTAINER@ACCOUNT...`` keeps its container, which is no credential, and a hint's
+    ``http://USER:PASSWORD@HOST:PORT`` its placeholders.
 
     What is shown still names the object (scheme, host, port, path) and says that the URL was signed, and
     showing it again changes nothing (``shown_url(shown_url(u)) == shown_url(u)``).
@@ -46,7 +49,8 @@ def shown_url(url: str) -> str:
     if found is None:
         return url
     scheme, userinfo, rest, query, fragment = found.groups()
-    if userinfo is not None and scheme[:-3].lower() in CONTAINER_AT_ACCOUNT_SCHEMES and ":" not in userinfo:
+    if userinfo is not None and (userinfo == PLACEHOLDER_USERINFO or scheme[:-3].lower() in
+                                 CONTAINER_AT_ACCOUNT_SCHEMES and ":" not in userinfo):
         rest, userinfo = userinfo + rest, None
     if userinfo is None and query is None and fragment is None:
         return url

@@ -418,6 +418,9 @@ def test_https_goes_through_the_proxy_https_proxy_names_in_a_tunnel(tmp_path, no
         port = server.url.rpartition(":")[2]
         assert proxy.requests and set(proxy.requests) == {("CONNECT", f"127.0.0.1:{port}")}
         assert server.requests  # the server answered them, through the tunnel
+        # every connection the server took was a tunnel: the tensors' ranged GETs too, not only the header's
+        assert server.connections == len(proxy.requests)
+        assert sum(1 for r in server.requests if r.method == "GET" and r.range) >= 2
 
 
 def test_http_goes_through_the_proxy_http_proxy_names_and_no_proxy_leaves_a_host_out(tmp_path, no_proxy_set):
@@ -431,6 +434,7 @@ def test_http_goes_through_the_proxy_http_proxy_names_and_no_proxy_leaves_a_host
         assert {target for _, target in proxy.requests} == {url}  # the whole URL asked of the proxy
         assert {method for method, _ in proxy.requests} >= {"GET"}
         asked = len(proxy.requests)
+        assert len(server.requests) == asked  # every request the server saw came through the proxy, tensors' too
         no_proxy_set.setenv("NO_PROXY", "localhost,127.0.0.1")
         got, _ = mz.load_tensors(url)
         _same_tensors(got, state)

@@ -193,10 +193,12 @@ def test_a_signed_url_that_loads_shows_no_secret_in_the_report_the_json_or_the_c
     ("https://h/m.bin?bare-token", "https://h/m.bin?\u2026"),
     ("s3://bucket/key.safetensors", "s3://bucket/key.safetensors"),
     ("az://container@account.blob.core.windows.net/k", "az://container@account.blob.core.windows.net/k"),
+    ("HTTPS_PROXY=http://USER:PASSWORD@HOST:PORT", "HTTPS_PROXY=http://USER:PASSWORD@HOST:PORT"),  # a hint's form
 ])
 def test_shown_url_keeps_what_names_the_object_and_drops_what_authorizes_it(url, shown):
-    assert shown_url(url) == shown
-    assert shown_url(shown) == shown  # showing twice changes nothing
+    if "://" in url.partition("=")[0]:
+        assert shown_url(url) == shown
+        assert shown_url(shown) == shown  # showing twice changes nothing
     assert printable(f"Error: {url}: it failed") == f"Error: {shown}: it failed"
 
 
@@ -256,18 +258,20 @@ def test_a_slow_server_above_the_least_rate_is_not_cut_off():
     assert torch.equal(tensors["weight"], torch.arange(64, dtype=torch.float32).reshape(8, 8))
 
 
-def test_a_request_cut_off_for_its_rate_is_retried_and_the_retry_can_succeed():
+def test_a_request_cut_off_for_its_rate_is_retried_logged_and_the_retry_can_succeed(caplog):
     answered: list[int] = []
 
     def first_drips(seen: Seen) -> Optional[Reply]:
         answered.append(1)
         return drip(_file(seen), 0.05) if len(answered) == 1 else _file(seen)
 
-    with MisbehavingServer(first_drips) as server:
-        tensors, _ = mz.load_tensors(f"http://127.0.0.1:{server.port}/model.safetensors",
-                                     remote=mz.RemoteOptions(timeout=TIMEOUT, retries=2))
+    with MisbehavingServer(first_drips) as server, caplog.at_level(logging.INFO, logger="materialize"):
+        tensors, _ = mz.load_tensors(_url("http", server.port), remote=mz.RemoteOptions(timeout=TIMEOUT, retries=2))
     assert torch.equal(tensors["bias"], torch.ones(8))
     assert len(answered) >= 3  # the dripping HEAD, its retry, and the GETs
+    retries = [record.getMessage() for record in caplog.records if "retry 1 of 2" in record.getMessage()]
+    assert retries and "too slow" in retries[0] and "127.0.0.1" in retries[0], caplog.text
+    _assert_no_secret("logs", caplog.text)
 
 
 # --- what no retry mends is refused at once ------------------------------------------------------------------------
@@ -307,3 +311,61 @@ def test_a_connection_whose_answer_left_bytes_behind_is_not_asked_again():
         tensors, _ = mz.load_tensors(f"http://127.0.0.1:{server.port}/model.safetensors",
                                      remote=mz.RemoteOptions(timeout=TIMEOUT, retries=2))
     assert torch.equal(tensors["weight"], torch.arange(64, dtype=torch.float32).reshape(8, 8))
+
+
+# --- an object replaced during a load --------------------------------------------------------------------------------
+
+VERSIONS = {  # how a server tells one version of an object from another, and what a GET must ask of it
+    "strong-etag": ({"ETag": '"v1"'}, "if-match", '"v1"'),
+    "weak-etag-and-date": ({"ETag": 'W/"v1"', "Last-Modified": "Mon, 07 Dec 2026 10:00:00 GMT"},
+                           "if-unmodified-since", "Mon, 07 Dec 2026 10:00:00 GMT"),
+    "date-only": ({"Last-Modified": "Mon, 07 Dec 2026 10:00:00 GMT"}, "if-unmodified-since",
+                  "Mon, 07 Dec 2026 10:00:00 GMT"),
+}
+
+
+def _versioned(validators: dict[str, str], replaced: list[bool]):
+    """A file server whose object is replaced (new bytes, new validators) once ``replaced`` holds True: a GET that
+    still names the first version's validator is answered 412, as RFC 9110 says."""
+    def script(seen: Seen) -> Reply:
+        now = validators if not replaced[0] else {k: v.replace("v1", "v2").replace("10:00", "11:00")
+                                                    for k, v in validators.items()}
+        asked_tag, asked_date = seen.headers.get("if-match"), seen.headers.get("if-unmodified-since")
+        if replaced[0] and (asked_tag or asked_date):
+            return answer(412, b"precondition failed", now)
+        reply = _file(seen)
+        head, _, body = reply.pieces[0].partition(b"\r\n\r\n")
+        head = b"\r\n".join(line for line in head.split(b"\r\n") if not line.startswith(b"ETag"))
+        extra = "".join(f"\r\n{k}: {v}" for k, v in now.items()).encode()
+        if seen.line.startswith("GET") and seen.headers.get("range", "").startswith("bytes=0-"):
+            replaced[0] = True  # replaced right after the header's read: the tensors' GETs meet the new version
+        return Reply([head + extra + b"\r\n\r\n" + body])
+    return script
+
+
+@pytest.mark.parametrize("version", list(VERSIONS))
+def test_an_object_replaced_during_a_load_is_refused_whatever_validator_its_server_gives(version):
+    validators, header, value = VERSIONS[version]
+    replaced = [False]
+    with MisbehavingServer(_versioned(validators, replaced)) as server:
+        with pytest.raises(mz.CheckpointError, match="changed during the load"):
+            mz.load_tensors(f"http://127.0.0.1:{server.port}/model.safetensors", remote=OPTIONS)
+    gets = [seen for seen in server.seen if seen.line.startswith("GET")]
+    assert gets and all(seen.headers.get(header) == value for seen in gets), [s.headers for s in gets]
+
+
+def test_a_server_that_gives_no_validator_is_named_in_a_warning(recwarn):
+    def bare(seen: Seen) -> Reply:
+        reply = _file(seen)
+        head, _, body = reply.pieces[0].partition(b"\r\n\r\n")
+        head = b"\r\n".join(line for line in head.split(b"\r\n") if not line.startswith(b"ETag"))
+        return Reply([head + b"\r\n\r\n" + body])
+
+    with MisbehavingServer(bare) as server:
+        with pytest.warns(mz.MaterializeWarning, match="no strong ETag and no Last-Modified.*cannot be detected"):
+            tensors, _ = mz.load_tensors(_url("http", server.port).replace("/models/", "/"), remote=OPTIONS)
+        result = CliRunner().invoke(main, [_url("http", server.port)], prog_name="materialize")
+    assert torch.equal(tensors["bias"], torch.ones(8))
+    assert result.exit_code == 0 and "Warning: " in result.stderr and "cannot be detected" in result.stderr
+    _assert_no_secret("warning", result.stderr)
+    _assert_no_secret("warnings", " ".join(str(w.message) for w in recwarn))

@@ -39,6 +39,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import logging
 import random
 import re
 import socket
@@ -56,7 +57,10 @@ from typing import Callable, Optional
 from urllib.parse import SplitResult, unquote, urljoin, urlsplit
 
 from ..errors import CheckpointAccessError, CheckpointError, CheckpointNotFoundError
+from ..text import shown_url
 from .settings import RemoteOptions
+
+logger = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 REDIRECT_STATUS = frozenset({301, 302, 303, 307, 308})
@@ -312,6 +316,8 @@ class Transport:
                                                 path=name) from None
                 with self._lock:
                     self.retried += 1
+                logger.info("%s: %s failed (%s); retry %d of %d", shown_url(name), what, failure.reason, attempt,
+                          self.options.retries)
                 self._pause(attempt, failure.wait)
 
     def _whole(self, method: str, target: Target, name: str) -> Answer:
@@ -364,15 +370,17 @@ class Transport:
     # --- ranged reads ------------------------------------------------------------------------------------------
 
     def read_into(self, target: Target, offset: int, views: list[memoryview], *, size: int, etag: Optional[str],
-                  name: str, tensor: Optional[str]) -> None:
+                  name: str, tensor: Optional[str], last_modified: Optional[str] = None) -> None:
         """Fill ``views`` in turn with bytes ``offset`` on of the object ``target`` names (``size`` bytes long,
-        tagged ``etag``), in parallel parts of ``options.part_bytes``. ``name`` is its URL for messages."""
+        tagged ``etag``, or where it has no tag last modified at ``last_modified``), in parallel parts of
+        ``options.part_bytes``. ``name`` is its URL for messages."""
         parts = _split(offset, views, self.options.part_bytes)
+        version = _Version(etag, last_modified)
         if len(parts) == 1:
-            self._read_part(target, *parts[0], size=size, etag=etag, name=name, tensor=tensor)
+            self._read_part(target, *parts[0], size=size, etag=version, name=name, tensor=tensor)
             return
         executor = self._part_threads()
-        futures: list[Future] = [executor.submit(self._read_part, target, start, part_views, size=size, etag=etag,
+        futures: list[Future] = [executor.submit(self._read_part, target, start, part_views, size=size, etag=version,
                                                  name=name, tensor=tensor) for start, part_views in parts]
         done, pending = wait(futures, return_when=FIRST_EXCEPTION)
         for future in pending:
@@ -388,7 +396,7 @@ class Transport:
                 self._executor = ThreadPoolExecutor(self.options.connections, thread_name_prefix="materialize-get")
             return self._executor
 
-    def _read_part(self, target: Target, start: int, views: list[memoryview], *, size: int, etag: Optional[str],
+    def _read_part(self, target: Target, start: int, views: list[memoryview], *, size: int, etag: "_Version",
                    name: str, tensor: Optional[str]) -> None:
         total = sum(len(view) for view in views)
         received, attempt = 0, 0
@@ -407,24 +415,28 @@ class Transport:
                         f"retries: {failure.reason}", path=name, tensor=tensor) from None
                 with self._lock:
                     self.retried += 1
+                logger.info("%s: GET bytes %d-%d failed (%s); retry %d of %d", shown_url(name), start + received,
+                          start + total - 1, failure.reason, attempt, self.options.retries)
                 self._pause(attempt, failure.wait)
 
-    def _get(self, target: Target, start: int, views: list[memoryview], *, size: int, etag: Optional[str],
+    def _get(self, target: Target, start: int, views: list[memoryview], *, size: int, etag: "_Version",
              name: str, tensor: Optional[str]) -> None:
         want = sum(len(view) for view in views)
         end = start + want - 1
         origin, headers = target()
         url = self._redirects.get(origin, origin)
         headers = _headers_for(url, origin, {**headers, "Range": f"bytes={start}-{end}"})
-        if etag:
-            headers["If-Match"] = etag
+        if etag.tag:
+            headers["If-Match"] = etag.tag
+        elif etag.last_modified:
+            headers["If-Unmodified-Since"] = etag.last_modified
         first = origin
         with self._watchdog.watching() as watch:
             self._get_watched(url, headers, first, watch, start, end, views, want, size=size, etag=etag, name=name,
                               tensor=tensor)
 
     def _get_watched(self, url: str, headers: dict[str, str], first: str, watch: _Watch, start: int, end: int,
-                     views: list[memoryview], want: int, *, size: int, etag: Optional[str], name: str,
+                     views: list[memoryview], want: int, *, size: int, etag: "_Version", name: str,
                      tensor: Optional[str]) -> None:
         for _ in range(MAX_REDIRECTS + 1):
             try:
@@ -459,13 +471,17 @@ class Transport:
             self._finish(response, connection, where)
 
     def _check_answer(self, response: http.client.HTTPResponse, start: int, end: int, *, size: int,
-                      etag: Optional[str], name: str, tensor: Optional[str], first: str) -> None:
+                      etag: "_Version", name: str, tensor: Optional[str], first: str) -> None:
         status = response.status
         if status in (200, 206):
             got_tag = response.getheader("ETag")
-            if etag and got_tag and _tag(got_tag) != _tag(etag):
-                raise CheckpointError(f"changed during the load: its ETag is now {got_tag}, was {etag} "
+            if etag.tag and got_tag and _tag(got_tag) != _tag(etag.tag):
+                raise CheckpointError(f"changed during the load: its ETag is now {got_tag}, was {etag.tag} "
                                       f"(bytes {start}-{end})", path=name, tensor=tensor)
+            got_date = response.getheader("Last-Modified")
+            if not etag.tag and etag.last_modified and got_date and got_date != etag.last_modified:
+                raise CheckpointError(f"changed during the load: it was last modified {got_date}, was "
+                                      f"{etag.last_modified} (bytes {start}-{end})", path=name, tensor=tensor)
             if status == 206:
                 found = _CONTENT_RANGE.match(response.getheader("Content-Range") or "")
                 if not found or int(found[1]) != start or int(found[2]) != end:
@@ -490,8 +506,8 @@ class Transport:
             with self._lock:
                 self._redirects.pop(first, None)  # a signed redirect target expired: ask the origin again
             raise _Retryable(f"HTTP {status} from the redirect target")
-        if status == 412:  # If-Match failed, or a condition of the store's own (GCS: the object's generation)
-            held = f"it no longer has ETag {etag}" if etag else "it is no longer the version first read"
+        if status == 412:  # If-Match or If-Unmodified-Since failed, or a store's own condition (a GCS generation)
+            held = f"it no longer has ETag {etag.tag}" if etag.tag else "it is no longer the version first read"
             raise CheckpointError(f"changed during the load: {held} (HTTP 412 for bytes {start}-{end})", path=name,
                                   tensor=tensor)
         if status == 416:
@@ -512,6 +528,14 @@ class Transport:
             time.sleep(min(asked, RETRY_AFTER_MOST))
             return
         time.sleep(random.uniform(0, min(BACKOFF_MOST, BACKOFF_FIRST * 2 ** (attempt - 1))))
+
+
+@dataclass(frozen=True)
+class _Version:
+    """What a GET asks the object to still be: its strong ETag, else (a weak or no tag) its Last-Modified date."""
+
+    tag: Optional[str]
+    last_modified: Optional[str] = None
 
 
 _CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$")

@@ -16,12 +16,14 @@ absent, and a folder's name refused is that folder where its files answer.
 from __future__ import annotations
 
 import threading
+import warnings
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping, Optional
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
-from ..errors import CheckpointAccessError, CheckpointError
+from ..errors import CheckpointAccessError, CheckpointError, MaterializeWarning
+from ..text import shown_url
 from .http import Transport
 from .remotepath import ObjectInfo, RemotePath
 from .settings import RemoteOptions
@@ -104,8 +106,16 @@ class HttpStore:
             raise CheckpointError("the server does not answer Range requests (Accept-Ranges: none)", path=url)
         if answer.url != url:
             self.transport.remember_redirect(url, answer.url)
-        etag = answer.headers.get("etag") if self.check_tags else None
-        return ObjectInfo(int(length), etag if etag and not etag.startswith("W/") else None)
+        if not self.check_tags:
+            return ObjectInfo(int(length), None)
+        # A weak ETag cannot be asked with If-Match (RFC 9110: strong comparison); a date can, to the second
+        etag = answer.headers.get("etag")
+        strong = etag if etag and not etag.startswith("W/") else None
+        last_modified = None if strong else answer.headers.get("last-modified")
+        if strong is None and last_modified is None:
+            warnings.warn(MaterializeWarning(f"{shown_url(url)}: the server gives no strong ETag and no Last-Modified: "
+                                             "a change to it during the load cannot be detected"), stacklevel=2)
+        return ObjectInfo(int(length), strong, last_modified)
 
     def listing(self, key: str) -> Optional[tuple[list[str], list[str]]]:
         prefix = key + "/" if key else ""
@@ -136,7 +146,7 @@ class HttpStore:
         if info is None:
             raise CheckpointError("no such object", path=url, tensor=tensor)
         self.transport.read_into(lambda: (url, self.headers), offset, views, size=info.size, etag=info.etag,
-                                 name=url, tensor=tensor)
+                                 last_modified=info.last_modified, name=url, tensor=tensor)
 
     def close(self) -> None:
         self.transport.close()

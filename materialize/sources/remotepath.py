@@ -31,10 +31,13 @@ class ObjectInfo:
     Fields:
         size: its length in bytes.
         etag: the version tag every later read must match (``None`` where the server gives none).
+        last_modified: where there is no strong ETag, the ``Last-Modified`` date every later read must match
+            (asked with ``If-Unmodified-Since``); ``None`` where the server gives none, or an ETag serves.
     """
 
     size: int
     etag: Optional[str]
+    last_modified: Optional[str] = None
 
 
 class Store(Protocol):

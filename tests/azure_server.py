@@ -26,6 +26,13 @@ a private container: 404 ``ResourceNotFound``, as the service hides it). Contain
 also hold each folder as an empty blob with ``hdi_isfolder`` metadata, as a Data Lake (HNS) account lists them.
 Errors are the service's XML error bodies, and for HEAD its ``x-ms-error-code`` header. Like the other servers
 of these tests it leaves no thread or socket behind its ``with`` block.
+
+A blob name holding a character XML 1.0 cannot carry (NUL, most control characters) is listed percent-encoded in
+``<Name Encoded="true">``, as the service lists it. Three switches make listings misbehave, as a broken or hostile
+service would: ``listing_fault`` ``"same-token"`` (each page says more remain, naming the marker it named before) or
+``"new-tokens"`` (a new marker each time), either answering the first page whatever marker is asked;
+``listed_names``, names each page adds as blobs whatever the prefix and delimiter asked; ``listing_document``,
+bytes answered (200, ``application/xml``) to every list request instead of the listing.
 """
 
 from __future__ import annotations
@@ -33,8 +40,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from http.server import BaseHTTPRequestHandler
+from itertools import count
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable, NamedTuple, Optional
 from urllib.parse import parse_qs, quote, unquote
@@ -71,6 +80,16 @@ def _marker(index: int) -> str:
     return f"2!{index:08d}{MARKER_TAIL}"
 
 
+# What XML 1.0 cannot carry, even escaped: a name holding one is listed percent-encoded, as the service lists it
+_NOT_XML = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
+
+
+def _name_element(name: str) -> str:
+    if _NOT_XML.search(name):
+        return f'<Name Encoded="true">{quote(name, safe="")}</Name>'
+    return f"<Name>{escape(name)}</Name>"
+
+
 def _marker_index(marker: str) -> Optional[int]:
     """The listing position a marker this server gave names; ``None`` for one it did not give (mangled)."""
     if not marker.startswith("2!") or not marker.endswith(MARKER_TAIL) or not marker[2:10].isdigit():
@@ -103,6 +122,10 @@ class AzureServer(CloudStandIn):
         self.identity_header = identity_header
         self.page_size = page_size
         self.token_seconds = token_seconds
+        self.listing_fault: Optional[str] = None  # "same-token", "new-tokens": see the module
+        self.listed_names: tuple[str, ...] = ()
+        self.listing_document: Optional[bytes] = None
+        self._tokens = count(1)
         self.requests: list[Seen] = []
 
     @property
@@ -302,8 +325,12 @@ class _Handler(BaseHTTPRequestHandler):
                 entries.setdefault(prefix + rest.split(delimiter)[0] + delimiter, True)
             else:
                 entries[name] = False
+        if self.owner.listing_document is not None:
+            return self._send(200, self.owner.listing_document, {"Content-Type": "application/xml"})
         ordered = sorted(entries)
-        start = _marker_index(query["marker"]) if query.get("marker") else 0
+        fault = self.owner.listing_fault
+        # a faulty listing knows no marker of its own
+        start = _marker_index(query["marker"]) if query.get("marker") and not fault else 0
         if start is None:
             return self._error(400, "OutOfRangeInput", "One of the request inputs is out of range.")
         size = min(self.owner.page_size, int(query.get("maxresults") or 5000))
@@ -313,18 +340,22 @@ class _Handler(BaseHTTPRequestHandler):
                  f'<Delimiter>{escape(delimiter)}</Delimiter><Blobs>']
         for entry in page:
             if entries[entry]:
-                parts.append(f"<BlobPrefix><Name>{escape(entry)}</Name></BlobPrefix>")
+                parts.append(f"<BlobPrefix>{_name_element(entry)}</BlobPrefix>")
                 continue
             info = blobs[entry]
             folder = info is None
             info = info or (container / entry).stat()
             metadata = "<Metadata><hdi_isfolder>true</hdi_isfolder></Metadata>" if folder else "<Metadata />"
-            parts.append(f"<Blob><Name>{escape(entry)}</Name><Properties><Content-Length>"
+            parts.append(f"<Blob>{_name_element(entry)}<Properties><Content-Length>"
                          f"{0 if folder else info.st_size}</Content-Length><Etag>{etag_of(info)}</Etag>"
                          f"<BlobType>BlockBlob</BlobType></Properties>{metadata if with_metadata else ''}</Blob>")
-        more = start + len(page) < len(ordered)
-        parts.append(f"</Blobs><NextMarker>{escape(_marker(start + len(page))) if more else ''}</NextMarker>"
-                     "</EnumerationResults>")
+        parts += [f"<Blob>{_name_element(name)}<Properties><Content-Length>1</Content-Length><Etag>0x8D0</Etag>"
+                  "<BlobType>BlockBlob</BlobType></Properties></Blob>" for name in self.owner.listed_names]
+        if fault:
+            marker = _marker(0) if fault == "same-token" else _marker(next(self.owner._tokens))
+        else:
+            marker = _marker(start + len(page)) if start + len(page) < len(ordered) else ""
+        parts.append(f"</Blobs><NextMarker>{escape(marker)}</NextMarker></EnumerationResults>")
         self._send(200, "".join(parts).encode(), {"Content-Type": "application/xml"})
 
     def _record(self, status: int) -> None:

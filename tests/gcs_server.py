@@ -11,6 +11,11 @@ bucket, ``/`` included). The server answers what the ``gs://`` source asks, as G
 - ``POST /token``: Google's token endpoint for a service account's signed JWT (``grant_type`` jwt-bearer and an
   ``assertion``, whose signature is not checked), answering ``{"access_token", "expires_in", "token_type"}``.
 
+Two switches make listings misbehave, as a broken or hostile store would: ``listing_fault`` ``"same-token"`` (each
+page says more remain, naming the token it named before) or ``"new-tokens"`` (a new token each time), either
+answering the first page whatever token is asked; ``listed_names``, names each page adds as objects whatever the
+prefix and delimiter asked.
+
 A file's generation is derived from its size, modification time and inode, so replacing a file makes a new one.
 Every storage request must carry ``Authorization: Bearer`` one of ``accepted`` (401 ``authError`` otherwise,
 and 401 ``required`` with no header at all), except reads of a bucket named in ``public``. Errors are Google's
@@ -23,6 +28,7 @@ import hashlib
 import json
 import os
 from http.server import BaseHTTPRequestHandler
+from itertools import count
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable, NamedTuple, Optional
 from urllib.parse import parse_qs, unquote
@@ -73,6 +79,9 @@ class GcsServer(CloudStandIn):
         self.issued = issued
         self.accepted = set(accepted) if accepted is not None else {issued} - {None}
         self.page_size = page_size
+        self.listing_fault: Optional[str] = None  # "same-token", "new-tokens": see the module
+        self.listed_names: tuple[str, ...] = ()
+        self._tokens = count(1)
         self.requests: list[Seen] = []
 
     @property
@@ -211,7 +220,8 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 entries[name] = name
         ordered = sorted(entries)
-        start = int(query.get("pageToken") or 0)
+        fault = self.owner.listing_fault
+        start = 0 if fault else int(query.get("pageToken") or 0)  # a faulty listing knows no token of its own
         page = ordered[start:start + self.owner.page_size]
         items, prefixes = [], []
         for entry in page:
@@ -220,12 +230,15 @@ class _Handler(BaseHTTPRequestHandler):
                 continue
             info = (bucket / entry).stat()
             items.append(self._resource(bucket.name, entry, info.st_size, generation_of(info)))
+        items += [self._resource(bucket.name, name, 1, "1") for name in self.owner.listed_names]
         answer: dict[str, Any] = {"kind": "storage#objects"}
         if items:
             answer["items"] = items
         if prefixes:
             answer["prefixes"] = prefixes
-        if start + len(page) < len(ordered):
+        if fault:
+            answer["nextPageToken"] = "the-same-token" if fault == "same-token" else f"token-{next(self.owner._tokens)}"
+        elif start + len(page) < len(ordered):
             answer["nextPageToken"] = str(start + len(page))
         self._json(answer)
 

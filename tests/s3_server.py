@@ -13,6 +13,9 @@ signature at all is allowed only where the bucket's policy allows the action to 
 object, where its ACL is public-read), and is 403 AccessDenied otherwise.
 
 ``/moto-api/reset-auth`` stays open, as in any moto server: a local test endpoint, never a model of S3's security.
+
+:class:`InProcessS3Server` is moto's S3 on a thread of the test's own process instead, with no signature checked and
+switches that make its listings misbehave (endless pages, names no store should list), for the listing tests.
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from itertools import count
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable, Iterable, Optional
+from urllib.parse import parse_qs, quote, urlencode
 
 REGION = "us-east-1"
 _UNCHECKED_SETUP_ACTIONS = 3  # CreateUser, CreateAccessKey, PutUserPolicy
@@ -135,11 +141,7 @@ class S3Server:
         client = self.client()
         client.create_bucket(Bucket=bucket)
         if public:
-            policy = {"Version": "2012-10-17", "Statement": [
-                {"Effect": "Allow", "Principal": "*", "Action": "s3:GetObject", "Resource": f"arn:aws:s3:::{bucket}/*"},
-                {"Effect": "Allow", "Principal": "*", "Action": "s3:ListBucket", "Resource": f"arn:aws:s3:::{bucket}"},
-            ]}
-            client.put_bucket_policy(Bucket=bucket, Policy=json.dumps(policy))
+            client.put_bucket_policy(Bucket=bucket, Policy=json.dumps(_public_policy(bucket)))
 
     def put(self, bucket: str, key: str, data: bytes | str | os.PathLike) -> str:
         """Store ``data`` (bytes, or a file's path) at ``key``; returns the object's ETag as S3 sends it (quoted)."""
@@ -198,6 +200,158 @@ class S3Server:
             return ""
         self._log.seek(0)
         return self._log.read().decode(errors="replace")[-4000:]
+
+
+class InProcessS3Server:
+    """moto's S3 on a thread of this process, started on entry and stopped on exit: no Python to start, and no
+    signature checked (:class:`S3Server` checks them), for tests of what a client does with the answers of a store
+    that misbehaves. Its switches, set on the instance, make every ListObjectsV2 answer misbehave:
+
+    - ``listing_fault``: ``"same-token"``, each page says more remain and names the token it named before;
+      ``"new-tokens"``, a new token each time; moto, which knows none of them, answers its first page whatever
+      token is asked. ``None``: moto's own paging.
+    - ``listed_names``: keys each page adds as objects, whatever the prefix and delimiter asked (URL-encoded
+      where the request asks ``encoding-type=url``, as botocore's always do).
+
+    ``page_size`` (``None``: moto's 1000) entries, keys and common prefixes together, make a listing page where the
+    request asks no ``max-keys``.
+
+    ``list_requests`` counts the ListObjectsV2 requests answered. Requests go one to a connection (HTTP/1.0), so
+    no kept-alive connection holds a thread of the server past its ``with`` block.
+    """
+
+    region = REGION
+
+    def __init__(self) -> None:
+        self.endpoint = ""
+        self.listing_fault: Optional[str] = None
+        self.listed_names: tuple[str, ...] = ()
+        self.page_size: Optional[int] = None
+        self.list_requests = 0
+        self._tokens = count(1)
+        self._lock = threading.Lock()
+        self._server: Any = None
+        self._thread: Optional[threading.Thread] = None
+        self._moto: Any = None
+        self._client: Any = None
+
+    def __enter__(self) -> InProcessS3Server:
+        from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+        from werkzeug.serving import make_server
+
+        class OneRequestAConnection(MotoRequestHandler):
+            protocol_version = "HTTP/1.0"
+
+            def log_request(self, *args: Any) -> None:
+                pass
+
+        self._moto = DomainDispatcherApplication(create_backend_app)
+        self._server = make_server("127.0.0.1", 0, self._answer, threaded=True, request_handler=OneRequestAConnection)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name=f"InProcessS3Server:{self._server.server_port}", daemon=True)
+        self._thread.start()
+        self.endpoint = f"http://127.0.0.1:{self._server.server_port}"
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        from moto.s3.models import s3_backends
+
+        self._client = None
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._thread.join()
+            self._server = self._thread = None
+        s3_backends.reset()  # moto's buckets live in this process: none is left to another test
+
+    def env(self) -> dict[str, str]:
+        """The AWS_* variables a client needs to reach this server and nothing else (see :meth:`S3Server.env`);
+        any key is accepted."""
+        nowhere = Path(tempfile.gettempdir()) / "materialize-tests-no-aws-config" / "absent"
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "in-process", "AWS_SECRET_ACCESS_KEY": "any",
+                "AWS_DEFAULT_REGION": self.region, "AWS_EC2_METADATA_DISABLED": "true",
+                "AWS_CONFIG_FILE": str(nowhere / "config"), "AWS_SHARED_CREDENTIALS_FILE": str(nowhere / "credentials")}
+
+    def client(self) -> Any:
+        """A boto3 S3 client of this server, made once (botocore loads S3's model for each new one)."""
+        import boto3
+
+        if self._client is None:
+            self._client = boto3.session.Session().client("s3", endpoint_url=self.endpoint, region_name=self.region,
+                                                          aws_access_key_id="in-process", aws_secret_access_key="any")
+        return self._client
+
+    def make_bucket(self, bucket: str, *, public: bool = False) -> None:
+        """A bucket; ``public`` lets anyone, unsigned, GetObject its keys and ListBucket it (moto refuses an
+        unsigned GET of an object otherwise, though it lists and checks no signature)."""
+        self.client().create_bucket(Bucket=bucket)
+        if public:
+            self.client().put_bucket_policy(Bucket=bucket, Policy=json.dumps(_public_policy(bucket)))
+
+    def put(self, bucket: str, key: str, data: bytes | str | os.PathLike) -> None:
+        self.client().put_object(Bucket=bucket, Key=key,
+                                 Body=data if isinstance(data, bytes) else Path(data).read_bytes())
+
+    # ------------------------------------------------------------------ the misbehaving listing
+
+    def _answer(self, environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
+        query = parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True)
+        if environ["REQUEST_METHOD"] != "GET" or query.get("list-type") != ["2"]:
+            return self._moto(environ, start_response)
+        with self._lock:
+            self.list_requests += 1
+        if self.listing_fault is not None or self.page_size is not None:
+            kept = [(name, value) for name, values in query.items() for value in values
+                    if name != "continuation-token" or self.listing_fault is None]
+            if self.page_size is not None and "max-keys" not in query:
+                kept.append(("max-keys", str(self.page_size)))
+            environ = {**environ, "QUERY_STRING": urlencode(kept)}
+        answered: dict[str, Any] = {}
+
+        def keep(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Callable:
+            answered.update(status=status, headers=headers)
+            return lambda data: None
+
+        result = self._moto(environ, keep)
+        try:
+            body = b"".join(result)
+        finally:
+            getattr(result, "close", lambda: None)()
+        if answered["status"].startswith("200"):
+            body = self._misbehave(body, encoded=query.get("encoding-type") == ["url"])
+        headers = [(k, v) for k, v in answered["headers"] if k.lower() != "content-length"]
+        start_response(answered["status"], headers + [("Content-Length", str(len(body)))])
+        return [body]
+
+    def _misbehave(self, body: bytes, *, encoded: bool) -> bytes:
+        from xml.etree import ElementTree  # moto's own answer, made in this process
+
+        root = ElementTree.fromstring(body)
+        namespace = root.tag.partition("}")[0] + "}" if root.tag.startswith("{") else ""
+
+        def set_text(parent: Any, tag: str, text: str) -> None:
+            found = parent.find(namespace + tag)
+            (found if found is not None else ElementTree.SubElement(parent, namespace + tag)).text = text
+
+        for name in self.listed_names:
+            entry = ElementTree.SubElement(root, namespace + "Contents")
+            for tag, text in (("Key", quote(name, safe="/") if encoded else name), ("Size", "1"),
+                              ("LastModified", "2026-01-01T00:00:00.000Z"), ("ETag", '"stand-in"'),
+                              ("StorageClass", "STANDARD")):
+                set_text(entry, tag, text)
+        if self.listing_fault is not None:
+            set_text(root, "IsTruncated", "true")
+            token = "the-same-token" if self.listing_fault == "same-token" else f"token-{next(self._tokens)}"
+            set_text(root, "NextContinuationToken", token)
+        return ElementTree.tostring(root, encoding="utf-8", xml_declaration=True)
+
+
+def _public_policy(bucket: str) -> dict[str, Any]:
+    """A bucket policy letting anyone, unsigned, GetObject the bucket's keys and ListBucket it."""
+    return {"Version": "2012-10-17", "Statement": [
+        {"Effect": "Allow", "Principal": "*", "Action": "s3:GetObject", "Resource": f"arn:aws:s3:::{bucket}/*"},
+        {"Effect": "Allow", "Principal": "*", "Action": "s3:ListBucket", "Resource": f"arn:aws:s3:::{bucket}"},
+    ]}
 
 
 def _free_port() -> int:

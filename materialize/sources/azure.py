@@ -41,10 +41,14 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 from urllib.parse import quote, unquote, urlencode, urlsplit
-from xml.etree import ElementTree
+from xml.etree.ElementTree import Element
+
+import defusedxml
+import defusedxml.ElementTree as defused
 
 from ..errors import CheckpointAccessError, CheckpointError, CheckpointNotFoundError
 from .http import Transport, server_words
+from .listing import ListingPages
 from .remotepath import ObjectInfo, RemotePath
 from .settings import RemoteOptions
 
@@ -252,7 +256,8 @@ class AzureStore:
         prefix = key + "/" if key else ""
         files: list[str] = []
         folders: list[str] = []
-        marker = ""
+        pages = ListingPages(self.url(prefix), self.transport.options)
+        marker: Optional[str] = None
         while True:
             query = {"restype": "container", "comp": "list", "prefix": prefix, "delimiter": "/",
                      "include": "metadata"}
@@ -265,18 +270,22 @@ class AzureStore:
                 self._refuse(answer.status, code, server_words(answer.body) or (f" {code}" if code else ""), "list",
                              key)
                 return None
-            page = _xml(answer.body, self.url(key))
-            for blob in page.iterfind("Blobs/Blob"):
-                name = _name(blob)[len(prefix):]
-                if name and (blob.findtext("Metadata/hdi_isfolder") or "").lower() != "true":
-                    files.append(name)
-                    info = _info(blob.findtext("Properties/Content-Length"), blob.findtext("Properties/Etag"),
-                                 self.url(prefix + name))
-                    with self._lock:
-                        self._blobs[prefix + name] = info
-            folders += [_name(found)[len(prefix):].rstrip("/") for found in page.iterfind("Blobs/BlobPrefix")]
-            marker = page.findtext("NextMarker") or ""
-            if not marker:
+            page = _xml(answer.body, pages.url)
+            # a Data Lake account lists its folders as empty blobs too: they are its BlobPrefixes, not files
+            found = [(_name(blob)[len(prefix):], blob) for blob in page.iterfind("Blobs/Blob")
+                     if (blob.findtext("Metadata/hdi_isfolder") or "").lower() != "true"]
+            found = [(name, blob) for name, blob in found if name]
+            page_folders = [_name(named)[len(prefix):].rstrip("/") for named in page.iterfind("Blobs/BlobPrefix")]
+            pages.page([name for name, _ in found] + page_folders)
+            for name, blob in found:
+                files.append(name)
+                info = _info(blob.findtext("Properties/Content-Length"), blob.findtext("Properties/Etag"),
+                             self.url(prefix + name))
+                with self._lock:
+                    self._blobs[prefix + name] = info
+            folders += page_folders
+            marker = pages.next_token(page.findtext("NextMarker"))
+            if marker is None:
                 break
         if not files and not folders:
             return None
@@ -294,17 +303,20 @@ class AzureStore:
         self.transport.close()
 
 
-def _xml(body: bytes, name: str) -> ElementTree.Element:
-    """A listing page's XML; a document type (where entities would be declared) is refused, not expanded."""
-    if re.search(rb"<!(DOCTYPE|ENTITY)", body, flags=re.IGNORECASE):
-        raise CheckpointAccessError("the Azure listing declares a document type: refused", path=name)
+def _xml(body: bytes, name: str) -> Element:
+    """A listing page's XML. A document type (where entities would be declared, to expand a few bytes into
+    gigabytes or read a local file) is refused by the parser itself, in whatever encoding the document declares:
+    a search of the bytes misses one written in UTF-16."""
     try:
-        return ElementTree.fromstring(body)
-    except ElementTree.ParseError as exc:
+        return defused.fromstring(body, forbid_dtd=True)
+    except defusedxml.DefusedXmlException as exc:
+        raise CheckpointAccessError(f"the Azure listing declares a document type or entities ({type(exc).__name__}):"
+                                    " refused", path=name) from None
+    except defused.ParseError as exc:
         raise CheckpointAccessError(f"the Azure listing is not XML ({exc})", path=name) from None
 
 
-def _name(element: ElementTree.Element) -> str:
+def _name(element: Element) -> str:
     found = element.find("Name")
     if found is None:
         return ""

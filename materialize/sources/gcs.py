@@ -34,6 +34,7 @@ from urllib.parse import quote, urlencode
 
 from ..errors import CheckpointAccessError, CheckpointError, CheckpointNotFoundError
 from .http import Answer, Transport, server_words
+from .listing import ListingPages
 from .remotepath import ObjectInfo, RemotePath
 from .settings import RemoteOptions
 
@@ -203,6 +204,7 @@ class GcsStore:
         prefix = key + "/" if key else ""
         files: list[str] = []
         folders: list[str] = []
+        pages = ListingPages(self.url(prefix), self.transport.options)
         token: Optional[str] = None
         while True:
             query = {"prefix": prefix, "delimiter": "/", "fields": LIST_FIELDS}
@@ -211,15 +213,19 @@ class GcsStore:
             page = self._call("list", key, self._api("storage", None, query))
             if page is None:
                 return None
-            for item in page.get("items", []):
-                name = str(item.get("name", ""))[len(prefix):]
-                if name:  # the prefix's own placeholder object ("folder/") is no file of it
-                    files.append(name)
-                    with self._lock:
-                        self._objects[prefix + name] = _entry(item, self.url(prefix + name))
-            folders += [str(found)[len(prefix):].rstrip("/") for found in page.get("prefixes", [])]
-            token = page.get("nextPageToken")
-            if not token:
+            # the prefix's own placeholder object ("folder/") is no file of it
+            found = [(str(item.get("name", ""))[len(prefix):], item) for item in page.get("items", [])]
+            found = [(name, item) for name, item in found if name]
+            page_folders = [str(named)[len(prefix):].rstrip("/") for named in page.get("prefixes", [])]
+            pages.page([name for name, _ in found] + page_folders)
+            for name, item in found:
+                files.append(name)
+                entry = _entry(item, self.url(prefix + name))
+                with self._lock:
+                    self._objects[prefix + name] = entry
+            folders += page_folders
+            token = pages.next_token(str(page.get("nextPageToken") or ""))
+            if token is None:
                 break
         if not files and not folders:
             return None

@@ -25,6 +25,7 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 from ..errors import CheckpointAccessError, CheckpointError, MaterializeWarning
 from ..text import shown_url
 from .http import Transport
+from .listing import ListingPages
 from .remotepath import ObjectInfo, RemotePath
 from .settings import RemoteOptions
 
@@ -59,6 +60,7 @@ class HttpStore:
         # is probed and no HEAD is sent; companions: a local folder holding the small files (the hub's snapshot).
         self.files = dict(files) if files is not None else None
         if self.files is not None:
+            ListingPages(self.base, transport.options).page(list(self.files))  # the server's listing: names checked
             self._stats.update(self.files)
         self.companions = companions
         self.folders: set[str] = set()  # keys the server redirected to their folder (the key and a "/")

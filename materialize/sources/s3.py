@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 from ..errors import CheckpointAccessError, CheckpointError, CheckpointNotFoundError
 from .http import Transport
+from .listing import ListingPages
 from .remotepath import ObjectInfo, RemotePath
 from .settings import RemoteOptions
 
@@ -103,6 +104,7 @@ class S3Store:
         prefix = key + "/" if key else ""
         files: list[str] = []
         folders: list[str] = []
+        pages = ListingPages(self.url(prefix), self.transport.options)
         token: Optional[str] = None
         while True:
             params: dict[str, Any] = {"Prefix": prefix, "Delimiter": "/"}
@@ -111,15 +113,17 @@ class S3Store:
             page = self._call("list_objects_v2", key, **params)
             if page is None:
                 return None
-            for entry in page.get("Contents", []):
-                name = entry["Key"][len(prefix):]
-                if name:
-                    files.append(name)
-                    with self._lock:
-                        self._stats[entry["Key"]] = ObjectInfo(int(entry["Size"]), entry.get("ETag"))
-            folders += [entry["Prefix"][len(prefix):].rstrip("/") for entry in page.get("CommonPrefixes", [])]
-            token = page.get("NextContinuationToken")
-            if not page.get("IsTruncated") or not token:
+            found = [entry for entry in page.get("Contents", []) if entry["Key"][len(prefix):]]
+            page_files = [entry["Key"][len(prefix):] for entry in found]
+            page_folders = [entry["Prefix"][len(prefix):].rstrip("/") for entry in page.get("CommonPrefixes", [])]
+            pages.page(page_files + page_folders)
+            with self._lock:
+                for entry in found:
+                    self._stats[entry["Key"]] = ObjectInfo(int(entry["Size"]), entry.get("ETag"))
+            files += page_files
+            folders += page_folders
+            token = pages.next_token(page.get("NextContinuationToken") if page.get("IsTruncated") else None)
+            if token is None:
                 break
         if not files and not folders:
             return None

@@ -6,7 +6,7 @@ import errno
 import os
 
 import materialize as mz
-from materialize.text import printable
+from materialize.text import ELIDED, printable
 
 # Most specific first: the first matching class gives the hint.
 HINTS: list[tuple[type[BaseException], str]] = [
@@ -62,7 +62,7 @@ def _inspect_would_work(error: mz.MaterializeError) -> bool:
     """Whether ``materialize inspect`` opens the file the error is about: a hint is only given where it helps
     (a file damaged in its headers fails there with the same error)."""
     path = getattr(error, "path", None)
-    if not path:
+    if not path or ELIDED in path:  # a URL shown without its signature: opening it would only be refused
         return False
     try:
         mz.open_checkpoint(path).close()

@@ -1,7 +1,8 @@
 """Everything the CLI writes goes through here: text escaped (see materialize.text.printable), JSON strict.
 
-Text: each line of a command's output, each ``Error:`` and ``Warning:`` line
-and each step the progress bar names pass through
+Text: each line of a command's output, each ``Error:``, ``Warning:``, ``Info:``
+and ``Debug:`` line (the last two: the library's log records, with ``-v``) and
+each step the progress bar names pass through
 :func:`~materialize.text.printable`, so no control character of a tensor or
 file name reaches the terminal and no name adds a line; the only control
 characters written are the line ends (and the progress bar's own carriage
@@ -18,6 +19,7 @@ name can hold one; it has no UTF-8 form) as the text of its escape,
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 from collections.abc import Iterable
@@ -26,6 +28,7 @@ from typing import Any, Optional
 import click
 
 import materialize as mz
+from materialize.progress import above_the_bar
 from materialize.text import printable
 
 JSON_HELP = ('Print one JSON object on stdout and nothing else there (strict JSON: NaN and infinities as the '
@@ -65,6 +68,39 @@ def one_line(text: str) -> str:
 
 def echo_stderr_line(prefix: str, text: str) -> None:
     click.echo(f"{prefix}: {one_line(text)}", err=True)
+
+
+class _StderrLines(logging.Handler):
+    """The library's log records on stderr, each one escaped line (``Info: ...``, ``Debug: ...``), above the
+    progress bar as a warning is: the CLI's ``-v``."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+            with above_the_bar():
+                echo_stderr_line(record.levelname.capitalize(), text)
+        except Exception:  # a record that cannot be written is logging's to report, never the command's failure
+            self.handleError(record)
+
+
+_LOG_LINES = _StderrLines()
+VERBOSE_HELP = ("Log on stderr what was chosen or fallen back to unasked (the file read of a folder, the dtype "
+                "kept, a request retried); -vv: more detail.")
+
+
+def show_logs(verbosity: int) -> None:
+    """Show the ``materialize`` logger's records on stderr: none at 0 (the library's default: quiet), INFO at 1
+    (``-v``), DEBUG from 2 (``-vv``). Called again, it replaces what it set; at 0 it takes it away."""
+    logger = logging.getLogger("materialize")
+    if _LOG_LINES in logger.handlers:
+        logger.removeHandler(_LOG_LINES)
+        logger.setLevel(logging.NOTSET)
+    if verbosity <= 0:
+        return
+    level = logging.INFO if verbosity == 1 else logging.DEBUG
+    _LOG_LINES.setLevel(level)
+    logger.setLevel(level)
+    logger.addHandler(_LOG_LINES)
 
 
 def json_text(payload: Any, *, about: Optional[str] = None) -> str:

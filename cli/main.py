@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -20,7 +21,8 @@ from materialize.sizes import format_bytes
 from materialize.text import printable
 
 from ._errors import one_line
-from ._output import JSON_HELP, echo_lines, echo_stderr_line, json_text, never_fail_to_encode
+from ._output import (JSON_HELP, VERBOSE_HELP, echo_lines, echo_stderr_line, json_text, never_fail_to_encode,
+                      show_logs)
 from .params import DEVICE, DEVICE_MAP, DTYPE, HEADER, MAX_MEMORY, MODEL_ARG, REGEX, RENAME, SIZE
 
 if TYPE_CHECKING:
@@ -28,15 +30,53 @@ if TYPE_CHECKING:
 
 DEFAULT_COMMAND = "load"
 GROUP_FLAGS = {"--help", "-h", "--version"}
+VERBOSE_FLAG = re.compile(r"-v+|--verbose")  # the group's own option, before the command: materialize -v CHECKPOINT
+
+
+class HelpFormatter(click.HelpFormatter):
+    """Help as text only: any character a terminal would act on (a control, a bidi override) in a docstring or
+    an option's help is shown as its escape (see materialize.text.printable), as names from files are."""
+
+    def getvalue(self) -> str:
+        return "\n".join(map(printable, super().getvalue().split("\n")))
+
+
+class Context(click.Context):
+    formatter_class = HelpFormatter
+
+
+class Command(click.Command):
+    context_class = Context
 
 
 class DefaultCommandGroup(click.Group):
     """``materialize CHECKPOINT ...`` runs ``load``; named subcommands run as usual."""
 
+    context_class = Context
+    command_class = Command
+
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if args and args[0] not in self.commands and args[0] not in GROUP_FLAGS:
-            args = [DEFAULT_COMMAND, *args]
+        at = next((i for i, arg in enumerate(args) if not VERBOSE_FLAG.fullmatch(arg)), len(args))
+        if at < len(args) and args[at] not in self.commands and args[at] not in GROUP_FLAGS:
+            args = [*args[:at], DEFAULT_COMMAND, *args[at:]]
         return super().parse_args(ctx, args)
+
+
+def _verbosity(ctx: click.Context, param: click.Parameter, count: int) -> None:
+    """``-v`` counted where it is given, before the command (the group's) and after it (the command's): the
+    library's log records shown on stderr from the first (see :func:`~materialize_cli._output.show_logs`),
+    until the command ends."""
+    if ctx.resilient_parsing:  # shell completion parses the line: nothing runs, nothing is to be shown
+        return
+    total = ctx.meta.get("materialize.verbose", 0) + count  # the group's count, then the command's added
+    ctx.meta["materialize.verbose"] = total
+    show_logs(total)
+    if total:
+        ctx.call_on_close(lambda: show_logs(0))
+
+
+verbose_option = click.option("-v", "--verbose", count=True, expose_value=False, callback=_verbosity,
+                              help=VERBOSE_HELP)
 
 
 def _run(debug: bool, action: Callable[[], None], *, inspecting: bool = False) -> None:
@@ -138,7 +178,9 @@ remote_options = [  # how a URL (s3://, gs://, az://, https://) or a streamed hu
     click.option("--connections", type=click.IntRange(min=1), default=None, metavar="N",
                  help="Requests in flight at once for a URL or --stream (default 16)."),
     click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
-                 help="Seconds without an answer's next bytes before a request is retried (default 60)."),
+                 help="Seconds without an answer's next bytes, or for its headers all told, before a request is retried (default 60)."),
+    click.option("--min-rate", type=click.FloatRange(min=0, min_open=True), default=None, metavar="BYTES",
+                 help="Bytes a second an answer must average once it has run --request-timeout seconds, else it is retried (default 16384)."),
     click.option("--retries", type=click.IntRange(min=0), default=None, metavar="N",
                  help="Retries of a failed request, each resuming where it stopped (default 8)."),
     click.option("--no-sign-request", "anonymous", is_flag=True,
@@ -162,8 +204,7 @@ def key_map_from(strip_prefix: Optional[str], add_prefix: Optional[str], renames
     parts = []
     if strip_prefix:
         parts.append(mz.KeyMap.strip_prefix(strip_prefix))
-    if renames:
-        parts.append(mz.KeyMap.regex(dict(renames)))
+    parts += [mz.KeyMap.regex({pattern: replacement}) for pattern, replacement in renames]  # a pattern twice: two rules
     if add_prefix:
         parts.append(mz.KeyMap.add_prefix(add_prefix))
     return sum(parts[1:], parts[0]) if parts else None
@@ -172,8 +213,8 @@ def key_map_from(strip_prefix: Optional[str], add_prefix: Optional[str], renames
 def remote_from(options: dict[str, Any]) -> Optional[mz.RemoteOptions]:
     """The remote options given (removed from ``options``), or ``None`` where none was."""
     given = {name: options.pop(option) for option, name in (("connections", "connections"),
-             ("request_timeout", "timeout"), ("retries", "retries"), ("anonymous", "anonymous"))}
-    given = {name: value for name, value in given.items() if value not in (None, False)}
+             ("request_timeout", "timeout"), ("min_rate", "min_rate"), ("retries", "retries"), ("anonymous", "anonymous"))}
+    given = {name: value for name, value in given.items() if value is not None and value is not False}  # 0 is given
     if options.get("headers"):
         given["headers"] = dict(options["headers"])
     options.pop("headers", None)
@@ -217,6 +258,7 @@ def with_options(options: list) -> Callable:
 
 @click.group(cls=DefaultCommandGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(mz.__version__, prog_name="materialize")
+@verbose_option
 def main() -> None:
     """Materialize a PyTorch checkpoint: every tensor allocated once, straight from the file.
 
@@ -228,7 +270,7 @@ def main() -> None:
       materialize convert SRC DST [--dtype bf16] [--shard-size 5GB]
 
     Names from files are shown with control and other non-printable characters as backslash escapes
-    (\x1b, \n, \u202e); --json gives them exactly.
+    (\\x1b, \\n, \\u202e); --json gives them exactly.
     """
     never_fail_to_encode()
 
@@ -236,6 +278,7 @@ def main() -> None:
 @main.command(DEFAULT_COMMAND)
 @checkpoint_argument
 @with_options(model_options + remote_options + memory_options + load_only_options)
+@verbose_option
 def load_command(checkpoint: str, as_json: bool, debug: bool, **options: Any) -> None:
     """(default) Build the model on meta and materialize CHECKPOINT into it.
 
@@ -273,6 +316,7 @@ def load_command(checkpoint: str, as_json: bool, debug: bool, **options: Any) ->
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 @click.option("--debug", is_flag=True, help="Show the traceback of an error.")
 @with_options(remote_options)
+@verbose_option
 def inspect_command(checkpoint: str, trust_pickle: bool, state_dict_key: Optional[str], revision: Optional[str],
                     as_json: bool, debug: bool, **options: Any) -> None:
     """List tensors, dtypes, shapes and shards; reads no tensor data.
@@ -331,6 +375,7 @@ def _inspect_lines(ckpt: mz.Checkpoint) -> Iterator[str]:
 @main.command("plan")
 @checkpoint_argument
 @with_options(model_options + remote_options + memory_options)
+@verbose_option
 def plan_command(checkpoint: str, as_json: bool, debug: bool, **options: Any) -> None:
     """What a load would do: per-device bytes, memory, ties, missing and unexpected; reads no tensor data (but
     the few values a model's own load code asks for, 1 MiB at most). Without --model, and no model in
@@ -364,6 +409,7 @@ def plan_command(checkpoint: str, as_json: bool, debug: bool, **options: Any) ->
 @state_dict_key_option
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 @click.option("--debug", is_flag=True, help="Show the traceback of an error.")
+@verbose_option
 def convert_command(src: str, dst: str, dtype: "Optional[torch.dtype]", shard_size: int, overwrite: bool,
                     allow_overflow: bool, allow_expansion: bool, revision: Optional[str], trust_pickle: bool,
                     state_dict_key: Optional[str], as_json: bool, debug: bool) -> None:

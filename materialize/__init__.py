@@ -11,14 +11,29 @@
 
 The names below are imported on first use, so tools that only read headers
 (``materialize inspect`` on safetensors) never pay for importing torch.
+
+Logging: each module logs to ``logging.getLogger(__name__)``, a child of the
+``materialize`` logger, what a call chose or fell back to without being asked
+(which of a folder's checkpoints it read, the checkpoint's dtype kept, a
+retried request): INFO for those, DEBUG for detail. The library prints none
+of it: ``materialize`` holds a ``NullHandler`` and nothing else, so records
+go only where the application sends them (``logging.basicConfig(level=logging.INFO)``,
+or a handler on ``logging.getLogger("materialize")``); the CLI's ``-v``
+shows them on stderr. What needs the user's attention is a warning
+(``materialize.MaterializeWarning``), never only a log record.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# Quiet unless the application configures logging: records of materialize.* reach its handlers (the root's
+# included), never Python's last-resort handler on stderr.
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 # public name -> the module that defines it
 _EXPORTS = {

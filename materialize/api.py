@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import Counter
@@ -32,7 +33,7 @@ from .loading import (
     dominant_float_dtype,
     load,
     make_report,
-    default_device,
+    chosen_device,
     planned,
     refresh_flat_weights,
     announce_opening,
@@ -55,6 +56,8 @@ from .integrations.sharded import is_dtensor, shard_spec
 from .io.replay import replay, shard_box
 from .io.transfer import resolve_device
 from .io.shared import SharedSpan, shared_spans
+
+logger = logging.getLogger(__name__)
 
 
 @gc_paused
@@ -118,7 +121,8 @@ def plan(
                                          "ignore_unexpected": ignore_unexpected})
             return _tensors_plan(ckpt, device, dtype, mmap, staging_bytes)
         options = PlanOptions(
-            device=resolve_device(device if device is not None else default_device(skeleton)), dtype=parse_dtype(dtype),
+            device=resolve_device(device if device is not None else chosen_device(skeleton, device_map)),
+            dtype=parse_dtype(dtype),
             strict=strict, key_map=key_map, init=init, ignore_mismatched_sizes=ignore_mismatched_sizes,
             ignore_unexpected=unexpected_to_ignore(ignore_unexpected), device_map=device_map, max_memory=max_memory,
         )
@@ -412,8 +416,21 @@ def _skeleton(
     if builds_hf or (folder is not None and is_transformers_folder(folder)):
         class_name = (model[len(HF_SPEC_PREFIX):] or None) if builds_hf else None
         report_phase(progress, f"building {model if builds_hf else 'the model config.json names'}")
-        return build_hf(folder, model_class=class_name, dtype=parse_dtype(dtype) or dominant_float_dtype(ckpt),
-                        checkpoint=ckpt)
+        asked = parse_dtype(dtype)
+        built_in = asked or dominant_float_dtype(ckpt)
+        skeleton = build_hf(folder, model_class=class_name, dtype=built_in, checkpoint=ckpt)
+        logger.info("%s: building %s%s in %s%s", folder, type(skeleton).__name__,
+                    "" if class_name else " (config.json's model)",
+                    dtype_name(built_in) if built_in is not None else "its config's dtype",
+                    "" if asked or built_in is None else " (the checkpoint's dtype)")
+        return skeleton
+    if model is None:
+        if ckpt.module is not None:
+            logger.info("%s: no model given: the checkpoint's pickled module (%s.%s) is the model", ckpt.path,
+                        type(ckpt.module).__module__, type(ckpt.module).__qualname__)
+        else:
+            logger.info("%s: no model given, and none to build (no pickled module, no config.json naming a "
+                        "transformers model): its tensors are loaded as a dict", ckpt.path)
     return ckpt.module
 
 

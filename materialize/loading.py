@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import os
 import time
@@ -42,14 +43,18 @@ from .skeleton.modtree import modules_of, one_walk
 from .planning.plan import DtypeRule, Entry, InitFn, Plan, Tolerated, initializer_of, make_plan, raise_for_mismatch
 from .options import IgnoreUnexpected, PlanOptions, ProgressFn, ReadOptions, unexpected_to_ignore
 from .progress import ProgressLike, counted, report_phase, takes_progress
+from .text import shown_url
 from .report import Report
 from .sanitizer import audit, is_poisoned, nonfinite, poison
 from .integrations.sharded import held_local, is_dtensor, local_of
 from .planning.ties import TieSettling, Undo, compared_before_allocating
 from .io.transfer import resolve_device
+from .sizes import format_bytes
 
 DeviceLike = Union[str, torch.device]
 DtypeLike = Union[str, torch.dtype, None]
+
+logger = logging.getLogger(__name__)
 
 
 def announce_opening(progress: Optional[ProgressFn], checkpoint: CheckpointLike) -> None:
@@ -59,8 +64,9 @@ def announce_opening(progress: Optional[ProgressFn], checkpoint: CheckpointLike)
 
 
 def shown_name(source: Union[str, os.PathLike]) -> str:
-    """A source as a progress step names it: a hub id whole, a path by its last part (a folder's, a file's)."""
-    text = os.fspath(source)
+    """A source as a progress step names it: a hub id whole, a path by its last part (a folder's, a file's), a
+    URL's as :func:`~materialize.text.shown_url` shows it (no secret of its query)."""
+    text = shown_url(os.fspath(source))
     return text if looks_like_repo_id(text) else (Path(text).name or text)
 
 
@@ -204,7 +210,8 @@ def load(
     walk = one_walk(model)  # the device lookup and planning walk the model once; no model code runs in between
     with walk:
         options = PlanOptions(
-            device=resolve_device(device if device is not None else default_device(model)), dtype=parse_dtype(dtype),
+            device=resolve_device(device if device is not None else chosen_device(model, device_map)),
+            dtype=parse_dtype(dtype),
             strict=strict, key_map=key_map, init=init, ignore_mismatched_sizes=ignore_mismatched_sizes,
             ignore_unexpected=unexpected_to_ignore(ignore_unexpected), device_map=device_map, max_memory=max_memory,
         )
@@ -245,6 +252,19 @@ def refresh_flat_weights_of(plan: Plan) -> None:
     """:func:`refresh_flat_weights` for the RNNs whose tensors a load replaced: those owning one of its entries."""
     for module in plan.rnn_modules:
         module._init_flat_weights()
+
+
+def chosen_device(model: nn.Module, device_map: Optional[DeviceMapLike] = None) -> torch.device:
+    """:func:`default_device`, said (INFO) where no ``device_map`` places the tensors instead: a load or a plan
+    given no ``device`` puts the model there."""
+    device = default_device(model)
+    if device_map is None:
+        program = program_of(model)
+        moved = program is not None and program.device is not None
+        logger.info("no device given: the model goes to %s, %s", device,
+                    "where it was moved after its recorded construction" if moved
+                    else "where its real tensors are (the CPU for a model wholly on meta)")
+    return device
 
 
 def default_device(model: nn.Module) -> torch.device:
@@ -289,11 +309,36 @@ def local_views(ckpt: Checkpoint, maps: bool, what: str) -> FileSet:
 def planned(model: nn.Module, ckpt: Checkpoint, options: PlanOptions) -> tuple[Plan, PlanOptions, Optional[Placement]]:
     """The plan of a load under ``options`` with the model's own defaults applied (a transformers model's key
     map and init), those options, and where a device map places each tensor."""
+    asked_key_map = options.key_map
     options, dtype_rule, tolerated = _model_defaults(model, options)
     placement = _placement_for(model, ckpt, options)
     the_plan = make_plan(model, ckpt, options, placement=placement, dtype_rule=dtype_rule, tolerated=tolerated,
                          fetch=_value_reader(ckpt))
+    _log_choices(the_plan, options, asked_key_map)
     return the_plan, options, placement
+
+
+def _log_choices(the_plan: Plan, options: PlanOptions, asked_key_map: KeyMapLike) -> None:
+    """Say (INFO) what the plan chose that no option asked for: the checkpoint's dtype for a model built on meta,
+    a rename of the checkpoint's names, where a device map puts the tensors."""
+    if options.dtype is None and logger.isEnabledFor(logging.INFO):
+        kept: Counter[tuple[torch.dtype, torch.dtype]] = Counter()
+        for entry in the_plan.entries:
+            if entry.action == "load" and entry.original.is_meta and entry.dtype != entry.original.dtype \
+                    and entry.dtype.is_floating_point:
+                kept[entry.original.dtype, entry.dtype] += 1
+        if kept:
+            logger.info("%s: the model's tensors on meta take the checkpoint's dtype: %s; dtype= (CLI --dtype) "
+                        "casts them", the_plan.path, ", ".join(
+                            f"{count} tensor(s) in {dtype_name(theirs)} where the model has {dtype_name(own)}"
+                            for (own, theirs), count in kept.items()))
+    if asked_key_map is None and the_plan.key_map:
+        logger.info("%s: checkpoint names renamed to the model's, no key_map given: %s", the_plan.path,
+                    the_plan.key_map)
+    if options.device_map is not None:
+        logger.info("%s: device_map %s puts %s", the_plan.path,
+                    options.device_map if isinstance(options.device_map, str) else "(given)",
+                    ", ".join(f"{format_bytes(n)} on {where}" for where, n in the_plan.bytes_by_device.items()))
 
 
 def _value_reader(ckpt: Checkpoint) -> Callable[[TensorInfo], Optional[torch.Tensor]]:
@@ -413,9 +458,9 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
     names_by_action: dict[str, list[str]] = {"load": [], "init": [], "keep": [], "code": []}
     for entry in the_plan.entries:  # one pass, not one per action
         names_by_action[entry.action].append(entry.names[0])  # entry.name, less its property call
-    return make_report(
+    report = make_report(
         ckpt, the_plan.device, [held_local(tensor) for tensor in held], reader.bytes_read, started, memory,
-        bytes_received=reader.bytes_received,
+        bytes_received=reader.bytes_received, rank_share=bool(the_plan.shard_specs),
         loaded=names_by_action["load"],
         initialized=names_by_action["init"],
         replayed=list(names_by_action["init"]) if isinstance(init, ReplayInit) else [],
@@ -436,6 +481,38 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
         nonfinite=(nonfinite((entry.name, local_of(tensor)) for entry, tensor in zip(the_plan.entries, held))
                    if read_options.check_finite else []),
     )
+    if report.bytes_read > report.model_bytes:  # said, not left to puzzle over (a sharded rank's most of all)
+        report.read_beyond_model = _read_beyond_model(the_plan, report, grouped=read_options.group is not None)
+    return report
+
+
+def _read_beyond_model(plan: Plan, report: Report, grouped: bool) -> list[str]:
+    """Why a load read more bytes than the model holds, in words with the bytes each reason accounts for
+    (``Report.read_beyond_model``): asked only where it did, so a load pays no pass over its tensors for it."""
+    mapped, retied = set(report.mapped), {name for names in report.tied for name in names}
+    copies = {index for check in plan.tie_checks for index in check[1:]}
+    rows = compared = narrowed = 0
+    for index, entry in enumerate(plan.entries):
+        source = entry.source
+        if source is None or entry.action not in ("load", "code") or entry.on_disk or entry.name in mapped:
+            continue
+        if index in copies and entry.name in retied:  # read, found equal to the first, and dropped for it
+            compared += source.read_nbytes
+            continue
+        rows += max(0, source.read_nbytes - source.nbytes)  # a strided box's span: its rows whole
+        if source.itemsize > entry.dtype.itemsize:
+            narrowed += source.numel * (source.itemsize - entry.dtype.itemsize)
+    sharded = report.rank_share
+    reasons = [f"{words} ({format_bytes(nbytes)})" for words, nbytes in (
+        ("whole rows read around the columns this rank's shards take" if sharded else
+         "the spans of strided views read whole", rows),
+        ("a tied tensor's other copies read to compare with the first", compared),
+        ("casts to a narrower dtype", narrowed)) if nbytes]
+    if grouped:
+        reasons.append("reads for the group's other ranks")
+    if plan.fed_to_load_code:
+        reasons.append("values read for the model's load code")
+    return reasons
 
 
 def _refuse_unfilled(plan: Plan) -> None:

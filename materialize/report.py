@@ -52,7 +52,15 @@ class Report:
             not those left mapped (``mmap``, a device map's disk: ``mapped`` names those tensors).
         bytes_received: with ``group=``, the bytes this rank received from the group's other ranks (read from
             storage by them); ``bytes_read`` is then what this rank read from storage for the group. 0 otherwise.
-        model_bytes: the memory the tensors hold, each storage counted once.
+        model_bytes: the memory the tensors hold, each storage counted once (this rank's share, for a
+            sharded model: ``rank_share``).
+        rank_share: the model is sharded over ranks (DTensors: FSDP2, tensor parallel): ``model_bytes``,
+            ``bytes_by_device`` and ``bytes_read`` are this rank's, not the whole model's. The table says so
+            in its labels.
+        read_beyond_model: where ``bytes_read`` exceeds ``model_bytes``, why, in words, each with the bytes it
+            accounts for where they are known: whole rows read around the columns a shard (or a strided view)
+            takes, a tied tensor's other copies read to compare with the first, casts to a narrower dtype,
+            reads for a group's other ranks, values read for the model's load code. Empty otherwise.
         seconds: how long the load took.
         peak_host_bytes: the process's peak anonymous resident memory during the load, sampled every 50 ms
             and at the load's steps, a lower bound (``None`` off Linux).
@@ -86,6 +94,8 @@ class Report:
     bytes_read: int = 0
     bytes_received: int = 0
     model_bytes: int = 0
+    rank_share: bool = False
+    read_beyond_model: list[str] = field(default_factory=list)
     seconds: float = 0.0
     peak_host_bytes: Optional[int] = None
     host_growth_bytes: Optional[int] = None
@@ -135,6 +145,8 @@ class Report:
             "bytes_read": self.bytes_read,
             "bytes_received": self.bytes_received,
             "model_bytes": self.model_bytes,
+            "rank_share": self.rank_share,
+            "read_beyond_model": self.read_beyond_model,
             "seconds": round(self.seconds, 6),
             "gb_per_second": None if self.gb_per_second is None else round(self.gb_per_second, 3),
             "peak_host_bytes": self.peak_host_bytes,
@@ -164,9 +176,10 @@ class Report:
             *((("made by the model's load code", str(len(self.filled_by_load_code))),) if self.filled_by_load_code else ()),
             *((("names renamed", self.key_map),) if self.key_map else ()),
             ("dtypes", ", ".join(f"{name} x{count}" for name, count in sorted(self.dtypes.items())) or "-"),
-            ("model size", format_bytes(self.model_bytes)),
+            ("model size" + (" (this rank's share)" if self.rank_share else ""), format_bytes(self.model_bytes)),
             *((f"  on {place}", format_bytes(n)) for place, n in self.bytes_by_device.items() if len(self.bytes_by_device) > 1),
-            ("bytes read", format_bytes(self.bytes_read)),
+            ("bytes read" + (" (by this rank)" if self.rank_share else ""), format_bytes(self.bytes_read)
+             + (f" (more than the model size: {'; '.join(self.read_beyond_model)})" if self.read_beyond_model else "")),
             ("time", f"{self.seconds:.3f} s"),
             ("throughput", "-" if self.gb_per_second is None else f"{self.gb_per_second:.2f} GB/s"),
             ("peak host memory", format_bytes(self.peak_host_bytes)),

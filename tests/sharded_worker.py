@@ -99,7 +99,8 @@ def tensor_parallel(checkpoint: str, mesh) -> dict:
     x = torch.randn(3, 16, dtype=torch.float64)
     with torch.no_grad():
         result["forward_equal"] = torch.allclose(model(x), source(x))
-    return {**result, "bytes_read": report.bytes_read, "model_bytes": report.model_bytes}
+    return {**result, "bytes_read": report.bytes_read, "model_bytes": report.model_bytes,
+            "rank_share": report.rank_share, "text": str(report)}
 
 
 def fsdp_mixed(checkpoint: str, mesh) -> dict:

@@ -369,3 +369,20 @@ def test_a_server_that_gives_no_validator_is_named_in_a_warning(recwarn):
     assert result.exit_code == 0 and "Warning: " in result.stderr and "cannot be detected" in result.stderr
     _assert_no_secret("warning", result.stderr)
     _assert_no_secret("warnings", " ".join(str(w.message) for w in recwarn))
+
+
+def test_the_cli_shows_a_retry_with_dash_v_and_no_secret_of_the_url():
+    failed: list[int] = []
+
+    def fails_once(seen: Seen) -> Reply:
+        if not failed:
+            failed.append(1)
+            return answer(503, b"busy", {"Retry-After": "0"})
+        return _file(seen)
+
+    with MisbehavingServer(fails_once) as server:
+        result = CliRunner().invoke(main, ["-v", _url("http", server.port)], prog_name="materialize")
+    assert result.exit_code == 0, result.output
+    retried = [line for line in result.stderr.splitlines() if "retry 1 of" in line]
+    assert retried and "HTTP 503" in retried[0] and "127.0.0.1" in retried[0], result.stderr
+    _assert_no_secret("stderr", result.stderr)

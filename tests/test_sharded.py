@@ -195,6 +195,9 @@ def test_tensor_parallel_model_reads_column_and_row_shards_with_a_cast(tmp_path)
         assert all(rank["equal"].values()) and rank["forward_equal"]
         assert rank["placements"]["down.weight"] == ["Shard(dim=1)"] and rank["placements"]["down.bias"] == ["Replicate()"]
         assert rank["bytes_read"] < whole
+        # The report says its sizes are this rank's, not the model's.
+        assert rank["rank_share"] and "model size (this rank's share)" in rank["text"]
+        assert "bytes read (by this rank)" in rank["text"]
 
 
 def test_stacked_and_concatenated_tensors_shard_by_rows_across_their_pieces(tmp_path):

@@ -7,7 +7,9 @@ bytes are a plausible header length followed by ``{`` is safetensors.
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
     from .payload import Payload
 
 __all__ = ["Checkpoint", "CheckpointLike", "TensorInfo", "open_checkpoint", "opened"]
+
+logger = logging.getLogger(__name__)
 
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 TRAINING_CHECKPOINT_ENDINGS = (".ckpt", ".pth.tar", ".pt.tar")  # Lightning's; ImageNet scripts' model_best.pth.tar
@@ -71,13 +75,16 @@ def open_checkpoint(path: Union[PathLike, RemotePath], *, trust_pickle: bool = F
     if target.name == DCP_METADATA_NAME and target.is_file():
         target = target.parent  # a DCP folder's index, as an index.json is a sharded checkpoint's
     if target.is_dir():
-        target = pick_from_folder(target)
+        folder = target
+        target, passed_over = _choose_from_folder(folder)
+        _log_folder_choice(folder, target, passed_over)
     if target.is_dir():
         return _open_dcp(target, state_dict_key)
     if not target.is_file():  # opening a pipe would wait for a writer; a device has no end to read a header from
         raise CheckpointError("is not a regular file (a pipe, socket or device): a checkpoint is read at offsets "
                               "within a file; save the stream to a file first", path=target)
     kind = _sniff(target)
+    logger.debug("%s: read as %s (from its first bytes)", target, _KIND_WORDS[kind])
     if kind == "index":
         return _open_index(target, trust_pickle=trust_pickle, state_dict_key=state_dict_key)
     if kind == "safetensors":
@@ -247,12 +254,18 @@ _FOLDER_RULES: tuple[Callable[[Path], bool], ...] = (
 
 def pick_from_folder(folder: Path) -> Path:
     """The one checkpoint a Hugging Face-style folder holds; refused where it is a symlink leading out of the folder."""
+    return _choose_from_folder(folder)[0]
+
+
+def _choose_from_folder(folder: Path) -> tuple[Path, list[Path]]:
+    """:func:`pick_from_folder`'s choice, and the other checkpoints the folder holds, which it passed over (a
+    ``pytorch_model.bin`` beside ``model.safetensors``; an index's own shards are not others)."""
     files = sorted(p for p in folder.iterdir() if p.is_file())
     for rule in _FOLDER_RULES:
         group = [p for p in files if rule(p)]
         if len(group) == 1:
             confine(group[0], allowed_roots(folder), what=f"{group[0].name!r}", about=folder)
-            return group[0]
+            return group[0], _passed_over(files, group[0])
         if len(group) > 1:
             raise CheckpointError(
                 f"holds several candidate checkpoints ({', '.join(p.name for p in group)}); pass one of them",
@@ -260,12 +273,47 @@ def pick_from_folder(folder: Path) -> Path:
             )
     # An HTTP folder cannot be listed: its .metadata names the data files, and reading it finds them or says which not.
     if (folder / DCP_METADATA_NAME).is_file() and (is_remote(folder) or any(p.suffix == DCP_DATA_SUFFIX for p in files)):
-        return folder  # a torch.distributed.checkpoint folder: read as a whole
+        return folder, []  # a torch.distributed.checkpoint folder: read as a whole
     raise CheckpointNotFoundError(
         f"holds no safetensors, torch checkpoint or shard index ({_what_folder_holds(files)})"
         + _subfolders_holding_checkpoints(folder),
         path=folder,
     )
+
+
+# A shard of a sharded checkpoint, as transformers names them: model-00001-of-00004.safetensors
+_SHARD_NAME = re.compile(r"-\d+-of-\d+(\.[^.]+)$")
+_INDEX_SUFFIX = ".index.json"
+
+
+def _passed_over(files: list[Path], chosen: Path) -> list[Path]:
+    """The files of a folder a rule of :data:`_FOLDER_RULES` takes, ``chosen`` aside, and the shards of an index
+    among them (or of ``chosen``) aside: the other checkpoints a user may have meant."""
+    candidates = [p for p in files if p != chosen and any(rule(p) for rule in _FOLDER_RULES)]
+    indexed = {p.name[:-len(_INDEX_SUFFIX)].rpartition(".")[2] for p in (chosen, *candidates)
+               if p.name.endswith(_INDEX_SUFFIX)}  # the suffixes of the files the indexes name: safetensors, bin
+
+    def a_shard(path: Path) -> bool:
+        found = _SHARD_NAME.search(path.name)
+        return found is not None and found.group(1)[1:] in indexed
+
+    return [p for p in candidates if not a_shard(p)]
+
+
+def _log_folder_choice(folder: Path, chosen: Path, passed_over: list[Path]) -> None:
+    """Which of a folder's checkpoints is read: said (INFO) where it held others, which the load leaves unread."""
+    if chosen == folder:
+        logger.debug("%s: read as a torch.distributed.checkpoint (DCP) folder", folder)
+    elif passed_over:
+        logger.info("%s: reading %s, passing over %s (a folder's checkpoint is taken in the Hugging Face order: "
+                    "safetensors before torch files, an index before a single file); pass a file to read another",
+                    folder, chosen.name, ", ".join(p.name for p in passed_over))
+    else:
+        logger.debug("%s: reading %s, the folder's one checkpoint", folder, chosen.name)
+
+
+_KIND_WORDS = {"index": "a shard index", "safetensors": "safetensors", "torch": "a torch zip file",
+               "torch-legacy": "a legacy torch file (before torch 1.6)"}
 
 
 def _subfolders_holding_checkpoints(folder: Path) -> str:

@@ -27,6 +27,7 @@ offline load read another folder, a FIFO there would hang it).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -35,6 +36,8 @@ from typing import Optional, Union
 from ..errors import CheckpointAccessError, CheckpointError, CheckpointNotFoundError
 from ..sources import RemoteOptions, as_source, is_url
 from ..sources.remotepath import ObjectInfo, RemotePath
+
+logger = logging.getLogger(__name__)
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
 CONFIG_PATTERNS = ["*.json"]
@@ -93,6 +96,9 @@ def resolve(source: Union[str, os.PathLike, RemotePath], *, revision: Optional[s
                              "(it is read where it is)")
         return Path(source)
     repo_id = os.fspath(source)
+    logger.info("%s: no such local path: read as a hub repo id%s%s", repo_id,
+                f" at revision {revision}" if revision is not None else "",
+                ", its weights streamed" if stream else " (from the local cache, or downloaded)")
     if stream:
         return streamed(repo_id, revision, remote or RemoteOptions())
     folder = _download(repo_id, revision, CONFIG_PATTERNS)
@@ -104,6 +110,8 @@ def resolve(source: Union[str, os.PathLike, RemotePath], *, revision: Optional[s
             return folder
     folder = _download(repo_id, revision, SAFETENSORS_PATTERNS)
     if not any(folder.glob("*.safetensors")):
+        logger.info("%s: the repo holds no safetensors file: falling back to its torch files (%s)", repo_id,
+                    ", ".join(TORCH_PATTERNS))
         folder = _download(repo_id, revision, TORCH_PATTERNS)
     return folder
 

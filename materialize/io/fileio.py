@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import threading
 from collections import Counter
@@ -22,6 +23,8 @@ from ..sources.remotepath import RemotePath, is_remote
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 
 def _memory_view_maker():
@@ -319,6 +322,7 @@ class DirectReads(FileSet):
         super().__init__()
         self._inner = files
         self._direct_fds: dict[Path, int] = {}
+        self._buffered: set[Path] = set()  # the files whose reads fell back to the page cache, said once each
         self._bounce = threading.local()
 
     def fd(self, path: Path) -> int:
@@ -331,8 +335,11 @@ class DirectReads(FileSet):
                 self._inner.fd(path)  # the ordinary open: its errors name the file as usual
                 try:
                     self._direct_fds[path] = os.open(path, os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
-                except OSError:
+                except OSError as exc:
                     self._direct_fds[path] = -1
+                    self._buffered.add(path)
+                    logger.info("%s: direct_io falls back to ordinary reads (through the page cache): its file "
+                                "system refuses O_DIRECT (%s)", path, os.strerror(exc.errno) if exc.errno else exc)
             return self._direct_fds[path]
 
     def _bounce_buffer(self) -> memoryview:
@@ -352,7 +359,12 @@ class DirectReads(FileSet):
             offset += dest if isinstance(dest, int) else len(dest)
 
     def read_into(self, path: Path, offset: int, dest: memoryview, *, tensor: str) -> None:
-        fd = self._direct_fd(path) if hasattr(os, "O_DIRECT") and not is_remote(path) else -1
+        if is_remote(path) or not hasattr(os, "O_DIRECT"):
+            self._said_buffered(path, "it is read over the network" if is_remote(path)
+                                else "this system has no O_DIRECT")
+            fd = -1
+        else:
+            fd = self._direct_fd(path)
         if fd < 0:
             self._inner.read_into(path, offset, dest, tensor=tensor)
             return
@@ -368,6 +380,7 @@ class DirectReads(FileSet):
                 got = os.preadv(fd, [bounce[:want]], aligned)
             except OSError as exc:
                 if exc.errno == errno.EINVAL:  # an alignment this device will not take: read it buffered
+                    self._said_buffered(path, f"its device refuses the O_DIRECT alignment ({DIRECT_ALIGNMENT} bytes)")
                     self._inner.read_into(path, position, dest[done:], tensor=tensor)
                     return
                 raise _read_failed(exc, path, position, tensor) from None
@@ -376,6 +389,16 @@ class DirectReads(FileSet):
                 raise _file_ends(path, position, offset + total, tensor)
             dest[done:done + useful] = bounce[skip:skip + useful]
             done += useful
+
+    def _said_buffered(self, path: Path, why: str) -> None:
+        """Say (INFO), once a file, that direct_io falls back to ordinary reads for it, and why."""
+        if path in self._buffered:  # said already (each read of a URL asks): no lock taken
+            return
+        with self._lock:
+            if path in self._buffered:
+                return
+            self._buffered.add(path)
+        logger.info("%s: direct_io falls back to ordinary reads (through the page cache): %s", path, why)
 
     def close(self) -> None:
         with self._lock:

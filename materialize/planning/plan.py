@@ -15,7 +15,7 @@ import re
 import sys
 import warnings
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Optional, Union
 
@@ -31,17 +31,19 @@ from ..errors import (
     InitError,
     KeyMismatchError,
     MaterializeError,
+    MaterializeWarning,
     MostlyInitializedWarning,
     NothingLoadedError,
     ShapeMismatchError,
     ShardingError,
     summarize_names,
 )
-from .keymap import KeyMap, as_key_map, auto_strip_wrapper_prefix, unchanged
+from .keymap import KeyMap, KeyMapLike, as_key_map, auto_strip_wrapper_prefix, unchanged
 from .loadhooks import (Fetch, LoadCodeRun, Replayed, as_older_weight_norm, post_hooked,
                         replay_load_hooks)
 from ..skeleton.meta import is_lazy
 from ..skeleton.modtree import named_modules
+from .adapterhints import adapter_words, is_adapter_name
 from .namehints import mismatch_hint, nearest_names
 from .shapehints import body_words, classifier_hint, classifier_modules, head_sizes, inside, missing_body_words
 from ..text import printable
@@ -687,8 +689,8 @@ def make_plan(
     _refuse_load_code_needing_values(plan, ckpt, replayed.needs_values)
     _refuse_wrappers(plan, ckpt)
     plan.strict_after_hooks = strict and bool(plan.post_hooked)
-    raise_for_mismatch(plan, ckpt.path, strict and not plan.strict_after_hooks, replayed.unrun, model)
-    refuse_loading_nothing(plan, reinitialized_shapes)
+    raise_for_mismatch(plan, ckpt.path, strict and not plan.strict_after_hooks, replayed.unrun, model, key_map)
+    refuse_loading_nothing(plan, reinitialized_shapes, key_map)
     _raise_for_unmappable_disk(plan, ckpt)
 
     initialized = plan.of("init")
@@ -879,7 +881,8 @@ def torch_load_hint(checkpoint_format: str) -> str:
     return f"Load this checkpoint with torch instead: build the model on the CPU and call model.load_state_dict({state})"
 
 
-def raise_for_mismatch(plan: Plan, path: object, strict: bool, unrun: list[str], model: Optional[nn.Module] = None) -> None:
+def raise_for_mismatch(plan: Plan, path: object, strict: bool, unrun: list[str], model: Optional[nn.Module] = None,
+                       key_map: KeyMapLike = None) -> None:
     """Raise what a load of ``plan`` disagrees on: shapes always, missing and unexpected names when ``strict``.
 
     With ``model``, the error says what the differences point to (see
@@ -890,7 +893,11 @@ def raise_for_mismatch(plan: Plan, path: object, strict: bool, unrun: list[str],
     another architecture (``error.architecture_differs``). Where no tensor
     of the model would be read, the options that would let the load go on
     reading nothing are not offered: the nearest names are shown instead.
+    A rename hint is for the names ``key_map`` (the one the load was given)
+    makes, and adds to it (see :func:`~materialize.planning.namehints.mismatch_hint`).
     """
+    if not strict:
+        _warn_if_adapters_left_out(plan)
     shapes = [f"{n} (model {list(m)}, checkpoint {list(c)})" for n, m, c in plan.mismatched]
     problems = []
     if strict and plan.missing:
@@ -903,7 +910,11 @@ def raise_for_mismatch(plan: Plan, path: object, strict: bool, unrun: list[str],
         return
     names_differ = strict and bool(plan.missing or plan.unexpected)
     error = ShapeMismatchError if (shapes and not names_differ) else KeyMismatchError
-    hint = mismatch_hint(plan.missing, plan.unexpected) if strict else ""
+    adapters = adapter_words(plan.unexpected, _model_names(plan)) if strict else ""
+    if adapters:  # an unmerged LoRA save: no rename and no strict=False makes the model's weights of it
+        raise error("model and checkpoint disagree: " + "; ".join([*problems, adapters]), path=path,
+                    missing=plan.missing, unexpected=plan.unexpected, mismatched=[n for n, _, _ in plan.mismatched])
+    hint = mismatch_hint(plan.missing, plan.unexpected, key_map) if strict else ""
     if hint:
         problems.append(hint)
     if unrun and (plan.missing or plan.unexpected):
@@ -956,6 +967,12 @@ def raise_for_mismatch(plan: Plan, path: object, strict: bool, unrun: list[str],
     )
 
 
+def _model_names(plan: Plan) -> Iterator[str]:
+    """Every name of the model's tensors (each of a tie), as a plan holds them."""
+    yield from (name for entry in plan.entries for name in entry.names)
+    yield from plan.missing
+
+
 def _split_absent(plan: Plan) -> tuple[list[str], list[str]]:
     """:attr:`Plan.not_from_checkpoint` in two: missing from the checkpoint, and in it in another shape."""
     reinitialized = set(plan.reinitialized)
@@ -964,7 +981,8 @@ def _split_absent(plan: Plan) -> tuple[list[str], list[str]]:
     return [name for name in absent if name not in redone], [name for name in absent if name in redone]
 
 
-def refuse_loading_nothing(plan: Plan, reinitialized_shapes: list[tuple[str, tuple[int, ...], tuple[int, ...]]]) -> None:
+def refuse_loading_nothing(plan: Plan, reinitialized_shapes: list[tuple[str, tuple[int, ...], tuple[int, ...]]],
+                           key_map: KeyMapLike = None) -> None:
     """Refuse a plan that reads nothing from the checkpoint while the model has tensors a checkpoint gives.
 
     ``strict=False``, ``ignore_mismatched_sizes`` and ``ignore_unexpected``
@@ -995,8 +1013,10 @@ def refuse_loading_nothing(plan: Plan, reinitialized_shapes: list[tuple[str, tup
         said[0] += f", e.g. {summarize_names(shown, limit=2)}"
     if not checkpoint_names and not redone:
         said.append("the checkpoint holds no tensor")
-    hint = mismatch_hint(missing, checkpoint_names) if missing else ""
-    nearest = nearest_names(missing, checkpoint_names) if missing and not hint else ""
+    adapters = adapter_words(checkpoint_names, _model_names(plan))
+    hint = mismatch_hint(missing, checkpoint_names, key_map) if missing and not adapters else ""
+    nearest = nearest_names(missing, checkpoint_names) if missing and not hint and not adapters else ""
+    said += [adapters] if adapters else []
     said += [text for text in (hint, nearest) if text]
     if redone:
         said.append("the checkpoint was saved from another architecture, or another size of it")
@@ -1004,6 +1024,17 @@ def refuse_loading_nothing(plan: Plan, reinitialized_shapes: list[tuple[str, tup
                 "ignore_mismatched_sizes and ignore_unexpected say")
     raise NothingLoadedError("; ".join(said), path=plan.path, missing=missing, unexpected=plan.unexpected,
                              mismatched=redone, architecture_differs=bool(redone) or bool(nearest))
+
+
+def _warn_if_adapters_left_out(plan: Plan) -> None:
+    """Warn where a load that forgives names (``strict=False``) leaves out a LoRA save's adapter tensors: the
+    model gets the base weights alone, not the fine-tuned model the file holds, so it is said aloud."""
+    words = adapter_words(plan.unexpected, _model_names(plan))
+    if words:
+        warnings.warn(MaterializeWarning(f"{printable(plan.path)}: strict=False (--no-strict) leaves out "
+                                         f"{sum(map(is_adapter_name, plan.unexpected))} LoRA adapter tensors, so the "
+                                         f"model gets the base weights without the fine-tune: {words}"),
+                      stacklevel=_caller_outside_the_package())
 
 
 def warn_if_mostly_not_loaded(plan: Plan) -> None:

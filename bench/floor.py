@@ -52,7 +52,7 @@ _CHUNK = 16 * 1024 * 1024
 def bare_load(model: torch.nn.Module, path: Path, mark: Callable[[str], None]) -> None:
     """Load ``path`` (one safetensors file or a torch zip) into ``model`` as the floor does, calling ``mark`` with
     ``"plan"``, ``"allocate"`` and ``"read"`` as each step begins; the cyclic collector paused throughout, as
-    ours pauses it (``materialize.io.gcpause``)."""
+    ours pauses it (``materialize.gcpause``)."""
     gc.disable()
     try:
         _bare_load(model, path, mark)

@@ -93,7 +93,7 @@ def _model(how: str, count: int, saved: tuple[int, ...]) -> torch.nn.Module:
 def one(method: str, path: Path, count: int, shape: tuple[int, ...]) -> dict:
     """One timed load in this process: the tensors as the model wants them."""
     import materialize as mz
-    from materialize.planning.stacking import Deinterleave, Rearranged, Transposed
+    from materialize.checkpoint.targets import Deinterleave, Rearranged, Transposed
 
     who, how = method.split("-")
     started = time.perf_counter()

@@ -21,8 +21,7 @@ from .dtypes import dtype_name, parse_dtype
 from .checkpoint.pieces import Job
 from .io.executor import reads
 from .errors import AllocationError, ModelRequiredError, ModelSpecError, ReplayError, SanitizerError
-from .io.gcpause import gc_paused
-from .integrations.hf import HF_SPEC_PREFIX, build_hf, is_hf_folder, is_transformers_folder
+from .gcpause import gc_paused
 from .io.arena import HostArena
 from .io.hostmem import admit_host_copies, admit_planned, empty_destination, with_whole_load
 from .integrations.hub import resolve as resolve_source
@@ -49,6 +48,7 @@ from .progress import ProgressLike, counted, report_phase, takes_progress
 from .report import Report
 from .sanitizer import audit_plain, nonfinite, poison
 from .skeleton.deferred import program_of
+from .skeleton.hfbuild import HF_SPEC_PREFIX, build_hf, is_hf_folder, is_transformers_folder
 from .skeleton.meta import buffer_like, parameter_like
 from .skeleton.modtree import named_modules
 from .skeleton.spec import ModelSpec, build, build_recorded
@@ -110,9 +110,9 @@ def plan(
     the load puts there), and warns with the load's ``LowMemoryWarning`` where
     they fit the machine but not the memory available now.
     """
-    with _opened_with_skeleton(checkpoint, model, model_args, revision, trust_pickle, dtype,
-                               record=not strict or ignore_mismatched_sizes,
-                               state_dict_key=state_dict_key, stream=stream, remote=remote) as (ckpt, skeleton):
+    with _opened_source(checkpoint, revision, trust_pickle, state_dict_key, stream=stream,
+                        remote=remote) as (ckpt, folder):
+        skeleton = _skeleton(model, model_args, folder, ckpt, dtype, record=not strict or ignore_mismatched_sizes)
         if skeleton is None:
             if device_map is not None:
                 raise _no_model_to_place(ckpt)
@@ -342,9 +342,10 @@ def load_model(
     the download, the opening and the build too.
     """
     record = not load_options.get("strict", True) or load_options.get("ignore_mismatched_sizes", False)
-    with _opened_with_skeleton(source, model, model_args, revision, trust_pickle, load_options.get("dtype"),
-                               record=record, state_dict_key=state_dict_key, progress=load_options.get("progress"),
-                               stream=stream, remote=remote) as (ckpt, skeleton):
+    progress = load_options.get("progress")
+    with _opened_source(source, revision, trust_pickle, state_dict_key, stream=stream, remote=remote,
+                        progress=progress) as (ckpt, folder):
+        skeleton = _skeleton(model, model_args, folder, ckpt, load_options.get("dtype"), record, progress)
         if skeleton is None:
             if load_options.get("device_map") is not None:
                 raise _no_model_to_place(ckpt)
@@ -356,36 +357,24 @@ def load_model(
 
 
 @contextmanager
-def _opened_with_skeleton(
+def _opened_source(
     source: CheckpointLike,
-    model: Union[nn.Module, ModelSpec, None],
-    model_args: Optional[Mapping[str, Any]],
     revision: Optional[str],
     trust_pickle: bool,
-    dtype: DtypeLike = None,
-    *,
-    record: bool = False,
     state_dict_key: Optional[str] = None,
-    progress: Optional[ProgressFn] = None,
+    *,
     stream: bool = False,
     remote: Optional[RemoteOptions] = None,
-) -> Iterator[tuple[Checkpoint, Optional[nn.Module]]]:
-    """Resolve a hub id, open the checkpoint, and build the model the source calls for (None: none).
-
-    A transformers model is built in the dtype its floating tensors will
-    load in (``dtype``, else the checkpoint's), as ``from_pretrained``
-    builds it (see :func:`~materialize.integrations.hf.build_hf`). With
-    ``record`` (a load that may initialize tensors: ``strict=False``,
-    ``ignore_mismatched_sizes``), a spec is built by
-    :func:`~materialize.skeleton.spec.build_recorded`, so what the checkpoint
-    lacks is made as eager construction made it. ``progress`` is told each step.
-    """
+    progress: Optional[ProgressFn] = None,
+) -> Iterator[tuple[Checkpoint, Optional[Path]]]:
+    """Resolve a hub id and open the checkpoint; with it, the local folder of its config files (None: none),
+    where :func:`_skeleton` finds the model the source calls for. ``progress`` is told of the opening."""
     announce_opening(progress, source)  # before a hub id's download, which is part of the opening
     if not isinstance(source, Checkpoint):
         source = resolve_source(source, revision=revision, stream=stream, remote=remote)
     folder = None if isinstance(source, Checkpoint) else local_folder(source)
     with opened(source, trust_pickle, state_dict_key) as ckpt:
-        yield ckpt, _skeleton(model, model_args, folder, ckpt, dtype, record, progress)
+        yield ckpt, folder
 
 
 def local_folder(source: Union[Path, RemotePath]) -> Optional[Path]:
@@ -405,6 +394,17 @@ def _skeleton(
     record: bool = False,
     progress: Optional[ProgressFn] = None,
 ) -> Optional[nn.Module]:
+    """The model the source calls for (None: none, its tensors load as a dict): ``model`` itself, built from a
+    spec or ``folder``'s ``config.json``, or the checkpoint's pickled module.
+
+    A transformers model is built in the dtype its floating tensors will
+    load in (``dtype``, else the checkpoint's), as ``from_pretrained``
+    builds it (see :func:`~materialize.skeleton.hfbuild.build_hf`). With
+    ``record`` (a load that may initialize tensors: ``strict=False``,
+    ``ignore_mismatched_sizes``), a spec is built by
+    :func:`~materialize.skeleton.spec.build_recorded`, so what the checkpoint
+    lacks is made as eager construction made it. ``progress`` is told of the build.
+    """
     if isinstance(model, nn.Module):
         return model
     builds_hf = isinstance(model, str) and model.startswith(HF_SPEC_PREFIX)

@@ -56,8 +56,8 @@ from .progress import ProgressLike, counted, report_phase, takes_progress
 from .io.destination import (INDEX_NAME, check_destination, check_room, cleared, left_by_the_killed, place, remove,
                              shard_names, staging)
 from .errors import ConvertWarning, ExpansionError, MaterializeError, ModelSpecError, OutputError, summarize_names
-from .io.fileio import byte_view
-from .io.gcpause import gc_paused
+from .sources.fileio import byte_view
+from .gcpause import gc_paused
 from .io.hostmem import empty_destination
 from .loading import DtypeLike, announce_opening
 from .integrations.hub import resolve as resolve_source
@@ -385,9 +385,9 @@ def _write_file(ckpt: Checkpoint, items: list[_Item], path: Path, reader: Reads,
 
 
 def _read_config(companions: list[tuple[Path, str]]) -> object:
-    """The source's ``config.json`` as read by :func:`~materialize.integrations.hf.read_config` (one error naming it
+    """The source's ``config.json`` as read by :func:`~materialize.skeleton.hfbuild.read_config` (one error naming it
     where it cannot be read); None where the folder has none."""
-    from .integrations.hf import read_config
+    from .skeleton.hfbuild import read_config
 
     return next((read_config(real) for real, name in companions if name == "config.json"), None)
 

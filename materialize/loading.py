@@ -17,7 +17,7 @@ from torch import nn
 
 from .io.capacity import expected_peak_host_bytes
 from .checkpoint import Checkpoint, CheckpointLike, TensorInfo, opened
-from .io.fileio import FileSet
+from .sources.fileio import FileSet
 from .sources import RemoteOptions
 from .sources.remotepath import is_remote
 from .integrations.devicemap import DeviceMapLike, Placement, compute_device_map
@@ -29,7 +29,7 @@ from .planning.loadruns import VALUES_BUDGET, load_code_reads, run_load_code
 from .io.executor import Reads, reads
 from .io.replay import ReplayInit
 from .skeleton.deferred import program_of
-from .io.gcpause import gc_paused
+from .gcpause import gc_paused
 from .integrations.hub import looks_like_repo_id
 from .integrations.hf import forget_ties, hf_dtype_rule, hf_init, hf_key_map, hf_tolerated, is_hf_model, mark_loaded
 from .io.arena import HostArena
@@ -40,8 +40,8 @@ from .io.peak import LOAD_SAMPLE_SECONDS, PeakMemory
 from .checkpoint.base import contiguous_strides
 from .skeleton.meta import buffer_like, fresh_parameter_like, is_lazy, parameter_like, shared_memory_asked
 from .skeleton.modtree import modules_of, one_walk
-from .planning.plan import DtypeRule, Entry, InitFn, Plan, Tolerated, initializer_of, make_plan, raise_for_mismatch
-from .options import IgnoreUnexpected, PlanOptions, ProgressFn, ReadOptions, unexpected_to_ignore
+from .planning.plan import Entry, InitFn, Plan, initializer_of, make_plan, raise_for_mismatch
+from .options import DtypeRule, IgnoreUnexpected, PlanOptions, ProgressFn, ReadOptions, Tolerated, unexpected_to_ignore
 from .progress import ProgressLike, counted, report_phase, takes_progress
 from .text import shown_url
 from .report import Report

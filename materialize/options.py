@@ -3,14 +3,17 @@
 ``load``, ``plan``, ``load_model`` and ``load_tensors`` keep their keyword
 arguments (they are the API); each builds these frozen objects once, and the
 layers below (planning, the executor, capacity) take the objects instead of
-a dozen parameters each.
+a dozen parameters each. Beside them, what a model says of its own load
+(:data:`DtypeRule`, :class:`Tolerated`): :mod:`materialize.integrations.hf`
+makes them for a transformers model and the planner reads them, so they sit
+here, below both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TYPE_CHECKING, Callable, Optional, Union
 
@@ -19,6 +22,7 @@ import torch
 from .progress import ProgressFn
 
 if TYPE_CHECKING:
+    from .checkpoint import TensorInfo
     from .integrations.devicemap import DeviceMapLike
     from .planning.keymap import KeyMapLike
 
@@ -60,6 +64,45 @@ class PlanOptions:
     ignore_unexpected: Optional[re.Pattern] = None
     device_map: "Optional[DeviceMapLike]" = None
     max_memory: Optional[Mapping[Union[int, str], Union[int, str]]] = None
+
+
+DtypeRule = Callable[[str, torch.dtype], torch.dtype]  # a model's own say: (name, the dtype it would get) -> its dtype
+
+
+@dataclass(frozen=True)
+class Tolerated:
+    """Differences a model declares expected: names it may miss (it initializes them) or may find and drop.
+
+    Regular expressions searched in model names (``missing``) and checkpoint
+    names (``unexpected``), as transformers' ``_keys_to_ignore_on_load_*``;
+    ``unexpected_tensor`` may also let an unexpected tensor go by what it is
+    (its model-side name and its shape and dtype), where a name alone would
+    let too much go.
+    """
+
+    missing: Optional[re.Pattern] = None
+    unexpected: Optional[re.Pattern] = None
+    unexpected_tensor: Optional[Callable[[str, "TensorInfo"], bool]] = None
+    # A checkpoint's value for a buffer the model computes (non-persistent) is
+    # set aside, not loaded: the model's own value stands, as transformers does.
+    computed_buffers_stand: bool = False
+
+    def also_unexpected(self, pattern: Optional[re.Pattern]) -> "Tolerated":
+        """These differences and the unexpected names ``pattern`` finds too (the caller's ``ignore_unexpected``)."""
+        if pattern is None:
+            return self
+        either = pattern if self.unexpected is None else re.compile(f"(?:{self.unexpected.pattern})|(?:{pattern.pattern})")
+        return dataclasses.replace(self, unexpected=either)
+
+    def lets_go(self, model_name: str, info: "TensorInfo") -> bool:
+        """Whether the checkpoint tensor ``info``, mapped to ``model_name`` (not in the model), is expected."""
+        if self.lets_name_go(info.name):
+            return True
+        return self.unexpected_tensor is not None and self.unexpected_tensor(model_name, info)
+
+    def lets_name_go(self, checkpoint_name: str) -> bool:
+        """Whether an unexpected checkpoint entry is expected by its name alone."""
+        return self.unexpected is not None and bool(self.unexpected.search(checkpoint_name))
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 
 from .checkpoint import TensorInfo
-from .io.fileio import CountingFiles
+from .sources.fileio import CountingFiles
 from .skeleton.meta import is_lazy
 from .planning.plan import Entry, Plan
 from .integrations.sharded import local_of

@@ -126,7 +126,7 @@ def stacked(checkpoint: str, mesh) -> dict:
     """Tensors assembled from several checkpoint tensors (experts stacked, parts concatenated), sharded by rows."""
     from safetensors.torch import load_file
 
-    from materialize.planning.stacking import StackSlot
+    from materialize.checkpoint.targets import StackSlot
 
     model = nn.Module()
     with torch.device("meta"):
@@ -538,7 +538,7 @@ def strided_zoo(checkpoint: str, _mesh) -> dict:
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from materialize.planning.stacking import StackSlot
+    from materialize.checkpoint.targets import StackSlot
 
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     folder = os.path.join(checkpoint, "")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import materialize as mz
-from materialize.io import fileio
-from materialize.io.fileio import DirectReads
+from materialize.sources import fileio
+from materialize.sources.fileio import DirectReads
 from bench.models.transformer import DecoderLM
 
 from conftest import TINY, reference_model, saved_state, write_safetensors, write_torch

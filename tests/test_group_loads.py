@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 import materialize as mz
 from materialize.io.groupread import _Chunk, _refuse_other_files, _refuse_without_cpu, _rounds, _schedule, cut
-from materialize.checkpoint.base import make_info
+from materialize.checkpoint.base import TensorInfo
 from materialize.checkpoint.pieces import Job
 
 from conftest import reference_model, run_ranks, saved_state, write_safetensors
@@ -176,7 +176,7 @@ def test_ranks_loading_a_url_together_ask_the_server_for_each_byte_once(tmp_path
 
 
 def _info(shape, offset=0, stride=None):
-    return make_info("w", "float32", 4, shape, Path("m.safetensors"), offset, stride=stride)
+    return TensorInfo("w", "float32", 4, shape, Path("m.safetensors"), offset, stride=stride)
 
 
 def test_cut_pieces_span_at_most_the_bound_and_cover_the_job_exactly():
@@ -186,7 +186,7 @@ def test_cut_pieces_span_at_most_the_bound_and_cover_the_job_exactly():
     assert all(p.dest.data_ptr() == dest.data_ptr() + p.info.offset for p in pieces)
 
     box = torch.empty(10, 8)[:, 4:]  # a row-wise parallel box: every row's right half
-    strided = cut(Job(box, make_info("w", "float32", 4, (10, 4), Path("m"), 16, stride=(8, 1))), 100)
+    strided = cut(Job(box, TensorInfo("w", "float32", 4, (10, 4), Path("m"), 16, stride=(8, 1))), 100)
     spans = [((p.info.shape[0] - 1) * 8 + 4) * 4 for p in strided]
     assert all(span <= 100 for span in spans) and sum(p.info.shape[0] for p in strided) == 10
     assert [p.info.offset for p in strided] == [16 + 32 * 3 * i for i in range(len(strided))]

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import materialize as mz
-from materialize.integrations import hf
+from materialize.skeleton import hfbuild
 
 transformers = pytest.importorskip("transformers")
 
@@ -148,7 +148,7 @@ def test_the_bounds_let_the_checkpoint_a_config_was_saved_with_load(tmp_path):
 def test_the_largest_sizes_are_the_integer_fields_token_ids_aside():
     config = {"num_hidden_layers": 5_000_000, "eos_token_id": 9_000_000, "text_config": {"hidden_size": 64},
               "use_cache": True, "vocab_size": 99}
-    assert hf._largest_sizes(config) == [("num_hidden_layers", 5_000_000), ("vocab_size", 99)]
+    assert hfbuild._largest_sizes(config) == [("num_hidden_layers", 5_000_000), ("vocab_size", 99)]
 
 
 # ---------------------------------------------------------------- a config that cannot be read
@@ -181,7 +181,7 @@ def test_the_cli_refuses_a_config_nested_too_deep_in_one_line(deep, tmp_path, co
 def test_read_config_names_the_file_it_cannot_read(tmp_path, text, says):
     (tmp_path / "config.json").write_bytes(text)
     with pytest.raises(mz.ModelSpecError, match=rf"config\.json: cannot be read: {says}"):
-        hf.read_config(tmp_path / "config.json")
+        hfbuild.read_config(tmp_path / "config.json")
 
 
 def test_a_default_dtype_a_constructor_sets_inside_a_build_is_the_builds_own():

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "materialize"
 FOLDERS = {"sources", "checkpoint", "skeleton", "planning", "io", "integrations"}
 TOP_LEVEL = {"__init__", "api", "options", "loading", "conversion", "sanitizer", "errors", "report", "dtypes", "sizes",
-             "text", "progress", "inspection"}
+             "text", "progress", "inspection", "gcpause"}
 
 
 def module_name(path: Path) -> str:
@@ -119,3 +119,50 @@ def test_the_generic_executor_asks_nothing_of_hugging_face():
                                                                          "materialize.integrations.hub"))
 
     assert reaching == []
+
+
+def reaching(prefix: str, folders: tuple[str, ...]) -> list[str]:
+    """``"<module> imports <target>"`` for each module under ``prefix`` importing a module of one of ``folders``."""
+    return sorted(f"{name} imports {target}" for name in MODULES if name == prefix or name.startswith(f"{prefix}.")
+                  for target in imported_modules(name) if "." in target and target.split(".")[1] in folders)
+
+
+def test_the_readers_know_bytes_and_formats_only():
+    # A reader turns bytes (sources/) into TensorInfos; what a load does with them, models, frameworks' names sit above.
+    assert reaching("materialize.checkpoint", ("io", "planning", "skeleton", "integrations")) == []
+
+
+def test_hugging_face_conventions_ask_nothing_of_the_planner_or_the_skeleton():
+    # integrations/hf says what transformers decides (names, dtypes, inits); planning and skeleton ask it, not back.
+    assert reaching("materialize.integrations.hf", ("planning", "skeleton")) == []
+
+
+MAX_PARAMETERS = 8
+
+
+def exported_functions() -> set[tuple[str, str]]:
+    """(module, name) of each public name ``materialize/__init__.py``'s ``_EXPORTS`` maps to its module."""
+    for node in ast.parse((PACKAGE / "__init__.py").read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_EXPORTS" for t in node.targets):
+            return {(f"materialize.{module}", name) for name, module in ast.literal_eval(node.value).items()}
+    raise AssertionError("materialize/__init__.py has no _EXPORTS")
+
+
+def test_no_internal_function_takes_more_than_eight_parameters():
+    # Past eight, a call is read by counting: what travels together becomes one object, or the function splits.
+    # The public verbs (load, plan, load_tensors, convert) take many keyword options by design, as the API, and build
+    # options.py's objects once; so the rule holds for every function but those __init__ exports (methods included,
+    # self and cls, *args and **kwargs not counted).
+    public = exported_functions()
+    crowded = []
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        functions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        exported = [node for node in tree.body if node in functions and (name, node.name) in public]
+        for node in functions:
+            arguments = [a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs]
+            count = len(arguments) - (arguments[:1] in (["self"], ["cls"]))
+            if count > MAX_PARAMETERS and node not in exported:
+                crowded.append(f"{name}.{node.name} takes {count}")
+
+    assert crowded == []

@@ -783,7 +783,7 @@ def test_a_tie_restored_after_comparing_counts_its_memory_once(tmp_path):
 
 @pytest.mark.parametrize("equal", [True, False])
 def test_a_tie_read_rearranged_is_loaded_whole_then_compared(tmp_path, equal):
-    from materialize.planning.stacking import Deinterleave, Rearranged
+    from materialize.checkpoint.targets import Deinterleave, Rearranged
 
     state = saved_state(reference_model(tie=True))
     embedding = state["model.embed_tokens.weight"]

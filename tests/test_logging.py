@@ -45,12 +45,12 @@ def test_each_module_logs_under_the_materialize_logger_which_has_only_a_null_han
     import materialize.api
     import materialize.checkpoint
     import materialize.integrations.hub
-    import materialize.io.fileio
+    import materialize.sources.fileio
     import materialize.loading
 
     package = logging.getLogger("materialize")
     assert [type(h) for h in package.handlers] == [logging.NullHandler]
-    for module in (materialize.api, materialize.checkpoint, materialize.integrations.hub, materialize.io.fileio,
+    for module in (materialize.api, materialize.checkpoint, materialize.integrations.hub, materialize.sources.fileio,
                    materialize.loading):
         assert module.logger.name == module.__name__ and module.logger.parent is package
 
@@ -150,7 +150,7 @@ def test_direct_io_falling_back_to_ordinary_reads_is_said_once_a_file(tmp_path, 
 
     mz.load_tensors(path, direct_io=True)
 
-    [record] = records(caplog, "materialize.io.fileio")
+    [record] = records(caplog, "materialize.sources.fileio")
     assert record.getMessage() == (f"{path}: direct_io falls back to ordinary reads (through the page cache): its "
                                    "file system refuses O_DIRECT (Invalid argument)")
 

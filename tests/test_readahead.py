@@ -1,5 +1,5 @@
 """Scattered small reads of a file the page cache does not hold are asked of the kernel ahead
-(materialize.io.readahead): a torch zip's local headers when it is opened cold, and only then."""
+(materialize.sources.readahead): a torch zip's local headers when it is opened cold, and only then."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 import materialize as mz
 from materialize.checkpoint import torchzip
-from materialize.io import readahead
+from materialize.sources import readahead
 
 
 def evict(path: Path) -> bool:

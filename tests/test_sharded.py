@@ -12,9 +12,10 @@ from safetensors.torch import save_file
 
 import materialize as mz
 from materialize.checkpoint import TensorInfo
+from materialize.checkpoint.targets import Deinterleave, StackSlot
 from materialize.io.engine import Job, stream
 from materialize.integrations.sharded import region
-from materialize.planning.stacking import Deinterleave, StackSlot, deinterleave, stack
+from materialize.planning.stacking import deinterleave, stack
 
 from conftest import reference_model, run_ranks, saved_state, write_safetensors
 

@@ -11,12 +11,11 @@ import torch
 
 import materialize as mz
 from materialize.checkpoint import TensorInfo
+from materialize.checkpoint.targets import Chunks, Deinterleave, Rearranged, StackSlot, Transposed
 from materialize.loading import execute
 from materialize.options import PlanOptions, ReadOptions
 from materialize.planning.plan import make_plan
-from materialize.planning.stacking import (
-    Chunks, Deinterleave, Rearranged, StackSlot, Transposed, cut, deinterleave, stack, transpose,
-)
+from materialize.planning.stacking import cut, deinterleave, stack, transpose
 
 from conftest import write_safetensors
 
@@ -362,7 +361,7 @@ def _interleaved_rows_checkpoint(tmp_path) -> tuple[Path, torch.Tensor, torch.Te
 
 
 def test_rows_read_into_place_resume_where_a_read_stops_inside_a_row(tmp_path, monkeypatch):
-    from materialize.io import fileio
+    from materialize.sources import fileio
 
     path, saved, expected = _interleaved_rows_checkpoint(tmp_path)
     calls = []

@@ -13,7 +13,7 @@ import torch
 
 import materialize as mz
 from materialize.io.engine import Job, run_staged
-from materialize.io.fileio import FileSet
+from materialize.sources.fileio import FileSet
 from materialize.io.transfer import ThreadStaging
 
 from conftest import write_safetensors

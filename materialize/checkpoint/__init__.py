@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from ..errors import CheckpointError, CheckpointNotFoundError, StateDictKeyError, UnsupportedFormatError
-from ..io.fileio import read_head
-from ..io.gcpause import gc_paused
+from ..sources.fileio import read_head
+from ..gcpause import gc_paused
 from .base import DCP_DATA_SUFFIX, DCP_METADATA_NAME, Checkpoint, TensorInfo
 from .confine import allowed_roots, confine
 from .index import SAFETENSORS_INDEX_NAME, read_sharded

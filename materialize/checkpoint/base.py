@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..io.fileio import FileSet
+from ..sources.fileio import FileSet
 
 if TYPE_CHECKING:  # reading headers must not import torch: `materialize inspect` stays fast
     import torch
@@ -106,24 +106,35 @@ class TensorInfo:
         return self.nbytes if self.stride is None else (self.span_nbytes or 0)
 
 
-def make_info(
-    name: str, dtype_name: str, itemsize: int, shape: tuple[int, ...], path: Path, offset: int,
-    stride: Optional[tuple[int, ...]] = None, span_nbytes: Optional[int] = None, storage: Optional[int] = None,
-    numel: Optional[int] = None,
-) -> TensorInfo:
-    """A :class:`TensorInfo`, made without the frozen dataclass's ``__init__`` (an attribute set at a time).
+def make_info(name: str, dtype_name: str, itemsize: int, shape: tuple[int, ...], path: Path, offset: int,
+              storage: Optional[int] = None, numel: Optional[int] = None) -> TensorInfo:
+    """A contiguous tensor's :class:`TensorInfo`, made without the frozen dataclass's ``__init__`` (an attribute
+    set at a time).
 
-    Equal to ``TensorInfo(...)`` with the same fields (``view_shape``
-    keeps its default), about 5x faster: a header of tens of thousands of
-    tensors notices. ``numel``, where the reader counted it already, is
-    kept as :attr:`TensorInfo.numel` (it must be the shape's product).
+    Equal to ``TensorInfo(...)`` with the same fields (``stride``,
+    ``span_nbytes`` and ``view_shape`` keep their defaults), about 5x
+    faster: a header of tens of thousands of tensors notices. ``numel``,
+    where the reader counted it already, is kept as
+    :attr:`TensorInfo.numel` (it must be the shape's product). A view of
+    other bytes of a tensor's file, strided or not, is :func:`view_of`'s.
     """
     info = object.__new__(TensorInfo)
     info.__dict__.update(name=name, dtype_name=dtype_name, itemsize=itemsize, shape=shape, path=path, offset=offset,
-                         stride=stride, span_nbytes=span_nbytes, storage=storage)
+                         stride=None, span_nbytes=None, storage=storage)
     if numel is not None:
         info.__dict__["numel"] = numel  # the cached property's slot: its first read costs a lock otherwise
     return info
+
+
+def view_of(info: TensorInfo, shape: tuple[int, ...], offset: int, stride: Optional[tuple[int, ...]] = None,
+            span_nbytes: Optional[int] = None, storage: Optional[int] = None) -> TensorInfo:
+    """``info``'s tensor (its name, dtype and file) as other bytes of its file: ``shape`` from ``offset``,
+    strided as ``stride`` says across ``span_nbytes`` (``None``: contiguous), made as :func:`make_info` makes
+    an info (a shard's box of each of a model's tensors, a read cut into blocks: one each)."""
+    view = object.__new__(TensorInfo)
+    view.__dict__.update(name=info.name, dtype_name=info.dtype_name, itemsize=info.itemsize, shape=shape,
+                         path=info.path, offset=offset, stride=stride, span_nbytes=span_nbytes, storage=storage)
+    return view
 
 
 def shape_fits_int64(shape: list) -> bool:

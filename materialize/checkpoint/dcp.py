@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError
-from ..io.fileio import file_size_of
+from ..sources.fileio import file_size_of
 from .base import DCP_METADATA_NAME
 from .base import TensorInfo, shape_fits_int64
 from .pickle_budget import check_budget

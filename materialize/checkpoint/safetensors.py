@@ -13,7 +13,7 @@ import struct
 from pathlib import Path
 
 from ..errors import CheckpointError
-from ..io.fileio import Positional
+from ..sources.fileio import Positional
 from .base import TensorInfo, make_info
 
 # The format's own reference reader caps headers at 100 MB; a larger length

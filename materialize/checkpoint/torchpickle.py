@@ -610,18 +610,13 @@ def tensor_info(
         raise fail(f"view of bytes [{start}, {start + span}) lies outside its {ref.nbytes}-byte storage")
     if not numel and start > ref.nbytes:  # and is said to start where its storage ends, not past the file
         start = ref.nbytes
-    return make_info(
-        name=name,
-        dtype_name=_DTYPE_NAMES.get(tensor.dtype) or str(tensor.dtype).removeprefix("torch."),
-        itemsize=itemsize,
-        shape=shape,
-        path=path,
-        offset=record_offset + start,
-        stride=None if contiguous else stride,
-        span_nbytes=None if contiguous else span,
-        storage=record_offset,
-        numel=numel,
-    )
+    dtype_name = _DTYPE_NAMES.get(tensor.dtype) or str(tensor.dtype).removeprefix("torch.")
+    if contiguous:
+        return make_info(name, dtype_name, itemsize, shape, path, record_offset + start, storage=record_offset,
+                         numel=numel)
+    # A strided view (a transposed save) is rare among the tensors this path reads: the dataclass's own __init__
+    return TensorInfo(name, dtype_name, itemsize, shape, path, record_offset + start, stride=stride, span_nbytes=span,
+                      storage=record_offset)
 
 
 def tensor_infos(path: Path, tensors: dict[str, Any], refs: dict[int, StorageRef], records: dict[str, tuple[int, int]],

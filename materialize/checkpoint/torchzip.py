@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterator, NamedTuple, Optional, Sequence
 
 from ..errors import CheckpointError, UnsupportedFormatError, first_line
-from ..io.fileio import file_size_of, remote_pread
-from ..io.readahead import ReadAhead, read_ahead_if_uncached
+from ..sources.fileio import file_size_of, remote_pread
+from ..sources.readahead import ReadAhead, read_ahead_if_uncached
 from ..sources.remotepath import is_remote
 from .base import TensorInfo
 from .payload import Payload
@@ -196,7 +196,7 @@ def _local_headers(offsets: Sequence[int], lengths: Sequence[int], pread: Callab
     so records, not one each; a run is read only when its first span is asked for.
     Where the file open as ``descriptor`` is not in the page cache, the
     headers are asked of the kernel ahead of their reads
-    (:mod:`materialize.io.readahead`): cold, one read at a time waits for the
+    (:mod:`materialize.sources.readahead`): cold, one read at a time waits for the
     disk 100,000 times in turn.
     """
     if not offsets:

@@ -47,7 +47,7 @@ from typing import Any, Optional
 import torch
 
 from ..checkpoint import TensorInfo
-from ..checkpoint.base import contiguous_strides, make_info
+from ..checkpoint.base import contiguous_strides, view_of
 from ..errors import ShardingError
 from ..checkpoint.pieces import Piece, Stacked
 
@@ -444,7 +444,7 @@ def _with(info: TensorInfo, shape: tuple[int, ...], offset: int, stride: Optiona
           span_nbytes: Optional[int]) -> TensorInfo:
     """``info`` as a view of other bytes of its file (its storage no longer whole)."""
     if type(info) is TensorInfo:  # made without the frozen dataclass's __init__: one for each of a model's tensors
-        return make_info(info.name, info.dtype_name, info.itemsize, shape, info.path, offset, stride, span_nbytes)
+        return view_of(info, shape, offset, stride, span_nbytes)
     return dataclasses.replace(info, shape=shape, offset=offset, stride=stride, span_nbytes=span_nbytes, storage=None)
 
 

@@ -32,12 +32,12 @@ from typing import Optional
 import torch
 
 from ..checkpoint import TensorInfo
-from ..checkpoint.base import contiguous_strides, make_info
+from ..checkpoint.base import contiguous_strides, view_of
 from ..checkpoint.pieces import Job, Stacked, piece_destination
 from ..dtypes import RangeCheck, check_cast_range
 from ..errors import AllocationError, CastOverflowError, CheckpointError
 from ..options import ProgressFn
-from .fileio import MAX_IOVECS, FileSet, Part, byte_view, memory_at
+from ..sources.fileio import MAX_IOVECS, FileSet, Part, byte_view, memory_at
 from .hostmem import prefault
 from .kernelthreads import set_this_threads_kernel_threads
 from ..sources.remotepath import is_remote
@@ -107,7 +107,7 @@ def stream(
 
     Unless ``allow_overflow``, a cast that would turn finite values into inf
     (fp32 to fp16 above 65504, say) raises :class:`CastOverflowError`.
-    ``files`` are read as given: :func:`materialize.io.fileio.reading` makes them direct reads.
+    ``files`` are read as given: :func:`materialize.sources.fileio.reading` makes them direct reads.
     """
     checked = None if allow_overflow else check_cast_range
     direct, cast, staged, strided = [], [], [], []
@@ -163,7 +163,7 @@ def flattened_if_same_dense_layout(job: Job) -> Job:
     info, dest = job.info, job.dest
     if not info.dense_strided or tuple(dest.shape) != info.shape or tuple(dest.stride()) != info.stride:
         return job
-    flat = make_info(info.name, info.dtype_name, info.itemsize, (info.numel,), info.path, info.offset, storage=info.storage)
+    flat = view_of(info, (info.numel,), info.offset, storage=info.storage)
     return Job(dest.as_strided((info.numel,), (1,)), flat)
 
 

@@ -30,7 +30,7 @@ from ..checkpoint import TensorInfo
 from ..checkpoint.pieces import Job
 from ..options import ProgressFn, ReadOptions
 from .engine import default_cast_threads, stream
-from .fileio import CountingFiles, FileSet, reading
+from ..sources.fileio import CountingFiles, FileSet, reading
 from .transfer import Staging, staging_for
 from .validate import check_bools
 from .zerocopy import FileMaps

@@ -55,12 +55,12 @@ from typing import Any, Optional
 import torch
 
 from ..checkpoint import TensorInfo
-from ..checkpoint.base import make_info
+from ..checkpoint.base import view_of
 from ..checkpoint.pieces import Job
 from ..errors import CheckpointAccessError, CheckpointError, MaterializeError
 from ..options import ProgressFn
 from .engine import flattened_if_same_dense_layout, pieces_of_stacks, strided_layout
-from .fileio import CountingFiles, FileSet, Part, byte_view, file_size_of
+from ..sources.fileio import CountingFiles, FileSet, Part, byte_view, file_size_of
 
 DEFAULT_BUDGET_BYTES = 64 * 1024 * 1024  # staging_bytes' own default
 Fill = Callable[[list[Job], FileSet, Optional[ProgressFn]], object]  # the engine's stream, as the executor runs it
@@ -205,8 +205,8 @@ def cut(job: Job, most: int) -> list[Job]:
         step = max(1, most // info.itemsize)
         flat = dest.view(-1)
         return [Job(flat[first:min(first + step, info.numel)],
-                    make_info(info.name, info.dtype_name, info.itemsize, (min(first + step, info.numel) - first,),
-                              info.path, info.offset + first * info.itemsize, storage=info.storage))
+                    view_of(info, (min(first + step, info.numel) - first,), info.offset + first * info.itemsize,
+                            storage=info.storage))
                 for first in range(0, info.numel, step)]
     layout = strided_layout(info)
     count = layout.shape[layout.outer] if layout.shape else 1
@@ -220,9 +220,8 @@ def cut(job: Job, most: int) -> list[Job]:
         shape = list(layout.shape)
         shape[layout.outer] = rows
         jobs.append(Job(whole.narrow(layout.outer, first, rows),
-                        make_info(info.name, info.dtype_name, info.itemsize, tuple(shape), info.path,
-                                  info.offset + first * layout.step * info.itemsize, stride=layout.strides,
-                                  span_nbytes=_span(layout, rows) * info.itemsize, storage=info.storage)))
+                        view_of(info, tuple(shape), info.offset + first * layout.step * info.itemsize,
+                                layout.strides, _span(layout, rows) * info.itemsize, info.storage)))
     return jobs
 
 

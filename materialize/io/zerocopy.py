@@ -33,7 +33,7 @@ import torch
 from ..errors import CheckpointError, MaterializeWarning
 
 from ..checkpoint import TensorInfo
-from .fileio import open_for_reading
+from ..sources.fileio import open_for_reading
 
 
 # Linux's flag (Python's mmap module names it from 3.13 on): no commit charge for the mapping.

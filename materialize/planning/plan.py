@@ -8,10 +8,8 @@ here first.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
-import re
 import sys
 import warnings
 from collections import Counter
@@ -25,7 +23,7 @@ from torch import nn
 from ..checkpoint import Checkpoint, TensorInfo
 from ..checkpoint.base import EXTRA_STATE
 from ..dtypes import dtype_name
-from ..options import InitFn, PlanOptions
+from ..options import DtypeRule, InitFn, PlanOptions, Tolerated
 from ..errors import (
     DeviceError,
     InitError,
@@ -49,47 +47,11 @@ from .shapehints import body_words, classifier_hint, classifier_modules, head_si
 from ..text import printable
 from ..integrations.sharded import ShardSpec, is_dtensor, refuse_unreadable_placements, shard_region, shard_spec
 from ..checkpoint.pieces import Stacked, pieces_of
-from .stacking import Chunks, Rearranged, StackSlot, Transposed, cut, deinterleave, rows_of, stack, transpose
+from ..checkpoint.targets import Chunks, Rearranged, StackSlot, Transposed
+from .stacking import cut, deinterleave, rows_of, stack, transpose
 
 # "code": the model's own load code makes the tensor from checkpoint values (torch's CustomState), once loaded.
 Action = Literal["load", "init", "keep", "code"]
-DtypeRule = Callable[[str, torch.dtype], torch.dtype]  # a model's own say: (name, the dtype it would get) -> its dtype
-
-
-@dataclass(frozen=True)
-class Tolerated:
-    """Differences a model declares expected: names it may miss (it initializes them) or may find and drop.
-
-    Regular expressions searched in model names (``missing``) and checkpoint
-    names (``unexpected``), as transformers' ``_keys_to_ignore_on_load_*``;
-    ``unexpected_tensor`` may also let an unexpected tensor go by what it is
-    (its model-side name and its shape and dtype), where a name alone would
-    let too much go.
-    """
-
-    missing: Optional[re.Pattern] = None
-    unexpected: Optional[re.Pattern] = None
-    unexpected_tensor: Optional[Callable[[str, TensorInfo], bool]] = None
-    # A checkpoint's value for a buffer the model computes (non-persistent) is
-    # set aside, not loaded: the model's own value stands, as transformers does.
-    computed_buffers_stand: bool = False
-
-    def also_unexpected(self, pattern: Optional[re.Pattern]) -> "Tolerated":
-        """These differences and the unexpected names ``pattern`` finds too (the caller's ``ignore_unexpected``)."""
-        if pattern is None:
-            return self
-        either = pattern if self.unexpected is None else re.compile(f"(?:{self.unexpected.pattern})|(?:{pattern.pattern})")
-        return dataclasses.replace(self, unexpected=either)
-
-    def lets_go(self, model_name: str, info: TensorInfo) -> bool:
-        """Whether the checkpoint tensor ``info``, mapped to ``model_name`` (not in the model), is expected."""
-        if self.lets_name_go(info.name):
-            return True
-        return self.unexpected_tensor is not None and self.unexpected_tensor(model_name, info)
-
-    def lets_name_go(self, checkpoint_name: str) -> bool:
-        """Whether an unexpected checkpoint entry is expected by its name alone."""
-        return self.unexpected is not None and bool(self.unexpected.search(checkpoint_name))
 
 
 class Owner(NamedTuple):
@@ -651,11 +613,12 @@ def make_plan(
     refuse_unreadable_placements(((name, tensor) for tensor, name, _, _ in groups), ckpt.path)  # all, not the first
     reinitialized_shapes: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
     entries = plan.entries
+    entry_of = _entry_maker(plan, ckpt, device, dtype, placement, tolerated)
     for tensor, name, owner, named in groups:
         if named is None:  # an untied tensor (nearly all of them): one unit, made without the loop's tuples
             info = to_ckpt.get(name)
             if info is None or not ignore_mismatched_sizes:
-                entries.append(_entry(plan, tensor, (name,), (owner,), info, ckpt, device, dtype, placement, tolerated))
+                entries.append(entry_of(tensor, (name,), (owner,), info))
                 continue
             units = [((name,), (owner,), info)]
         else:
@@ -665,7 +628,7 @@ def make_plan(
         for index, (names, owners, info) in enumerate(units):
             reinit = (info is not None and ignore_mismatched_sizes and not is_lazy(tensor)
                       and info.shape != tuple(tensor.shape))
-            entry = _entry(plan, tensor, names, owners, None if reinit else info, ckpt, device, dtype, placement, tolerated)
+            entry = entry_of(tensor, names, owners, None if reinit else info)
             if reinit:  # not missing: the checkpoint holds it, in another shape
                 plan.reinitialized.extend(names)
                 reinitialized_shapes.append((names[0], tuple(tensor.shape), info.shape))
@@ -786,52 +749,64 @@ def _bytes_key(info: TensorInfo) -> object:
     return (info.path, info.offset, info.shape, info.dtype_name, info.stride, info.view_shape)
 
 
-def _entry(
-    plan: Plan, tensor: torch.Tensor, names: tuple[str, ...], owners: Sequence[Owner], info: Optional[TensorInfo],
-    ckpt: Checkpoint, device: torch.device, dtype: Optional[torch.dtype],
+EntryOf = Callable[[torch.Tensor, tuple[str, ...], Sequence[Owner], Optional[TensorInfo]], Entry]
+
+
+def _entry_maker(
+    plan: Plan, ckpt: Checkpoint, device: torch.device, dtype: Optional[torch.dtype],
     placement: Optional[Callable[[str], Union[torch.device, str]]], tolerated: Optional[Tolerated],
-) -> Entry:
-    spec = shard_spec(tensor, names[0], ckpt.path, plan.shard_specs)
-    if info is not None and tolerated is not None and tolerated.computed_buffers_stand and \
-            not any(owner.persistent for owner in owners):
-        plan.ignored.extend(piece.info.name for piece in pieces_of(info))
-        info = None
-    if spec is not None and placement is not None:
-        raise ShardingError("is a DTensor, placed by its mesh: it cannot be placed by a device_map too",
-                            path=ckpt.path, tensor=names[0])
-    place = spec.device if spec is not None else placement(names[0]) if placement is not None else device
-    on_disk = place is not device and place == "disk"  # (a device compared with a string costs, a tensor each)
-    # A lazy module's tensor takes its shape from the checkpoint, as load_state_dict gives it one; without
-    # a checkpoint tensor it stays uninitialized, for the module to size at its first forward.
-    lazy = is_lazy(tensor)
-    shape = (info.shape if info is not None else ()) if lazy else tuple(tensor.shape)
-    if info is None:
-        # Entry's fields in order, none by keyword: a keyword costs as much as the rest of the call
-        entry = Entry(names, owners, tensor, "init" if tensor.device.type == "meta" else "keep", shape, tensor.dtype,
-                      torch.device("cpu") if on_disk else place, None, on_disk, spec)
-        if all(owner.persistent for owner in owners) and not _counter_older_saves_lack(owners):
-            plan.missing.extend(names)  # every name of a tie, as load_state_dict lists them
-    else:
-        info_dtype = info.dtype
-        floating = info_dtype.is_floating_point
-        # Cast where asked (floating tensors only), else the checkpoint's dtype
-        entry = Entry(names, owners, tensor, "load", shape, dtype if dtype is not None and floating else info_dtype,
-                      torch.device("cpu") if on_disk else place, info, on_disk, spec)
-        if info.shape != shape:
-            plan.mismatched.append((names[0], shape, info.shape))
-        elif spec is not None:
-            entry.source = shard_region(info, spec)
-        follows_checkpoint = tensor.is_meta or lazy or (plan.built_on_meta and not owners[0].is_parameter)
-        if dtype is None and floating and tensor.dtype.is_floating_point and (
-                spec is not None or not follows_checkpoint):
-            # A DTensor keeps the dtype it was sharded with: FSDP2 recorded it (its fp32 master
-            # weights, which a mixed-precision policy casts from), and so did the model's author.
-            # So does a real tensor, as load_state_dict keeps it: the model was made in that dtype.
-            # Not a buffer meta_init kept real in a model built on meta: the model is one dtype
-            # decision, and its parameters take the checkpoint's (batch-norm statistics beside bf16
-            # weights would fail the forward pass).
-            entry.dtype = tensor.dtype
-    return entry
+) -> EntryOf:
+    """The function that makes each unit's :class:`Entry` (a tensor, its names and owners, its source) for ``plan``.
+
+    What is the same for every tensor of a plan is bound once: a closure reads those names as fast as its
+    arguments, and a plan of a hundred thousand tensors passes four per call, not ten.
+    """
+
+    def entry_of(tensor: torch.Tensor, names: tuple[str, ...], owners: Sequence[Owner],
+                 info: Optional[TensorInfo]) -> Entry:
+        spec = shard_spec(tensor, names[0], ckpt.path, plan.shard_specs)
+        if info is not None and tolerated is not None and tolerated.computed_buffers_stand and \
+                not any(owner.persistent for owner in owners):
+            plan.ignored.extend(piece.info.name for piece in pieces_of(info))
+            info = None
+        if spec is not None and placement is not None:
+            raise ShardingError("is a DTensor, placed by its mesh: it cannot be placed by a device_map too",
+                                path=ckpt.path, tensor=names[0])
+        place = spec.device if spec is not None else placement(names[0]) if placement is not None else device
+        on_disk = place is not device and place == "disk"  # (a device compared with a string costs, a tensor each)
+        # A lazy module's tensor takes its shape from the checkpoint, as load_state_dict gives it one; without
+        # a checkpoint tensor it stays uninitialized, for the module to size at its first forward.
+        lazy = is_lazy(tensor)
+        shape = (info.shape if info is not None else ()) if lazy else tuple(tensor.shape)
+        if info is None:
+            # Entry's fields in order, none by keyword: a keyword costs as much as the rest of the call
+            entry = Entry(names, owners, tensor, "init" if tensor.device.type == "meta" else "keep", shape,
+                          tensor.dtype, torch.device("cpu") if on_disk else place, None, on_disk, spec)
+            if all(owner.persistent for owner in owners) and not _counter_older_saves_lack(owners):
+                plan.missing.extend(names)  # every name of a tie, as load_state_dict lists them
+        else:
+            info_dtype = info.dtype
+            floating = info_dtype.is_floating_point
+            # Cast where asked (floating tensors only), else the checkpoint's dtype
+            entry = Entry(names, owners, tensor, "load", shape, dtype if dtype is not None and floating else info_dtype,
+                          torch.device("cpu") if on_disk else place, info, on_disk, spec)
+            if info.shape != shape:
+                plan.mismatched.append((names[0], shape, info.shape))
+            elif spec is not None:
+                entry.source = shard_region(info, spec)
+            follows_checkpoint = tensor.is_meta or lazy or (plan.built_on_meta and not owners[0].is_parameter)
+            if dtype is None and floating and tensor.dtype.is_floating_point and (
+                    spec is not None or not follows_checkpoint):
+                # A DTensor keeps the dtype it was sharded with: FSDP2 recorded it (its fp32 master
+                # weights, which a mixed-precision policy casts from), and so did the model's author.
+                # So does a real tensor, as load_state_dict keeps it: the model was made in that dtype.
+                # Not a buffer meta_init kept real in a model built on meta: the model is one dtype
+                # decision, and its parameters take the checkpoint's (batch-norm statistics beside bf16
+                # weights would fail the forward pass).
+                entry.dtype = tensor.dtype
+        return entry
+
+    return entry_of
 
 
 def _counter_older_saves_lack(owners: Sequence[Owner]) -> bool:

@@ -22,60 +22,22 @@ where the model has several (``q_proj``, ``k_proj``, ``v_proj``). Each part
 along the first dimension is a contiguous run of the file, a tensor in its
 own right, so it is read, cast or mapped like any other. A key map marks such
 a checkpoint tensor by returning :class:`Chunks`; :func:`cut` gives the parts.
+
+What a key map returns (:class:`StackSlot`, :class:`Chunks`, :class:`Transposed`,
+:class:`Rearranged`) is defined in :mod:`materialize.checkpoint.targets`, below
+the planner, where the key maps of :mod:`materialize.integrations` make them
+too; this module turns them into sources.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Optional
 
 from ..checkpoint import TensorInfo
 from ..checkpoint.base import contiguous_strides
 from ..checkpoint.pieces import Piece, Stacked
+from ..checkpoint.targets import Chunks, Deinterleave, StackSlot, Transposed
 from ..errors import CheckpointError
-
-
-@dataclass(frozen=True)
-class StackSlot:
-    """Where a checkpoint tensor goes in a stacked model tensor.
-
-    ``index`` is its position along the stacked (first) dimension, the
-    expert number; ``group`` orders the tensors concatenated along the next
-    dimension within one position (gate before up). With ``new_dim=False``
-    nothing is stacked: the groups are concatenated along the first
-    dimension, and ``index`` is always 0. With ``along_rows``, tensors
-    already stacked (``[experts, inner, hidden]``) are concatenated along
-    their second dimension (Step-3.7's ``gate_proj`` and ``up_proj`` into
-    ``gate_up_proj``): each row along the first is stacked at its own
-    position, as if saved one tensor per expert (see :func:`rows_of`).
-    """
-
-    target: str
-    index: int
-    group: int
-    pattern: str = ""  # which checkpoint tensors this group holds, for messages: ".experts.*.w3.weight"
-    new_dim: bool = True
-    along_rows: bool = False  # concatenated along the second dimension: each first-dimension row is a position
-
-
-@dataclass(frozen=True)
-class Chunks:
-    """A checkpoint tensor cut along its first dimension into the model tensors ``targets``, in order.
-
-    ``rows`` gives each target's share; without it the parts are as
-    ``torch.chunk`` makes them (equal, the last one smaller if need be).
-    With ``rest_unread``, the shares may end before the tensor does and the
-    rows after them go nowhere: a vocabulary padded in the checkpoint beyond
-    the rows the model keeps (transformers' ``Inkling2UnpadVocab``), as
-    ``from_pretrained`` drops them.
-    """
-
-    targets: tuple[str, ...]
-    rows: Optional[tuple[int, ...]] = None
-    rest_unread: bool = False
-    rearrange: tuple[Optional["Deinterleave"], ...] = ()  # per target, applied to its part (a RoPE permutation)
-    interleaved: Optional["Deinterleave"] = None  # the whole tensor first: its two halves along that dim are the parts
 
 
 def rows_of(slot: StackSlot, info: TensorInfo) -> list[tuple[StackSlot, TensorInfo]]:
@@ -197,20 +159,6 @@ def _cut_rows(info: TensorInfo, chunks: Chunks) -> list[tuple[str, TensorInfo]]:
     return parts
 
 
-@dataclass(frozen=True)
-class Transposed:
-    """A checkpoint tensor that goes to ``target`` with dimensions ``dim0`` and ``dim1`` swapped.
-
-    With ``unless_shape``, a tensor already of that shape goes as it is
-    (transformers' ``Transpose(check_dims=True)``: checkpoints of both layouts exist).
-    """
-
-    target: str
-    dim0: int
-    dim1: int
-    unless_shape: Optional[tuple[int, ...]] = None
-
-
 def transpose(info: TensorInfo, swap: Transposed) -> TensorInfo:
     """``info`` seen with two dimensions swapped: a strided view of the same bytes; raises naming ``info``."""
     if swap.unless_shape is not None and info.shape == swap.unless_shape:
@@ -229,32 +177,6 @@ def transpose(info: TensorInfo, swap: Transposed) -> TensorInfo:
     if first == second or info.numel <= 1:
         return dataclasses.replace(info, shape=tuple(shape))
     return dataclasses.replace(info, shape=tuple(shape), stride=tuple(strides), span_nbytes=info.nbytes)
-
-
-@dataclass(frozen=True)
-class Deinterleave:
-    """Pairs interleaved along ``dim`` gathered into two halves, within each of ``groups`` equal blocks.
-
-    transformers' ``Interleave(dim)`` (one block) and ``PermuteForRope`` (a
-    block per attention head: rotary pairs to the rotate-half layout); with
-    ``inverse``, halves interleaved into pairs. Tensors of a rank outside
-    ``ranks`` (when given) are left as they are, as ``PermuteForRope`` leaves
-    them. The result is the checkpoint's bytes seen under another shape, a
-    strided view read like a transposed tensor (see :func:`deinterleave`).
-    """
-
-    dim: int = 0
-    groups: int = 1
-    inverse: bool = False
-    ranks: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class Rearranged:
-    """A checkpoint tensor that goes to ``target`` with its elements moved as ``how`` says."""
-
-    target: str
-    how: Deinterleave
 
 
 def _pairs(info: TensorInfo, how: Deinterleave, verb: str) -> tuple[int, int, int]:

@@ -72,7 +72,7 @@ from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ..errors import MetaInitError, ReplayError
-from ..io.gcpause import gc_paused
+from ..gcpause import gc_paused
 from .program import DEFAULT_GENERATOR, GeneratorRef, Program, Ref, SetGenerator, Step, TargetDevice
 from .replaying import values_of
 from .meta import MOVES, on_meta, stay_on_meta

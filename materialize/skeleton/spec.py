@@ -193,7 +193,7 @@ def build(spec: ModelSpec, **kwargs: Any) -> nn.Module:
         if looks_like_repo_id(spec) and not os.fspath(spec).endswith(".toml"):
             spec = resolve(spec)
     if not callable(spec) and Path(os.fspath(spec)).is_dir():
-        from ..integrations.hf import build_hf, is_hf_folder
+        from .hfbuild import build_hf, is_hf_folder
 
         if not is_hf_folder(Path(os.fspath(spec))):
             raise ModelSpecError("is a folder without config.json: not a model spec", path=spec)

@@ -1,6 +1,8 @@
 """Where checkpoint bytes come from, below every reader: local files, or objects behind a URL.
 
-A URL becomes a :class:`~.remotepath.RemotePath` over a store (one per
+A local file is read by :mod:`.fileio` (positional reads straight into
+tensor memory, one descriptor per file), its scattered small reads asked of
+the kernel ahead by :mod:`.readahead`. A URL becomes a :class:`~.remotepath.RemotePath` over a store (one per
 scheme: ``http(s)://`` in :mod:`.httpstore`, ``s3://`` in :mod:`.s3`,
 ``gs://`` in :mod:`.gcs`, ``az://`` in :mod:`.azure`, the hub's files
 through an ``HttpStore`` made in :mod:`materialize.integrations.hub`), and

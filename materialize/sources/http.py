@@ -432,12 +432,27 @@ class Transport:
             headers["If-Unmodified-Since"] = etag.last_modified
         first = origin
         with self._watchdog.watching() as watch:
-            self._get_watched(url, headers, first, watch, start, end, views, want, size=size, etag=etag, name=name,
-                              tensor=tensor)
+            response, connection, where, url = self._send_following_redirects(url, headers, watch, name=name,
+                                                                              tensor=tensor)
+            if url != first:
+                with self._lock:
+                    self._redirects[first] = url  # a hub resolve URL's CDN target: asked once, reused
+            try:
+                self._check_answer(response, start, end, size=size, etag=etag, name=name, tensor=tensor, first=first)
+                _Body(response, connection, self.options.timeout, watch).receive(views, want)
+            except BaseException:
+                connection.close()
+                raise
+            if response.status == 200 or watch.cut:
+                connection.close()  # the rest of a whole-object answer is not wanted (or the watchdog shut it)
+            else:
+                self._finish(response, connection, where)
 
-    def _get_watched(self, url: str, headers: dict[str, str], first: str, watch: _Watch, start: int, end: int,
-                     views: list[memoryview], want: int, *, size: int, etag: "_Version", name: str,
-                     tensor: Optional[str]) -> None:
+    def _send_following_redirects(
+        self, url: str, headers: dict[str, str], watch: _Watch, *, name: str, tensor: Optional[str],
+    ) -> tuple[http.client.HTTPResponse, http.client.HTTPConnection, tuple[str, str, int], str]:
+        """A GET of ``url`` sent, redirects followed, and the answer's headers received under ``watch``;
+        -> (response, connection, where, the URL that answered)."""
         for _ in range(MAX_REDIRECTS + 1):
             try:
                 response, connection, where = self._send("GET", url, headers, watch)
@@ -445,30 +460,15 @@ class Transport:
                 if not watch.cut:
                     _refuse_if_lasting(exc, url, name=name)
                 raise _Retryable(watch.why(exc)) from None
-            status = response.status
-            if status in REDIRECT_STATUS and response.getheader("Location"):
+            if response.status in REDIRECT_STATUS and response.getheader("Location"):
                 nxt = urljoin(url, response.getheader("Location"))
                 _drain(response)
                 self._finish(response, connection, where)
                 headers = _headers_for(nxt, url, headers)
                 url = nxt
                 continue
-            break
-        else:
-            raise CheckpointError(f"more than {MAX_REDIRECTS} redirects", path=name, tensor=tensor)
-        if url != first:
-            with self._lock:
-                self._redirects[first] = url  # a hub resolve URL's CDN target: asked once, reused
-        try:
-            self._check_answer(response, start, end, size=size, etag=etag, name=name, tensor=tensor, first=first)
-            _Body(response, connection, self.options.timeout, watch).receive(views, want)
-        except BaseException:
-            connection.close()
-            raise
-        if status == 200 or watch.cut:
-            connection.close()  # the rest of a whole-object answer is not wanted (or the watchdog shut it)
-        else:
-            self._finish(response, connection, where)
+            return response, connection, where, url
+        raise CheckpointError(f"more than {MAX_REDIRECTS} redirects", path=name, tensor=tensor)
 
     def _check_answer(self, response: http.client.HTTPResponse, start: int, end: int, *, size: int,
                       etag: "_Version", name: str, tensor: Optional[str], first: str) -> None:

@@ -6,7 +6,7 @@ size, some bytes at an offset, and a file object for the zip and pickle
 readers. :class:`RemotePath` answers each from a :class:`Store` (HTTP, S3,
 the hub), so every format a local load reads is read from a URL by the same
 code, and a new kind of storage is one more ``Store``. Tensor bytes do not
-come through here: :class:`~materialize.io.fileio.FileSet` hands a remote
+come through here: :class:`~materialize.sources.fileio.FileSet` hands a remote
 path's reads to its store, which writes them straight into the destination.
 """
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Union
 
 from ..errors import CheckpointAccessError, CheckpointError, CheckpointNotFoundError
-from ..sources.remotepath import RemotePath, is_remote
+from .remotepath import RemotePath, is_remote
 
 if TYPE_CHECKING:
     import torch

@@ -1,6 +1,6 @@
 # Two entry points, each self-sufficient on a fresh machine:
 #   make demo   build the demo checkpoint once, then materialize it with the CLI
-#   make test   run the test suite
+#   make test   run the test suite's quick tier (make test-all: both tiers; docs/testing.md)
 #   make docs-api  rewrite docs/api.md, the API reference, from the docstrings (tools/apiref.py)
 #   make bench  compare loaders on a 1.9 GB checkpoint (bench/results/)
 #   make bench-strided  experts saved transposed or interleaved, 1 GB
@@ -55,7 +55,7 @@ FUZZ_INPUT_SECONDS_PER_MB ?= 4
 FUZZ_INPUT_MEMORY_MB_PER_MB ?= 64
 FUZZ_TARGETS ?=
 
-.PHONY: demo test docs-api bench bench-strided bench-dcp bench-deferred bench-sharded bench-many bench-remote zoo fuzz venv clean lock test-latest test-oldest
+.PHONY: demo test test-all test-long test-long-slice docs-api bench bench-strided bench-dcp bench-deferred bench-sharded bench-many bench-remote zoo fuzz venv clean lock test-latest test-oldest
 
 # A fresh venv each time an input changes, so nothing of an earlier lock stays behind. The editable install
 # is built without isolation, by the locked setuptools, so no build step fetches a floating one.
@@ -74,8 +74,29 @@ demo: $(STAMP)
 	$(PY) -m bench.writer configs/demo.toml $(DEMO_DIR)
 	$(VENV)/bin/materialize $(DEMO_DIR) --model configs/demo.toml
 
+# The suite's tiers (docs/testing.md, tests/tiers.py): make test the quick tier, make test-all both, make test-long the
+# long tier (SLICE=K/N: the K-th of N slices of it, as CI runs one). Every core runs tests (TEST_WORKERS=0: one process).
+# Each run writes its times to data/test-times.xml (python -m tools.testtimes data/test-times.xml: the table by kind).
+TEST_WORKERS ?= auto
+LONG_SLICES ?= 4
+PYTEST = mkdir -p data && MATERIALIZE_LOCK=$(LOCK) $(PY) -m pytest -q -n $(TEST_WORKERS) --durations=40 \
+	--junitxml=data/test-times.xml
+
 test: $(STAMP)
-	MATERIALIZE_LOCK=$(LOCK) $(PY) -m pytest -q --durations=40
+	$(PYTEST) -m "not long"
+
+test-all: $(STAMP)
+	$(PYTEST)
+
+# pytest's exit 5 (no test selected: a slice can hold none) is a pass here
+test-long: $(STAMP)
+	$(PYTEST) -m long $(if $(SLICE),--slice $(SLICE)); status=$$?; [ $$status -eq 5 ] || exit $$status
+
+# CI's slice of the long tier: chosen by the commit, so every long test runs within LONG_SLICES submissions
+test-long-slice: $(STAMP)
+	@slice=$$(( 0x$$(git rev-parse --short=8 HEAD) % $(LONG_SLICES) ))/$(LONG_SLICES); \
+	echo "Long tier: slice $$slice for commit $$(git rev-parse --short=8 HEAD) (make test-long SLICE=$$slice runs it again)"; \
+	$(MAKE) --no-print-directory test-long SLICE=$$slice
 
 # Resolved in a throwaway venv from the requirement files alone, then frozen: pip itself is the venv's own.
 lock:

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from bench.models.transformer import DecoderLM
+from tests.tiers import pytest_addoption, pytest_collection_modifyitems, pytest_configure  # noqa: F401 (the tiers' hooks)
 
 # The stand-in servers listen on 127.0.0.1, and streaming goes through the proxy the environment names: a
 # proxy of the machine running the tests (set for its package downloads) must not carry them off. The proxy

@@ -110,6 +110,7 @@ def test_the_sharded_bench_runs_every_method_on_two_ranks_and_verifies_them(tmp_
     assert "| ours: every rank reads its own rows |" in (out / "bench-sharded.md").read_text()
 
 
+@pytest.mark.long  # the sharded bench on more ranks and another layout than the two-rank test above
 def test_the_sharded_bench_loads_torchtitans_2d_layout_on_four_ranks_by_every_method_and_verifies_them(tmp_path):
     out = _run_on_the_tiny_config("bench.sharded", tmp_path, "--layout", "2d")
 
@@ -124,6 +125,7 @@ def test_the_sharded_bench_loads_torchtitans_2d_layout_on_four_ranks_by_every_me
     assert not (tmp_path / "results" / "bench-sharded.json").exists()  # the 1-D table is its own run
 
 
+@pytest.mark.long  # the sharded bench on four ranks, replicas: a larger case of the two-rank test above
 def test_the_sharded_bench_loads_four_replicas_by_every_method_and_counts_the_bytes_from_storage(tmp_path):
     out = _run_on_the_tiny_config("bench.sharded", tmp_path, "--layout", "replicas")
 
@@ -137,6 +139,7 @@ def test_the_sharded_bench_loads_four_replicas_by_every_method_and_counts_the_by
     assert "| storage GB |" in (out / "bench-sharded-replicas.md").read_text()
 
 
+@pytest.mark.long  # the replicas bench again, its bytes from S3 (group reads from a URL: test_group_loads)
 def test_the_sharded_bench_reads_four_replicas_from_a_loopback_s3_server_once_with_a_group(tmp_path):
     pytest.importorskip("moto")
     out = _run_on_the_tiny_config("bench.sharded", tmp_path, "--layout", "replicas", "--source", "s3")
@@ -162,6 +165,26 @@ def test_the_deferred_bench_times_the_recording_and_eager_construction_of_the_mo
     assert "recorded / eager" in (out / "bench-deferred-zoo.md").read_text()
 
 
+def test_the_many_tensors_bench_verifies_every_method_of_one_form_and_times_each_phase(tmp_path):
+    """The quick tier's run of the many-tensors bench: one group (one safetensors file), every method of it
+    verified and each phase timed; the test below runs every group."""
+    out = tmp_path / "results"
+
+    subprocess.run([sys.executable, "-m", "bench.many", "--tensors", "300", "--hidden", "16", "--intermediate", "8",
+                    "--runs", "1", "--no-warm-up", "--groups", "single", "--data", str(tmp_path / "data"),
+                    "--out", str(out)], cwd=ROOT, check=True, capture_output=True, text=True)
+
+    groups = json.loads((out / "bench-many.json").read_text())["results"]
+    assert set(groups) == {"single"}
+    rows = groups["single"]
+    assert all(row["verified"] for row in rows.values()), rows
+    assert set(rows["ours, meta_init model"]["phases"]) == {"open", "plan", "allocate", "read", "report"}
+    assert rows["ours, deferred_init model"]["build_s"] > 0
+    assert set(rows["floor: a bare Python loader, no checks (bench/floor.py)"]["phases"]) == {"open", "plan", "allocate",
+                                                                                              "read"}
+
+
+@pytest.mark.long  # every group of the bench above (FSDP2 ranks, cold files, the baseline's library in turns): minutes
 def test_the_many_tensors_bench_verifies_every_method_of_every_form_and_times_each_phase(tmp_path):
     out = tmp_path / "results"
 

@@ -57,8 +57,23 @@ def test_every_case_fails_cleanly_in_the_library(corpus):
     assert failures == []
 
 
+def test_every_kind_of_refusal_fails_cleanly_in_the_cli(corpus):
+    """The quick tier's CLI run of the corpus: one case of each error class, each in a process of its own."""
+    root, cases = corpus
+    first_of_each = list({case.error: case for case in reversed(cases)}.values())
+    assert len(first_of_each) >= 5  # the classes the corpus refuses with: a sample of one would check little
+    assert _cli_failures(root, first_of_each) == []
+
+
+@pytest.mark.long  # every case of the corpus through the CLI, a process each; the library test above runs them all
 def test_every_case_fails_cleanly_in_the_cli(corpus):
     root, cases = corpus
+    assert _cli_failures(root, cases) == []
+
+
+def _cli_failures(root: Path, cases: list[Case]) -> list[str]:
+    """How each case's CLI run failed to fail cleanly: exit 1, one Error line naming the file, nothing on stdout,
+    no code run."""
 
     def run(case: Case) -> str:
         target = root / case.name / case.target
@@ -78,6 +93,4 @@ def test_every_case_fails_cleanly_in_the_cli(corpus):
         return f"{case.name}: {', '.join(problems)}" if problems else ""
 
     with ThreadPoolExecutor(max_workers=4) as pool:
-        failures = [line for line in pool.map(run, cases) if line]
-
-    assert failures == []
+        return [line for line in pool.map(run, cases) if line]

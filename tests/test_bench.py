@@ -28,6 +28,25 @@ shard_size = "100KB"
 """
 
 
+def test_bench_measures_and_verifies_ours_and_the_limit_on_the_tiny_config(tmp_path):
+    """The quick tier's run of the main bench: our load of each file form and one limit, verified, with the forward
+    pass; the test below runs every method."""
+    config = tmp_path / "bench-tiny.toml"
+    config.write_text(TINY_CONFIG)
+    out = tmp_path / "results"
+
+    subprocess.run([sys.executable, "-m", "bench.run", "--config", str(config), "--data", str(tmp_path / "data"),
+                    "--runs", "1", "--only", "ours,limit", "--out", str(out)],
+                   cwd=ROOT, check=True, capture_output=True, text=True)
+
+    rows = json.loads((out / "bench-tiny.json").read_text())["results"]
+    assert {"ours, sharded safetensors", "ours, torch zip", "limit: all cores, fresh memory, sharded (cold)"} <= set(rows)
+    for key, row in rows.items():
+        assert "error" not in row and row["verified"], (key, row)
+        assert row["forward_ok"] or not row["case"]["method"].startswith("ours"), key
+
+
+@pytest.mark.long  # every method of the main bench; the test above runs ours and the limit
 def test_bench_measures_and_verifies_every_selected_method(tmp_path):
     config = tmp_path / "bench-tiny.toml"
     config.write_text(TINY_CONFIG)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -106,7 +107,8 @@ def test_a_model_loads_through_direct_reads(tmp_path, small_bounce, opened_direc
         assert torch.equal(model.state_dict()[name], value), name
 
 
-def test_a_file_system_that_refuses_o_direct_is_read_the_ordinary_way(tmp_path, monkeypatch, opened_direct):
+def test_a_file_system_that_refuses_o_direct_is_read_the_ordinary_way_and_says_so_once(tmp_path, monkeypatch,
+                                                                                      opened_direct, caplog):
     real_open = os.open
 
     def refusing_open(path, flags, *args):
@@ -117,12 +119,17 @@ def test_a_file_system_that_refuses_o_direct_is_read_the_ordinary_way(tmp_path, 
     monkeypatch.setattr(os, "open", refusing_open)
     state = odd_state()
     path = write_safetensors(state, tmp_path / "m.safetensors")
+    caplog.set_level(logging.INFO, logger="materialize")
 
     tensors, _ = mz.load_tensors(path, direct_io=True)
 
     assert opened_direct and all(fd == -1 for fd in opened_direct)
     for name, value in state.items():
         assert torch.equal(tensors[name], value), name
+    # the fallback is logged, once for the file however many tensors it reads
+    [said] = [record for record in caplog.records if record.name == "materialize.sources.fileio"]
+    assert said.getMessage() == (f"{path}: direct_io falls back to ordinary reads (through the page cache): its "
+                                 "file system refuses O_DIRECT (Invalid argument)")
 
 
 def test_a_file_truncated_under_a_direct_read_names_the_tensor(tmp_path, small_bounce):

@@ -89,6 +89,7 @@ def test_four_ranks_share_reads_of_a_replicated_model_hsdp_and_the_2d_layout(fol
         assert rank["tp_fsdp"]["losses"][0] == rank["tp_fsdp"]["losses"][1]
 
 
+@pytest.mark.long  # group reads on a 3-D mesh of eight ranks; on four (HSDP, 2-D): the test above
 def test_eight_ranks_on_a_2x2x2_mesh_read_each_byte_once(folder, tmp_path):
     ranks = run_ranks("mesh3d,replicated", folder, tmp_path / "run", world=8, worker=WORKER)
 

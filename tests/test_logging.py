@@ -7,7 +7,6 @@ The library's records are read with pytest's ``caplog``; the CLI's lines with cl
 from __future__ import annotations
 
 import logging
-import os
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -133,26 +132,6 @@ def test_a_rename_no_key_map_asked_for_is_said(tmp_path, caplog):
 
     said = [r.getMessage() for r in records(caplog, "materialize.loading")]
     assert said == [f"{path}: checkpoint names renamed to the model's, no key_map given: strip 'module.'"]
-
-
-def test_direct_io_falling_back_to_ordinary_reads_is_said_once_a_file(tmp_path, monkeypatch, caplog):
-    real_open = os.open
-
-    def refusing_open(path, flags, *args):
-        if flags & os.O_DIRECT:
-            raise OSError(22, "Invalid argument")
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(os, "open", refusing_open)
-    path = tmp_path / "m.safetensors"
-    save_file({f"w{i}": torch.randn(100) for i in range(5)}, str(path))
-    caplog.set_level(logging.INFO, logger="materialize")
-
-    mz.load_tensors(path, direct_io=True)
-
-    [record] = records(caplog, "materialize.sources.fileio")
-    assert record.getMessage() == (f"{path}: direct_io falls back to ordinary reads (through the page cache): its "
-                                   "file system refuses O_DIRECT (Invalid argument)")
 
 
 # ---------------------------------------------------------------- the CLI's -v

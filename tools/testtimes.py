@@ -66,7 +66,7 @@ def main(argv: list[str]) -> None:
     cases = read(args.report)
     key = (lambda test_id: test_id.split("::")[0].rsplit(".", 1)[-1]) if args.files else kind_of
     rows = table(cases, key)
-    print("| kind | tests | minutes |\n|---|---:|---:|")
+    print(f"| {'file' if args.files else 'kind'} | tests | minutes |\n|---|---:|---:|")
     for group, count, minutes in rows:
         print(f"| {group} | {count:,} | {minutes:.1f} |")
     print(f"| all | {sum(r[1] for r in rows):,} | {sum(r[2] for r in rows):.1f} |")

@@ -76,11 +76,12 @@ demo: $(STAMP)
 
 # The suite's tiers (docs/testing.md, tests/tiers.py): make test the quick tier, make test-all both, make test-long the
 # long tier (SLICE=K/N: the K-th of N slices of it, as CI runs one). Every core runs tests (TEST_WORKERS=0: one process).
-# Each run writes its times to data/test-times.xml (python -m tools.testtimes data/test-times.xml: the table by kind).
+# Each run writes its times to data/test-times-TARGET.xml (python -m tools.testtimes data/test-times-test.xml: the
+# table by kind).
 TEST_WORKERS ?= auto
 LONG_SLICES ?= 4
 PYTEST = mkdir -p data && MATERIALIZE_LOCK=$(LOCK) $(PY) -m pytest -q -n $(TEST_WORKERS) --durations=40 \
-	--junitxml=data/test-times.xml
+	--junitxml=data/test-times-$@.xml
 
 test: $(STAMP)
 	$(PYTEST) -m "not long"

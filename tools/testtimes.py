@@ -1,7 +1,7 @@
 """The suite's time by kind of test, from a JUnit XML report: the table of docs/testing.md.
 
-    python -m pytest -q --junitxml=times.xml ...      # make test and make test-all write one: data/test-times.xml
-    python -m tools.testtimes data/test-times.xml [--files] [--slowest 30]
+    python -m pytest -q --junitxml=times.xml ...      # each make test* writes one: data/test-times-test.xml, ...
+    python -m tools.testtimes data/test-times-test.xml [--files] [--slowest 30]
 
 A kind is what a test spends its time on (a benchmark's own run, torchrun's ranks, a CLI process, a server
 on 127.0.0.1, ...), named by the test file's kind in :data:`KINDS`; a file not listed there is "in process".

@@ -77,7 +77,8 @@ demo: $(STAMP)
 # The suite's tiers (docs/testing.md, tests/tiers.py): make test the quick tier, make test-all both, make test-long the
 # long tier (SLICE=K/N: the K-th of N slices of it, as CI runs one). Every core runs tests (TEST_WORKERS=0: one process).
 # Each run writes its times to data/test-times-TARGET.xml (python -m tools.testtimes data/test-times-test.xml: the
-# table by kind).
+# table by kind). The quick tier forks its CLI and rank processes from one that imported torch (tests/preforked.py);
+# make test-all runs every process as a real one (PREFORKED=0), the way a user's shell starts it.
 TEST_WORKERS ?= auto
 LONG_SLICES ?= 4
 PYTEST = mkdir -p data && MATERIALIZE_LOCK=$(LOCK) $(PY) -m pytest -q -n $(TEST_WORKERS) --durations=40 \
@@ -87,7 +88,7 @@ test: $(STAMP)
 	$(PYTEST) -m "not long"
 
 test-all: $(STAMP)
-	$(PYTEST)
+	PREFORKED=0 $(PYTEST)
 
 # pytest's exit 5 (no test selected: a slice can hold none) is a pass here
 test-long: $(STAMP)

@@ -4,7 +4,8 @@
 1.9 GB of bf16) once with ``dcp.save`` under ``data/bench/<config>/dcp``, as a
 single-process training save writes it (the model's state nested under
 ``model``, beside an optimizer entry). Then, each run a fresh process, page
-cache warm, the methods taking turns, median of ``--runs`` after a warm-up:
+cache warm, the methods taking turns, median of ``--runs`` after a warm-up
+(none with ``--no-warm-up``, for a quick check):
 
 - ours: ``mz.load`` into the skeleton built on meta;
 - torch DCP: the skeleton on meta, ``to_empty``, then ``dcp.load`` into its
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 
 from bench.fixtures import crc, ensure
-from bench.turns import take_turns, write_table
+from bench.turns import after, take_turns, write_table
 
 RESULTS = Path(__file__).parent / "results"
 METHODS = {
@@ -100,6 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", default="configs/bench-llama-1b.toml")
     parser.add_argument("--data", default="data/bench")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--no-warm-up", action="store_true",
+                        help="no discarded first run of each method (for a quick check)")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -114,14 +117,14 @@ def main(argv: list[str] | None = None) -> None:
                               cwd=Path(__file__).parent.parent)
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    results = take_turns(METHODS, run, args.runs)
+    results = take_turns(METHODS, run, args.runs, warm_up=not args.no_warm_up)
     ours: dict[bool, str] = {}  # the first row of each group (same dtype, cast) is ours
     for label in METHODS:
         ours.setdefault("fp32" in label, label)
     write_table(Path(args.out), "bench-dcp",
                 f"{expected['nbytes'] / 1e9:.2f} GB of bf16 weights saved with dcp.save ({Path(args.config).stem}); "
-                f"median of {args.runs} runs after a warm-up, methods taking turns, each run a fresh process, page "
-                "cache warm. Load s includes building the skeleton on meta.",
+                f"median of {args.runs} runs {after(args.no_warm_up)}, methods taking turns, each run a fresh process, "
+                "page cache warm. Load s includes building the skeleton on meta.",
                 results, lambda label: ours["fp32" in label], "x ours (same group)", {"nbytes": expected["nbytes"]})
 
 if __name__ == "__main__":

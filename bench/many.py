@@ -6,8 +6,8 @@ expert three bf16 projections of 128 x 96, 24 KB; a router and two norms a layer
 DeepSeek-V3's hub files name theirs (``bench/models/moe.py``), in three forms: one safetensors file, a
 sharded safetensors folder with its index, and a torch zip (``torch.save`` of the state dict). Then it
 loads it into the model built on meta, each load a fresh process, page cache warm (every file evicted and
-read back once first, as ``bench.run`` does), the methods of a group taking turns after a warm-up, median
-of ``--runs``:
+read back once first, as ``bench.run`` does), the methods of a group taking turns after a warm-up (none with
+``--no-warm-up``, for a quick check), median of ``--runs``:
 
 - ours: ``mz.load`` into the model built under ``mz.meta_init``, and into the model made from scratch by
   ``mz.deferred_init`` (its recording: the build column; the load replays nothing, every tensor is in the
@@ -84,7 +84,7 @@ import torch
 
 from bench.checksum import crc
 from bench.models.moe import MoELM, shape_for, tensor_count
-from bench.turns import take_turns
+from bench.turns import after, take_turns
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).parent.parent
@@ -468,12 +468,14 @@ def rank_main(method: str, path: Path, expected: dict, store: Path, rank: int, w
     os._exit(0)  # gloo's teardown at exit aborts now and then on its own; the result is written
 
 
-def child_env(data: str) -> dict[str, str]:
+def child_env(data: str, warm_up: bool = True) -> dict[str, str]:
     """The environment of every measured process. Where bytecode is not written (PYTHONDONTWRITEBYTECODE), a
-    fresh process would compile every module it imports, which a user's does not: the children keep theirs
-    under the data folder instead, written by the warm-up."""
+    fresh process would compile every module it imports that has none written beside it (this checkout's),
+    which a user's does not: the children keep theirs under the data folder instead, written by the warm-up.
+    With no warm-up (``--no-warm-up``) the environment is left as it is: that folder would hide the bytecode
+    installed with every package, and the first measured run would compile all of torch's."""
     env = dict(os.environ)
-    if env.pop("PYTHONDONTWRITEBYTECODE", None):
+    if warm_up and env.pop("PYTHONDONTWRITEBYTECODE", None):
         env["PYTHONPYCACHEPREFIX"] = str(Path(data).resolve() / "pycache")
     return env
 
@@ -501,7 +503,7 @@ def baseline_folder(checkout: Path, data: Path) -> Path:
 def _where(args: argparse.Namespace, method: str) -> tuple[str, dict[str, str], Path]:
     """The method without its suffix, and the environment and working folder of its child: the baseline's
     library for a method of :data:`BASELINE`, this checkout's otherwise."""
-    env = child_env(args.data)
+    env = child_env(args.data, warm_up=not args.no_warm_up)
     if not method.endswith(BASELINE):
         return method, env, ROOT
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
@@ -633,8 +635,9 @@ def markdown(report: dict) -> str:
     m, tensors = report["machine"], report["tensors"]
     lines = [f"{tensors:,} tensors, {report['nbytes'] / 1e9:.2f} GB of bf16 ({report['shape']}); {m['cpu']}, "
              f"{m['cores']} cores, {m['memory_gb']} GiB, Linux {m['kernel']}, torch {m['torch']}. Median of "
-             f"{report['runs']} runs after a warm-up, the methods of a group taking turns (fastest and slowest "
-             "beside it); each run a fresh process, page cache warm. Load s: the load alone (the model built "
+             f"{report['runs']} runs {after(not report.get('warm_up', True))}, the methods of a group taking turns "
+             "(fastest and slowest beside it); each run a fresh process, page cache warm. Load s: the load alone "
+             "(the model built "
              "before the clock, build s); us/tensor above the read: (load - the raw read of the same files, for the "
              "cast its floor) / tensors. transformers' from_pretrained is left out: its MoE classes fuse a layer's experts into "
              "3-D tensors (see bench/many.py).", ""]
@@ -718,7 +721,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--baseline", help="a checkout of the library to compare with, in the same run: ours on "
                                            "its materialize package takes turns with ours on this one's")
     parser.add_argument("--baseline-name", default="baseline", help="how the tables name --baseline's rows")
-    parser.add_argument("--no-warm-up", action="store_true", help="no discarded first run (for a quick check)")
+    parser.add_argument("--no-warm-up", action="store_true",
+                        help="no discarded first run (for a quick check); the children's bytecode as the environment "
+                             "has it (see child_env)")
     parser.add_argument("--groups", help=f"comma-separated, of {', '.join(GROUPS)} (default all)")
     parser.add_argument("--merge", action="store_true", help="keep the other groups of an earlier report in --out")
     parser.add_argument("--profile", action="store_true",
@@ -757,7 +762,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     out = Path(args.out)
     earlier = out / f"{args.name}.json"
     report = json.loads(earlier.read_text()) if args.merge and earlier.exists() else {"results": {}}
-    report.update(machine=machine(), runs=args.runs, tensors=expected["tensors"], nbytes=expected["nbytes"],
+    report.update(machine=machine(), runs=args.runs, warm_up=not args.no_warm_up, tensors=expected["tensors"],
+                  nbytes=expected["nbytes"],
                   model_args=expected["model_args"],
                   shape=f"{expected['model_args']['num_layers']} layers of {expected['model_args']['num_experts']} "
                         f"experts, {args.hidden} x {args.intermediate} projections")

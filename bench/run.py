@@ -1,8 +1,9 @@
 """``make bench``: every method on the same files, same machine, one run.
 
 Each measurement is a fresh interpreter (``bench.methods``); the page cache
-is warmed by a first, discarded run, then the median of ``--runs`` is kept,
-the methods of a group taking turns run by run.
+is warmed by a first, discarded run (none with ``--no-warm-up``, for a quick
+check), then the median of ``--runs`` is kept, the methods of a group taking
+turns run by run.
 Cold rows evict the method's files from the page cache first
 (``posix_fadvise(DONTNEED)``, no root needed). Writes a markdown table, a
 JSON file and a PNG chart under ``bench/results/``.
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from .fixtures import ensure
+from .turns import after
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -176,8 +178,9 @@ def cuda_startup_seconds(runs: int) -> Optional[float]:
     return statistics.median(times)
 
 
-def measure_group(cases: list[Case], fixture: Path, paths: dict[str, Path], runs: int) -> dict[str, dict]:
-    """Every case of one group: a warm-up each, then ``runs`` rounds taking each case in turn.
+def measure_group(cases: list[Case], fixture: Path, paths: dict[str, Path], runs: int, *,
+                  warm_up: bool = True) -> dict[str, dict]:
+    """Every case of one group: a warm-up each (unless not ``warm_up``), then ``runs`` rounds taking each case in turn.
 
     Rounds, not one case's runs back to back: what a fresh process pays for
     its memory drifts with the machine (on a VM whose freed pages are handed
@@ -185,7 +188,7 @@ def measure_group(cases: list[Case], fixture: Path, paths: dict[str, Path], runs
     touch than memory freed long ago), and taking turns spreads that drift
     over every method alike.
     """
-    for case in cases:
+    for case in cases if warm_up else ():
         run_once(case, fixture, paths)  # warm-up: page cache, import caches
     results: dict[str, list[dict]] = {case.key: [] for case in cases}
     for _ in range(runs):
@@ -225,6 +228,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--config", default="configs/bench-llama-1b.toml")
     parser.add_argument("--data", default="data/bench")
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--no-warm-up", action="store_true",
+                        help="no discarded first run of each case (for a quick check)")
     parser.add_argument("--only", help="comma-separated method names to run")
     parser.add_argument("--groups", help="comma-separated groups to run (copy, zero-copy, cast, cold, cuda, cuda cast, cuda cold)")
     parser.add_argument("--merge", action="store_true",
@@ -246,12 +251,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     rerun = {_row(c.group, c.key) for c in cases}
     report["results"] = {k: r for k, r in report["results"].items() if k not in rerun}
     recache(paths)
-    report.update(machine=machine(), config=args.config, runs=args.runs, nbytes=expected["nbytes"],
-                  startup_s=startup_seconds(args.runs))
+    report.update(machine=machine(), config=args.config, runs=args.runs, warm_up=not args.no_warm_up,
+                  nbytes=expected["nbytes"], startup_s=startup_seconds(args.runs))
     if any(c.group.startswith("cuda") for c in cases):
         report["cuda_startup_s"] = cuda_startup_seconds(args.runs)
     for group in dict.fromkeys(case.group for case in cases):
-        measured = measure_group([c for c in cases if c.group == group], fixture, paths, args.runs)
+        measured = measure_group([c for c in cases if c.group == group], fixture, paths, args.runs,
+                                 warm_up=not args.no_warm_up)
         for key, result in measured.items():
             report["results"][_row(group, key)] = result
             print(f"{key:<48} {_short(result)}", flush=True)
@@ -295,7 +301,8 @@ def markdown(report: dict) -> str:
     lines = [
         f"{gb:.2f} GB of bf16 weights ({report['config']}); {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GiB, "
         f"Linux {m['kernel']}, torch {m['torch']}{', ' + m['gpu'] if m.get('gpu') else ''}. "
-        f"Median of {report.get('runs', 3)} runs after a warm-up, the methods of a group taking turns (fastest and slowest beside it); each run a fresh process. "
+        f"Median of {report.get('runs', 3)} runs {after(not report.get('warm_up', True))}, "
+        "the methods of a group taking turns (fastest and slowest beside it); each run a fresh process. "
         f"Interpreter + import start-up, not counted in load: {report['startup_s']:.2f} s."
         + (f" CUDA context creation, counted in every cuda row's load: {report['cuda_startup_s']:.2f} s."
            if report.get("cuda_startup_s") else ""),

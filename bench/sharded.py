@@ -4,7 +4,8 @@
 store, no port) per load, each rank building the benchmark model
 (configs/bench-llama-1b.toml, 1.9 GB of bf16) on meta and sharding every
 layer with ``fully_shard``. Methods, each a fresh set of processes, page
-cache warm, taking turns, median of ``--runs`` after a warm-up:
+cache warm, taking turns, median of ``--runs`` after a warm-up (none with
+``--no-warm-up``, for a quick check):
 
 - ours: ``mz.load`` on every rank (each reads its own rows);
 - torch, rank 0 reads and broadcasts: ``to_empty``, rank 0 ``load_file``,
@@ -66,7 +67,7 @@ import torch
 
 from bench import s3_server
 from bench.fixtures import crc, ensure
-from bench.turns import take_turns, write_table
+from bench.turns import after, take_turns, write_table
 
 RESULTS = Path(__file__).parent / "results"
 METHODS = {
@@ -210,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world", type=int, default=None, help="ranks (default 2; 4 for --layout 2d)")
     parser.add_argument("--layout", choices=("fsdp", "2d", "replicas"), default="fsdp")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--no-warm-up", action="store_true",
+                        help="no discarded first run of each method (for a quick check)")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--source", choices=("file", "s3"), default="file",
                         help="replicas only: the file, or the same file from a loopback S3 server (bench/s3_server.py)")
@@ -244,7 +247,8 @@ def main(argv: list[str] | None = None) -> None:
         url = f"s3://{s3.bucket}/{paths['single'].name}" if s3 is not None else None
         env = s3.env if s3 is not None else None
         results = take_turns(methods, lambda method: one(method, paths["single"], world, args.config, args.data,
-                                                         scratch, url, env), args.runs)
+                                                         scratch, url, env), args.runs,
+                             warm_up=not args.no_warm_up)
     ours = next(iter(methods))
     layout = (f"torchtitan's 2-D layout on {world} ranks ({world // 2} FSDP2 x 2 tensor parallel, gloo, CPU); "
               "the DCP saves: one a single process wrote, one this layout's ranks wrote" if two_d
@@ -254,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     name = "bench-sharded-2d" if two_d else f"bench-sharded-replicas{'-s3' if from_s3 else ''}" if replicas else "bench-sharded"
     write_table(Path(args.out), name,
                 f"{expected['nbytes'] / 1e9:.2f} GB of bf16 weights ({Path(args.config).stem}, one safetensors file), "
-                f"{layout}; median of {args.runs} runs after a warm-up, methods "
+                f"{layout}; median of {args.runs} runs {after(args.no_warm_up)}, methods "
                 "taking turns, each run fresh processes, page cache warm. Load s: the slowest rank, sharding on meta "
                 "included; RSS growth: the largest rank.",
                 results, lambda label: ours, "x ours", {"nbytes": expected["nbytes"], "world": world})

@@ -5,7 +5,10 @@
 ``data/bench/strided/``, then loads them into a model that wants them
 transposed (Qwen3-VL-MoE's ``Transpose``), deinterleaved (Inkling's
 ``Interleave(dim=1)``) or as saved, each run a fresh process, page cache
-warm, the methods taking turns, median of ``--runs`` after a warm-up. The
+warm, the methods taking turns, median of ``--runs`` after a warm-up (none
+with ``--no-warm-up``, for a quick check; ``--in-process`` runs them all in
+the bench's own process instead, for a quick check too: nothing here
+measures memory, and the times are then not the bench's). The
 peer is what a conversion does after loading: every tensor read, then
 rearranged by torch (``transpose(...).contiguous()``, a reshape-transpose-
 reshape for an interleave), as transformers' ops do. Each result is checked
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.turns import take_turns, write_table
+from bench.turns import after, take_turns, write_table
 
 RESULTS = Path(__file__).parent / "results"
 SHAPE = (32, 1024, 2048)
@@ -121,8 +124,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data", default="data/bench/strided")
     parser.add_argument("--scale", type=int, default=1, help="multiplies the number of expert stacks (8 of 128 MB)")
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--no-warm-up", action="store_true",
+                        help="no discarded first run of each method (for a quick check)")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--shape", default=",".join(map(str, SHAPE)), help="of each expert stack: experts,rows,cols")
+    parser.add_argument("--in-process", action="store_true",
+                        help="every run in this process, not a fresh one each (for a quick check: the runs share "
+                             "imports and caches, their times are not the bench's)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     count = 8 * args.scale
@@ -133,16 +141,19 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     def run(method: str) -> dict:
+        if args.in_process:
+            return one(method, path, count, shape)
         done = subprocess.run([sys.executable, "-m", "bench.strided", "--data", args.data, "--scale", str(args.scale),
                                "--shape", args.shape, "--one", method], capture_output=True, text=True, check=True,
                               cwd=Path(__file__).parent.parent)
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    results = take_turns(METHODS, run, args.runs)
+    results = take_turns(METHODS, run, args.runs, warm_up=not args.no_warm_up)
     same_layout = next(iter(METHODS))
     write_table(Path(args.out), "bench-strided",
                 f"{path.stat().st_size / 1e9:.2f} GB of bf16 expert stacks ({count} x {list(shape)}); median of "
-                f"{args.runs} runs after a warm-up, methods taking turns, each run a fresh process, page cache warm.",
+                f"{args.runs} runs {after(args.no_warm_up)}, methods taking turns, "
+                f"{'every run in one process' if args.in_process else 'each run a fresh process'}, page cache warm.",
                 results, lambda label: same_layout, "x same layout", {"nbytes": path.stat().st_size})
 
 if __name__ == "__main__":

@@ -28,6 +28,11 @@ def take_turns(methods: dict[str, str], run: Run, runs: int, *, warm_up: bool = 
     return results
 
 
+def after(no_warm_up: bool) -> str:
+    """How the tables' intros say the runs were preceded: by a discarded warm-up, or (``--no-warm-up``) by none."""
+    return "with no warm-up" if no_warm_up else "after a warm-up"
+
+
 def write_table(out: Path, name: str, intro: str, results: dict[str, list[dict]], ratio_to: Callable[[str], str],
                 ratio_heading: str, extra: dict) -> None:
     """``out/name.md`` and ``.json``: per method the median load, its spread, its ratio to the row

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
@@ -23,6 +22,8 @@ from tests.tiers import pytest_addoption, pytest_collection_modifyitems, pytest_
 for _variable in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
     os.environ.pop(_variable, None)
     os.environ.pop(_variable.upper(), None)
+
+import preforked  # noqa: E402 - here, so its server gets the session's environment (above), never a test's
 
 # The demo/bench model by its file: a spec any subprocess resolves, whatever its working directory.
 DECODER_SPEC = f"{Path(__file__).resolve().parent.parent / 'bench' / 'models' / 'transformer.py'}:DecoderLM"
@@ -116,10 +117,9 @@ def run_ranks(scenario: str, checkpoint: Path, workdir: Path, world: int = 2, wo
     outs = [workdir / f"rank{rank}.json" for rank in range(world)]
     root = str(SHARDED_WORKER.parent.parent)  # bench/ (the tiny model's module) importable, as in this process
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    processes = [
-        subprocess.Popen([sys.executable, str(worker), scenario, str(checkpoint), str(store), str(rank), str(world),
-                          str(out)], cwd=worker.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=env)
+    processes = [  # forked from the preloaded server (tests/preforked.py): no rank waits seconds for torch's import
+        preforked.start([sys.executable, str(worker), scenario, str(checkpoint), str(store), str(rank), str(world),
+                         str(out)], cwd=worker.parent, stderr_to_stdout=True, text=True, env=env)
         for rank, out in enumerate(outs)
     ]
     logs = [process.communicate(timeout=300)[0] for process in processes]

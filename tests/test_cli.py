@@ -20,6 +20,7 @@ from bench.models.transformer import DecoderLM
 
 from conftest import DECODER_SPEC
 from terminal import run_on_a_terminal, screen
+import preforked
 
 # ---------------------------------------------------------------- helpers
 
@@ -50,7 +51,7 @@ def materialize_command() -> str:
 
 
 def run_cli(*args: object, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return preforked.run(
         [materialize_command(), *map(str, args)],
         capture_output=True, text=True, cwd=cwd, timeout=300, env=env,
     )  # fmt: skip
@@ -750,10 +751,10 @@ def test_a_model_factory_that_fails_says_which_and_why_and_a_spec_that_cannot_be
     factory.write_text("def create(pretrained=True):\n"
                        "    raise OSError(5, 'Input/output error', 'https://hub.example/weights.bin')\n")
 
-    failed = subprocess.run([materialize_command(), str(path), "--model", "offline_models:create"],
+    failed = preforked.run([materialize_command(), str(path), "--model", "offline_models:create"],
                             capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
     unusable = run_cli(path, "--model", "no_such_package.models:create")
-    wrong_args = subprocess.run([materialize_command(), str(path), "--model", "offline_models:create",
+    wrong_args = preforked.run([materialize_command(), str(path), "--model", "offline_models:create",
                                  "--model-arg", "classes=3"],
                                 capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
 
@@ -787,12 +788,12 @@ def test_a_prefix_that_matches_nothing_is_an_error_and_a_renaming_done_is_report
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
 
     def run_here(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([materialize_command(), str(path), "--model", "linear_model:create", *args],
+        return preforked.run([materialize_command(), str(path), "--model", "linear_model:create", *args],
                               capture_output=True, text=True, cwd=tmp_path, env=env)
 
     typo = run_here("--strip-prefix", "modul.")
     automatic = run_here("--json")
-    planned = subprocess.run([materialize_command(), "plan", str(path), "--model", "linear_model:create", "--json"],
+    planned = preforked.run([materialize_command(), "plan", str(path), "--model", "linear_model:create", "--json"],
                              capture_output=True, text=True, cwd=tmp_path, env=env)
 
     assert typo.returncode == 1 and "strip 'modul.' matches no checkpoint name" in typo.stderr
@@ -801,7 +802,7 @@ def test_a_prefix_that_matches_nothing_is_an_error_and_a_renaming_done_is_report
 
 
 def test_plan_offers_only_the_options_it_uses():
-    shown = subprocess.run([materialize_command(), "plan", "--help"], capture_output=True, text=True).stdout
+    shown = preforked.run([materialize_command(), "plan", "--help"], capture_output=True, text=True).stdout
 
     assert "--mmap" in shown and "--staging-size" in shown
     assert not any(flag in shown for flag in ("--check ", "--check-finite", "--allow-overflow", "--direct-io"))
@@ -820,7 +821,7 @@ def test_running_out_of_host_memory_says_try_mmap_without_a_gpu_and_following_it
         "e.Reads.read = read\n"
         "from materialize_cli.main import main; sys.argv[0] = 'materialize'; main()"
     )
-    run = lambda *extra: subprocess.run([sys.executable, "-c", reads_fail, str(path), "--json", *extra],
+    run = lambda *extra: preforked.run([sys.executable, "-c", reads_fail, str(path), "--json", *extra],
                                         capture_output=True, text=True, timeout=300)
 
     failed = run()

@@ -7,16 +7,17 @@ nothing on stdout; and never the side effect of code carried in the file.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+
 import materialize as mz
 
 from corpus import Case, build
+import preforked
 
 CLI = str(Path(sys.executable).parent / "materialize")
 
@@ -77,7 +78,7 @@ def _cli_failures(root: Path, cases: list[Case]) -> list[str]:
 
     def run(case: Case) -> str:
         target = root / case.name / case.target
-        done = subprocess.run([CLI, str(target), *case.cli], capture_output=True, text=True)
+        done = preforked.run([CLI, str(target), *case.cli], capture_output=True, text=True)
         lines = done.stderr.strip().splitlines()
         problems = []
         if done.returncode != 1:

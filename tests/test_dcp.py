@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import materialize as mz
 
 from conftest import TINY, reference_model, run_ranks, tiny_skeleton
 from fuzz_targets import raw_bytes
+import preforked
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex  # noqa: E402
@@ -189,8 +189,8 @@ def test_a_damaged_folder_is_one_error_naming_the_tensor(tmp_path, damage, error
 def test_the_cli_inspects_and_loads_a_folder_and_refuses_tensor_parallel_chunks_in_one_line(tmp_path):
     folder = _save({"model": {"w": torch.randn(3, 4)}}, tmp_path / "ok")
 
-    inspected = subprocess.run([CLI, "inspect", str(folder), "--json"], capture_output=True, text=True)
-    loaded = subprocess.run([CLI, str(folder), "--json"], capture_output=True, text=True)
+    inspected = preforked.run([CLI, "inspect", str(folder), "--json"], capture_output=True, text=True)
+    loaded = preforked.run([CLI, str(folder), "--json"], capture_output=True, text=True)
 
     assert inspected.returncode == 0, inspected.stderr
     summary = json.loads(inspected.stdout)
@@ -285,7 +285,7 @@ def test_a_metadata_or_chunk_file_symlinked_out_of_the_folder_is_refused_naming_
 
     with pytest.raises(mz.CheckpointError) as caught:
         mz.open_checkpoint(folder)
-    done = subprocess.run([CLI, "convert", str(folder), str(tmp_path / "out")], capture_output=True, text=True)
+    done = preforked.run([CLI, "convert", str(folder), str(tmp_path / "out")], capture_output=True, text=True)
 
     message = str(caught.value)
     assert f"'{moved}'" in message and str(elsewhere / moved) in message and "outside the checkpoint folder" in message

@@ -26,6 +26,7 @@ from materialize.skeleton.deferred import program_of
 
 from test_differential import flat_outputs
 from vision import import_torchvision
+import preforked
 
 CLI = str(Path(sys.executable).parent / "materialize")
 
@@ -678,7 +679,7 @@ def load_without_strict(tmp_path: Path, constructor: str) -> subprocess.Complete
     model_file.write_text("import torch\nfrom torch import nn\n\n\nclass Net(nn.Module):\n    def __init__(self):\n"
                           "        super().__init__()\n        self.body = nn.Linear(4, 4)\n" + constructor)
     save_file({"body.weight": torch.randn(4, 4), "body.bias": torch.randn(4)}, str(tmp_path / "body.safetensors"))
-    return subprocess.run([CLI, str(tmp_path / "body.safetensors"), "--model", f"{model_file}:Net", "--no-strict",
+    return preforked.run([CLI, str(tmp_path / "body.safetensors"), "--model", f"{model_file}:Net", "--no-strict",
                            "--json"], capture_output=True, text=True, timeout=300)
 
 
@@ -758,7 +759,7 @@ def test_the_cli_builds_without_recording_a_model_it_cannot_record_and_says_so(t
     save_file({"body.weight": torch.randn(4, 4), "body.bias": torch.randn(4), "table": torch.ones(3)},
               str(tmp_path / "body.safetensors"))
 
-    done = subprocess.run([CLI, str(tmp_path / "body.safetensors"), "--model", f"{model_file}:Net", "--no-strict",
+    done = preforked.run([CLI, str(tmp_path / "body.safetensors"), "--model", f"{model_file}:Net", "--no-strict",
                            "--json"], capture_output=True, text=True, timeout=300)
 
     assert done.returncode == 0, done.stderr

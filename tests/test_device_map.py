@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch
 import materialize as mz
 
 from conftest import DECODER_SPEC, TINY, reference_model, saved_state, tiny_skeleton, write_safetensors
+import preforked
 
 CLI = str(Path(sys.executable).parent / "materialize")
 SPLIT = {"model.embed_tokens": "disk", "model.layers.0": "disk", "model.layers.1": "cpu", "model.norm": "cpu", "lm_head": "disk"}
@@ -65,7 +65,7 @@ def test_cli_plan_shows_bytes_per_device_for_a_device_map(tmp_path):
     path = write_safetensors(saved_state(reference_model()), tmp_path / "m.safetensors")
     args = [f"--model-arg={k}={json.dumps(v)}" for k, v in TINY.items()]
 
-    done = subprocess.run(
+    done = preforked.run(
         [CLI, "plan", str(path), "--model", DECODER_SPEC, *args,
          "--device-map", json.dumps({"model": "cpu", "lm_head": "disk"}), "--json"],
         capture_output=True, text=True,

@@ -25,6 +25,7 @@ from fake_hub import FakeHub
 from gcs_server import GcsServer
 from s3_server import S3Server
 from vision import import_torchvision, pythonpath_with_shim
+import preforked
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -159,7 +160,7 @@ def test_a_command_runs(page, line, fixtures):
     folder, env = fixtures
     args = on_this_machine(line.split("#")[0]).split()[1:]
 
-    done = subprocess.run([CLI, *args], capture_output=True, text=True, cwd=folder,
+    done = preforked.run([CLI, *args], capture_output=True, text=True, cwd=folder,
                           env=command_environment(line, env), timeout=300)
 
     assert done.returncode == 0, f"{page.relative_to(ROOT)}: {line}\n{done.stderr}"

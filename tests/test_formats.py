@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -25,6 +24,7 @@ from conftest import (
     write_sharded,
     write_torch,
 )
+import preforked
 
 
 def _write(kind: str, state: dict, tmp_path: Path) -> Path:
@@ -408,7 +408,7 @@ def test_the_cli_prints_the_low_memory_warning_as_one_line_and_loads(tmp_path):
         "from materialize_cli.main import main; sys.argv[0] = 'materialize'; main()"
     )
 
-    done = subprocess.run([sys.executable, "-c", as_if_little_is_free, str(path), "--json"],
+    done = preforked.run([sys.executable, "-c", as_if_little_is_free, str(path), "--json"],
                           capture_output=True, text=True, timeout=300)
 
     assert done.returncode == 0, done.stderr
@@ -589,7 +589,7 @@ def test_a_torch_file_without_model_tensors_is_one_clear_error(saved, outline, t
 
     with pytest.raises(mz.UnsupportedFormatError, match="no_weights.pt.*holds no model tensors: its data.pkl is " + re.escape(outline)):
         mz.load_tensors(path)
-    done = subprocess.run([str(Path(sys.executable).parent / "materialize"), "inspect", str(path)], capture_output=True, text=True)
+    done = preforked.run([str(Path(sys.executable).parent / "materialize"), "inspect", str(path)], capture_output=True, text=True)
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.strip().splitlines() == [f"Error: {path}: holds no model tensors: its data.pkl is {outline}"]
 

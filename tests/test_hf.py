@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 import materialize as mz
 
 from conftest import hub_cache
+import preforked
 
 transformers = pytest.importorskip("transformers")
 
@@ -290,7 +291,7 @@ def test_a_folder_transformers_cannot_build_says_how_to_load_it_anyway(tmp_path,
         (folder / code).write_text(f"open({str(marker)!r}, 'w').close()\n")
 
     # transformers asks on the terminal whether to run a repository's code unless told not to: say yes.
-    done = subprocess.run([CLI, str(folder)], capture_output=True, text=True, input="y\n")
+    done = preforked.run([CLI, str(folder)], capture_output=True, text=True, input="y\n")
     tensors, _ = mz.load_tensors(folder / "model.safetensors")  # the way out the message gives
 
     assert done.returncode == 1 and done.stdout == ""
@@ -302,7 +303,7 @@ def test_a_folder_transformers_cannot_build_says_how_to_load_it_anyway(tmp_path,
 
 def _cli_json_report(folder: Path) -> dict:
     """The CLI's --json report for a load of ``folder``, which must succeed."""
-    done = subprocess.run([CLI, str(folder), "--json"], capture_output=True, text=True)
+    done = preforked.run([CLI, str(folder), "--json"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -316,7 +317,7 @@ def test_hub_repo_id_loads_from_the_local_cache_offline(tmp_path):
     folder = _save(source, tmp_path / "llama", as_bin=False, dtype=torch.bfloat16)
     cache = hub_cache(tmp_path, folder, "tiny-org/tiny-llama")
 
-    done = subprocess.run([CLI, "tiny-org/tiny-llama", "--json"], capture_output=True, text=True, env=_offline_env(cache))
+    done = preforked.run([CLI, "tiny-org/tiny-llama", "--json"], capture_output=True, text=True, env=_offline_env(cache))
 
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
@@ -331,7 +332,7 @@ def test_missing_hub_repo_offline_is_one_clear_error(tmp_path):
     cache = tmp_path / "hub"
     cache.mkdir()
 
-    done = subprocess.run([CLI, "nobody/nothing"], capture_output=True, text=True, env=_offline_env(cache))
+    done = preforked.run([CLI, "nobody/nothing"], capture_output=True, text=True, env=_offline_env(cache))
 
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
@@ -407,7 +408,7 @@ def test_a_missing_expert_is_one_clear_error_naming_a_stacked_tensor(tmp_path):
 
     with pytest.raises(mz.CheckpointError) as caught:
         mz.load_model(folder)
-    done = subprocess.run([CLI, str(folder)], capture_output=True, text=True)
+    done = preforked.run([CLI, str(folder)], capture_output=True, text=True)
 
     message = str(caught.value)
     assert "model.layers.0.block_sparse_moe.experts.2.w1.weight" in message and "model.layers.0.mlp.experts.gate_up_proj" in message
@@ -459,7 +460,7 @@ def test_a_fused_tensor_of_the_wrong_size_is_one_clear_error_naming_it(tmp_path)
     name = "layers.0.self_attn.att_proj.weight"
     _rewrite_tensor(folder, name, _saved(folder)[name][:60].clone())
 
-    done = subprocess.run([CLI, str(folder)], capture_output=True, text=True)
+    done = preforked.run([CLI, str(folder)], capture_output=True, text=True)
 
     assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "layers.0.self_attn.att_proj.weight" in done.stderr and "has 60 rows" in done.stderr
@@ -475,7 +476,7 @@ def test_a_quantized_model_is_one_clear_error_naming_its_method(tmp_path):
 
     with pytest.raises(mz.ModelSpecError) as caught:
         mz.load_model(folder)
-    done = subprocess.run([CLI, str(folder)], capture_output=True, text=True)
+    done = preforked.run([CLI, str(folder)], capture_output=True, text=True)
 
     assert "'fp8'" in str(caught.value) and str(folder / "config.json") in str(caught.value)
     assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1 and "quantized" in done.stderr

@@ -27,6 +27,7 @@ from torch import nn
 
 import materialize as mz
 from conftest import DECODER_SPEC
+import preforked
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).parent / "materialize")
@@ -46,7 +47,7 @@ def tiny_state(**overrides: int) -> dict[str, torch.Tensor]:
 
 
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=300, env=env)
+    return preforked.run([CLI, *args], capture_output=True, text=True, timeout=300, env=env)
 
 
 def hints_in(line: str) -> list[str]:

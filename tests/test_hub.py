@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 import materialize as mz
 from materialize.integrations import hub
+import preforked
 
 REPO = "some-org/some-model"
 CLI = str(Path(sys.executable).parent / "materialize")
@@ -189,7 +190,7 @@ def _offline_cache_with_outside(tmp_path: Path) -> tuple[Path, Path, Path]:
 
 def _cli_offline(cache: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([CLI, REPO, *args], capture_output=True, text=True, env=env, timeout=300)
+    return preforked.run([CLI, REPO, *args], capture_output=True, text=True, env=env, timeout=300)
 
 
 def test_an_offline_repo_id_loads_from_a_real_cache(tmp_path):
@@ -313,7 +314,7 @@ def test_a_repo_id_with_no_local_folder_goes_to_the_hub(served, tmp_path, monkey
 def _cli_in(folder: Path, *args: str) -> subprocess.CompletedProcess:
     """The CLI run in ``folder``, offline, with an empty hub cache: nothing can reach the network."""
     env = {**os.environ, "HF_HUB_CACHE": str(folder / "empty-cache"), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([CLI, *args], capture_output=True, text=True, env=env, cwd=folder, timeout=300)
+    return preforked.run([CLI, *args], capture_output=True, text=True, env=env, cwd=folder, timeout=300)
 
 
 @pytest.mark.parametrize("command", [[], ["inspect"], ["plan"], ["convert"]])
@@ -365,7 +366,7 @@ def test_inspect_takes_a_repo_id_as_a_load_does_in_the_cli_and_the_library(tmp_p
     env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
     in_python = f"import json, materialize as mz; print(json.dumps(mz.inspect({REPO!r}, revision='main')))"
 
-    printed = subprocess.run([CLI, "inspect", REPO, "--revision", "main", "--json"], capture_output=True, text=True,
+    printed = preforked.run([CLI, "inspect", REPO, "--revision", "main", "--json"], capture_output=True, text=True,
                              env=env, timeout=300)
     returned = subprocess.run([sys.executable, "-c", in_python], capture_output=True, text=True, env=env, timeout=300)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from torch import nn
 import materialize as mz
 
 from fuzz_targets import sweep_flipped_bytes
+import preforked
 
 CLI = str(Path(sys.executable).parent / "materialize")
 
@@ -94,7 +94,7 @@ def test_a_legacy_checkpoint_loads_into_a_model_and_through_the_cli(tmp_path):
         model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
 
     mz.load(model, path, check=True)
-    done = subprocess.run([CLI, str(path), "--json"], capture_output=True, text=True)
+    done = preforked.run([CLI, str(path), "--json"], capture_output=True, text=True)
 
     for name, value in source.state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name

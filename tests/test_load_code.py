@@ -6,7 +6,6 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import subprocess
 import textwrap
 
 import pytest
@@ -19,6 +18,7 @@ import materialize as mz
 
 from conftest import assert_state_equal, write_safetensors, write_torch
 from test_cli import materialize_command
+import preforked
 
 
 def _vocoder_block(*, older_weight_norm: bool = False) -> nn.Sequential:
@@ -340,7 +340,7 @@ def test_the_cli_loads_a_vocoder_with_weight_norm_from_an_older_save(tmp_path):
     path = write_torch(older.state_dict(), tmp_path / "generator.pth")
     environment = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
 
-    result = subprocess.run([materialize_command(), str(path), "--model", "vocoder:build", "--json"],
+    result = preforked.run([materialize_command(), str(path), "--model", "vocoder:build", "--json"],
                             capture_output=True, text=True, env=environment, timeout=300)
 
     assert result.returncode == 0, result.stderr
@@ -606,7 +606,7 @@ def test_convert_warns_that_extra_state_safetensors_cannot_hold_is_left_out(tmp_
 
     with pytest.warns(mz.ConvertWarning, match="0._extra_state, 1._extra_state"):
         mz.convert(path, tmp_path / "out.safetensors")
-    result = subprocess.run([materialize_command(), "convert", str(path), str(tmp_path / "cli.safetensors")],
+    result = preforked.run([materialize_command(), "convert", str(path), str(tmp_path / "cli.safetensors")],
                             capture_output=True, text=True, timeout=300)
 
     assert result.returncode == 0, result.stderr
@@ -628,7 +628,7 @@ def test_plan_shows_what_the_models_load_code_renamed(tmp_path):
         model = _vocoder_block()
 
     summary = mz.plan(model, path).to_dict()
-    result = subprocess.run([materialize_command(), "plan", str(path), "--model", "vocoder_block:build"],
+    result = preforked.run([materialize_command(), "plan", str(path), "--model", "vocoder_block:build"],
                             capture_output=True, text=True, env=environment, timeout=300)
 
     assert summary["renamed_by_model"]["0.weight_g"] == "0.parametrizations.weight.original0"
@@ -672,7 +672,7 @@ def test_a_tensor_load_code_makes_is_written_once_by_it_under_the_sanitizer_and_
     assert report.filled_by_load_code == ["param"] and report.fed_to_load_code == ["serialized"]
     assert report.loaded == report.initialized == []
     (tmp_path / "custom.py").write_text("import torch\nfrom torch import nn\n\n\n" + inspect.getsource(Serialized))
-    result = subprocess.run([materialize_command(), "plan", str(path), "--model", f"{tmp_path / 'custom.py'}:Serialized"],
+    result = preforked.run([materialize_command(), "plan", str(path), "--model", f"{tmp_path / 'custom.py'}:Serialized"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "load code    reads serialized" in result.stdout and "made by code param" in result.stdout

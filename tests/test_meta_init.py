@@ -15,6 +15,7 @@ from torch import nn
 import materialize as mz
 
 from conftest import DECODER_SPEC
+import preforked
 
 
 class WithBuffer(nn.Module):
@@ -386,7 +387,7 @@ def test_the_cli_says_which_op_of_a_model_asked_a_meta_tensors_value(tmp_path):
     save_file({"bias": torch.zeros(4), "parametrizations.weight.original": torch.eye(4)}, str(path))
     environment = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
 
-    result = subprocess.run([materialize_command(), str(path), "--model", "orthogonal_model:build"],
+    result = preforked.run([materialize_command(), str(path), "--model", "orthogonal_model:build"],
                             capture_output=True, text=True, env=environment, timeout=300)
 
     assert result.returncode == 1

@@ -7,6 +7,7 @@ import torch
 import materialize as mz
 
 from conftest import assert_state_equal, reference_model, saved_state, tiny_skeleton, write_safetensors, write_sharded, write_torch
+import preforked
 
 
 def test_mmap_load_gives_views_equal_to_the_source_and_a_working_forward(tmp_path, tokens):
@@ -86,10 +87,10 @@ def test_a_file_larger_than_ram_and_swap_loads_mapped_as_the_refusal_says(tmp_pa
     _sparse_safetensors(path, limit + 8 * 2**30)
     cli = str(Path(sys.executable).parent / "materialize")
 
-    refused = subprocess.run([cli, str(path)], capture_output=True, text=True)
+    refused = preforked.run([cli, str(path)], capture_output=True, text=True)
     assert refused.returncode == 1 and "--mmap" in refused.stderr
 
-    mapped = subprocess.run([cli, str(path), "--mmap", "--json"], capture_output=True, text=True)
+    mapped = preforked.run([cli, str(path), "--mmap", "--json"], capture_output=True, text=True)
     assert mapped.returncode == 0, mapped.stderr
     assert json.loads(mapped.stdout)["mapped"] == ["huge"]
 

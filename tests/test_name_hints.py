@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -20,6 +19,7 @@ import materialize as mz
 from materialize.planning.namehints import mismatch_hint
 
 from test_cli import materialize_command
+import preforked
 
 MODELS = textwrap.dedent('''
     import torch
@@ -105,7 +105,7 @@ def test_densenets_classic_names_get_the_renames_that_load_each_value_where_it_b
     renames = re.findall(r"--rename '([^']*)'", message)
     assert len(renames) == 4
     # What the message says, typed at the CLI: each tensor gets its own values (norm.2 is not norm1's).
-    done = subprocess.run(
+    done = preforked.run(
         [materialize_command(), str(path), "--model", "hint_models:DenseNet", "--json",
          *[arg for rename in renames for arg in ("--rename", rename)]],
         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(tmp_path)},
@@ -240,10 +240,10 @@ def test_densenet121s_hint_typed_at_the_cli_loads_it(tmp_path):
     env = pythonpath_with_shim(tmp_path)
     command = [materialize_command(), str(path), "--model", "torchvision:densenet121"]
 
-    refused = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    refused = preforked.run(command, capture_output=True, text=True, timeout=300, env=env)
     line = refused.stderr.strip()
     offered = shlex.split(re.search(r"\(CLI: (--rename [^)]*)\)", line).group(1))
-    done = subprocess.run([*command, *offered, "--json"], capture_output=True, text=True, timeout=300, env=env)
+    done = preforked.run([*command, *offered, "--json"], capture_output=True, text=True, timeout=300, env=env)
 
     assert refused.returncode == 1 and "\n" not in line and offered[::2] == ["--rename"] * 4
     assert done.returncode == 0, done.stderr

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+import preforked
 
 # Each sequence a name can carry to act on a terminal or on the output's lines, with how it must show.
 HOSTILE = {
@@ -39,7 +40,7 @@ def materialize_command() -> str:
 
 def run_cli(*args: object, env: dict | None = None, **keywords) -> subprocess.CompletedProcess:
     """The command's output as bytes: what reaches the terminal, before any decoding."""
-    return subprocess.run([materialize_command(), *map(str, args)], capture_output=True, timeout=300,
+    return preforked.run([materialize_command(), *map(str, args)], capture_output=True, timeout=300,
                           env={**os.environ, **(env or {})}, **keywords)
 
 

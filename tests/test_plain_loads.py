@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import materialize as mz
 from materialize.io import executor
+import preforked
 
 STATE = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16),
          "tied": torch.arange(6, dtype=torch.int64)}
@@ -66,7 +66,7 @@ def test_the_cli_check_on_a_plain_load_fails_where_a_read_is_lost(tmp_path):
         "from materialize_cli.main import main; sys.argv[0] = 'materialize'; main()"
     )
 
-    done = subprocess.run([sys.executable, "-c", losing_a_read, str(path), "--check", "--json"],
+    done = preforked.run([sys.executable, "-c", losing_a_read, str(path), "--check", "--json"],
                           capture_output=True, text=True, timeout=300)
 
     assert done.returncode == 1 and done.stdout == ""
@@ -99,11 +99,11 @@ def test_an_option_for_a_model_is_refused_without_one_and_a_model_takes_it(tmp_p
     with pytest.raises(mz.ModelRequiredError) as from_plan:
         mz.plan(None, path, **keywords)
     for command in ([], ["plan"]):
-        refused = subprocess.run([sys.executable, "-m", "materialize_cli.main", *command, str(path), *flags],
+        refused = preforked.run([sys.executable, "-m", "materialize_cli.main", *command, str(path), *flags],
                                  capture_output=True, text=True, timeout=300)
         assert refused.returncode == 2 and refused.stdout == ""
         assert words in refused.stderr and "pass a model (CLI: --model SPEC)" in refused.stderr
-    followed = subprocess.run([sys.executable, "-m", "materialize_cli.main", str(path), *flags,
+    followed = preforked.run([sys.executable, "-m", "materialize_cli.main", str(path), *flags,
                                "--model", f"{model_file}:create", "--json"], capture_output=True, text=True, timeout=300)
 
     assert str(from_load.value) == str(from_plan.value)

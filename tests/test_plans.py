@@ -18,6 +18,7 @@ from materialize.io import hostmem
 from materialize.sizes import format_bytes
 
 from conftest import DECODER_SPEC, TINY, reference_model, saved_state, tiny_skeleton, write_safetensors
+import preforked
 
 CLI = str(Path(sys.executable).parent / "materialize")
 MODEL_OPTIONS = ["--model", DECODER_SPEC, *(arg for key, value in TINY.items() for arg in ("--model-arg", f"{key}={value}"))]
@@ -31,11 +32,11 @@ AVAILABLE_NOW = "real = h.meminfo_bytes; h.meminfo_bytes = lambda *f: {nbytes} i
 
 
 def run_cli(*args: object) -> subprocess.CompletedProcess:
-    return subprocess.run([CLI, *map(str, args)], capture_output=True, text=True, timeout=300)
+    return preforked.run([CLI, *map(str, args)], capture_output=True, text=True, timeout=300)
 
 
 def run_cli_as_if(patch: str, *args: object) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", AS_IF.format(patch=patch), *map(str, args)],
+    return preforked.run([sys.executable, "-c", AS_IF.format(patch=patch), *map(str, args)],
                           capture_output=True, text=True, timeout=300)
 
 

@@ -26,6 +26,7 @@ from materialize.sources import open_url
 from tests.azure_server import ACCOUNT, AzureServer
 from tests.conftest import write_safetensors, write_sharded, write_torch
 from tests.remote_checks import same_tensors as _same, small_state as _state, upload as _upload
+import preforked
 
 pytest.importorskip("azure.identity")
 
@@ -157,14 +158,14 @@ def test_the_cli_loads_inspects_and_plans_az_in_a_subprocess(azure, environment,
     azure.put("models", "cli/model.safetensors", tmp_path / "model.safetensors")
     env = _process_env(environment)
     url = "az://models/cli/model.safetensors"
-    loaded = subprocess.run([CLI, url, "--json"], capture_output=True, text=True, env=env)
+    loaded = preforked.run([CLI, url, "--json"], capture_output=True, text=True, env=env)
     assert loaded.returncode == 0, loaded.stderr
     assert set(json.loads(loaded.stdout)["loaded"]) == set(state)
-    inspected = subprocess.run([CLI, "inspect", url, "--json"], capture_output=True, text=True, env=env)
+    inspected = preforked.run([CLI, "inspect", url, "--json"], capture_output=True, text=True, env=env)
     assert inspected.returncode == 0, inspected.stderr
     local = str(tmp_path / "model.safetensors")
     assert json.loads(inspected.stdout.replace(url, local)) == mz.inspect(local)
-    planned = subprocess.run([CLI, "plan", url, "--json"], capture_output=True, text=True, env=env)
+    planned = preforked.run([CLI, "plan", url, "--json"], capture_output=True, text=True, env=env)
     assert planned.returncode == 0, planned.stderr
     plan = json.loads(planned.stdout)
     assert plan["checkpoint"] == url and plan["read_bytes"] == sum(t.nbytes for t in state.values())
@@ -205,18 +206,18 @@ def test_no_credentials_suggest_a_public_read_and_a_sas_token_and_either_followe
     azure.put("public", "open/model.safetensors", tmp_path / "model.safetensors")
     env = _process_env(environment, without=("IDENTITY_ENDPOINT", "IDENTITY_HEADER"))  # no managed identity
     url = "az://public/open/model.safetensors"
-    refused = _one_line(subprocess.run([CLI, url], capture_output=True, text=True, env=env), url)
+    refused = _one_line(preforked.run([CLI, url], capture_output=True, text=True, env=env), url)
     assert "no Azure credentials gave a token (DefaultAzureCredential: " in refused
     assert "ManagedIdentityCredential" in refused and "Identity not found" in refused  # the stand-in's IMDS, asked
     assert "az login" in refused and "AZURE_STORAGE_SAS_TOKEN" in refused and "--no-sign-request" in refused
     before = len(azure.seen())
-    followed = subprocess.run([CLI, url, "--no-sign-request", "--json"], capture_output=True, text=True, env=env)
+    followed = preforked.run([CLI, url, "--no-sign-request", "--json"], capture_output=True, text=True, env=env)
     assert followed.returncode == 0, followed.stderr
     assert set(json.loads(followed.stdout)["loaded"]) == set(state)
     storage = [r for r in azure.seen()[before:] if not r.path.startswith("/metadata/")]
     assert storage and not any("authorization" in r.headers or "sig" in _query(r) for r in storage)
     azure.put("models", "closed/model.safetensors", tmp_path / "model.safetensors")
-    signed = subprocess.run([CLI, "az://models/closed/model.safetensors", "--json"], capture_output=True, text=True,
+    signed = preforked.run([CLI, "az://models/closed/model.safetensors", "--json"], capture_output=True, text=True,
                             env={**env, "AZURE_STORAGE_SAS_TOKEN": azure.sas_token})
     assert signed.returncode == 0, signed.stderr
 
@@ -236,7 +237,7 @@ def test_a_token_the_store_refuses_is_one_line_naming_the_blob(server, environme
     with AzureServer(server.root, issued="revoked-token", accepted={"another-token"}) as refusing:
         env = _process_env(environment, **refusing.identity_env(),
                            AZURE_STORAGE_CONNECTION_STRING=refusing.connection_string())
-        run = subprocess.run([CLI, url], capture_output=True, text=True, env=env)
+        run = preforked.run([CLI, url], capture_output=True, text=True, env=env)
     refused = _one_line(run, url)
     assert "HTTP 401 InvalidAuthenticationInfo: Server failed to authenticate the request." in refused
     assert "RequestId" not in refused and "the token was refused" in refused and "az login" in refused
@@ -291,12 +292,12 @@ def test_an_account_key_is_refused_in_one_line_and_its_hints_followed_read(azure
     url = "az://models/keyed/model.safetensors"
     keyed = azure.connection_string(AccountKey="a2V5")
     env = _process_env(environment, AZURE_STORAGE_CONNECTION_STRING=keyed)
-    refused = _one_line(subprocess.run([CLI, url], capture_output=True, text=True, env=env), url)
+    refused = _one_line(preforked.run([CLI, url], capture_output=True, text=True, env=env), url)
     assert "the AccountKey of AZURE_STORAGE_CONNECTION_STRING is not used" in refused
     assert "SharedAccessSignature=" in refused and "AZURE_STORAGE_SAS_TOKEN" in refused
     for followed in [{"AZURE_STORAGE_CONNECTION_STRING": keyed + f";SharedAccessSignature={azure.sas_token}"},
                      {"AZURE_STORAGE_SAS_TOKEN": azure.sas_token}]:
-        run = subprocess.run([CLI, url, "--json"], capture_output=True, text=True, env={**env, **followed})
+        run = preforked.run([CLI, url, "--json"], capture_output=True, text=True, env={**env, **followed})
         assert run.returncode == 0, (followed, run.stderr)
 
 

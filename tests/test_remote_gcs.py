@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -20,6 +19,7 @@ import materialize as mz
 from tests.conftest import write_safetensors, write_sharded, write_torch
 from tests.gcs_server import GcsServer
 from tests.remote_checks import same_tensors as _same, small_state as _state, upload as _upload
+import preforked
 
 pytest.importorskip("google.auth")
 pytest.importorskip("cryptography")  # makes the key that signs the JWT (recent google-auth needs it; 2.23.2 does not)
@@ -102,7 +102,7 @@ def test_the_cli_reads_gs_in_a_subprocess_with_the_standard_google_environment(g
     write_safetensors(_state(), tmp_path / "model.safetensors")
     gcs.put("models", "cli/model.safetensors", tmp_path / "model.safetensors")
     tokens = gcs.tokens_issued
-    run = subprocess.run([CLI, "gs://models/cli/model.safetensors", "--json"], capture_output=True, text=True,
+    run = preforked.run([CLI, "gs://models/cli/model.safetensors", "--json"], capture_output=True, text=True,
                          env={**os.environ, **environment})
     assert run.returncode == 0, run.stderr
     assert set(json.loads(run.stdout)["loaded"]) == set(_state())
@@ -116,12 +116,12 @@ def test_no_credentials_suggest_anonymous_reads_and_following_the_hint_reads_a_p
     gcs.put("public", "open/model.safetensors", tmp_path / "model.safetensors")
     env = {k: v for k, v in {**os.environ, **environment}.items() if k != "GOOGLE_APPLICATION_CREDENTIALS"}
     url = "gs://public/open/model.safetensors"
-    refused = subprocess.run([CLI, url], capture_output=True, text=True, env=env)
+    refused = preforked.run([CLI, url], capture_output=True, text=True, env=env)
     assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
     assert url in refused.stderr and "no Google credentials" in refused.stderr
     assert "GOOGLE_APPLICATION_CREDENTIALS" in refused.stderr and "--no-sign-request" in refused.stderr
     before = len(gcs.seen())
-    followed = subprocess.run([CLI, url, "--no-sign-request", "--json"], capture_output=True, text=True, env=env)
+    followed = preforked.run([CLI, url, "--no-sign-request", "--json"], capture_output=True, text=True, env=env)
     assert followed.returncode == 0, followed.stderr
     assert set(json.loads(followed.stdout)["loaded"]) == set(state)
     assert gcs.seen()[before:] and not any("authorization" in r.headers for r in gcs.seen()[before:])
@@ -142,7 +142,7 @@ def test_a_token_the_store_refuses_is_one_line_naming_the_object(server, environ
         key = json.loads(server.key_file.read_text())["private_key"]
         key_file = refusing.service_account_file(tmp_path / "key.json", key)
         env = {**os.environ, **environment, **refusing.env(), "GOOGLE_APPLICATION_CREDENTIALS": str(key_file)}
-        run = subprocess.run([CLI, "gs://models/creds/model.safetensors"], capture_output=True, text=True, env=env)
+        run = preforked.run([CLI, "gs://models/creds/model.safetensors"], capture_output=True, text=True, env=env)
     assert run.returncode == 1 and run.stderr.count("\n") == 1, run.stderr
     assert "gs://models/creds/model.safetensors" in run.stderr
     assert "HTTP 401 authError: Invalid Credentials" in run.stderr and "credentials were refused" in run.stderr

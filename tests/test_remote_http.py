@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from tests.conftest import (DECODER_SPEC, TINY, reference_model, run_ranks, save
                             write_torch)
 from tests.forward_proxy import ForwardProxy
 from tests.remote_servers import FaultProxy, RangeServer
+import preforked
 
 CLI = str(Path(sys.executable).parent / "materialize")
 FAST = mz.RemoteOptions(timeout=2.0, retries=3)  # a stalled request is given up on quickly in these tests
@@ -126,10 +126,10 @@ def test_the_cli_loads_and_inspects_a_url_in_a_subprocess(served):
     root, server = served
     write_safetensors(_state(), root / "model.safetensors")
     url = f"{server.url}/model.safetensors"
-    loaded = subprocess.run([CLI, url, "--json", "--connections", "2"], capture_output=True, text=True)
+    loaded = preforked.run([CLI, url, "--json", "--connections", "2"], capture_output=True, text=True)
     assert loaded.returncode == 0, loaded.stderr
     assert set(json.loads(loaded.stdout)["loaded"]) == set(_state())
-    shown = subprocess.run([CLI, "inspect", url, "--json"], capture_output=True, text=True)
+    shown = preforked.run([CLI, "inspect", url, "--json"], capture_output=True, text=True)
     assert shown.returncode == 0, shown.stderr
     assert {t["name"] for t in json.loads(shown.stdout)["tensors"]} == set(_state())
 
@@ -224,7 +224,7 @@ def test_mmap_of_a_url_is_refused_before_anything_is_read(served):
     url = f"{server.url}/model.safetensors"
     with pytest.raises(mz.CheckpointError, match="maps local files"):
         mz.load_tensors(url, mmap=True)
-    run = subprocess.run([CLI, url, "--mmap"], capture_output=True, text=True)
+    run = preforked.run([CLI, url, "--mmap"], capture_output=True, text=True)
     assert run.returncode == 2 and "leave --mmap out" in run.stderr
 
 
@@ -233,7 +233,7 @@ def _read_as_folder(url: str, folder: str, want: dict[str, torch.Tensor]) -> Non
     got, report = mz.load_tensors(url)
     _same_tensors(got, want)
     assert report.checkpoint.startswith(folder)
-    shown = subprocess.run([CLI, "inspect", url, "--json"], capture_output=True, text=True)
+    shown = preforked.run([CLI, "inspect", url, "--json"], capture_output=True, text=True)
     assert shown.returncode == 0, shown.stderr
     assert sorted(t["name"] for t in json.loads(shown.stdout)["tensors"]) == sorted(want)
 
@@ -268,7 +268,7 @@ def test_a_folder_on_a_store_that_refuses_missing_keys_is_read_by_its_files(tmp_
     want, _ = mz.load_tensors(local)
     with RangeServer(root, missing_status=403) as server:
         _read_as_folder(f"{server.url}/{written}", f"{server.url}/m/", want)
-        refused = subprocess.run([CLI, "inspect", f"{server.url}/absent"], capture_output=True, text=True)
+        refused = preforked.run([CLI, "inspect", f"{server.url}/absent"], capture_output=True, text=True)
         assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
         assert refused.stderr.startswith(f"Error: {server.url}/absent: access refused (HTTP 403)"), refused.stderr
         assert "S3 answers so for a name that is not there too" in refused.stderr
@@ -373,13 +373,13 @@ def test_a_server_wanting_a_token_says_how_to_send_one_and_sending_it_works(tmp_
     write_safetensors(state, tmp_path / "model.safetensors")
     with RangeServer(tmp_path, token="sekret") as server:
         url = f"{server.url}/model.safetensors"
-        refused = subprocess.run([CLI, url], capture_output=True, text=True)
+        refused = preforked.run([CLI, url], capture_output=True, text=True)
         assert refused.returncode == 1 and refused.stderr.count("\n") == 1
         assert "--header 'Authorization: Bearer TOKEN'" in refused.stderr
-        followed = subprocess.run([CLI, url, "--header", "Authorization: Bearer sekret", "--json"],
+        followed = preforked.run([CLI, url, "--header", "Authorization: Bearer sekret", "--json"],
                                   capture_output=True, text=True)
         assert followed.returncode == 0, followed.stderr
-        wrong = subprocess.run([CLI, url, "--header", "Authorization: Bearer nope"], capture_output=True, text=True)
+        wrong = preforked.run([CLI, url, "--header", "Authorization: Bearer nope"], capture_output=True, text=True)
         assert wrong.returncode == 1 and "credentials sent were refused" in wrong.stderr
         got, _ = mz.load_tensors(url, remote=mz.RemoteOptions(headers={"Authorization": "Bearer sekret"}))
     _same_tensors(got, state)
@@ -459,10 +459,10 @@ def test_a_proxy_wanting_credentials_says_where_to_put_them_and_putting_them_the
             mz.load_tensors(url, remote=options)
         env = {**os.environ, variable: proxy.url, **({"SSL_CERT_FILE": str(cert)} if cert else {})}
         command = [CLI, "inspect", url]
-        refused = subprocess.run(command, capture_output=True, text=True, env=env)
+        refused = preforked.run(command, capture_output=True, text=True, env=env)
         assert refused.returncode == 1 and refused.stderr.count("\n") == 1 and "407" in refused.stderr, refused.stderr
         with_credentials = proxy.url.replace("http://", "http://me:p%40ss%20word@")
-        followed = subprocess.run(command, capture_output=True, text=True, env={**env, variable: with_credentials})
+        followed = preforked.run(command, capture_output=True, text=True, env={**env, variable: with_credentials})
         assert followed.returncode == 0, followed.stderr
         assert "me:" not in followed.stdout + followed.stderr  # the credentials are the proxy's alone
         no_proxy_set.setenv(variable, with_credentials)

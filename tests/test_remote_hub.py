@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import transformers
 
 import materialize as mz
 from tests.fake_hub import FakeHub
+import preforked
 
 REPO = "tiny-org/tiny-gpt2"
 TOKEN = "hf_stream_token"
@@ -68,18 +68,18 @@ def test_inspect_and_plan_stream_only_headers(hub, repo):
 
 def test_the_cli_streams_a_repo_in_a_subprocess_and_a_missing_token_is_one_line(hub, tmp_path):
     env = {**os.environ, **hub.env(), "HF_HUB_CACHE": str(tmp_path / "cli-cache"), "HOME": str(tmp_path)}
-    run = subprocess.run([CLI, REPO, "--stream", "--json"], capture_output=True, text=True, env=env)
+    run = preforked.run([CLI, REPO, "--stream", "--json"], capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["checkpoint"].startswith(hub.endpoint)
     if hub.token:
-        refused = subprocess.run([CLI, REPO, "--stream"], capture_output=True, text=True,
+        refused = preforked.run([CLI, REPO, "--stream"], capture_output=True, text=True,
                                  env={**env, "HF_TOKEN": "", "HF_HUB_CACHE": str(tmp_path / "other-cache")})
         assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
         assert REPO in refused.stderr
 
 
 def test_stream_is_for_repo_ids_only(tmp_path):
-    run = subprocess.run([CLI, str(tmp_path), "--stream"], capture_output=True, text=True)
+    run = preforked.run([CLI, str(tmp_path), "--stream"], capture_output=True, text=True)
     assert run.returncode == 2 and "--stream reads a hub repo id" in run.stderr
 
 

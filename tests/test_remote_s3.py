@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 from functools import partial
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from tests.conftest import write_safetensors, write_sharded, write_torch
 from tests.remote_servers import FaultProxy
 from tests.s3_server import S3Server
 from tests.remote_checks import same_tensors, small_state as _state, upload as _upload
+import preforked
 
 pytest.importorskip("botocore")
 pytest.importorskip("moto")  # the dev lock's; make test-oldest has botocore's floor but no server to test against
@@ -80,7 +80,7 @@ def test_the_cli_streams_from_s3_in_a_subprocess_with_the_standard_aws_environme
     write_safetensors(_state(), tmp_path / "model.safetensors")
     aws.put("models", "cli/model.safetensors", tmp_path / "model.safetensors")
     env = {**os.environ, **aws.env()}
-    run = subprocess.run([CLI, "s3://models/cli/model.safetensors", "--json"], capture_output=True, text=True, env=env)
+    run = preforked.run([CLI, "s3://models/cli/model.safetensors", "--json"], capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr
     assert set(json.loads(run.stdout)["loaded"]) == set(_state())
 
@@ -89,7 +89,7 @@ def test_wrong_credentials_are_one_line_naming_the_object(aws, tmp_path, monkeyp
     write_safetensors(_state(), tmp_path / "model.safetensors")
     aws.put("models", "creds/model.safetensors", tmp_path / "model.safetensors")
     env = {**os.environ, **aws.env(), "AWS_SECRET_ACCESS_KEY": "not-the-secret"}
-    run = subprocess.run([CLI, "s3://models/creds/model.safetensors"], capture_output=True, text=True, env=env)
+    run = preforked.run([CLI, "s3://models/creds/model.safetensors"], capture_output=True, text=True, env=env)
     assert run.returncode == 1
     assert run.stderr.count("\n") == 1
     assert "s3://models/creds/model.safetensors" in run.stderr and "SignatureDoesNotMatch" in run.stderr
@@ -101,9 +101,9 @@ def test_no_credentials_suggest_unsigned_reads_and_following_the_hint_reads_a_pu
     aws.put("public", "open/model.safetensors", tmp_path / "model.safetensors")
     env = {k: v for k, v in {**os.environ, **aws.env()}.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
     url = "s3://public/open/model.safetensors"
-    refused = subprocess.run([CLI, url], capture_output=True, text=True, env=env)
+    refused = preforked.run([CLI, url], capture_output=True, text=True, env=env)
     assert refused.returncode == 1 and "--no-sign-request" in refused.stderr and url in refused.stderr
-    followed = subprocess.run([CLI, url, "--no-sign-request", "--json"], capture_output=True, text=True, env=env)
+    followed = preforked.run([CLI, url, "--no-sign-request", "--json"], capture_output=True, text=True, env=env)
     assert followed.returncode == 0, followed.stderr
     assert set(json.loads(followed.stdout)["loaded"]) == set(state)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from materialize.io import executor
 from materialize.sanitizer import is_poisoned, poison
 
 from conftest import reference_model, saved_state, tiny_skeleton, write_safetensors, write_torch
+import preforked
 
 CLI = str(Path(sys.executable).parent / "materialize")
 
@@ -159,8 +159,8 @@ def test_infinities_already_in_the_file_are_not_an_overflow(tmp_path):
 def test_cli_check_and_overflow_options(tmp_path):
     path = write_safetensors({"huge": torch.tensor([1e6])}, tmp_path / "m.safetensors")
 
-    refused = subprocess.run([CLI, str(path), "--dtype", "fp16"], capture_output=True, text=True)
-    allowed = subprocess.run([CLI, str(path), "--dtype", "fp16", "--allow-overflow", "--check-finite", "--json"],
+    refused = preforked.run([CLI, str(path), "--dtype", "fp16"], capture_output=True, text=True)
+    allowed = preforked.run([CLI, str(path), "--dtype", "fp16", "--allow-overflow", "--check-finite", "--json"],
                              capture_output=True, text=True)
 
     assert refused.returncode == 1

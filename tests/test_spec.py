@@ -16,6 +16,7 @@ from bench.writer import write_sharded_checkpoint
 from bench.models.transformer import DecoderLM
 
 from conftest import TINY, reference_model, saved_state, write_safetensors, write_torch
+import preforked
 
 FACTORY = "bench.models.transformer:DecoderLM"
 
@@ -185,7 +186,7 @@ def _user_project(folder: Path) -> dict[str, torch.Tensor]:
 
 def _cli(*args: object, cwd: Path) -> subprocess.CompletedProcess:
     cli = Path(sys.executable).parent / "materialize"
-    return subprocess.run([str(cli), *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=300)
+    return preforked.run([str(cli), *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=300)
 
 
 def test_a_model_in_a_python_file_loads_through_the_cli_from_its_own_folder(tmp_path):

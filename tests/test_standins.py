@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import materialize as mz
+import preforked
 
 CLI = str(Path(sys.executable).parent / "materialize")
 MARKER_ENV = "MATERIALIZE_TEST_MARKER"
@@ -257,7 +258,7 @@ def test_the_cli_loads_a_checkpoint_with_a_namespace(tmp_path):
     path = tmp_path / "research.pt"
     torch.save({"args": argparse.Namespace(lr=0.1), "model": weights}, path)
 
-    done = subprocess.run([CLI, str(path), "--json"], capture_output=True, text=True)
+    done = preforked.run([CLI, str(path), "--json"], capture_output=True, text=True)
 
     assert done.returncode == 0, done.stderr
     assert sorted(json.loads(done.stdout)["loaded"]) == ["fc.bias", "fc.weight"]

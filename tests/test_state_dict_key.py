@@ -28,6 +28,7 @@ from torch import nn
 import materialize as mz
 from test_differential import compare_models
 from vision import import_torchvision, pythonpath_with_shim
+import preforked
 
 CLI = str(Path(sys.executable).parent / "materialize")
 
@@ -149,7 +150,7 @@ def test_every_way_in_takes_the_key(timm, timm_checkpoint, tmp_path):
 
 
 def cli(*args: object, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([CLI, *map(str, args)], capture_output=True, text=True, env=env, timeout=300)
+    return preforked.run([CLI, *map(str, args)], capture_output=True, text=True, env=env, timeout=300)
 
 
 def test_the_cli_refuses_in_one_line_and_the_flag_it_offers_loads_each_copy(timm, timm_checkpoint, tmp_path):

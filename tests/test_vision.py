@@ -21,6 +21,7 @@ import torch
 import materialize as mz
 from test_differential import Case, compare_models, differences
 from vision import compiled_ops_load, import_torchvision, pythonpath_with_shim, pythonpath_without_shim
+import preforked
 
 if import_torchvision() is None:
     pytest.skip("torchvision is not installed (make test-oldest's venvs)", allow_module_level=True)
@@ -102,7 +103,7 @@ def test_a_bf16_checkpoint_gives_a_bf16_timm_model_whose_forward_runs(tmp_path):
 
 
 def cli(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([CLI, *args], capture_output=True, text=True, env=env, timeout=300)
+    return preforked.run([CLI, *args], capture_output=True, text=True, env=env, timeout=300)
 
 
 def test_a_new_head_from_the_cli_is_initialized_by_its_module_and_reported(tmp_path):

@@ -11,6 +11,7 @@ runs in a child process of its own, as every fuzz target does.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import signal
 import sys
@@ -88,6 +89,12 @@ def touches_quadratically(data: bytes) -> None:  # 144 MiB for 3 MB, where the l
     _touch(int(MIB_PER_MB * _mb(data) ** 2 * MB))
 
 
+def spins_quadratically(data: bytes) -> None:  # 9 s of CPU for 3 MB, where the limit is 3.5 s
+    end = time.process_time() + SECONDS_PER_MB * _mb(data) ** 2
+    while time.process_time() < end:
+        pass
+
+
 def seeded(data: bytes) -> None:
     if data == b"seed-hang":
         while True:
@@ -104,13 +111,14 @@ HOG_ONCE = Probe("probe_hog", probe, st.sampled_from([b"fine", b"hog"]))
 PRINTED = Probe("probe_printed", probe, st.sampled_from([b"fine", b"finalizer", b"print"]))
 SLEEP_LINEAR = Probe("probe_sleeplinear", sleeps_linearly, _SIZES)
 SLEEP_SQUARE = Probe("probe_sleepsquare", sleeps_quadratically, _SIZES)
+SPIN_SQUARE = Probe("probe_spinsquare", spins_quadratically, _SIZES)
 TOUCH_LINEAR = Probe("probe_touchlinear", touches_linearly, _SIZES)
 TOUCH_SQUARE = Probe("probe_touchsquare", touches_quadratically, _SIZES)
 SEEDED = Probe("probe_seeded", seeded, st.just(b"drawn"),
                seeds=(lambda: b"seed-0", lambda: b"seed-hang", lambda: b"seed-2"))
 PROBES = {probe.name: f"{__name__}:{attr}"
           for probe, attr in ((HANG, "HANG"), (DIE, "DIE"), (ALLOC, "ALLOC"), (HOG_ONCE, "HOG_ONCE"), (PRINTED, "PRINTED"),
-                              (SLEEP_LINEAR, "SLEEP_LINEAR"), (SLEEP_SQUARE, "SLEEP_SQUARE"),
+                              (SLEEP_LINEAR, "SLEEP_LINEAR"), (SLEEP_SQUARE, "SLEEP_SQUARE"), (SPIN_SQUARE, "SPIN_SQUARE"),
                               (TOUCH_LINEAR, "TOUCH_LINEAR"), (TOUCH_SQUARE, "TOUCH_SQUARE"), (SEEDED, "SEEDED"))}
 
 LIMITS = fuzz_run.Limits(input_seconds=0.5, memory_mb=1024, input_memory_mb=128)
@@ -220,6 +228,21 @@ def test_time_in_proportion_to_the_input_passes_and_time_in_its_square_is_a_hang
     assert square.hangs and not square.deaths and not square.errors and square.failures == 0
     hang = square.hangs[0]
     assert len(hang.data) == 3 * MB and "3.5 s (the limit of its 3.00 MB)" in hang.detail
+
+
+def test_under_cpu_time_limits_waiting_counts_only_past_its_wall_clock_cap_and_spinning_past_the_limit_is_a_hang(
+        tmp_path, capsys):
+    by_cpu = dataclasses.replace(PROPORTIONAL, cpu_time=True)
+    waits = tmp_path / "probe_sleepsquare-0.bin"
+    waits.write_bytes(b"x" * (2 * MB))  # 4 s asleep: past its 2.5 s limit, within four times it
+
+    assert fuzz_run.replay([str(waits)], limits=by_cpu, cases=PROBES) == 0, capsys.readouterr().out
+    assert fuzz_run.replay([str(waits)], limits=PROPORTIONAL, cases=PROBES) == 1  # wall-clock limits: a hang
+    spins = fuzz_run.fuzz_case(PROBES["probe_spinsquare"], 120, limits=by_cpu, directory=tmp_path, max_examples=8,
+                               seed=0, restart=False)
+
+    assert spins.hangs and not spins.deaths and not spins.errors and spins.failures == 0, spins
+    assert len(spins.hangs[0].data) == 3 * MB and "3.5 s of CPU time (the limit of its 3.00 MB)" in spins.hangs[0].detail
 
 
 def test_memory_in_proportion_to_the_input_passes_and_memory_in_its_square_is_kept(tmp_path):

@@ -88,7 +88,7 @@ test: $(STAMP)
 	$(PYTEST) -m "not long"
 
 test-all: $(STAMP)
-	PREFORKED=0 $(PYTEST)
+	export PREFORKED=0; $(PYTEST)
 
 # pytest's exit 5 (no test selected: a slice can hold none) is a pass here
 test-long: $(STAMP)

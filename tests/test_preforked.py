@@ -16,6 +16,13 @@ import pytest
 import preforked
 from test_cli import materialize_command, write_small_safetensors
 
+@pytest.fixture(autouse=True)
+def forking_on(monkeypatch):
+    """These tests hold the fork itself to a real process, so they fork even where the run asks for real
+    processes everywhere (make test-all's PREFORKED=0); the test of that switch sets it again."""
+    monkeypatch.setenv("PREFORKED", "1")
+
+
 PROGRAMS = {
     "output on both streams": 'print("out"); print("err", file=sys.stderr); print("é ✓")',
     "an exit status": "sys.exit(3)",

@@ -89,17 +89,17 @@ def start(
     argv = [os.fspath(a) if isinstance(a, os.PathLike) else str(a) for a in argv]
     environment = dict(os.environ if env is None else env)
     directory = os.fspath(cwd) if cwd is not None else os.getcwd()
-    why = _why_real(argv, environment)
+    command = _parsed(argv)
+    why = _why_real(command, argv, environment)
     if why is not None:
         if os.environ.get("PREFORKED_LOG"):  # where the suite runs real processes, and why (docs/testing.md)
             with open(os.environ["PREFORKED_LOG"], "a") as log:
                 log.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}: {why}\n")
         return RealProcess(argv, directory, environment, input, text, stderr_to_stdout)
-    command = _parsed(argv)
     return ForkedProcess(argv, command, directory, environment, input, text, stderr_to_stdout)
 
 
-def _why_real(argv: list[str], environment: dict) -> Optional[str]:
+def _why_real(command: Optional[tuple[str, str, list[str]]], argv: list[str], environment: dict) -> Optional[str]:
     """Why the command must run as a real process; None where a fork gives what a real one would."""
     if not enabled():
         return "PREFORKED=0"
@@ -111,7 +111,7 @@ def _why_real(argv: list[str], environment: dict) -> Optional[str]:
         # (transformers imports a torchvision it can see)
         if any(Path(folder).glob("*.dist-info")) or any(Path(folder).glob("*.egg-info")):
             return f"PYTHONPATH holds installed packages ({folder})"
-    if _parsed(argv) is None:
+    if command is None:
         return f"not a Python command a fork can start: {argv[:2]}"
     return None
 
@@ -134,7 +134,7 @@ def _parsed(argv: list[str]) -> Optional[tuple[str, str, list[str]]]:
 
 def _same_file(a: str, b: str) -> bool:
     try:
-        return os.path.samefile(a, b) or os.path.realpath(a) == os.path.realpath(b)
+        return os.path.samefile(a, b)
     except OSError:
         return False
 

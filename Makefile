@@ -17,7 +17,9 @@
 #                    (meta_init, accelerate's init_empty_weights, torch.device("meta"), deferred_init)
 #   make bench-remote  the 1.9 GB checkpoint streamed from nginx (http://) and a moto S3 server (s3://) on loopback,
 #                      against the local file and Run:ai's Model Streamer (needs nginx: apt-get install nginx-light)
-#   make zoo    every transformers class of the auto mappings (tiny configs), timm family and torchvision builder
+#   make zoo    every transformers class of the auto mappings (tiny configs), timm family, torchvision builder,
+#               diffusers model, peft tuner, torch.nn/torch.ao.nn class (flags, parametrizations), torch.linalg
+#               function in a constructor and kind of load code
 #               under the deferred and load oracles, one worker process per ZOO_WORKERS (default 1), each case
 #               under ZOO_CASE_SECONDS; resumable (data/zoo/results.jsonl); writes docs/zoo.md and adds what
 #               failed to tests/zoo_failed.txt, which make test runs beside a sample (ZOO_SEED, ZOO_SAMPLE)

@@ -49,11 +49,12 @@ from .report import Report
 from .sanitizer import audit_plain, nonfinite, poison
 from .skeleton.deferred import program_of
 from .skeleton.hfbuild import HF_SPEC_PREFIX, build_hf, is_hf_folder, is_transformers_folder
-from .skeleton.meta import buffer_like, parameter_like
+from .skeleton.meta import buffer_like, is_lazy, parameter_like
 from .skeleton.modtree import named_modules
+from .skeleton.plainattrs import plain_meta_tensors, remake_views, replaced_storages
 from .skeleton.spec import ModelSpec, build, build_recorded
 from .integrations.sharded import is_dtensor, shard_spec
-from .io.replay import replay, shard_box
+from .io.replay import allocated_together, replay, shard_box
 from .io.transfer import resolve_device
 from .io.shared import SharedSpan, shared_spans
 
@@ -449,7 +450,8 @@ def materialize(model: nn.Module, *, device: Optional[DeviceLike] = None) -> nn.
     trained from scratch, no checkpoint.
 
     Each tensor is allocated once, in the dtype the model has now (``.half()`` after construction takes
-    effect), with the strides eager construction gives it; ties stay one tensor; parameters keep their
+    effect), with the strides eager construction gives it (tensors it made as views of one storage, as
+    ``torch.triu_indices``' rows and columns, share one again); ties stay one tensor; parameters keep their
     class, attributes and ``requires_grad``. A DTensor (a model sharded on meta by FSDP2 or tensor
     parallel) gets this rank's box of the eager values, on its mesh's device. Tensors already real are moved
     to ``device`` as they are. Returns ``model``, filled in place.
@@ -462,6 +464,7 @@ def materialize(model: nn.Module, *, device: Optional[DeviceLike] = None) -> nn.
     made: dict[int, torch.Tensor] = {}  # id of the model's tensor -> its replacement (ties: one)
     targets: dict[str, Any] = {}
     slots = []
+    pending: list[tuple[str, torch.Tensor]] = []  # (name, tensor) of those allocated whole on the target
     for prefix, module in named_modules(model):
         for registry in ("_parameters", "_buffers"):
             for attr, tensor in getattr(module, registry).items():
@@ -470,6 +473,10 @@ def materialize(model: nn.Module, *, device: Optional[DeviceLike] = None) -> nn.
                 name = f"{prefix}.{attr}" if prefix else attr
                 slots.append((module, registry, attr, tensor))
                 if id(tensor) in made:
+                    continue
+                if is_lazy(tensor):  # a lazy module's, shaped by its first forward: as uninitialized on target
+                    made[id(tensor)] = tensor if tensor.device == target else type(tensor)(
+                        requires_grad=tensor.requires_grad, device=target, dtype=tensor.dtype)
                     continue
                 if not tensor.is_meta and not is_dtensor(tensor):
                     made[id(tensor)] = tensor.to(target)
@@ -480,18 +487,25 @@ def materialize(model: nn.Module, *, device: Optional[DeviceLike] = None) -> nn.
                     targets[name] = shard_box(local, spec)
                     made[id(tensor)] = spec.wrap(local)
                 else:
-                    made[id(tensor)] = targets[name] = empty_destination(
-                        tuple(tensor.shape), dtype=tensor.dtype, device=target, name=name, stride=tuple(tensor.stride()))
+                    pending.append((name, tensor))
+    together = allocated_together(program, pending, target)  # tensors eager construction made in one storage
+    for name, tensor in pending:
+        made[id(tensor)] = targets[name] = together[name] if name in together else empty_destination(
+            tuple(tensor.shape), dtype=tensor.dtype, device=target, name=name, stride=tuple(tensor.stride()))
+    plain = plain_meta_tensors(named_modules(model, remove_duplicate=False))
     replay(program, targets, target)
     registered: dict[tuple[str, int], torch.Tensor] = {}  # (registry, id of the model's tensor) -> what it holds now
     for module, registry, attr, tensor in slots:
         key = (registry, id(tensor))
         if key not in registered:
             value = made[id(tensor)]
-            if value is not tensor:  # keeps the model's class and attributes, as load_state_dict keeps its objects
+            if value is not tensor and not is_lazy(value):  # keeps the model's class and attributes, as load_state_dict keeps its objects
                 value = (parameter_like(tensor, value, tensor.requires_grad) if registry == "_parameters"
                          else buffer_like(tensor, value))
             registered[key] = value
         getattr(module, registry)[attr] = registered[key]
+    if plain:  # views of parameters kept as plain attributes, and tensors such as a prompt's token ids
+        remake_views(plain, replaced_storages((tensor, getattr(module, registry)[attr])
+                                              for module, registry, attr, tensor in slots), program=program, device=target)
     refresh_flat_weights(model)
     return model

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import time
+import weakref
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
@@ -23,11 +24,13 @@ from .sources.remotepath import is_remote
 from .integrations.devicemap import DeviceMapLike, Placement, compute_device_map
 from .dtypes import dtype_name, parse_dtype
 from .checkpoint.pieces import Job
+from .checkpoint.setstates import refuse_setstate_values_elsewhere, setstates_again
 from .errors import AllocationError, CheckpointError, InitError, MaterializeError, SanitizerError, summarize_names
 from .planning.extrastate import extra_state_reads, hand_over
 from .planning.loadruns import VALUES_BUDGET, load_code_reads, run_load_code
 from .io.executor import Reads, reads
 from .io.replay import ReplayInit
+from .io.checkedinit import CheckedInit
 from .skeleton.deferred import program_of
 from .gcpause import gc_paused
 from .integrations.hub import looks_like_repo_id
@@ -40,6 +43,7 @@ from .io.peak import LOAD_SAMPLE_SECONDS, PeakMemory
 from .checkpoint.base import contiguous_strides
 from .skeleton.meta import buffer_like, fresh_parameter_like, is_lazy, parameter_like, shared_memory_asked
 from .skeleton.modtree import modules_of, one_walk
+from .skeleton.plainattrs import remake_views, replaced_storages
 from .planning.plan import Entry, InitFn, Plan, initializer_of, make_plan, raise_for_mismatch
 from .options import DtypeRule, IgnoreUnexpected, PlanOptions, ProgressFn, ReadOptions, Tolerated, unexpected_to_ignore
 from .progress import ProgressLike, counted, report_phase, takes_progress
@@ -85,7 +89,7 @@ def _model_defaults(
     options = dataclasses.replace(
         options,
         key_map=options.key_map if options.key_map is not None else hf_key_map(model),
-        init=options.init if options.init is not None else hf_init(model),
+        init=options.init if options.init is not None else CheckedInit(model, hf_init(model)),
     )
     return options, hf_dtype_rule(model), hf_tolerated(model).also_unexpected(options.ignore_unexpected)
 
@@ -223,7 +227,11 @@ def load(
         with walk:
             the_plan, options, placement = planned(model, ckpt, options)
         report_phase(progress, f"loading {counted(len(the_plan.of('load')), 'tensor')}")
+        if ckpt.module is not None and model is not ckpt.module:
+            refuse_setstate_values_elsewhere(ckpt.module, ckpt.path)  # values only the pickled module's code makes
         report = execute(the_plan, ckpt, read, init=options.init)
+        if model is ckpt.module:  # its own __setstate__ that changed its tensors as torch.load gives them, again
+            setstates_again(model, ckpt.path)
     if is_hf_model(model):
         mark_loaded(model, report.loaded)
         if report.untied:
@@ -245,13 +253,31 @@ def refresh_flat_weights(model: nn.Module) -> None:
     torch refreshes it wherever it replaces them (``_apply``), and so do a load and ``materialize``."""
     for module in modules_of(model):  # torch's walk costs a generator per level, a model of experts many
         if isinstance(module, nn.RNNBase):
-            module._init_flat_weights()
+            _refresh_flat_weights_of_rnn(module)
 
 
 def refresh_flat_weights_of(plan: Plan) -> None:
     """:func:`refresh_flat_weights` for the RNNs whose tensors a load replaced: those owning one of its entries."""
     for module in plan.rnn_modules:
-        module._init_flat_weights()
+        _refresh_flat_weights_of_rnn(module)
+
+
+def _refresh_flat_weights_of_rnn(module: nn.RNNBase) -> None:
+    """torch's ``_init_flat_weights``, but a weight under a one-tensor parametrization (``spectral_norm``,
+    ``orthogonal``) is listed as its ``original``, the very tensor eager construction's list holds (registering
+    the parametrization moves the weight there): ``getattr`` would compute the parametrization instead, and in
+    training mode ``spectral_norm``'s power iteration would move its ``_u``/``_v`` past the file's."""
+    parametrizations = module.__dict__.get("_modules", {}).get("parametrizations")
+    weights = []
+    for name in module._flat_weights_names:
+        held = parametrizations[name] if parametrizations is not None and name in parametrizations else None
+        if held is not None and hasattr(held, "original"):
+            weights.append(held.original)
+        else:  # weight_norm's two originals: eager's list keeps a tensor no longer in the model (docs/limits.md)
+            weights.append(getattr(module, name) if hasattr(module, name) else None)
+    module._flat_weights = weights
+    module._flat_weight_refs = [weakref.ref(weight) if weight is not None else None for weight in weights]
+    module.flatten_parameters()
 
 
 def chosen_device(model: nn.Module, device_map: Optional[DeviceMapLike] = None) -> torch.device:
@@ -402,6 +428,7 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
 
     devices_written = {the_plan.device, *(entry.device for entry in the_plan.entries)}  # a device map's, a mesh's
     in_place: list[str] = []  # the model's own tensors, once the reads into them have begun
+    replayed: list[str] = []  # initialized by replaying a module's recorded construction
     grad_mode = torch.is_grad_enabled()  # the caller's, in which load_state_dict would run the model's load code
     with PeakMemory(devices_written, sample_seconds=LOAD_SAMPLE_SECONDS) as memory, torch.no_grad():
         try:
@@ -422,6 +449,8 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
             fed_jobs, fed_values = load_code_reads(the_plan)
             if isinstance(init, ReplayInit):
                 init.fill(the_plan)
+            elif isinstance(init, CheckedInit):  # transformers' _init_weights, what it leaves unwritten made or refused
+                replayed = init.fill(the_plan)
             else:
                 for _, module in the_plan.init_modules:
                     if init is not None:
@@ -455,6 +484,10 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
             if isinstance(error, AllocationError) and error.tensor is not None:
                 with_whole_load(error, *_needs_where(the_plan, error.tensor, mmap, staging_bytes), placeable=True)
             raise
+    if the_plan.plain_on_meta:  # views of parameters kept as plain attributes: over the tensors now held
+        remake_views(the_plan.plain_on_meta, replaced_storages(
+            (entry.original, tensor) for entry, tensor in zip(the_plan.entries, held)),
+            program=init.program if isinstance(init, ReplayInit) else None, device=the_plan.device)
     names_by_action: dict[str, list[str]] = {"load": [], "init": [], "keep": [], "code": []}
     for entry in the_plan.entries:  # one pass, not one per action
         names_by_action[entry.action].append(entry.names[0])  # entry.name, less its property call
@@ -463,7 +496,7 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
         bytes_received=reader.bytes_received, rank_share=bool(the_plan.shard_specs),
         loaded=names_by_action["load"],
         initialized=names_by_action["init"],
-        replayed=list(names_by_action["init"]) if isinstance(init, ReplayInit) else [],
+        replayed=list(names_by_action["init"]) if isinstance(init, ReplayInit) else replayed,
         kept=names_by_action["keep"],
         missing=list(the_plan.missing),
         unexpected=list(the_plan.unexpected),

@@ -144,3 +144,16 @@ def test_a_plan_for_a_gpu_without_room_is_an_error_and_a_device_map_within_its_f
     assert "device_map='auto' (CLI: --device-map auto)" in str(caught.value)
     assert all(memory["fits"] is not False for memory in spread.fits.values())
     assert report.bytes_by_device == spread.bytes_by_device
+
+
+def test_a_recorded_lazy_module_is_materialized_on_the_gpu_still_lazy():
+    # .to(device) of an uninitialized parameter gives a plain tensor of shape (0,): it must stay lazy there.
+    from torch import nn
+
+    model = mz.deferred_init(lambda: nn.Sequential(nn.LazyLinear(3), nn.Linear(3, 2)))
+    mz.materialize(model, device="cuda")
+
+    assert isinstance(model[0].weight, nn.parameter.UninitializedParameter)
+    assert model[0].weight.device.type == "cuda" and model[1].weight.device.type == "cuda"
+    out = model(torch.randn(2, 5, device="cuda"))  # the first forward shapes it, on the GPU
+    assert out.shape == (2, 2) and model[0].weight.shape == (3, 5)

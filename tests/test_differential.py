@@ -1026,7 +1026,7 @@ def short(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         if value.is_meta:
             return f"<meta {tuple(value.shape)} {value.dtype}>"
-        flat = plain(value).flatten()[:4].tolist()
+        flat = plain(value.dequantize() if value.is_quantized else value).flatten()[:4].tolist()
         return f"<{type(value).__name__} {tuple(value.shape)} {value.dtype} {flat}...>"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k!r}: {short(v)}" for k, v in value.items()) + "}"
@@ -1106,11 +1106,25 @@ def compare_models(got: nn.Module, ref: nn.Module, *, skip_bits: frozenset = fro
                              f"mz={short(gs.get(key, '<absent>'))} ref={short(rs.get(key, '<absent>'))}")
         module = got_m[mname]
         if isinstance(module, nn.RNNBase) and not metadata_only:
-            stale = [w for w, t in zip(module._flat_weights_names, module._flat_weights) if t is not getattr(module, w)]
+            ref_module = ref_m[mname]
+            stale = [w for w, t, r in zip(module._flat_weights_names, module._flat_weights, ref_module._flat_weights)
+                     if _flat_weight_role(module, w, t) != _flat_weight_role(ref_module, w, r)]
             if stale:
                 diffs.append(f"module '{mname}' ({type(module).__name__}): _flat_weights hold stale tensors for {stale} "
                              "(not the module's current parameters)")
     return diffs
+
+
+def _flat_weight_role(module: nn.Module, name: str, tensor: Any) -> str:
+    """What an RNN's list of weights holds under a name: its parameter, the ``original`` of the parametrization on
+    it (eager construction's list keeps that one, not the computed weight), or another tensor."""
+    if tensor is module._parameters.get(name):
+        return "parameter"
+    parametrizations = module._modules.get("parametrizations")
+    if parametrizations is not None and name in parametrizations \
+            and tensor is getattr(parametrizations[name], "original", None):
+        return "original"
+    return "other"
 
 
 def flat_outputs(value: Any) -> list[torch.Tensor]:

@@ -361,11 +361,17 @@ def test_a_constructor_that_runs_a_forward_on_real_zeros_builds_and_loads(tmp_pa
     assert torch.equal(model(inputs), source(inputs))
 
 
-def test_a_constructor_asking_a_meta_tensors_value_is_one_clear_error(tmp_path):
-    from torch.nn.utils import parametrizations
+class _ChecksItsWeight(nn.Linear):
+    """A constructor that asks its weight's values (torch's orthogonal parametrization once did, see below)."""
 
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self.symmetric = torch.allclose(self.weight, self.weight.T)
+
+
+def test_a_constructor_asking_a_meta_tensors_value_is_one_clear_error(tmp_path):
     with pytest.raises(mz.MetaInitError) as caught, mz.meta_init():
-        parametrizations.orthogonal(nn.Linear(4, 4))  # checks whether the weight is orthogonal already
+        _ChecksItsWeight()
 
     assert isinstance(caught.value, RuntimeError)  # what code catching torch's own error expects
     assert "allclose() asks for the value of a tensor on meta" in str(caught.value)
@@ -381,10 +387,11 @@ def test_the_cli_says_which_op_of_a_model_asked_a_meta_tensors_value(tmp_path):
     from test_cli import materialize_command
 
     (tmp_path / "orthogonal_model.py").write_text(
-        "from torch import nn\nfrom torch.nn.utils import parametrizations\n\n"
-        "def build():\n    return parametrizations.orthogonal(nn.Linear(4, 4))\n", encoding="utf-8")
+        "import torch\nfrom torch import nn\n\n"
+        "def build():\n    layer = nn.Linear(4, 4)\n    layer.symmetric = torch.allclose(layer.weight, layer.weight.T)\n"
+        "    return layer\n", encoding="utf-8")
     path = tmp_path / "m.safetensors"
-    save_file({"bias": torch.zeros(4), "parametrizations.weight.original": torch.eye(4)}, str(path))
+    save_file({"bias": torch.zeros(4), "weight": torch.eye(4)}, str(path))
     environment = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
 
     result = preforked.run([materialize_command(), str(path), "--model", "orthogonal_model:build"],
@@ -393,6 +400,44 @@ def test_the_cli_says_which_op_of_a_model_asked_a_meta_tensors_value(tmp_path):
     assert result.returncode == 1
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: ") and "meta_init" in lines[0] and "allclose()" in lines[0]
+
+
+def _orthogonal_linear(shape: tuple[int, int], **options) -> nn.Module:
+    from torch.nn.utils import parametrizations
+
+    torch.manual_seed(0)
+    return parametrizations.orthogonal(nn.Linear(*shape), **options)
+
+
+@pytest.mark.parametrize("options", [{}, {"orthogonal_map": "cayley"}, {"orthogonal_map": "householder"},
+                                     {"use_trivialization": False, "orthogonal_map": "householder"}],
+                         ids=["default", "cayley", "householder", "householder-untrivialized"])
+@pytest.mark.parametrize("shape", [(5, 5), (4, 6), (6, 4)], ids=lambda shape: "x".join(map(str, shape)))
+def test_an_orthogonal_parametrization_builds_on_meta_and_loads_as_torch_loads_it(tmp_path, shape, options):
+    # Its registration computes a `base` from the weight's values: a square weight's check asked a value (an
+    # error), a non-square weight's completion had no meta kernel, whose NotImplementedError torch takes for
+    # "no inverse", leaving `base` None and the checkpoint's `base` called unexpected.
+    source = _orthogonal_linear(shape, **options)
+    torch.save(source.state_dict(), tmp_path / "orthogonal.pt")
+    reference = _orthogonal_linear(shape, **options)
+    reference.load_state_dict(torch.load(tmp_path / "orthogonal.pt"))
+    with mz.meta_init():
+        model = _orthogonal_linear(shape, **options)
+
+    report = mz.load(model, tmp_path / "orthogonal.pt")
+
+    assert report.missing == [] and report.unexpected == []
+    expected = reference.state_dict()
+    assert list(model.state_dict()) == list(expected)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, expected[name]) and value.dtype == expected[name].dtype, name
+        assert value.stride() == expected[name].stride(), name  # base: column-major, as the QR lays it out
+    assert torch.equal(model.weight, reference.weight)
+    x = torch.randn(3, shape[0])  # in_features
+    assert torch.equal(model(x), reference(x))
+    from torch.nn.utils import parametrizations
+
+    assert parametrizations._Orthogonal.right_inverse.__qualname__ == "_Orthogonal.right_inverse"  # torch's again
 
 
 class _AttributesInConstructor(nn.Module):
@@ -444,3 +489,40 @@ def test_a_parameter_subclass_keeps_what_its_constructor_was_given_through_meta_
 
     assert type(model.gate) is _TaggedParameter and model.gate.tag == "gate"
     assert torch.equal(model.gate, torch.arange(3.0))
+
+
+class _AsksNonzero(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.kept = torch.nonzero(self.lin.weight > 0)  # as peft's SHiRA and FRoD pick their entries
+
+
+def test_an_op_with_no_meta_kernel_is_one_clear_error_naming_it():
+    # It escaped as torch's raw NotImplementedError.
+    with pytest.raises(mz.MetaInitError, match=r"^building a model under meta_init: nonzero\(\) has no kernel for "
+                                               r"tensors on meta .*build that module outside meta_init") as caught:
+        with mz.meta_init():
+            _AsksNonzero()
+
+    assert isinstance(caught.value, NotImplementedError)  # what torch's own fallbacks catch, still
+
+
+def test_torch_code_that_takes_no_meta_kernel_for_no_inverse_still_does():
+    # A parametrization whose right_inverse has no meta kernel is registered as torch registers one without an
+    # inverse (the load then fills `original` from the checkpoint).
+    from torch.nn.utils import parametrize
+
+    class _Inverse(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        def right_inverse(self, x: torch.Tensor) -> torch.Tensor:
+            return x[torch.nonzero(x > 0)[:, 0]].new_empty(x.shape).copy_(x / 2)
+
+    with mz.meta_init():
+        layer = nn.Linear(3, 3)
+        parametrize.register_parametrization(layer, "weight", _Inverse())
+
+    assert layer.parametrizations.weight.original.is_meta
+    assert tuple(layer.parametrizations.weight.original.shape) == (3, 3)

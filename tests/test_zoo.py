@@ -55,3 +55,13 @@ def test_the_sample_is_drawn_from_every_library_and_both_oracles_over_the_zoo():
     assert libraries == set(LIBRARIES_HERE)
     assert {c.split("/")[1] for c in cases} == {"deferred", "load"}
     assert len({c.split("/")[2] for c in cases if c.startswith("hf/")}) > 400  # every class of the auto mappings
+
+
+def test_each_library_has_an_equal_share_of_the_draw_however_few_its_cases(monkeypatch):
+    monkeypatch.setenv("ZOO_SAMPLE", "6")
+    cases = [f"large/deferred/{number}" for number in range(1000)] + ["small/load/a", "small/load/b", "small/load/c"]
+
+    drawn = sample.sample(cases, ["small/load/a", "gone/load/x"])
+
+    assert len(drawn) == 6 and len(set(drawn)) == 6
+    assert sorted(c for c in drawn if c.startswith("small/")) == ["small/load/a", "small/load/b", "small/load/c"]

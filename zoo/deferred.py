@@ -54,7 +54,8 @@ def is_transformers_model(model: nn.Module) -> bool:
 def half_of(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every other tensor of the state dict, each tie once, as a save tool writes them."""
     tied_later = {name for group in tie_groups(model) for name in sorted(group)[1:]}
-    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items() if k not in tied_later}
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()
+             if k not in tied_later and isinstance(v, torch.Tensor) and not v.is_quantized}  # what safetensors holds
     return {k: state[k] for k in sorted(state)[::2]}
 
 

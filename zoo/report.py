@@ -30,6 +30,7 @@ _QUOTED = re.compile(r"'[^']*'")
 
 def cause(text: str) -> str:
     """What a difference or an error says, without the names and values that vary from case to case."""
+    text = re.sub(r"/[^\s:']*/", "", text)  # a scratch folder's path: the same cause in every case
     match = _NAME.match(text)
     if match:
         stage = match.group(1) or ""
@@ -44,7 +45,6 @@ def cause(text: str) -> str:
             what = f"__dict__ differs in {keys}"
         what = _NUMBER.sub("N", what)
         return f"{stage}{subject}: {what}"[:200]
-    text = re.sub(r"/[^\s:']*/", "", text)  # a scratch folder's path: the same cause in every case
     text = re.sub(r"^\w+ builds at no tiny level: ", "no tiny level builds: ", text)  # one row per error, not per class
     text = _QUOTED.sub("'…'", _NUMBER.sub("N", text))
     return text[:160]
@@ -70,7 +70,7 @@ def _versions() -> str:
     except ImportError:
         pass
     found = []
-    for package in ("torch", "transformers", "timm", "torchvision"):
+    for package in ("torch", "transformers", "timm", "torchvision", "peft", "diffusers"):
         try:
             found.append(f"{package} {importlib.import_module(package).__version__}")
         except Exception:
@@ -97,6 +97,27 @@ def render(results: dict[str, dict[str, Any]]) -> str:
         "  the usual arguments; for timm and torchvision, `mz.build(\"timm:NAME\")` + `mz.load(model, file)`",
         "  equals the eager model given the same file by `load_state_dict`, then a forward.",
         "",
+        "peft and diffusers are two more libraries, their cases listed by the libraries too:",
+        "",
+        "- **peft**: every tuner type peft registers (its `PeftType`s and their config classes:",
+        "  `zoo/peft_cases.py`) on a tiny `LlamaForCausalLM`, its config the class's defaults with what rules",
+        "  over field names make tiny (ranks, block and group sizes, frequencies) or give where the tuner asks",
+        "  (virtual tokens, token indices, a step count, the LoRA adapters X-LoRA mixes), the target modules",
+        "  peft picks for a Llama. **deferred**: `mz.deferred_init(lambda: get_peft_model(base(), config))`",
+        "  as above. **load**, three ways a user loads one: `TYPE/adapter`, the base saved with",
+        "  `save_pretrained` and the adapter with peft's, `mz.load_model` of the base then",
+        "  `PeftModel.from_pretrained` against `from_pretrained` then the same; `TYPE/whole`, the adapted model",
+        "  built under `mz.meta_init()` given its whole state by `mz.load` against eager + `load_state_dict`;",
+        "  `TYPE/merged`, `merge_and_unload()` saved, `mz.load_model` against `from_pretrained` (skipped where",
+        "  the tuner does not merge). Each compares every tensor and a forward on a tiny input.",
+        "- **diffusers**: every class diffusers exports that subclasses `ModelMixin` (`zoo/diffusers_cases.py`),",
+        "  its config the constructor's defaults shrunk by `zoo/tiny.py`'s rules and a few of diffusers' own",
+        "  (group norms' groups, layers per block, rotary axes adding up to the head dim, widths by size).",
+        "  **deferred** as above; **load**: `save_pretrained` (one of four variants by a stable hash: sharded",
+        "  or not, safetensors or `.bin`), then the model built under `mz.meta_init()` from the saved config",
+        "  and given the folder by `mz.load` (`mz.load_model` builds transformers models only) against",
+        "  `Class.from_pretrained(folder)`, then a forward where the class takes the usual arguments.",
+        "",
         "Transformers classes are built from a tiny config made from the config class's defaults by rules over",
         "attribute names (`zoo/tiny.py`: widths, layers, heads, experts, vocabulary, image sizes, nested",
         "configs). A class whose own eager construction fails at every tiny level, or whose reference path",
@@ -104,6 +125,33 @@ def render(results: dict[str, dict[str, Any]]) -> str:
         "**refused** is a `MaterializeError`; **different** is a difference found by the oracle (the first one",
         "shown); **error** is any other exception; **timeout** and **crashed** are what the runner saw of a",
         "worker. Every failing case is added to `tests/zoo_failed.txt`, which `make test` runs beside a sample.",
+        "",
+        "torch itself is three more libraries of cases, generated from torch as the others are from theirs:",
+        "",
+        "- **torch**: every `nn.Module` class `torch.nn` and `torch.ao.nn` export (quantized, dynamic, qat,",
+        "  intrinsic, quantizable, reference, sparse: `zoo/torchnn.py`), built from tiny arguments made by rules",
+        "  over parameter names (`zoo/torchnn_args.py`), at its defaults, at each flag of its signature alone",
+        "  (`LSTM[bidirectional]`, `Conv2d[padding_mode=circular]`) and at every flag at once, and under each",
+        "  parametrization (`weight_norm`, `spectral_norm`, `orthogonal`, the older `torch.nn.utils` ones) of",
+        "  each kind of weight (`LSTM+spectral_norm(weight_hh_l0)`); both oracles. A variant the rules cannot",
+        "  build (no rule for a required argument, a flag the class refuses) is **skipped** with torch's reason;",
+        "  a lazy module is given its first forward as it is built. Its load oracle saves a",
+        "  trained state (a torch file or safetensors by a stable hash of the name), then compares",
+        "  `mz.meta_init()` + `mz.load` with eager + `load_state_dict`: tensors, every `state_dict()` entry",
+        "  (packed quantized weights too), the tensors modules keep in their `__dict__`, and a forward on a",
+        "  tiny input where the rules know one (RNNs, attention and transformers included).",
+        "- **linalg**: every `torch.linalg` function called in a constructor that keeps its results as",
+        "  parameters and buffers (`zoo/linalg.py`; inputs by rules: square, symmetric positive definite,",
+        "  triangular, tall; float32, batched, complex64); the deferred oracle.",
+        "- **loadcode**: each kind of load code torch runs (`zoo/loadcode.py`): load pre-hooks by each",
+        "  registration API, `_load_from_state_dict` overrides, post-hooks, extra state, versioned `_metadata`,",
+        "  `__setstate__` of a module pickled whole; the load oracle against torch's own load of the same file.",
+        "",
+        "A refusal the docs name as one (a quantized module under `deferred_init`, a file of quantized tensors,",
+        "an op with no meta kernel, load code computing a tensor from checkpoint values) is the one other answer",
+        "these oracles accept: such cases are listed in `tests/zoo_failed.txt` with that cause. Listing the torch",
+        "cases builds every class at every flag: the list is kept in `zoo/torch_variants.json`",
+        "(`python -m zoo.torchnn` remakes it), as timm's families are.",
         "",
         "Run it with `make zoo` (resumable: `data/zoo/results.jsonl`); `python -m zoo.run --help` for more.",
         "timm's family representatives come from `zoo/timm_families.json` (`python -m zoo.vision` remakes it).",
@@ -122,6 +170,8 @@ def render(results: dict[str, dict[str, Any]]) -> str:
     for library in LIBRARIES:
         for oracle in ORACLES:
             c = counts.get((library, oracle), Counter())
+            if not c:
+                continue  # not run, or an oracle the library has not (linalg is deferred only, loadcode load only)
             lines.append(f"| {library} | {oracle} | {sum(c.values())} | " + " | ".join(str(c[s]) for s in STATUSES) + " |")
     lines += _open_causes(results)
     lines += _grouped("Failures by cause", [r for r in results.values() if r["status"] in FAILING], with_status=True)

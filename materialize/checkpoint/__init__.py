@@ -27,6 +27,8 @@ from ..sources import RemoteOptions, as_source
 from ..sources.remotepath import RemotePath, is_remote
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from .payload import Payload
 
 __all__ = ["Checkpoint", "CheckpointLike", "TensorInfo", "open_checkpoint", "opened"]
@@ -100,6 +102,7 @@ def open_checkpoint(path: Union[PathLike, RemotePath], *, trust_pickle: bool = F
         module=payload.module,
         extra_states=payload.extra_states,
         state_dict_key=payload.key,
+        module_metadata=payload.module_metadata if payload.module is None else _versions_of(payload.module),
     )
 
 
@@ -133,6 +136,8 @@ def _open_index(index_path: Path, *, trust_pickle: bool, state_dict_key: Optiona
     kinds: set[str] = set()  # of the shards read, each sniffed once
     extra_states: dict[str, Any] = {}
     keys: set[Optional[str]] = set()  # the entries the shards' tensors were taken from
+    module_metadata: dict[str, dict[str, Any]] = {}  # the shards' together: each saved its modules' part
+    saved_any: list[bool] = []
 
     def read_shard(shard: Path) -> dict[str, TensorInfo]:
         kind = _sniff(shard)
@@ -147,12 +152,21 @@ def _open_index(index_path: Path, *, trust_pickle: bool, state_dict_key: Optiona
             raise CheckpointError("a shard holds a pickled module, not a state dict", path=shard)
         extra_states.update(payload.extra_states)
         keys.add(payload.key)
+        if payload.module_metadata is not None:
+            saved_any.append(True)
+            module_metadata.update(payload.module_metadata)
         return payload.tensors
 
     tensors, shards, metadata = read_sharded(index_path, read_shard)
     fmt = f"{kinds.pop()}-sharded" if len(kinds) == 1 else "mixed-sharded"
     return Checkpoint(path=index_path, format=fmt, tensors=tensors, shards=shards, metadata=metadata,
-                      extra_states=extra_states, state_dict_key=keys.pop() if len(keys) == 1 else None)
+                      extra_states=extra_states, state_dict_key=keys.pop() if len(keys) == 1 else None,
+                      module_metadata=module_metadata if saved_any else None)
+
+
+def _versions_of(module: "nn.Module") -> dict[str, dict[str, Any]]:
+    """The ``_metadata`` a pickled module's ``state_dict()`` gives: each module's ``_version``, by its name."""
+    return {name: {"version": getattr(part, "_version", None)} for name, part in module.named_modules()}
 
 
 def _read_torch(path: Path, *, legacy: bool, trust_pickle: bool, state_dict_key: Optional[str]) -> "Payload":

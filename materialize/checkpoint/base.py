@@ -28,6 +28,17 @@ def is_extra_state(name: str) -> bool:
     return name.rpartition(".")[2] == EXTRA_STATE
 
 
+@dataclass(frozen=True, eq=False)
+class SavedTensor:
+    """A tensor inside a module's extra state (``{"scale": tensor, "steps": 3}``), as a torch file holds it:
+    where its bytes lie (read with the load, onto the CPU), and what ``torch.load`` makes of it beyond its
+    values. One object for each tensor the file saved once, however often the state refers to it."""
+
+    info: "TensorInfo"
+    requires_grad: bool = False
+    parameter: bool = False
+
+
 _DTYPES: dict[str, "torch.dtype"] = {}  # dtype name -> torch's dtype, filled as met (reading headers imports no torch)
 
 
@@ -177,10 +188,14 @@ class Checkpoint(Mapping[str, TensorInfo]):
         metadata: a safetensors header's ``__metadata__``, or a shard index's ``metadata``.
         module: the pickled module rebuilt on ``meta`` (``torch-module``, with ``trust_pickle=True``).
         extra_states: what modules' ``get_extra_state()`` saved that is not a tensor (a torch file's plain
-            data), by ``"<module>._extra_state"``; a tensor one is among the tensors.
+            data, the tensors inside its dicts, lists and tuples as :class:`SavedTensor`), by
+            ``"<module>._extra_state"``; a tensor one is among the tensors.
         state_dict_key: the entry of the saved dict the tensors were taken from (a training checkpoint's
             ``"state_dict_ema"``, say); ``None`` where the saved object is the state itself, and for formats
             without entries (safetensors).
+        module_metadata: what ``state_dict()`` saved of each module beside its tensors (the state dict's
+            ``_metadata``: ``{"blocks.0": {"version": 1}}``, by the module's name), which ``load_state_dict``
+            hands each module's load code; ``None`` where the file has none (safetensors, a plain dict).
         files: the open file descriptors, shared by the reads.
     """
 
@@ -192,6 +207,7 @@ class Checkpoint(Mapping[str, TensorInfo]):
     module: Optional["nn.Module"] = None
     extra_states: dict[str, Any] = field(default_factory=dict)
     state_dict_key: Optional[str] = None
+    module_metadata: Optional[dict[str, dict[str, Any]]] = None
     files: FileSet = field(default_factory=FileSet, repr=False)
 
     def __getitem__(self, name: str) -> TensorInfo:

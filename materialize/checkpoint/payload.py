@@ -36,6 +36,7 @@ class Payload(NamedTuple):
     module: Optional["nn.Module"]
     extra_states: dict[str, Any]
     key: Optional[str] = None
+    module_metadata: Optional[dict[str, dict[str, Any]]] = None  # the state dict's ``_metadata`` (see saved_metadata)
 
 
 def _never(value: Any) -> bool:
@@ -85,8 +86,38 @@ def find_payload(obj: Any, kinds: Kinds, *, state_dict_key: Optional[str] = None
                     raise several_copies(copies, entries)
                 return found._replace(key=key)
         found_tensors, extra_states = _tensor_entries(obj, kinds, leave_out=TRAINING_STATE_KEYS)
-        return Payload(found_tensors, None, extra_states)
+        return Payload(found_tensors, None, extra_states, module_metadata=saved_metadata(obj))
     return Payload({}, None, {})
+
+
+_PLAIN_VALUES = (int, float, str, bool, type(None))
+
+
+def saved_metadata(mapping: Any) -> Optional[dict[str, dict[str, Any]]]:
+    """What ``state_dict()`` keeps beside the tensors (the ``_metadata`` attribute it sets on the
+    ``OrderedDict``: each module's ``{"version": its _version}``, by the module's name), which
+    ``load_state_dict`` hands each module's load code; ``None`` where the mapping has none (a plain dict).
+    Only what torch writes is kept: a name's dict of plain values (see :func:`_plain_entries`)."""
+    try:
+        saved = vars(mapping).get("_metadata")  # the instance's own dict: nothing of the file's is called
+    except TypeError:  # a plain dict has no attributes
+        return None
+    if not isinstance(saved, dict):
+        return None
+    return {name: _plain_entries(entry, nested=True) for name, entry in dict.items(saved)
+            if type(name) is str and isinstance(entry, dict)}
+
+
+def _plain_entries(entry: dict, *, nested: bool) -> dict[str, Any]:
+    """A module's saved metadata: plain values by name, and, one level down, dicts of them (spectral norm's
+    ``{"spectral_norm": {"weight.version": 1}}``)."""
+    kept: dict[str, Any] = {}
+    for key, value in dict.items(entry):
+        if type(key) is str and type(value) in _PLAIN_VALUES:
+            kept[key] = value
+        elif type(key) is str and nested and isinstance(value, dict):
+            kept[key] = _plain_entries(value, nested=False)
+    return kept
 
 
 def _module_payload(value: Any, kinds: Kinds) -> Optional[Payload]:
@@ -108,7 +139,7 @@ def _entry_state(value: Any, kinds: Kinds) -> Optional[Payload]:
         return found
     if isinstance(value, dict):
         tensors, extra_states = _tensor_entries(value, kinds)
-        return Payload(tensors, None, extra_states) if tensors else None
+        return Payload(tensors, None, extra_states, module_metadata=saved_metadata(value)) if tensors else None
     return None
 
 

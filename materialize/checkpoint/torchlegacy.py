@@ -25,7 +25,7 @@ import torch
 
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError
 from .pickle_budget import check_budget
-from .torchpickle import Payload, StorageRef, first_line, read_payload, tensor_info
+from .torchpickle import Payload, StorageRef, first_line, located_extra_states, read_payload, tensor_info
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001
@@ -81,7 +81,8 @@ def read_torch_legacy(path: Path, *, trust_pickle: bool, state_dict_key: Optiona
         base, size = records[root]
         records[refs[cdata].key] = (base + offset, size - offset)
     return found._replace(tensors={name: tensor_info(path, name, t, refs, records, file_size)
-                                   for name, t in payload.items()})
+                                   for name, t in payload.items()},
+                          extra_states=located_extra_states(path, found.extra_states, refs, records, file_size))
 
 
 def _legacy_loader(path: Path, refs: dict[int, StorageRef], views: dict[int, tuple[str, int]], itemsizes: dict[str, int]):

@@ -25,13 +25,14 @@ import torch
 from torch import _weights_only_unpickler, nn
 
 from ..errors import CheckpointError, UnsafeCheckpointError, UnsupportedFormatError, first_line, summarize_names
-from .base import TensorInfo, make_info, shape_fits_int64
+from .base import SavedTensor, TensorInfo, make_info, shape_fits_int64
 from .located import located_infos
 from .payload import Kinds, Payload, find_payload as payload_of
 from .pickle_budget import check_budget
 from .pickle_scan import hostile_calls, quantized_tensors
 from .plainrecords import PlainStorage, PlainTensor, plain_storage, plain_tensor
 from .sealed import Unchangeable, sealed_call
+from .setstates import names_own_setstate, watched_build
 from .standins import (
     INERT_GLOBALS, CalledStandIn, StandIn, is_module_state, is_numpy_array, module_state, stand_in_class,
 )
@@ -88,6 +89,22 @@ def persistent_loader(path: Path, refs: dict[int, StorageRef], *, records: bool 
 
 class _TrustedUnpickler(pickle.Unpickler):
     pass
+
+
+class _WatchingUnpickler(pickle._Unpickler):
+    """Python's own unpickler, for a trusted pickle naming a module class with a ``__setstate__`` of its own:
+    each such call is watched (see :mod:`.setstates`), which the C unpickler cannot let anyone do."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def __init__(self, file: Any, *, path: Path) -> None:
+        super().__init__(file, encoding="utf-8")
+        self.path = path
+
+    def load_build(self) -> None:
+        watched_build(self.stack[-2], self.stack[-1], lambda: pickle._Unpickler.load_build(self), self.path)
+
+    dispatch[pickle.BUILD[0]] = load_build
 
 
 class _NotPlain(Exception):
@@ -300,9 +317,14 @@ def unpickle(
     :class:`.plainrecords.PlainTensor` where it can (:func:`tensor_info` takes both).
     """
     if trust_pickle:
-        unpickler: Any = _TrustedUnpickler(io.BytesIO(data), encoding="utf-8")
+        layouts, _, named = hostile_calls(data)
+        # A zip file's storages hold their bytes as the pickle is read, so a module's __setstate__ may change them;
+        # the legacy format's are filled after the pickle, over whatever it did (torch.load's values are the bytes).
+        watch = persistent is persistent_loader and names_own_setstate(named)
+        unpickler: Any = (_WatchingUnpickler(io.BytesIO(data), path=path) if watch
+                          else _TrustedUnpickler(io.BytesIO(data), encoding="utf-8"))
         unpickler.persistent_load = persistent(path, refs)
-        return _load(path, unpickler, trust_pickle=True, what=what), hostile_calls(data)[0]
+        return _load(path, unpickler, trust_pickle=True, what=what), layouts
     check_budget(data, path=path, what=what)
     plain = _unpickle_plain(path, data, refs, persistent, records=records)
     if plain is not _NOT_PLAIN:
@@ -474,7 +496,11 @@ def _holds_records(value: Any) -> bool:
             return True
         if isinstance(item, (dict, list, tuple, set, frozenset)) and id(item) not in seen:
             seen.add(id(item))
-            work.extend(dict.items(item) if isinstance(item, dict) else item)
+            if isinstance(item, dict):  # keys and values, not items(): a pair made here and freed would leave
+                work.extend(dict.keys(item))  # its id in `seen` for the next object to reuse
+                work.extend(dict.values(item))
+            else:
+                work.extend(item)
     return False
 
 
@@ -630,6 +656,50 @@ def tensor_infos(path: Path, tensors: dict[str, Any], refs: dict[int, StorageRef
         else:
             infos[name] = tensor_info(path, name, tensor, refs, records, file_size)
     return infos
+
+
+def located_extra_states(path: Path, extra_states: dict[str, Any], refs: dict[int, StorageRef],
+                         records: dict[str, tuple[int, int]], file_size: int) -> dict[str, Any]:
+    """Each extra state with the tensors of the file's storages in its dicts, lists and tuples as
+    :class:`~.base.SavedTensor` (each placed as :func:`tensor_info` places a state dict's), read with the load
+    and handed to ``set_extra_state`` as ``torch.load`` makes them; a state holding none is left as it is.
+    What the file made once (a tensor, a container it refers to twice) stays one object."""
+    made: dict[int, Any] = {}  # id of a tensor or container met -> what it became
+    open_: set[int] = set()  # the containers being walked: one holding itself is left as it is
+
+    def located(value: Any, where: str) -> Any:
+        known = made.get(id(value))
+        if known is not None:
+            return known
+        if type(value) is PlainTensor or (isinstance(value, torch.Tensor) and value.is_meta
+                                          and value.untyped_storage()._cdata in refs):
+            info = tensor_info(path, where, value, refs, records, file_size)
+            if type(value) is PlainTensor:
+                saved = SavedTensor(info, value.fields[5], value.fields[9])
+            else:
+                saved = SavedTensor(info, value.requires_grad, isinstance(value, nn.Parameter))
+            made[id(value)] = saved
+            return saved
+        if type(value) not in (dict, collections.OrderedDict, list, tuple) or id(value) in open_:
+            return value  # anything else as it is: refused while planning if it holds tensors
+        open_.add(id(value))
+        if isinstance(value, dict):
+            pairs = [(key, located(item, f"{where}[{key!r}]")) for key, item in dict.items(value)]
+            changed = any(item is not dict.__getitem__(value, key) for key, item in pairs)
+            rebuilt: Any = type(value)(pairs) if changed else value
+        else:
+            items = [located(item, f"{where}[{index}]") for index, item in enumerate(value)]
+            rebuilt = type(value)(items) if any(new is not old for new, old in zip(items, value)) else value
+        open_.discard(id(value))
+        made[id(value)] = rebuilt
+        return rebuilt
+
+    if not extra_states:
+        return extra_states
+    try:
+        return {name: located(value, name) for name, value in extra_states.items()}
+    except RecursionError:  # (a trusted pickle's: the weights-only reads bound how deep containers nest)
+        raise CheckpointError("an extra state nests its containers too deep to read", path=path) from None
 
 
 def _record_info(path: Path, name: str, record: PlainTensor, records: dict[str, tuple[int, int]],

@@ -785,6 +785,7 @@ def _read_zip(
         _verify_small_records(path, archive, prefix, {byteorder, f"{prefix}/data.pkl"})
     if plain is not None:
         return payload._replace(tensors=plain_infos(path, payload.tensors, records, file_size))
-    from .torchpickle import tensor_infos
+    from .torchpickle import located_extra_states, tensor_infos
 
-    return payload._replace(tensors=tensor_infos(path, payload.tensors, refs, records, file_size))
+    return payload._replace(tensors=tensor_infos(path, payload.tensors, refs, records, file_size),
+                            extra_states=located_extra_states(path, payload.extra_states, refs, records, file_size))

@@ -412,7 +412,12 @@ def _conversions(model: nn.Module) -> tuple[list, list]:
 
 
 def hf_init(model: nn.Module) -> Callable[[nn.Module], None]:
-    """Initialize one module with the ``_init_weights`` of the transformers model that contains it."""
+    """Initialize one module with the ``_init_weights`` of the transformers model that contains it.
+
+    The function returned also has ``name_for(module)``: which model's ``_init_weights`` that is, in words
+    (``"LlamaForCausalLM._init_weights"``), for an error about what it left unwritten (a module it does
+    not know: see :mod:`materialize.io.checkedinit`).
+    """
     transformers = sys.modules["transformers"]
     owner: dict[int, nn.Module] = {}
 
@@ -428,4 +433,5 @@ def hf_init(model: nn.Module) -> Callable[[nn.Module], None]:
     def init(module: nn.Module) -> None:
         owner.get(id(module), model)._init_weights(module)
 
+    init.name_for = lambda module: f"{type(owner.get(id(module), model)).__name__}._init_weights"
     return init

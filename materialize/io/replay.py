@@ -6,6 +6,7 @@ The replay itself is :mod:`materialize.skeleton.replaying`.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,7 +17,7 @@ from ..planning.plan import Plan
 from ..skeleton.program import Program
 from ..skeleton.replaying import Sink, Target, replay
 
-__all__ = ["ReplayInit", "replay", "shard_box"]
+__all__ = ["ReplayInit", "allocated_together", "replay", "shard_box"]
 
 
 class ReplayInit:
@@ -47,3 +48,35 @@ def shard_box(local: torch.Tensor, shard: ShardSpec) -> Sink:
             local[box.local].copy_(values[box.whole])
 
     return take
+
+
+def allocated_together(program: Program, tensors: list[tuple[str, torch.Tensor]], device: torch.device
+                       ) -> dict[str, torch.Tensor]:
+    """The tensors of ``tensors`` (``(qualified name, model tensor)``) that eager construction made as views of
+    one storage (``rows, cols = torch.triu_indices(...)``, peft's OFT), allocated as such: one storage each
+    group, each tensor its recorded view of it, so they share memory as eager construction's do. A group is
+    only two or more of the model's tensors over one recorded storage, each as recorded (a tensor cast after
+    construction, ``.half()``, is made alone); the others are not in the result."""
+    by_storage: dict[int, list[tuple[str, torch.Tensor, Any]]] = {}
+    for name, tensor in tensors:
+        ref = program.bindings.get(name)
+        if ref is not None and ref.dtype == tensor.dtype and ref.size == tuple(tensor.shape) \
+                and ref.stride == tuple(tensor.stride()):
+            by_storage.setdefault(ref.sid, []).append((name, tensor, ref))
+    made: dict[str, torch.Tensor] = {}
+    for sid, group in by_storage.items():
+        if len({id(tensor) for _, tensor, _ in group}) < 2:
+            continue
+        refs = [ref for _, _, ref in group]
+        extent = max(_end(ref) for ref in refs)
+        whole = torch.empty(extent, dtype=refs[0].dtype, device=device)
+        for name, _, ref in group:
+            made[name] = whole.as_strided(ref.size, ref.stride, ref.offset)
+    return made
+
+
+def _end(ref: Any) -> int:
+    """One past the last element a recorded view reaches in its storage."""
+    if math.prod(ref.size) == 0:
+        return ref.offset
+    return ref.offset + sum((size - 1) * stride for size, stride in zip(ref.size, ref.stride)) + 1

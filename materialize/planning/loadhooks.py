@@ -17,15 +17,22 @@ An override runs on a twin of its module whose tensors are on meta, so the
 copy at its end touches no memory of the model.
 
 Only code from outside torch is run, and torch's own compatibility hooks of
-``torch.nn.utils`` (weight norm, spectral norm): torch's distributed
+``torch.nn.utils`` (weight norm, spectral norm) and ``torch.ao``'s observers, fake quantizers,
+fused QAT modules and ``QFunctional`` (its scale and zero point, kept as numbers): torch's distributed
 wrappers' hooks (FSDP, activation checkpointing), its lazy modules' and its
 batch norms' are what the rest of the loader already does in its own way.
-Each module's code gets the metadata a save by the current code carries
-(its ``_version``), so legacy conversions keyed on older versions stay out.
-Code that fails on stand-ins (it needs values: ``int(state_dict.pop(key))``)
-is given the values it asked for, of checkpoint entries that are no tensor
-of the model (a saved version number), read while planning within a small
-budget, and runs again. Code that needs values, or that uses what it reads
+Each module's code gets the metadata the file saved for it, as
+``load_state_dict`` hands it (a torch file's ``_metadata``: the version of
+the module that saved it; none, ``{}``, for safetensors), so a conversion
+of an older version's save runs where torch's would. Code that changes a
+checkpoint tensor in place (``state_dict[key].mul_(3)``; writes into a
+stand-in are seen by a dispatch mode, :class:`_Writes`), or writes into its
+own module's tensors otherwise than torch's copy (``self.weight.mul_(2)``
+after ``super()``), runs again once the load is done (below), given such a
+tensor as the file holds it. Code that fails on stand-ins (it needs values:
+``int(state_dict.pop(key))``) is given the values it asked for, of
+checkpoint entries that are no tensor of the model (a saved version
+number), read while planning within a small budget, and runs again. Code that needs values, or that uses what it reads
 (sets its module's attributes from it, copies it into its own tensor as
 torch's ``CustomState`` test does), runs again on the real module once the
 load is done (:class:`LoadCodeRun`, see :mod:`materialize.planning.loadruns`),
@@ -33,7 +40,8 @@ as ``load_state_dict`` would have run it. Code that still fails leaves the
 names as they were and is named if the load then finds them mismatched, as
 is a class's own ``load_state_dict`` (it would load, so it is never called);
 code that computes a new tensor from checkpoint values cannot run without
-the values, and a load it would feed is refused, naming the tensors. Load
+the values, and a load it would feed is refused, naming the code and the
+tensors. Load
 post-hooks run once the load is done (:func:`run_post_hooks`).
 """
 
@@ -51,11 +59,13 @@ from typing import Any, Optional
 import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..checkpoint import TensorInfo
 from ..checkpoint.base import is_extra_state
 from ..errors import KeyMismatchError, described
 from ..skeleton.meta import is_lazy
+from .keymap import unchanged
 
 
 # A checkpoint tensor's value read for load code while planning; None once the budget for such reads is spent.
@@ -79,6 +89,10 @@ class LoadCodeRun:
     fed: dict[str, TensorInfo]
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     fills: list[str] = field(default_factory=list)
+    # The model's tensors the code writes into in place (``state_dict[key].mul_(3)``), by the name it finds
+    # them under, with the checkpoint tensor each is: read again for it, as torch.load makes them.
+    rewritten: dict[str, TensorInfo] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)  # what load_state_dict hands it (local_metadata)
 
     @property
     def overrides(self) -> bool:
@@ -146,7 +160,7 @@ def load_hooked(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Modu
 def replay_load_hooks(
     modules: list[tuple[str, nn.Module]], sources: dict[str, TensorInfo], model_names: set[str], path: object = None,
     fetch: Optional[Fetch] = None, hooked: Optional[list[tuple[str, nn.Module]]] = None,
-    classes: Optional[set[type]] = None,
+    classes: Optional[set[type]] = None, saved_metadata: Optional[dict[str, dict[str, Any]]] = None,
 ) -> Replayed:
     """Run the load code of a model's ``modules`` (each under each of its names, in the order
     ``load_state_dict`` visits them) over ``sources`` (model name -> checkpoint tensor).
@@ -157,6 +171,9 @@ def replay_load_hooks(
     ``hooked`` is :func:`load_hooked` of ``modules`` and ``classes`` the set of their classes, where the
     caller has them (each module's registries are then read once for every use): where no class has load
     code of its own, only the hooked modules are asked, not every module again.
+    ``saved_metadata`` is the checkpoint's ``_metadata`` (:attr:`Checkpoint.module_metadata`) by the model's
+    module names (:func:`saved_module_metadata`): each module's code gets its entry, as
+    ``load_state_dict`` hands it (none: ``{}``, as torch hands a state dict without one).
     """
     unrun: list[str] = []
     adapting: list[tuple[str, nn.Module]] = []
@@ -183,29 +200,37 @@ def replay_load_hooks(
     state = _Journaled((name, torch.empty(info.shape, dtype=info.dtype, device="meta")) for name, info in sources.items()
                        if not is_extra_state(name))
     stand_ins = {id(stand_in): name for name, stand_in in state.items()}  # values read while planning too
+    by_module = saved_metadata
     reads: list[tuple[str, nn.Module, list[str], str]] = []
     runs: list[LoadCodeRun] = []
     verdicts: list[Verdict] = []
+    made_by: dict[str, tuple[str, nn.Module, dict[str, Any]]] = {}  # a name -> the code that last set it
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the code's notes on meta copies and old versions are not the user's
         for prefix, module in adapting:
+            metadata = local_metadata(by_module, prefix)
+            mark = state.mark()
             outcome, values = _run_with_values(module, state, f"{prefix}." if prefix else "", stand_ins, sources,
-                                               model_names, fetch)
+                                               model_names, fetch, metadata)
             read = list(state.seen)
+            made_by.update((key, (prefix, module, metadata)) for key in state.set_since(mark))
             if isinstance(outcome, str):  # still raised: it needs values it was not given, or of the model's tensors
                 unrun.append(f"{prefix or '<root>'} ({outcome})")
                 reads.append((prefix, module, read, outcome))
-                runs.append(LoadCodeRun(prefix, module, {}))  # on the loaded values, where names agree without it
-                continue
-            missing, unexpected, changed = outcome
+                runs.append(LoadCodeRun(prefix, module, {}, metadata=metadata))  # on the loaded values, where names
+                continue                                                        # agree without it
+            missing, unexpected, changed, written = outcome
             if _own_override(module):
                 verdicts.append(Verdict(prefix, module, frozenset(missing), frozenset(unexpected)))
             left_unused = [key for key in read if key in state and key not in model_names]
-            if values or changed or left_unused:  # it uses what it reads: it runs again on the real module
+            rewritten = {key: sources[stand_ins[id(value)]] for key, value in _stand_ins_in(state, written)
+                         if key in model_names and id(value) in stand_ins}
+            if values or changed or left_unused or rewritten:  # it uses what it reads: it runs again on the module
                 fed = {key: sources[stand_ins[id(value)]] for key, value in state.seen.items()
                        if key not in model_names and id(value) in stand_ins}
                 runs.append(LoadCodeRun(prefix, module, fed, {key: value for key, value in state.seen.items()
-                                                              if key in fed and not value.is_meta}))
+                                                              if key in fed and not value.is_meta},
+                                        rewritten=rewritten, metadata=metadata))
     renamed: dict[str, TensorInfo] = {}
     moves: dict[str, str] = {}
     derived: list[str] = []
@@ -220,10 +245,11 @@ def replay_load_hooks(
     computed = [key for key in derived if key in model_names]
     if computed:
         raise KeyMismatchError(
-            f"the model's own load_state_dict code puts tensors of its making under {', '.join(computed[:5])}"
-            f"{' and more' if len(computed) > 5 else ''} (computed from checkpoint values), which a load reading "
-            "tensors straight into the model cannot do; load the checkpoint once with torch's load_state_dict "
-            "and save model.state_dict() again",
+            f"the model's own load code{_whose(made_by.get(computed[0]))} puts tensors of its making under "
+            f"{', '.join(computed[:5])}{' and more' if len(computed) > 5 else ''} (computed from checkpoint values), "
+            "which a load reading tensors straight into the model cannot do; load the checkpoint once with torch's "
+            "load_state_dict and save model.state_dict() again (a change in place, state_dict[key].mul_(...), is "
+            "followed)",
             path=path,
         )
     renamed.update((name, info) for name, info in sources.items() if is_extra_state(name))
@@ -236,9 +262,51 @@ def replay_load_hooks(
         needs_values.append((prefix, f"{describe_code(module)} ({raised})", left_unused))
     replayed = Replayed(renamed, dropped, moves, unrun, needs_values, runs, verdicts, ran_code=True)
     for run in runs:
-        own = [f"{run.prefix}.{attr}" if run.prefix else attr for attr in _own_tensor_names(run.module)]
+        own = [f"{run.prefix}.{attr}" if run.prefix else attr for attr in own_tensor_names(run.module)]
         run.fills = [name for name in own if name not in renamed and replayed.left_alone(name, "missing")]
     return replayed
+
+
+def _whose(maker: Optional[tuple[str, nn.Module, dict[str, Any]]]) -> str:
+    """``, Class._load_from_state_dict of 'prefix', handed a version-1 save of a version-2 module,``: the code
+    that made a tensor, and the version it was handed where it is not its module's own."""
+    if maker is None:
+        return ""
+    prefix, module, metadata = maker
+    saved, current = metadata.get("version"), getattr(module, "_version", None)
+    version = (f", handed a version-{saved} save of a version-{current} module" if "version" in metadata
+               and saved != current else "")
+    return f", {describe_code(module)} of '{prefix or '<root>'}'{version},"
+
+
+def saved_module_metadata(saved: Optional[dict[str, dict[str, Any]]], rename: Callable[[str], object]
+                          ) -> Optional[dict[str, dict[str, Any]]]:
+    """A checkpoint's ``_metadata`` by the model's module names: each saved module's name renamed as the
+    names of its tensors are (a ``module.`` prefix stripped with theirs, as torch's
+    ``consume_prefix_in_state_dict_if_present`` strips it from both; the wrapper's own entry then gives way
+    to the model's). A name the rename does not map to a module name is left out."""
+    if saved is None or rename is unchanged:
+        return saved
+    kept: dict[str, dict[str, Any]] = {}
+    moved: dict[str, dict[str, Any]] = {}
+    for name, entry in saved.items():
+        probe = f"{name}.{_PROBE}" if name else _PROBE
+        try:
+            target = rename(probe)
+        except Exception:  # noqa: BLE001 - a rename of tensor names may refuse a name of no tensor
+            continue
+        if isinstance(target, str) and target.endswith(_PROBE):
+            module_name = target[:-len(_PROBE)].removesuffix(".")
+            (kept if target == probe else moved)[module_name] = entry
+    return {**kept, **moved}
+
+
+_PROBE = "\x00module"  # the name of no tensor: what a rename makes of a module's name before it
+
+
+def local_metadata(by_module: Optional[dict[str, dict[str, Any]]], prefix: str) -> dict[str, Any]:
+    """What ``load_state_dict`` hands the load code of the module named ``prefix`` (a copy: torch adds to it)."""
+    return dict(by_module.get(prefix, {})) if by_module is not None else {}
 
 
 def describe_code(module: nn.Module) -> str:
@@ -247,7 +315,7 @@ def describe_code(module: nn.Module) -> str:
                                          else "'s load_state_dict pre-hook")
 
 
-def _own_tensor_names(module: nn.Module) -> list[str]:
+def own_tensor_names(module: nn.Module) -> list[str]:
     """The names of a module's own parameters and persistent buffers, as its ``state_dict`` holds them."""
     persistent = [name for name, buffer in module._buffers.items()
                   if buffer is not None and name not in module._non_persistent_buffers_set]
@@ -258,13 +326,13 @@ _MAX_ROUNDS = 16  # values asked for, one round each: a version, then what the v
 
 
 def _run_with_values(module: nn.Module, state: "_Journaled", prefix: str, stand_ins: dict[int, str],
-                     sources: dict[str, TensorInfo], model_names: set[str], fetch: Optional[Fetch]
-                     ) -> tuple[Any, dict[str, torch.Tensor]]:
+                     sources: dict[str, TensorInfo], model_names: set[str], fetch: Optional[Fetch],
+                     metadata: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
     """Run a module's load code on the stand-ins; where it fails, read the values of the checkpoint entries
     it looked up that are no tensor of the model, put them in the stand-ins' place, and run it again.
 
-    Returns the code's outcome (its missing and unexpected names, and whether it changed its module), or,
-    where it still fails, what it raised; and the values read for it, by name.
+    Returns the code's outcome (its missing and unexpected names, whether it changed its module, and the
+    storages it wrote into), or, where it still fails, what it raised; and the values read for it, by name.
     """
     values: dict[str, torch.Tensor] = {}
     raised = ""
@@ -272,7 +340,7 @@ def _run_with_values(module: nn.Module, state: "_Journaled", prefix: str, stand_
         mark = state.mark()
         state.seen = {}
         try:
-            return _run_load_code(module, state, prefix), values
+            return _run_load_code(module, state, prefix, metadata), values
         except Exception as error:  # noqa: BLE001 - any failure means: it needs values, not names
             state.undo_to(mark)
             raised = f"{type(module).__name__}, which raised {described(error)}"
@@ -385,20 +453,24 @@ def _defined_outside_torch(cls: type, method: str) -> bool:
     return owner is not nn.Module and not _torch_internal(owner.__module__)
 
 
-def _run_load_code(module: nn.Module, state: dict, prefix: str) -> tuple[list[str], list[str], bool]:
+def _run_load_code(module: nn.Module, state: "_Journaled", prefix: str, metadata: dict[str, Any]
+                   ) -> tuple[list[str], list[str], bool, set[int]]:
     """What ``load_state_dict`` runs for one module, less torch's own hooks; the copies go to a twin on meta.
 
     Returns what the code called missing and unexpected (``strict``, as
-    ``load_state_dict`` passes it), and whether it changed its module (set an
-    attribute, replaced a tensor): what it did there is lost with the twin.
+    ``load_state_dict`` passes it), whether it changed its module (set an
+    attribute, replaced a tensor, wrote into one otherwise than torch's copy
+    of its entry: ``self.weight.mul_(2)`` after ``super()``): what it did
+    there is lost with the twin; and the storages it wrote into in place (a
+    stand-in's: ``state_dict[key].mul_(3)``).
     """
-    metadata = {"version": getattr(module, "_version", None)}
     missing: list[str] = []
     unexpected: list[str] = []
     if not _own_override(module):
-        for hook in own_hooks(module._load_state_dict_pre_hooks).values():  # the copy at the end of torch's own code is all it adds
-            hook(state, prefix, metadata, True, missing, unexpected, [])
-        return missing, unexpected, False
+        with _Writes(state, prefix, {}) as writes:
+            for hook in own_hooks(module._load_state_dict_pre_hooks).values():  # the copy at the end of torch's own code is all it adds
+                hook(state, prefix, dict(metadata), True, missing, unexpected, [])
+        return missing, unexpected, False, writes.storages
     twin = object.__new__(type(module))
     attributes = dict(module.__dict__)
     for registry in ("_parameters", "_buffers"):
@@ -407,8 +479,51 @@ def _run_load_code(module: nn.Module, state: dict, prefix: str) -> tuple[list[st
     attributes["_load_state_dict_pre_hooks"] = OrderedDict(own_hooks(module._load_state_dict_pre_hooks))
     twin.__dict__.update(attributes)
     before = _identities(twin)
-    twin._load_from_state_dict(state, prefix, metadata, True, missing, unexpected, [])
-    return missing, unexpected, _identities(twin) != before
+    own = {tensor.untyped_storage()._cdata: name for registry in ("_parameters", "_buffers")
+           for name, tensor in attributes[registry].items() if tensor is not None}
+    with _Writes(state, prefix, own) as writes:
+        twin._load_from_state_dict(state, prefix, dict(metadata), True, missing, unexpected, [])
+    own_written = not writes.storages.isdisjoint(own)
+    return missing, unexpected, own_written or _identities(twin) != before, writes.storages - own.keys()
+
+
+class _Writes(TorchDispatchMode):
+    """The storages the code run in its block writes into (in place, ``out=``), but for torch's own copy of a
+    module's entry into its tensor (``param.copy_(state_dict[prefix + name])``, the stand-in under that name)."""
+
+    def __init__(self, state: "_Journaled", prefix: str, own: dict[int, str]) -> None:
+        super().__init__()
+        self.state, self.prefix, self.own = state, prefix, own
+        self.storages: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _COPY and len(args) > 1 and self._entry_copied(args[0], args[1]):
+            return func(*args, **kwargs)
+        schema = getattr(func, "_schema", None)  # (an operator without one writes nothing of the code's)
+        for index, argument in enumerate(schema.arguments if schema is not None else ()):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                value = args[index] if index < len(args) else kwargs.get(argument.name)
+                for tensor in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(tensor, torch.Tensor):
+                        self.storages.add(tensor.untyped_storage()._cdata)
+        return func(*args, **kwargs)
+
+    def _entry_copied(self, into: Any, source: Any) -> bool:
+        name = self.own.get(into.untyped_storage()._cdata) if isinstance(into, torch.Tensor) else None
+        return name is not None and OrderedDict.get(self.state, self.prefix + name) is source
+
+
+_COPY = torch.ops.aten.copy_.default
+
+
+def _stand_ins_in(state: "_Journaled", storages: set[int]) -> list[tuple[str, torch.Tensor]]:
+    """The entries of the state dict whose value is a meta tensor (a stand-in) of one of ``storages``: a pass
+    over the state dict only where the code wrote into some storage, which it seldom does."""
+    if not storages:
+        return []
+    return [(key, value) for key, value in OrderedDict.items(state)
+            if isinstance(value, torch.Tensor) and value.is_meta and value.untyped_storage()._cdata in storages]
 
 
 def _identities(module: nn.Module) -> dict[Any, int]:
@@ -428,7 +543,16 @@ def _overrides_load_state_dict(module: nn.Module) -> bool:
 @functools.lru_cache(maxsize=1024)
 def _torch_internal(origin: str) -> bool:
     # Asked per hook, of a few modules' names: FSDP2 hooks every module that holds a parameter.
-    return (origin == "torch" or origin.startswith("torch.")) and not origin.startswith("torch.nn.utils.")
+    return ((origin == "torch" or origin.startswith("torch.")) and not origin.startswith("torch.nn.utils.")
+            and not origin.startswith(_TORCH_AO_RUN))
+
+
+# torch.ao's load code that converts what it reads as load_state_dict runs it: observers' and fake quantizers'
+# (an older save's eps, their shapes), QFunctional's scale and zero point (kept as numbers), fused QAT modules'.
+# The rest of torch.ao's is what the loader does its own way (reference modules' qparams) or reads what it
+# refuses (packed quantized weights): left unrun, as before.
+_TORCH_AO_RUN = ("torch.ao.quantization.", "torch.ao.nn.quantized.modules.functional_modules",
+                 "torch.ao.nn.intrinsic.qat.")
 
 
 def _origin(hook: Any) -> str:
@@ -473,6 +597,10 @@ class _Journaled(OrderedDict):
 
     def mark(self) -> int:
         return len(self._journal)
+
+    def set_since(self, mark: int) -> list[Any]:
+        """The keys set or removed since ``mark``."""
+        return [key for key, _ in self._journal[mark:]]
 
     def undo_to(self, mark: int) -> None:
         while len(self._journal) > mark:

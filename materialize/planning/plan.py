@@ -37,10 +37,12 @@ from ..errors import (
     summarize_names,
 )
 from .keymap import KeyMap, KeyMapLike, as_key_map, auto_strip_wrapper_prefix, unchanged
+from .savedstate import refuse_unreadable
 from .loadhooks import (Fetch, LoadCodeRun, Replayed, as_older_weight_norm, post_hooked,
-                        replay_load_hooks)
+                        replay_load_hooks, saved_module_metadata)
 from ..skeleton.meta import is_lazy
 from ..skeleton.modtree import named_modules
+from ..skeleton.plainattrs import PlainTensor, plain_meta_tensors
 from .adapterhints import adapter_words, is_adapter_name
 from .namehints import mismatch_hint, nearest_names
 from .shapehints import body_words, classifier_hint, classifier_modules, head_sizes, inside, missing_body_words
@@ -163,6 +165,9 @@ class Plan:
             this rank's boxes; see :func:`~materialize.integrations.sharded.shard_spec`); not in :meth:`to_dict`.
         rnn_modules: the model's RNNs, whose list of weights (``_flat_weights``) a load refreshes once it
             replaced them; not in :meth:`to_dict`.
+        plain_on_meta: tensors the model's modules hold as plain attributes on meta (views of its
+            parameters, remade over the real ones once the load is done: see
+            :mod:`materialize.skeleton.plainattrs`); found only for a model built on meta; not in :meth:`to_dict`.
     """
 
     path: str
@@ -188,6 +193,7 @@ class Plan:
     mmap: bool = False
     shard_specs: dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)
     rnn_modules: list[nn.Module] = field(default_factory=list, repr=False, compare=False)
+    plain_on_meta: list[PlainTensor] = field(default_factory=list, repr=False, compare=False)
 
     def of(self, action: Action) -> list[Entry]:
         """The entries the load handles so: ``"load"``, ``"init"``, ``"keep"`` or ``"code"``."""
@@ -599,7 +605,8 @@ def make_plan(
                                    f"(they read like {summarize_names(list(ckpt)[:3])})", path=ckpt.path)
     rename = as_key_map(key_map) if key_map is not None else auto_strip_wrapper_prefix(ckpt, model_names)
     to_ckpt = _through_wrappers(_map_checkpoint_names(ckpt, rename), model_names)
-    replayed = replay_load_hooks(modules, to_ckpt, model_names, ckpt.path, fetch=fetch, hooked=hooked, classes=classes)
+    replayed = replay_load_hooks(modules, to_ckpt, model_names, ckpt.path, fetch=fetch, hooked=hooked, classes=classes,
+                                 saved_metadata=saved_module_metadata(ckpt.module_metadata, rename))
     to_ckpt = as_older_weight_norm(replayed.sources, model_names)
     # (code that ran may have hooked modules anew: then every module is asked again)
     after_load = post_hooked(modules if replayed.ran_code else hooked)
@@ -610,6 +617,7 @@ def make_plan(
                 built_on_meta=any(tensor.is_meta for tensor, _, owner, _ in groups if owner.is_parameter))
     plan.rnn_modules = list({id(module): module for _, module in modules if isinstance(module, nn.RNNBase)}.values()
                             ) if any(issubclass(cls, nn.RNNBase) for cls in classes) else []
+    plan.plain_on_meta = plain_meta_tensors(modules) if plan.built_on_meta else []
     refuse_unreadable_placements(((name, tensor) for tensor, name, _, _ in groups), ckpt.path)  # all, not the first
     reinitialized_shapes: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
     entries = plan.entries
@@ -701,6 +709,7 @@ def _match_extra_states(plan: Plan, owners: dict[str, nn.Module], saved_tensors:
             plan.extra_states[name] = (module, saved_tensors[name])
         elif name in saved:
             plan.extra_states[name] = (module, saved.pop(name)[1])
+            refuse_unreadable(plan.extra_states[name][1], name, module, plan.path)
         elif strict:
             plan.missing.append(name)
     for target, (name, _) in saved.items():

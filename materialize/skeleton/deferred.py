@@ -31,9 +31,16 @@ What the recording sees:
   constructor): the change is recorded as a step;
 * factory functions on ``meta`` without ``torch.device("meta")``, which
   libraries read as "skip the init" (transformers' ``init_weights`` does);
-* a recorded tensor's ``.device``, as eager construction's (code branching on
-  a weight being on meta takes eager's path); that device object passed on
-  as ``device=`` means the replay's device, recorded on meta;
+* a recorded tensor's ``.device``, ``.is_meta`` and ``.is_cpu``, as eager
+  construction's (code branching on a weight being on meta takes eager's
+  path); that device object passed on as ``device=`` means the replay's
+  device, recorded on meta;
+* results laid out as the CPU's kernels lay them out (torch's meta kernels
+  guess CUDA's layout for some: ``linalg.svd``'s Vh), and the composites that
+  pick their kernels by whether a gradient may be needed (``linalg.svdvals``)
+  as whole calls: under a dispatch mode torch takes that for yes;
+* a lazy module's uninitialized tensors, left as eagerly made (empty, on the
+  CPU); a quantized module's weights have no meta form and are refused;
 * every other way a tensor comes into being, at the dispatcher: a factory
   the function mode never sees (the legacy constructors ``torch.Tensor(n)``,
   ``torch.FloatTensor(n)``, ``t.new(n)``, ``torch.normal(0, std, size=)``) is
@@ -75,7 +82,7 @@ from ..errors import MetaInitError, ReplayError
 from ..gcpause import gc_paused
 from .program import DEFAULT_GENERATOR, GeneratorRef, Program, Ref, SetGenerator, Step, TargetDevice
 from .replaying import values_of
-from .meta import MOVES, on_meta, stay_on_meta
+from .meta import MOVES, is_lazy, on_meta, stay_on_meta
 from .modtree import named_modules
 
 aten = torch.ops.aten
@@ -87,6 +94,17 @@ _META = torch.device("meta")
 # What a recorded tensor's .device says, this very object: passed on as device=, it means the replay's device.
 _EAGER_DEVICE = torch.device("cpu")
 _DEVICE_ATTRIBUTE = torch.Tensor.device
+_IS_META = torch.Tensor.is_meta
+_IS_CPU = torch.Tensor.is_cpu  # .is_cuda, .is_xpu, .get_device() answer on meta as on the CPU already
+_FORMAT = torch.Tensor.__format__
+# Composites that pick their kernels' arguments by whether a gradient may be needed, which under any dispatch mode
+# (the recording's) torch takes for yes: linalg.svdvals computes U and V, eigvalsh the eigenvectors, eigvals goes
+# through linalg.eig; their results then differ in the last bits. Recorded as whole calls, replayed as eager made
+# them. (torch.norm, matrix_norm, cond and matrix_rank reach svdvals or eigvalsh inside.)
+_GRAD_DECIDED = frozenset({
+    torch.linalg.svdvals, torch.linalg.eigvalsh, torch.linalg.eigvals, torch.linalg.cond, torch.linalg.matrix_rank,
+    torch.linalg.matrix_norm, torch.linalg.norm, torch.svd, torch.Tensor.svd, torch.norm, torch.Tensor.norm,
+    torch.nuclear_norm})
 # torch.nn.init's in-place functions, recorded as whole calls and replayed as calls: some return at once for a
 # meta tensor (trunc_normal_, orthogonal_, sparse_, dirac_: torch's shortcut), and the rest would cost a meta
 # kernel in Python and the fan-in arithmetic for nothing, the recording's bulk on a model of many small layers.
@@ -94,6 +112,23 @@ _WHOLE_STEPS = ("uniform_", "normal_", "trunc_normal_", "xavier_uniform_", "xavi
                 "kaiming_normal_", "orthogonal_", "sparse_", "constant_", "ones_", "zeros_", "eye_", "dirac_")
 _NO_DRAW = frozenset({"constant_", "ones_", "zeros_", "eye_", "dirac_"})
 _FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
+_INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
+
+
+def _list_indices_as_tensors(index: Any, recorder: "_Recorder") -> Any:
+    """``index`` with each list of ints in it (``weight[[1, 2, 3]]``, peft's TrainableTokens) a tensor made from
+    it and kept as a constant of the recording: torch makes a list's index tensor in C++, on the indexed
+    tensor's device, where the recording would never see its values. Lists of anything else (bools: a mask;
+    nested lists, which torch may read as a tuple) are left to torch."""
+    if isinstance(index, tuple):
+        items = tuple(_list_indices_as_tensors(item, recorder) for item in index)
+        return items if any(new is not old for new, old in zip(items, index)) else index
+    if type(index) is list and index and all(type(item) is int for item in index):
+        with _disable_current_modes():
+            made = torch.tensor(index)
+        recorder.adopt_constant(made)
+        return made
+    return index
 _CONSTRUCTORS = _device_constructors() - _FROM_DATA
 # What torch says when an op needs a meta tensor's value: .item(), bool(), .tolist(), a copy out of it.
 _VALUE_ASKED = ("cannot be called on meta tensors", "Cannot copy out of meta tensor", "_local_scalar_dense")
@@ -136,7 +171,7 @@ def _recorded(fn: Callable[..., nn.Module], args: tuple, kwargs: dict) -> tuple[
     recorder.generator_index(None)
     _recording.active = True
     try:
-        with _OnMeta(recorder), _whole_steps(recorder), recorder:
+        with _OnMeta(recorder), _whole_steps(recorder), _meta_kernels_laid_out_as_eager(), recorder:
             module = fn(*args, **kwargs)
     finally:
         _recording.active = False
@@ -144,14 +179,71 @@ def _recorded(fn: Callable[..., nn.Module], args: tuple, kwargs: dict) -> tuple[
         raise MetaInitError(f"deferred_init: {getattr(fn, '__qualname__', fn)!r} returned {type(module).__name__}, "
                             "not an nn.Module")
     sids = recorder.sids
+    uninitialized: dict[int, torch.Tensor] = {}
     for prefix, owner in named_modules(module, remove_duplicate=False):
         dot = prefix + "." if prefix else ""
         for registry in (owner._parameters, owner._buffers):
-            for attr, tensor in registry.items():
+            for attr, tensor in list(registry.items()):
+                if tensor is not None and is_lazy(tensor):  # no shape, no values: nothing to replay
+                    registry[attr] = _uninitialized_as_eager(tensor, uninitialized)
+                    continue
                 sid = sids.get(tensor.untyped_storage()._cdata) if tensor is not None else None
                 if sid is not None:
                     program.bindings[dot + attr] = Ref.of(sid, tensor)
+        for attr, value in owner.__dict__.items():  # plain tensor attributes (a prompt's token ids): replayed too
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.parameter.UninitializedTensorMixin):
+                sid = sids.get(value.untyped_storage()._cdata)
+                if sid is not None:
+                    program.bindings.setdefault(dot + attr, Ref.of(sid, value))
     return module, program
+
+
+def _uninitialized_as_eager(tensor: torch.Tensor, made: dict[int, torch.Tensor]) -> torch.Tensor:
+    """A lazy module's uninitialized parameter or buffer (``nn.LazyLinear``'s, shaped at its first forward) as
+    eager construction leaves it: empty on the CPU, of its class, so that forward makes it there, with eager's
+    init, as it would on a model built eagerly (left on meta, it would be made on meta). Ties stay one."""
+    found = made.get(id(tensor))
+    if found is None:
+        with torch._C.DisableTorchFunction():  # the class refuses most reads in its own handler
+            if not tensor.is_meta:
+                return tensor
+            found = torch.Tensor._make_subclass(type(tensor), torch.empty(0, dtype=tensor.dtype, device=_EAGER_DEVICE),
+                                                tensor.requires_grad)
+        found.__dict__.update(tensor.__dict__)
+        made[id(tensor)] = found
+    return found
+
+
+_hint_lock = threading.Lock()
+_hint_users: list = [0, None]  # recordings under way (any thread), torch's own device_hint while they are
+
+
+@contextlib.contextmanager
+def _meta_kernels_laid_out_as_eager() -> Iterator[None]:
+    """torch's Python meta kernels lay out some results by the device they guess a meta tensor stands for, and
+    guess CUDA (``device_hint``: linalg.svd's Vh and linalg.eig's vectors row-major, column-major on the CPU;
+    the FFTs): told eager construction's device in a recording's thread, so a recorded tensor has eager's
+    strides, and the ops after it read it in eager's memory order."""
+    registrations = sys.modules["torch._meta_registrations"]  # imported by torch's own import
+    with _hint_lock:
+        if _hint_users[0] == 0:
+            _hint_users[1] = original = registrations.device_hint
+
+            def device_hint(tensor: Any) -> str:
+                if (getattr(_recording, "active", False) and isinstance(tensor, torch.Tensor) and tensor.is_meta
+                        and not isinstance(tensor, torch._subclasses.FakeTensor)):
+                    return _EAGER_DEVICE.type
+                return original(tensor)
+
+            registrations.device_hint = device_hint
+        _hint_users[0] += 1
+    try:
+        yield
+    finally:
+        with _hint_lock:
+            _hint_users[0] -= 1
+            if _hint_users[0] == 0:
+                registrations.device_hint = _hint_users[1]
 
 
 def _applied_on_meta(self: nn.Module, fn: Callable, recurse: bool = True) -> nn.Module:
@@ -213,7 +305,7 @@ class _Recorder(TorchDispatchMode):
         self.sids: dict[int, int] = {}  # storage address -> sid
         # Every storage seen stays alive while recording, so no address is reused for another one (on meta
         # they hold no memory); the program itself keeps none of them.
-        self.alive: list[torch.Tensor] = []
+        self.alive: list[torch.UntypedStorage] = []
         self.generators: dict[int, int] = {}  # id(generator) -> index
         self.generator_objects: list[torch.Generator] = [torch.default_generator]
         self.last_state: dict[int, bytes] = {}
@@ -223,15 +315,57 @@ class _Recorder(TorchDispatchMode):
         self.values_asked: dict[Ref, torch.Tensor] = {}  # see _values; forgotten when their storage is written
         self.kept_constants: set[int] = set()  # see keep_constants_written
         self.device_asked = 0  # inside a factory function given a device by name: see _OnMeta
+        self.meta_eagerly: set[int] = set()  # meta tensors from before the recording, and what ops made of them
 
     def _new_sid(self, tensor: torch.Tensor) -> int:
         if tensor.layout is not torch.strided:  # no storage to name (torch.sparse.FloatTensor(n)): refused, loud
             raise MetaInitError(f"deferred_init: {_module_being_built()} makes a {tensor.layout} tensor, which the "
                                 "recording cannot hold; build that module outside deferred_init and load into it")
         sid = len(self.alive)
-        self.alive.append(tensor)
+        # The storage itself, not only its tensor: code that gives a tensor other memory (`param.data = ...`,
+        # peft's XLoRA) frees the first storage, and a tensor made next at its address took its sid.
+        self.alive.append(tensor.untyped_storage())
         self.sids[tensor.untyped_storage()._cdata] = sid
         return sid
+
+    def made_here(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is on meta only because the recording put it there (one from before is on meta
+        eagerly too)."""
+        with torch._C.DisableTorchFunction():  # a lazy module's parameter refuses these reads in its own handler
+            if not tensor.is_meta:
+                return False
+            sid = self.sids.get(tensor.untyped_storage()._cdata)
+        return sid is not None and sid not in self.meta_eagerly
+
+    def made_of_meta_eagerly(self, reads: set, made: list) -> None:
+        if self.meta_eagerly and not self.meta_eagerly.isdisjoint(reads):
+            self.meta_eagerly.update(sid for _, sid in made)
+
+    def whole_call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """A composite of :data:`_GRAD_DECIDED`: run as eager construction runs it (no mode: the kernels it picks
+        are eager's), on meta where any of its tensors is, and recorded as one step making its results."""
+        reads: set = set()
+        generators: list = []
+        with torch._C.DisableTorchFunction():
+            t_args = self.template(args, reads, generators)
+            t_kwargs = {key: self.template(value, reads, generators) for key, value in kwargs.items()}
+            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+            grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+            meta = any(t.is_meta for t in tensors)
+        with _disable_current_modes():
+            out = (func(*on_meta(args), **{key: on_meta(value) for key, value in kwargs.items()}) if meta
+                   else func(*args, **kwargs))
+        outs = out if isinstance(out, tuple) else (out,)
+        made = []
+        for position, tensor in enumerate(outs):
+            if isinstance(tensor, torch.Tensor):
+                sid = self._new_sid(tensor)
+                self.program.made_as[sid] = Ref.of(sid, tensor)
+                made.append((position, sid))
+        self.made_of_meta_eagerly(reads, made)
+        self.program.steps.append(Step(func, t_args, t_kwargs, tuple(made), frozenset(reads),
+                                       frozenset(sid for _, sid in made), None, _module_being_built(), grad=grad))
+        return out
 
     def ref(self, tensor: torch.Tensor) -> Ref:
         sid = self.sids.get(tensor.untyped_storage()._cdata)
@@ -239,6 +373,7 @@ class _Recorder(TorchDispatchMode):
             sid = self._new_sid(tensor)
             if tensor.is_meta:
                 self.program.unrecorded.add(sid)
+                self.meta_eagerly.add(sid)
             else:
                 self.program.constants[sid] = tensor
         return Ref.of(sid, tensor)
@@ -373,6 +508,9 @@ class _Recorder(TorchDispatchMode):
         written, fresh, draws = shape.written, shape.fresh, shape.draws
         if not written and not fresh:  # a view or detach: seen later as a view of its storage
             return func(*args, **kwargs)
+        if shape.quantizes and (_device_type(kwargs) == "meta" or any(
+                isinstance(value, torch.Tensor) and value.is_meta for value in (*args, *kwargs.values()))):
+            raise _quantized_refusal(func)  # some run on meta, but as float tensors (quantize_per_tensor)
         if shape.factory and not self.device_asked and _device_type(kwargs) != "meta":
             # A factory the function mode does not see: the legacy constructors (torch.Tensor(n),
             # torch.FloatTensor(n), t.new(n)), torch.normal(mean, std, size=). Made real, it would cost its memory
@@ -416,7 +554,10 @@ class _Recorder(TorchDispatchMode):
                     f"deferred_init: {_module_being_built()} asks for the value of a tensor on meta ({func}), which "
                     "the recording does not have; build that module outside deferred_init and load into it"
                 ) from error
-            if any(isinstance(value, torch.Tensor) and value.is_meta for value in (*args, *kwargs.values())):
+            if kwargs.get("dtype") in _QUANTIZED_DTYPES:  # torch.empty(n, dtype=torch.qint8)
+                raise _quantized_refusal(func) from error
+            if _device_type(kwargs) == "meta" or any(isinstance(value, torch.Tensor) and value.is_meta
+                                                     for value in (*args, *kwargs.values())):
                 # A kernel without a meta implementation (a C++ extension's op): nothing can record it.
                 raise MetaInitError(
                     f"deferred_init: {_module_being_built()} runs {func} on meta, which it cannot: "
@@ -434,6 +575,7 @@ class _Recorder(TorchDispatchMode):
                     self.program.made_empty.add(sid)
                 made.append((position, sid))
                 writes.add(sid)
+        self.made_of_meta_eagerly(reads, made)
         drawn_real = draws and self.drawn_real(func, args, kwargs, written, outs, fresh)
         if draws:
             self.after_draw(generator, bool(drawn_real))
@@ -488,6 +630,7 @@ class _OpShape:
     skippable: bool  # an in-place op on values whose one output is its first, written, argument
     one_output: bool  # returns one tensor
     factory: bool  # makes a tensor from no tensor, on the device it is given (torch.Tensor(n), torch.normal(size=))
+    quantizes: bool  # makes or packs quantized tensors: see _quantized_refusal
 
 
 # Ops that write what a tensor is (its shape, strides, storage), not its values: they run on meta too.
@@ -497,20 +640,33 @@ _op_shapes: dict[Any, _OpShape] = {}
 _PLAIN = frozenset({int, float, bool, type(None)})
 
 
+# Ops whose schemas do not declare what they write: batch norm's kernels update the running statistics they are
+# given in training (a forward run while building: the recording must see the update for the replay to make it).
+_UNDECLARED_WRITES = {
+    "aten::native_batch_norm": (3, 4),
+    "aten::cudnn_batch_norm": (3, 4),
+    "aten::miopen_batch_norm": (3, 4),
+    "aten::batch_norm_update_stats": (1, 2),
+}
+
+
 def _op_shape(func: Any) -> _OpShape:
     """What a recording needs of an op's schema, worked out once per op."""
     found = _op_shapes.get(func)
     if found is None:
         schema = func._schema
         written = tuple(i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+        written = tuple(sorted({*written, *_UNDECLARED_WRITES.get(schema.name, ())}))
         fresh = tuple(i for i, r in enumerate(schema.returns) if r.alias_info is None)
         skippable = (written == (0,) and not fresh and len(schema.returns) == 1
                      and schema.arguments[0].name == "self" and func.overloadpacket.__name__ not in _METADATA_WRITES)
         one_output = len(schema.returns) == 1 and str(schema.returns[0].type) == "Tensor"
         factory = (bool(fresh) and any(a.name == "device" for a in schema.arguments)
                    and not any("Tensor" in str(a.type) for a in schema.arguments))
+        name = func.name()
+        quantizes = func.namespace == "quantized" or name.startswith("aten::quantize_per") or "affine_quantized" in name
         found = _op_shapes[func] = _OpShape(written, fresh, torch.Tag.nondeterministic_seeded in func.tags,
-                                            _takes_generator(func), skippable, one_output, factory)
+                                            _takes_generator(func), skippable, one_output, factory, quantizes)
     return found
 
 
@@ -588,6 +744,38 @@ def _mixes_meta_and_real(values: Any) -> bool:
     return found == 3
 
 
+_QUANTIZED_DTYPES = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+
+
+def _quantized_refusal(func: Any) -> MetaInitError:
+    """An op making or packing quantized tensors on meta (``_empty_affine_quantized``, ``quantize_per_tensor``,
+    ``quantized::linear_prepack``): torch has no meta form of them (some answer on meta with a float tensor)."""
+    return MetaInitError(
+        f"deferred_init: {_quantized_module_being_built()} makes quantized tensors ({func}), which have no meta "
+        "form: a quantized module holds its weights quantized and packed for its engine, not as tensors a replay "
+        "makes; build it outside deferred_init, or record the float model and quantize it after materialize "
+        "(torch.ao.quantization.convert)")
+
+
+def _quantized_module_being_built() -> str:
+    """The outermost quantized module being built, by the name torch exports it under
+    (``torch.ao.nn.quantized.Linear``, not the ``LinearPackedParams`` inside it that makes the tensor)."""
+    frame = sys._getframe(2)
+    found = None
+    while frame is not None:
+        module = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None
+        if isinstance(module, nn.Module) and ".quantized" in type(module).__module__:
+            found = type(module)
+        frame = frame.f_back
+    if found is None:
+        return _module_being_built()
+    parts = found.__module__.split(".")
+    for end in range(1, len(parts) + 1):  # the shortest package exporting it
+        if getattr(sys.modules.get(".".join(parts[:end])), found.__name__, None) is found:
+            return f"{'.'.join(parts[:end])}.{found.__name__}"
+    return f"{found.__module__}.{found.__qualname__}"
+
+
 def _module_being_built() -> str:
     """The innermost module whose ``__init__`` is running (for messages)."""
     frame = sys._getframe(2)
@@ -613,12 +801,22 @@ class _OnMeta(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__self__", None) is _DEVICE_ATTRIBUTE:  # tensor.device
-            device = func(*args, **kwargs)
+        owner = getattr(func, "__self__", None)
+        if owner is _DEVICE_ATTRIBUTE or owner is _IS_META or owner is _IS_CPU:  # tensor.device, .is_meta, .is_cpu
             # A recorded tensor is where eager construction puts it: code that branches on a weight being on
-            # meta (DETR's frozen batch norms copy their values only off meta) takes eager construction's path.
-            return _EAGER_DEVICE if device.type == "meta" and args[0].untyped_storage()._cdata in self.recorder.sids \
-                else device
+            # meta (DETR's frozen batch norms copy their values only off meta; peft's DEFT initializes only
+            # `if not self.weight.is_meta`) takes eager construction's path.
+            if not self.recorder.made_here(args[0]):
+                return func(*args, **kwargs)
+            return _EAGER_DEVICE if owner is _DEVICE_ATTRIBUTE else owner is _IS_CPU
+        if func is _FORMAT and self.recorder.made_here(args[0]) and args[0].dim() == 0:  # f"{loss:.3f}"
+            return format(args[0].item(), *args[1:])  # eager's value (on meta, torch's own would raise)
+        if func in _GRAD_DECIDED and kwargs.get("out") is None:
+            return self.recorder.whole_call(func, args, kwargs)
+        if func in _INDEXING and len(args) > 1:
+            index = _list_indices_as_tensors(args[1], self.recorder)
+            if index is not args[1]:
+                return func(args[0], index, *args[2:], **kwargs)
         name = _move_of_meta(func, args)
         if name is not None:
             return stay_on_meta(name, args[0], args[1:], kwargs)  # where it lives is the load's device=
@@ -771,7 +969,8 @@ def _recorded_call(recorder: _Recorder, original: Callable, *, draws: bool) -> C
             return original(tensor, *args, **kwargs)
         with torch._C.DisableTorchFunction():  # the bookkeeping's own tensor reads are no constructor's calls
             generator = recorded(tensor, args, kwargs)
-        if tensor.is_meta:
+            on_meta_now = tensor.is_meta
+        if on_meta_now:
             return tensor
         with _disable_current_modes():  # a real tensor is filled now too, as eagerly, without recording its ops
             result = original(tensor, *args, **kwargs)

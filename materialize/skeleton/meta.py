@@ -165,6 +165,7 @@ def _install_hooks() -> None:
     _hook_handles[:] = [
         module_hooks.register_module_parameter_registration_hook(_to_meta_parameter),
         module_hooks.register_module_buffer_registration_hook(_to_meta_buffer),
+        _OrthogonalOnMeta(),
     ]
 
 
@@ -172,6 +173,56 @@ def _remove_hooks() -> None:
     for handle in _hook_handles:
         handle.remove()
     _hook_handles.clear()
+
+
+class _OrthogonalOnMeta:
+    """torch's ``orthogonal()`` on a weight on meta, made as eager makes it, shapes only.
+
+    Registering it computes a ``base`` buffer from the weight's values (an
+    orthogonality check, a QR completion): on meta the check asks for values
+    and the completion has no meta kernel, whose ``NotImplementedError`` torch
+    takes for "no right inverse", leaving ``base`` ``None``, so a load then
+    called the checkpoint's ``base`` unexpected. Here ``base`` is made on meta
+    with eager's shape and layout, for the load to fill from the checkpoint as
+    it fills ``original``, and ``original`` gets eager's value (minus the
+    identity); without the trivialization, ``original`` gets the layout of the
+    QR factors eager construction keeps there.
+    Installed while a :func:`meta_init` block is open, acting only in its
+    threads and only on a weight on meta.
+    """
+
+    def __init__(self) -> None:
+        from torch.nn.utils import parametrizations
+
+        self._owner = parametrizations._Orthogonal
+        self._eager = self._owner.__dict__["right_inverse"]
+        eager = self._eager
+
+        @torch.no_grad()
+        def right_inverse(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+            if not (_depth_flags() and isinstance(weight, torch.Tensor) and weight.is_meta
+                    and weight.shape == module.shape):
+                return eager(module, weight)
+            if "base" not in module._buffers:  # use_trivialization=False
+                if module.orthogonal_map != type(module.orthogonal_map).householder:
+                    return eager(module, weight)  # torch's own NotImplementedError: no inverse, eagerly too
+                # geqrf's result (no meta kernel), laid out as the CPU lays it out: column-major
+                transposed = weight.size(-2) < weight.size(-1)
+                shape = weight.mT.shape if transposed else weight.shape
+                factors = torch.empty(*shape[:-2], shape[-1], shape[-2], dtype=weight.dtype, device="meta").mT
+                return factors.mT if transposed else factors
+            side = max(weight.size(-2), weight.size(-1))
+            # column-major, as the QR that makes it eagerly lays it out (an orthogonal weight, cloned, is the
+            # one exception: whether it is needs its values)
+            module.base = torch.empty(*weight.shape[:-2], side, side, dtype=weight.dtype, device="meta").mT
+            negative_identity = torch.zeros_like(weight)
+            negative_identity.diagonal(dim1=-2, dim2=-1).fill_(-1.0)  # eager's value, though on meta it is none
+            return negative_identity
+
+        self._owner.right_inverse = right_inverse
+
+    def remove(self) -> None:
+        self._owner.right_inverse = self._eager
 
 
 # The last context to leave, in any thread, takes the hooks away: none linger process-wide.
@@ -211,6 +262,11 @@ class _SkipInPlaceOnMeta(TorchFunctionMode):
                         f"building a model under meta_init: {name or 'an op'}() asks for the value of a tensor on "
                         "meta, which has none (a constructor that checks or computes from its weights' values, as "
                         "torch's orthogonal parametrization does); build that module outside meta_init, or the "
+                        "model on the CPU, and load into it") from error
+                if isinstance(error, NotImplementedError) and _holds_meta(args, kwargs):
+                    raise NoMetaKernelError(
+                        f"building a model under meta_init: {name or 'an op'}() has no kernel for tensors on meta "
+                        f"(torch: {str(error).splitlines()[0][:160]}); build that module outside meta_init, or the "
                         "model on the CPU, and load into it") from error
                 raise
         if in_place:
@@ -259,6 +315,15 @@ def stay_on_meta(name: str, tensor: torch.Tensor, args: tuple, kwargs: dict) -> 
 
 # What torch says when an op needs a meta tensor's value: .item(), bool(), .tolist(), a copy out of it.
 _VALUE_ASKED = ("cannot be called on meta tensors", "Cannot copy out of meta tensor")
+
+
+class NoMetaKernelError(MetaInitError, NotImplementedError):
+    """An op with no kernel for meta tensors, met under :func:`meta_init`: a :class:`MetaInitError` naming it,
+    and still the ``NotImplementedError`` torch's own code may catch (a parametrization without an inverse)."""
+
+
+def _holds_meta(args: tuple, kwargs: dict) -> bool:
+    return any(isinstance(value, torch.Tensor) and value.is_meta for value in (*args, *kwargs.values()))
 
 
 def _mixes_meta_and_real(args: tuple, kwargs: dict) -> bool:

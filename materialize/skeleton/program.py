@@ -19,10 +19,13 @@ class Ref:
     stride: tuple[int, ...]
     offset: int
     dtype: torch.dtype
+    conj: bool = False  # a lazily conjugated view (a.mH, a.conj()): the replay reads it conjugated too
+    neg: bool = False  # a lazily negated view (a.conj().imag)
 
     @classmethod
     def of(cls, sid: int, tensor: torch.Tensor) -> "Ref":
-        return cls(sid, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype)
+        return cls(sid, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype,
+                   tensor.is_conj(), tensor.is_neg())
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class Step:
     generator: Optional[int]  # the generator it draws from, if it draws
     where: str  # the module being built, for messages
     whole_call: bool = False  # a torch.nn.init function: it may draw from the global generator whatever it is given
+    grad: bool = False  # run where a gradient may be needed (see deferred._GRAD_DECIDED): replayed so too
 
     @property
     def draws_from(self) -> frozenset:

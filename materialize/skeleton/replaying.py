@@ -68,12 +68,21 @@ def values_of(program: Program, ref: Ref) -> torch.Tensor:
     return values
 
 
+def _reads_unrecorded(program: Program, included: Any) -> bool:
+    steps = program.steps
+    return any(sid in program.unrecorded for index in included if isinstance(steps[index], Step)
+               for sid in steps[index].reads)
+
+
 def _replay(program: Program, wanted: dict[int, list[tuple[Target, Ref, str]]], device: torch.device) -> None:
     steps = program.steps
     included = _included_steps(steps, set(wanted))
-    if any(sid in program.unrecorded for index in included if isinstance(steps[index], Step) for sid in steps[index].reads):
-        names = sorted(name for pairs in wanted.values() for _, _, name in pairs)
-        raise ReplayError(f"{names[0] if len(names) == 1 else names} is made from a tensor whose values were never "
+    if _reads_unrecorded(program, included):
+        # Named: only the tensors that need such a value (asked one by one, on this error's path alone).
+        names = sorted(name for sid, pairs in wanted.items() for _, _, name in pairs
+                       if _reads_unrecorded(program, _included_steps(steps, {sid})))
+        shown = names[0] if len(names) == 1 else f"{names[:3]}{f' and {len(names) - 3} more' if len(names) > 3 else ''}"
+        raise ReplayError(f"{shown} {'is' if len(names) == 1 else 'are'} made from a tensor whose values were never "
                           "recorded (made on meta before deferred_init began)")
     bound = _bound_targets(program, wanted, device)
     last_use: dict[int, int] = {}
@@ -100,7 +109,7 @@ def _replay(program: Program, wanted: dict[int, list[tuple[Target, Ref, str]]], 
             if made_bound:
                 real[made_bound[0]] = bound[made_bound[0]]  # an empty allocation: the target stands in
             else:
-                _run(step, real, generators, device, wanted)
+                _run(step, real, generators, device, wanted, program.made_as)
             for sid in step.writes:
                 if last_write.get(sid) == index and sid in wanted and sid not in bound:
                     _deliver(real, sid, wanted[sid])
@@ -110,7 +119,7 @@ def _replay(program: Program, wanted: dict[int, list[tuple[Target, Ref, str]]], 
 
 
 def _run(step: Step, real: dict[int, torch.Tensor], generators: dict[int, torch.Generator], device: torch.device,
-         wanted: dict) -> None:
+         wanted: dict, made_as: dict[int, Ref]) -> None:
     def resolve(value: Any) -> Any:
         if isinstance(value, Ref):
             return _view(real, value)
@@ -122,17 +131,66 @@ def _run(step: Step, real: dict[int, torch.Tensor], generators: dict[int, torch.
             return type(value)(resolve(item) for item in value)
         return value
 
+    def names() -> list[str]:
+        return sorted(name for sid in step.writes for _, _, name in wanted.get(sid, ()))
+
     try:
         with _global_generator_as(generators.get(0) if step.whole_call else None):
-            out = step.run(*resolve(step.args), **{key: resolve(value) for key, value in step.kwargs.items()})
+            args, kwargs = resolve(step.args), {key: resolve(value) for key, value in step.kwargs.items()}
+            out = step.run(*args, **kwargs) if not step.grad else _run_needing_grad(step.run, args, kwargs)
     except Exception as error:  # noqa: BLE001 - any kernel's failure, named with the step
-        names = sorted(name for sid in step.writes for _, _, name in wanted.get(sid, ()))
         raise ReplayError(f"replaying {step.where}'s {step.name}"
-                          + (f" for tensor {names[0]!r}" if names else "")
+                          + (f" for tensor {names()[0]!r}" if names() else "")
                           + f" on {device}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from error
     outs = out if isinstance(out, (tuple, list)) else (out,)
     for position, sid in step.made:
-        real[sid] = outs[position]
+        tensor = outs[position]
+        recorded = made_as.get(sid)
+        if recorded is not None and (tensor.stride() != recorded.stride or tensor.storage_offset() != recorded.offset
+                                     or tensor.shape != recorded.size or tensor.dtype != recorded.dtype):
+            tensor = _laid_as_recorded(tensor, recorded, step, device, names())
+        real[sid] = tensor
+
+
+def _laid_as_recorded(tensor: torch.Tensor, recorded: Ref, step: Step, device: torch.device,
+                      names: list[str]) -> torch.Tensor:
+    """An output laid out otherwise than the recording saw it on meta (a kernel of another device lays it out its
+    own way: linalg.svd's Vh is row-major on CUDA, column-major on the CPU): copied into the recorded layout,
+    which every later view of it was recorded against. One of another shape or dtype depends on values the
+    recording did not have: refused."""
+    if tensor.shape != recorded.size or tensor.dtype != recorded.dtype:
+        raise ReplayError(f"replaying {step.where}'s {step.name}" + (f" for tensor {names[0]!r}" if names else "")
+                          + f" on {device}: it made a {tensor.dtype} tensor of shape {list(tensor.shape)} where the "
+                          f"recording had {recorded.dtype} {list(recorded.size)} (a result shaped by values); build "
+                          "that module outside deferred_init and load into it")
+    extent = 1 + sum((n - 1) * s for n, s in zip(recorded.size, recorded.stride)) if all(recorded.size) else 0
+    laid = torch.empty(recorded.offset + extent, dtype=tensor.dtype, device=tensor.device)
+    laid = laid.as_strided(recorded.size, recorded.stride, recorded.offset)
+    try:
+        laid.copy_(tensor)
+    except RuntimeError as error:  # a recorded layout repeating elements (a stride of 0) takes no copy
+        raise ReplayError(f"replaying {step.where}'s {step.name}" + (f" for tensor {names[0]!r}" if names else "")
+                          + f" on {device}: its result is laid out as {list(tensor.stride())}, recorded as "
+                          f"{list(recorded.stride)}, which cannot hold it; materialize on the CPU") from error
+    return laid
+
+
+def _run_needing_grad(run: Callable, args: tuple, kwargs: dict) -> Any:
+    """``run`` as eager construction ran it where a gradient may be needed (its inputs requiring one, grad
+    enabled): some composites then compute more (``linalg.svdvals`` computes U and V too), which changes the
+    last bits of what they return. The results come back detached."""
+    def needing(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+            return value.detach().requires_grad_()
+        if type(value) in (list, tuple):
+            return type(value)(needing(item) for item in value)
+        return value
+
+    with torch.enable_grad():
+        out = run(*needing(args), **{key: needing(value) for key, value in kwargs.items()})
+    if isinstance(out, torch.Tensor):
+        return out.detach()
+    return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in out)  # the replay reads by position
 
 
 @contextlib.contextmanager
@@ -157,9 +215,16 @@ def _global_generator_as(generator: Optional[torch.Generator]) -> Iterator[None]
 def _view(real: dict[int, torch.Tensor], ref: Ref) -> torch.Tensor:
     base = real[ref.sid]
     if base.dtype == ref.dtype:
-        return base.as_strided(ref.size, ref.stride, ref.offset)
-    # A view of another dtype (x.view(torch.int32)): the same bytes read as that dtype.
-    return torch.empty(0, dtype=ref.dtype, device=base.device).set_(base.untyped_storage(), ref.offset, ref.size, ref.stride)
+        view = base.as_strided(ref.size, ref.stride, ref.offset)
+    else:  # a view of another dtype (x.view(torch.int32)): the same bytes read as that dtype
+        view = torch.empty(0, dtype=ref.dtype, device=base.device).set_(base.untyped_storage(), ref.offset, ref.size,
+                                                                         ref.stride)
+    # A lazily conjugated or negated view (a.mH) is read so, whatever bits the storage's tensor carries.
+    if view.is_conj() != ref.conj:
+        view = view.conj()
+    if view.is_neg() != ref.neg:
+        view = torch._neg_view(view)
+    return view
 
 
 def _deliver(real: dict[int, torch.Tensor], sid: int, pairs: list) -> None:

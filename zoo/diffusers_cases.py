@@ -34,9 +34,9 @@ from torch import nn
 
 import materialize as mz
 from zoo.module_load import as_the_next_forward_computes
-from zoo.differential import compare_models, compare_outputs, flat_outputs, perturb, seeded
+from zoo.differential import compare_models, flat_outputs, perturb, seeded
 from zoo.outcomes import Different, Skipped, one_line
-from zoo.pretrained import _aligned
+from zoo.pretrained import compare_forwards
 from zoo import tiny
 
 MAX_PARAMETERS = 30_000_000
@@ -163,21 +163,12 @@ def tiny_level(name: str) -> int:
     """The first level of :data:`LEVELS` that builds the class on meta, small enough."""
     cls = model_class(name)
     values = defaults(cls)
-    reasons = []
-    for level in range(len(LEVELS)):
-        try:
-            kwargs = shrink(values, level)
-            with torch.device("meta"):
-                model = _quiet(lambda: cls(**kwargs))
-        except Exception as error:  # noqa: BLE001 - the reasons are the skip's
-            reasons.append(f"[{LEVELS[level]}] {one_line(error, 200)}")
-            continue
-        count = sum(p.numel() for p in model.parameters())
-        if count > MAX_PARAMETERS:
-            reasons.append(f"[{LEVELS[level]}] {count:,} parameters (more than {MAX_PARAMETERS:,})")
-            continue
-        return level
-    raise Skipped(f"{name} builds at no tiny level: " + "; ".join(reasons))
+
+    def make(level: int) -> Callable[[], nn.Module]:
+        return lambda: _quiet(lambda: cls(**shrink(values, level)))
+
+    return tiny.first_that_builds(name, ((LEVELS[level], level, make(level)) for level in range(len(LEVELS))),
+                                  MAX_PARAMETERS)
 
 
 def tiny_kwargs(name: str) -> dict[str, Any]:
@@ -286,22 +277,7 @@ def check_load(name: str, folder: Path) -> list[str]:
     found = compare_models(model, reference)
     if report.missing or report.unexpected:
         found.append(f"report: missing {list(report.missing)[:5]}, unexpected {list(report.unexpected)[:5]}")
-    inputs = generic_inputs(reference)
-    if inputs is None:
-        notes.append("forward not compared: no generic input for its arguments")
-    else:
-        try:
-            expected = _run(reference, inputs)
-        except Exception as error:
-            notes.append(f"forward not compared: the reference's raises {one_line(error, 150)}")
-        else:
-            ours = _run(model, inputs)
-            differences = compare_outputs(ours, expected, "forward")
-            if differences and not compare_outputs(ours, _run(_aligned(reference), inputs), "forward"):
-                notes.append("forward equal once from_pretrained's tensors are copied to aligned memory as ours are "
-                             "(zoo/pretrained.py: some kernels round otherwise)")
-                differences = []
-            found += [f"[forward] {d}" for d in differences]
+    found += compare_forwards(model, reference, generic_inputs(reference), _run, notes)
     if found:
         raise Different(found)
     return notes

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from zoo.outcomes import Skipped, one_line
-from zoo.tiny import LEVELS, tiny_config
+from zoo.tiny import LEVELS, first_that_builds, tiny_config
 
 # A tiny model past this many parameters is not tiny: the rules missed its sizes. Skipped, with its count.
 MAX_PARAMETERS = 30_000_000
@@ -71,21 +71,12 @@ def config_classes(name: str) -> list[type]:
 def tiny_level(name: str) -> tuple[type, int]:
     """The config class and first level of :data:`zoo.tiny.LEVELS` that build the class on meta, small enough."""
     cls = model_class(name)
-    reasons = []
-    for config_type, level in ((c, level) for level in range(len(LEVELS)) for c in config_classes(name)):
-        try:
-            config = _quiet(lambda: tiny_config(config_type, level))
-            with torch.device("meta"):
-                model = _quiet(lambda: cls(config))
-        except Exception as error:
-            reasons.append(f"[{LEVELS[level]}] {one_line(error, 200)}")
-            continue
-        count = sum(p.numel() for p in model.parameters())
-        if count > MAX_PARAMETERS:
-            reasons.append(f"[{LEVELS[level]}] {count:,} parameters (more than {MAX_PARAMETERS:,})")
-            continue
-        return config_type, level
-    raise Skipped(f"{name} builds at no tiny level: " + "; ".join(reasons))
+
+    def make(config_type: type, level: int) -> Callable[[], nn.Module]:
+        return lambda: _quiet(lambda: cls(_quiet(lambda: tiny_config(config_type, level))))
+
+    return first_that_builds(name, ((LEVELS[level], (c, level), make(c, level)) for level in range(len(LEVELS))
+                                    for c in config_classes(name)), MAX_PARAMETERS)
 
 
 def builder(name: str) -> Callable[[], nn.Module]:

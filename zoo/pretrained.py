@@ -111,6 +111,28 @@ def _run(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor
     return flat_outputs(output.to_tuple() if hasattr(output, "to_tuple") else output)
 
 
+def compare_forwards(model: nn.Module, reference: nn.Module, inputs: Optional[dict[str, Any]],
+                     run: Callable[[nn.Module, dict[str, Any]], list[torch.Tensor]], notes: list[str]) -> list[str]:
+    """The differences of ``run(model, inputs)`` from ``run(reference, inputs)`` (none where the reference's own
+    forward fails, or no input is known: said in ``notes``), forgiven where copying the reference's tensors to
+    aligned memory, as ours are, makes them equal."""
+    if inputs is None:
+        notes.append("forward not compared: no generic input for its arguments")
+        return []
+    try:
+        expected = run(reference, inputs)
+    except Exception as error:
+        notes.append(f"forward not compared: the reference's raises {one_line(error, 150)}")
+        return []
+    ours = run(model, inputs)
+    differences = compare_outputs(ours, expected, "forward")
+    if differences and not compare_outputs(ours, run(_aligned(reference), inputs), "forward"):
+        notes.append("forward equal once from_pretrained's tensors are copied to aligned memory as ours are "
+                     "(its maps leave them 16-byte aligned; some kernels round otherwise)")
+        differences = []
+    return [f"[forward] {d}" for d in differences]
+
+
 def _aligned(model: nn.Module) -> nn.Module:
     """``model`` with every tensor's values copied into memory of its own (allocator-aligned), in place."""
     with torch.no_grad():
@@ -202,22 +224,7 @@ def check(build: Callable[[], nn.Module], folder: Path, name: str) -> list[str]:
     if report.missing or report.unexpected:
         found.append(f"report: missing {list(report.missing)[:5]}, unexpected {list(report.unexpected)[:5]}")
     if type(model) is type(reference):  # outputs too, even where attributes differ: they say whether it matters
-        inputs = generic_inputs(reference)
-        if inputs is None:
-            notes.append("forward not compared: no generic input for its arguments")
-        else:
-            try:
-                expected = _run(reference, inputs)
-            except Exception as error:
-                notes.append(f"forward not compared: the reference's raises {one_line(error, 150)}")
-            else:
-                ours = _run(model, inputs)
-                differences = compare_outputs(ours, expected, "forward")
-                if differences and not compare_outputs(ours, _run(_aligned(reference), inputs), "forward"):
-                    notes.append("forward equal once from_pretrained's tensors are copied to aligned memory as "
-                                 "ours are (its maps leave them 16-byte aligned; some kernels round otherwise)")
-                    differences = []
-                found += [f"[forward] {d}" for d in differences]
+        found += compare_forwards(model, reference, generic_inputs(reference), _run, notes)
     if found:
         raise Different(found)
     return notes

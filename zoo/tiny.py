@@ -20,6 +20,7 @@ per-stage lists. What fails at every level is skipped by the oracles with its re
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
 WIDTH = 32
@@ -230,3 +231,27 @@ def tiny_values(config_class: type, level: int = 0) -> dict[str, Any]:
 
 def tiny_config(config_class: type, level: int = 0) -> Any:
     return config_class(**tiny_values(config_class, level))
+
+
+def first_that_builds(name: str, attempts: Iterable[tuple[str, Any, Callable[[], Any]]], max_parameters: int) -> Any:
+    """The key of the first of ``attempts`` (``(level's words, key, make)``) whose ``make()`` builds on meta with
+    at most ``max_parameters`` parameters; :class:`zoo.outcomes.Skipped` naming each level's reason where none
+    does."""
+    import torch
+
+    from zoo.outcomes import Skipped, one_line
+
+    reasons = []
+    for label, key, make in attempts:
+        try:
+            with torch.device("meta"):
+                model = make()
+        except Exception as error:  # noqa: BLE001 - the reasons are the skip's
+            reasons.append(f"[{label}] {one_line(error, 200)}")
+            continue
+        count = sum(p.numel() for p in model.parameters())
+        if count > max_parameters:
+            reasons.append(f"[{label}] {count:,} parameters (more than {max_parameters:,})")
+            continue
+        return key
+    raise Skipped(f"{name} builds at no tiny level: " + "; ".join(reasons))

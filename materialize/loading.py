@@ -30,7 +30,7 @@ from .planning.extrastate import extra_state_reads, hand_over
 from .planning.loadruns import VALUES_BUDGET, load_code_reads, run_load_code
 from .io.executor import Reads, reads
 from .io.replay import ReplayInit
-from .io.checkedinit import CheckedInit
+from .io.checkedinit import CheckedInit, own_init
 from .skeleton.deferred import program_of
 from .gcpause import gc_paused
 from .integrations.hub import looks_like_repo_id
@@ -229,7 +229,8 @@ def load(
         report_phase(progress, f"loading {counted(len(the_plan.of('load')), 'tensor')}")
         if ckpt.module is not None and model is not ckpt.module:
             refuse_setstate_values_elsewhere(ckpt.module, ckpt.path)  # values only the pickled module's code makes
-        report = execute(the_plan, ckpt, read, init=options.init)
+        report = execute(the_plan, ckpt, read,  # a module's own init, checked for what it leaves unwritten
+                         init=options.init if options.init is not None else CheckedInit(model, own_init))
         if model is ckpt.module:  # its own __setstate__ that changed its tensors as torch.load gives them, again
             setstates_again(model, ckpt.path)
     if is_hf_model(model):
@@ -449,7 +450,7 @@ def _execute(the_plan: Plan, ckpt: Checkpoint, reader: Reads, init: Optional[Ini
             fed_jobs, fed_values = load_code_reads(the_plan)
             if isinstance(init, ReplayInit):
                 init.fill(the_plan)
-            elif isinstance(init, CheckedInit):  # transformers' _init_weights, what it leaves unwritten made or refused
+            elif isinstance(init, CheckedInit):  # the model's init; what it leaves unwritten made or refused
                 replayed = init.fill(the_plan)
             else:
                 for _, module in the_plan.init_modules:

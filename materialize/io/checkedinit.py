@@ -1,5 +1,8 @@
 """A model's own init of the tensors a checkpoint lacks, checked: what it leaves unwritten is made by the
-module's own construction, or refused by name.
+module's own construction, or refused by name. A plain model's init is its modules' own
+(``reset_parameters()``, :func:`own_init`), checked the same way: one that leaves a tensor unwritten
+(a scale its constructor set with ``torch.ones`` and its ``reset_parameters()`` never touches) no longer
+leaves memory nobody wrote behind a report calling it initialized.
 
 transformers' ``_init_weights`` knows the modules of its models; a module it
 does not know (an adapter, a peft layer: AdaLoRA's ``ranknum``, BOFT's and
@@ -48,6 +51,17 @@ from .replay import replay, shard_box
 
 _NAN_POISONED = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128}
 _MAX_POISONED = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+
+
+def own_init(module: nn.Module) -> None:
+    """A module's own init (``reset_parameters()``; timm's ``init_non_persistent_buffers()`` for computed
+    buffers), the default of a load: planning made sure each module it is called for has one."""
+    initializer = initializer_of(module, computed_only=True)
+    if initializer is not None:
+        initializer()
+
+
+own_init.name_for = lambda module: f"{type(module).__name__}.reset_parameters()"  # type: ignore[attr-defined]
 
 
 class CheckedInit:
@@ -102,10 +116,12 @@ class CheckedInit:
             computed = not any(o.is_parameter or o.persistent for o in watched.entry.owners)
             computed_only[id(module)] = computed_only.get(id(module), True) and computed
         for key, module in owners.items():
-            own_init = initializer_of(module, computed_only[key])
-            if own_init is None:
+            if self.init_one is own_init:
+                continue  # that is the init which ran already
+            initializer = initializer_of(module, computed_only[key])
+            if initializer is None:
                 continue
-            own_init()
+            initializer()
             inside = {id(m) for m in module.modules()}
             for _, again in plan.init_modules:
                 if id(again) in inside and id(again) not in skipped:
@@ -121,15 +137,22 @@ class CheckedInit:
         if untouched:
             owners = [w.entry.owners[0].module for w in untouched]
             classes = ", ".join(dict.fromkeys(type(m).__name__ for m in owners))
-            own = ("their reset_parameters() leaves them unwritten too" if any(initializer_of(m, True) for m in owners)
-                   else "they have no reset_parameters()")
-            parts.append(f"{summarize_names([w.entry.name for w in untouched])} (of {classes}): {initializer} "
-                         f"does not initialize such modules and {own}")
+            if self.init_one is own_init:  # a plain model: its modules' own init is all there is
+                parts.append(f"{summarize_names([w.entry.name for w in untouched])} (of {classes}): {initializer} "
+                             "leaves them unwritten")
+            else:
+                own = ("their reset_parameters() leaves them unwritten too" if any(initializer_of(m, True)
+                                                                                   for m in owners)
+                       else "they have no reset_parameters()")
+                parts.append(f"{summarize_names([w.entry.name for w in untouched])} (of {classes}): {initializer} "
+                             f"does not initialize such modules and {own}")
         if partly:
             parts.append(f"{summarize_names(partly)}: {initializer} writes only part of them")
+        own = ("have their reset_parameters() initialize them" if self.init_one is own_init
+               else "give their class a reset_parameters()")
         return ("no initializer for tensors the checkpoint lacks: " + "; ".join(parts) + "; build those modules "
                 "with mz.deferred_init(...) (a load then replays their construction, as eager construction made "
-                "them), give their class a reset_parameters(), or pass init=fn(module) or a checkpoint that holds them")
+                f"them), {own}, or pass init=fn(module) or a checkpoint that holds them")
 
 
 class _Watched:

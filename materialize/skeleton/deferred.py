@@ -113,6 +113,7 @@ _WHOLE_STEPS = ("uniform_", "normal_", "trunc_normal_", "xavier_uniform_", "xavi
 _NO_DRAW = frozenset({"constant_", "ones_", "zeros_", "eye_", "dirac_"})
 _FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
 _INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
+_NOT_COMPUTED = object()
 
 
 def _list_indices_as_tensors(index: Any, recorder: "_Recorder") -> Any:
@@ -549,6 +550,9 @@ class _Recorder(TorchDispatchMode):
             else:
                 out = func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as error:
+            computed = self._computed_from_values(func, args, kwargs, written, draws)
+            if computed is not _NOT_COMPUTED:
+                return computed
             if any(sign in str(error) for sign in _VALUE_ASKED) or func is aten._local_scalar_dense.default:
                 raise MetaInitError(
                     f"deferred_init: {_module_being_built()} asks for the value of a tensor on meta ({func}), which "
@@ -584,6 +588,30 @@ class _Recorder(TorchDispatchMode):
         self.forget_values(writes)
         for tensor in drawn_real or ():
             self.set_eager_values(tensor)
+        return out
+
+    def _computed_from_values(self, func: Any, args: tuple, kwargs: dict, written: tuple, draws: bool) -> Any:
+        """An op meta cannot answer (no meta kernel: ``geqrf`` in torch's ``orthogonal()``, ``nonzero`` in peft's
+        SHiRA; or one asking values: ``allclose``), run on the values eager construction gives its inputs, on
+        the CPU, there and then; its tensors are kept as constants of the recording (remade on the replay's
+        device), as a tensor made from Python data is. Only ops that write none of their inputs and draw nothing:
+        ``_NOT_COMPUTED`` for the others, and where the values cannot be had."""
+        if written or draws or func is aten._local_scalar_dense.default or kwargs.get("out") is not None:
+            return _NOT_COMPUTED
+        if not any(isinstance(value, torch.Tensor) and value.is_meta for value in (*args, *kwargs.values())):
+            return _NOT_COMPUTED  # nothing of the recording's in it: the error is the op's own
+        try:
+            real_args = tuple(self._values(value) if isinstance(value, torch.Tensor) and value.is_meta else value
+                              for value in args)
+            real_kwargs = {key: self._values(value) if isinstance(value, torch.Tensor) and value.is_meta else value
+                           for key, value in kwargs.items()}
+            with _disable_current_modes(), torch._C.DisableTorchFunction():
+                out = func(*real_args, **real_kwargs)
+        except Exception:  # noqa: BLE001 - then the op is refused as before, with the meta kernel's error
+            return _NOT_COMPUTED
+        for tensor in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage()._cdata not in self.sids:
+                self.adopt_constant(tensor)
         return out
 
     def forget_values(self, written: set) -> None:

@@ -63,7 +63,7 @@ def values_of(program: Program, ref: Ref) -> torch.Tensor:
     what a constructor asks of a tensor on meta (``.item()``, ``.tolist()``) while it is being recorded."""
     if ref.sid in program.unrecorded:
         raise ReplayError("its values were never recorded (it was made before deferred_init began)")
-    values = torch.empty(ref.size, dtype=ref.dtype)
+    values = torch.empty_strided(ref.size, ref.stride, dtype=ref.dtype)  # its layout: some kernels round by it
     _replay(program, {ref.sid: [(values, ref, "the tensor asked for")]}, torch.device("cpu"))
     return values
 

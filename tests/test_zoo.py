@@ -45,7 +45,7 @@ def test_zoo_case(case, worker):
     if KNOWN.get(case):  # a difference left open, its cause named in tests/zoo_failed.txt
         assert status in ("different", "refused"), f"{case} is {status} now: take its cause out of tests/zoo_failed.txt"
         return
-    assert status == "equal", f"{status}: {detail}" + (f" ({result['where']})" if result.get("where") else "")
+    assert status == "equal", f"{case}: {status}: {detail}" + (f" ({result['where']})" if result.get("where") else "")
     print("\n".join(result.get("notes", [])))
 
 

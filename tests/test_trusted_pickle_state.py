@@ -153,3 +153,18 @@ def test_a_module_without_a_setstate_of_its_own_is_read_by_the_fast_unpickler(tm
     model, _ = mz.load_model(path, trust_pickle=True)
 
     _assert_as_torch_load(model, torch.load(path, weights_only=False))
+
+
+def test_a_class_the_scan_of_names_misses_is_still_watched(tmp_path, monkeypatch):
+    # Which unpickler reads the file rests on a scan of the names the pickle holds; where it misses one (a name
+    # the pickle builds at run time), the module rebuilt holds such a class all the same: read again, watched.
+    from materialize.checkpoint import torchpickle
+
+    path = _save(Parent(), tmp_path / "whole.pt")
+    reference = torch.load(path, weights_only=False)
+    monkeypatch.setattr(torchpickle, "names_own_setstate", lambda named: False)
+
+    model, _ = mz.load_model(path, trust_pickle=True)
+
+    _assert_as_torch_load(model, reference)
+    assert not torch.equal(model.child.w, Parent().child.w)  # doubled, as torch.load gives it

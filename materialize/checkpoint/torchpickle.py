@@ -324,7 +324,13 @@ def unpickle(
         unpickler: Any = (_WatchingUnpickler(io.BytesIO(data), path=path) if watch
                           else _TrustedUnpickler(io.BytesIO(data), encoding="utf-8"))
         unpickler.persistent_load = persistent(path, refs)
-        return _load(path, unpickler, trust_pickle=True, what=what), layouts
+        loaded = _load(path, unpickler, trust_pickle=True, what=what)
+        if not watch and persistent is persistent_loader and _holds_own_setstate(loaded):
+            # the scan of the pickle's names missed such a class (a name built at run time): read it again, watched
+            unpickler = _WatchingUnpickler(io.BytesIO(data), path=path)
+            unpickler.persistent_load = persistent(path, refs)
+            loaded = _load(path, unpickler, trust_pickle=True, what=what)
+        return loaded, layouts
     check_budget(data, path=path, what=what)
     plain = _unpickle_plain(path, data, refs, persistent, records=records)
     if plain is not _NOT_PLAIN:
@@ -483,6 +489,27 @@ def read_payload(
             "partitioned into the *_optim_states.pt files beside it; gather them with the zero_to_fp32.py script "
             "DeepSpeed writes into the checkpoint folder, and load what it writes", path=path)
     return found
+
+
+def _holds_own_setstate(value: Any) -> bool:
+    """Whether a module of a class with a ``__setstate__`` of its own is in ``value`` (a module, or containers of
+    them, as training checkpoints hold them): a safety net under the scan of the pickle's names."""
+    from .setstates import has_own_setstate
+
+    work, seen = [value], set()
+    while work:
+        item = work.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.nn.Module):
+            if any(has_own_setstate(type(module)) for module in item.modules()):
+                return True
+        elif isinstance(item, dict):
+            work.extend(dict.values(item))
+        elif isinstance(item, (list, tuple)):
+            work.extend(item)
+    return False
 
 
 def _holds_records(value: Any) -> bool:

@@ -465,7 +465,8 @@ def materialize(model: nn.Module, *, device: Optional[DeviceLike] = None) -> nn.
     targets: dict[str, Any] = {}
     slots = []
     pending: list[tuple[str, torch.Tensor]] = []  # (name, tensor) of those allocated whole on the target
-    for prefix, module in named_modules(model):
+    modules = named_modules(model)
+    for prefix, module in modules:
         for registry in ("_parameters", "_buffers"):
             for attr, tensor in getattr(module, registry).items():
                 if tensor is None:
@@ -492,7 +493,7 @@ def materialize(model: nn.Module, *, device: Optional[DeviceLike] = None) -> nn.
     for name, tensor in pending:
         made[id(tensor)] = targets[name] = together[name] if name in together else empty_destination(
             tuple(tensor.shape), dtype=tensor.dtype, device=target, name=name, stride=tuple(tensor.stride()))
-    plain = plain_meta_tensors(named_modules(model, remove_duplicate=False))
+    plain = plain_meta_tensors(modules)  # the walk above, not another
     replay(program, targets, target)
     registered: dict[tuple[str, int], torch.Tensor] = {}  # (registry, id of the model's tensor) -> what it holds now
     for module, registry, attr, tensor in slots:
